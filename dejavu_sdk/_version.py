@@ -1,0 +1,3 @@
+"""The package version, kept apart so that packaging can read it without importing torch."""
+
+__version__ = "0.1.0"

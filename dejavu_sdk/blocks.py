@@ -1,0 +1,147 @@
+"""The KV-block data model: block keys, the geometry of a model's cache, and the dtypes blocks may hold.
+
+One *stream* is the KV cache of one request or microbatch on one worker. Its full cache has the shape
+`[L, 2, B, H_kv, S, D]`; a *block* is any rectangle of it (layers `[a, b)` x positions `[t0, t1)`),
+named by a `BlockKey`. Stores, transports and the cache manager all speak in these terms.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import attrs
+import torch
+
+from .errors import ConfigError
+
+#: Every dtype a block may hold, by the stable name written into block headers. Codes never change.
+DTYPE_CODES: dict[str, int] = {
+    "float32": 1, "float16": 2, "bfloat16": 3, "float64": 4,
+    "int8": 5, "uint8": 6, "int16": 7, "int32": 8, "int64": 9, "bool": 10,
+    "float8_e4m3fn": 11, "float8_e5m2": 12, "uint16": 13, "uint32": 14, "uint64": 15,
+}
+DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+
+_STREAM_ID = re.compile(r"[A-Za-z0-9_.:@+=,~-]{1,200}")
+_KEY_TEXT = re.compile(r"(?P<stream>[^/]+)/L(?P<a>\d+)-(?P<b>\d+)\.T(?P<t0>\d+)-(?P<t1>\d+)")
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The header name of `dtype` (a torch dtype or its name); ConfigError if blocks cannot hold it."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_CODES:
+        raise ConfigError(f"dtype {name!r} cannot be stored in a block; supported: {', '.join(DTYPE_CODES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a header name."""
+    return getattr(torch, dtype_name(name))
+
+
+def check_stream_id(stream_id: object) -> str:
+    """Return `stream_id` if it is safe in every store's names (file paths, S3 keys, LMDB keys)."""
+    if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id) or stream_id in (".", ".."):
+        raise ConfigError(
+            f"invalid stream_id {stream_id!r}: use 1-200 characters from letters, digits and _.:@+=,~- "
+            "(no '/', spaces or other separators; not '.' or '..')"
+        )
+    return stream_id
+
+
+def _range(value: object, what: str) -> tuple[int, int]:
+    try:
+        start, stop = value  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {value!r}") from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop)):
+        raise ConfigError(f"{what} must hold integers, got {value!r}")
+    if not 0 <= start < stop:
+        raise ConfigError(f"{what} range {value!r} is empty or inverted: need 0 <= start < stop")
+    return (start, stop)
+
+
+@attrs.frozen(order=True)
+class BlockKey:
+    """Names one block: layers `[a, b)` x token positions `[t0, t1)` of stream `stream_id`.
+
+    `str(key)` is a stable name (`"req-1/L0-1.T0-512"`) that `BlockKey.parse` turns back into the key.
+    """
+
+    stream_id: str = attrs.field(converter=check_stream_id)
+    layers: tuple[int, int] = attrs.field(converter=lambda v: _range(v, "layers"))
+    tokens: tuple[int, int] = attrs.field(converter=lambda v: _range(v, "tokens"))
+
+    @classmethod
+    def for_prompt_layer(cls, stream_id: str, layer: int, prompt_length: int) -> BlockKey:
+        """The block prefill streams once `layer` has processed the whole prompt."""
+        return cls(stream_id, layers=(layer, layer + 1), tokens=(0, prompt_length))
+
+    @classmethod
+    def for_decode_steps(cls, stream_id: str, layers: tuple[int, int], first: int, count: int = 1) -> BlockKey:
+        """The block decode streams for `count` steps starting at position `first`, over `layers`."""
+        return cls(stream_id, layers=layers, tokens=(first, first + count))
+
+    @classmethod
+    def parse(cls, text: str) -> BlockKey:
+        """The key whose `str()` is `text`; ConfigError for anything else."""
+        match = _KEY_TEXT.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(f"{text!r} is not a block key (expected 'stream/La-b.Tt0-t1')")
+        return cls(
+            match["stream"],
+            layers=(int(match["a"]), int(match["b"])),
+            tokens=(int(match["t0"]), int(match["t1"])),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens[1] - self.tokens[0]
+
+    def __str__(self) -> str:
+        (a, b), (t0, t1) = self.layers, self.tokens
+        return f"{self.stream_id}/L{a}-{b}.T{t0}-{t1}"
+
+
+def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class KVSpec:
+    """The geometry of one stream's KV cache: `[layers, 2, batch, kv_heads, positions, head_dim]`."""
+
+    layers: int = attrs.field(validator=_positive)
+    kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    dtype: str = attrs.field(default="float16", converter=dtype_name)
+    batch: int = attrs.field(default=1, validator=_positive)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    def block_shape(self, key: BlockKey) -> tuple[int, ...]:
+        """The shape of the block `key` names; ConfigError if its layers lie outside the model."""
+        if key.layers[1] > self.layers:
+            raise ConfigError(f"{key} reaches layer {key.layers[1]} but the model has {self.layers} layers")
+        return (key.num_layers, 2, self.batch, self.kv_heads, key.num_tokens, self.head_dim)
+
+    def block_nbytes(self, key: BlockKey) -> int:
+        """Bytes of payload in the block `key` names."""
+        return math.prod(self.block_shape(key)) * self.itemsize
+
+    def bytes_per_token(self) -> int:
+        """Bytes the whole cache grows by per generated position."""
+        return self.layers * 2 * self.batch * self.kv_heads * self.head_dim * self.itemsize
+

@@ -1,0 +1,52 @@
+"""The SDK's one exception tree; backend errors are translated into it at the boundary.
+
+    DejaVuError
+    ├── ConfigError (ValueError)          bad arguments, URLs, options, `out` tensors
+    ├── BackendUnavailable (ImportError)  a backend's optional dependency is missing; carries `hint`
+    ├── BlockNotFound (KeyError)          no block is stored under that key
+    ├── CorruptBlock                      stored bytes fail the header or checksum check
+    ├── StoreError (OSError)              a replica store's backend failed
+    │   └── StoreClosed                   the store was used after close()
+    └── TransportError (ConnectionError)  moving blocks between workers failed
+"""
+
+from __future__ import annotations
+
+
+class DejaVuError(Exception):
+    """Base of every error the SDK raises on purpose."""
+
+
+class ConfigError(DejaVuError, ValueError):
+    """An argument, URL or option is invalid; the message says what to change."""
+
+
+class BackendUnavailable(DejaVuError, ImportError):
+    """A backend needs an optional dependency that is not installed."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(f"{message}; install it with: {hint}" if hint else message)
+        self.hint = hint
+
+
+class BlockNotFound(DejaVuError, KeyError):
+    """No block is stored under the requested key."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptBlock(DejaVuError):
+    """A stored block is torn, truncated, tampered with or stored under the wrong key."""
+
+
+class StoreError(DejaVuError, OSError):
+    """The backend of a replica store failed (I/O error, server error, full disk)."""
+
+
+class StoreClosed(StoreError):
+    """A store was used after `close()`."""
+
+
+class TransportError(DejaVuError, ConnectionError):
+    """Moving a block or tensor between workers failed or timed out."""

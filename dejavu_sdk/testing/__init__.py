@@ -1,0 +1,11 @@
+"""Conformance suites shipped with the SDK, so every backend (ours and third parties') passes the same tests.
+
+    from dejavu_sdk.testing import StoreTests
+
+Needs pytest and hypothesis (extra: dev).
+"""
+
+from .stores import StoreTests
+from .tensors import random_tensor, same_bits
+
+__all__ = ["StoreTests", "random_tensor", "same_bits"]

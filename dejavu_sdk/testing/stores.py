@@ -1,0 +1,201 @@
+"""`StoreTests`: the conformance suite every replica store passes, shipped so third-party stores can too.
+
+Use it from a pytest module:
+
+    class TestMyStore(StoreTests):
+        @pytest.fixture
+        def store_factory(self, tmp_path):
+            return lambda: MyStore(tmp_path / uuid.uuid4().hex)   # each call: a new, empty store
+
+Corruption tests reach under the interface through the backend hooks `_get` and `_put`, which every
+`Store` has.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
+from ..errors import BlockNotFound, ConfigError, CorruptBlock, StoreClosed
+from ..stores import Store
+from .stateful import run_store_state_machine
+from .tensors import random_tensor, same_bits
+
+KEY = BlockKey("req-1", layers=(0, 1), tokens=(0, 8))
+SHAPES = [(), (0,), (1,), (3, 5), (2, 2, 1, 3, 7, 16), (1, 2, 1, 4, 512, 64), (5 << 20,)]
+
+
+def rewrite_record(store: Store, key: BlockKey, edit: Callable[[bytearray], bytes | bytearray]) -> None:
+    """Replace the stored record of `key` with `edit(record)`, bypassing encoding (to simulate damage)."""
+    with store._get(str(key)) as record:
+        data = bytearray(bytes(record))
+    store._put(str(key), np.frombuffer(bytes(edit(data)), dtype=np.uint8))
+
+
+class StoreTests:
+    """Behaviour every `Store` must have. Subclasses provide a `store_factory` fixture."""
+
+    @pytest.fixture
+    def store(self, store_factory: Callable[[], Store]) -> Iterator[Store]:
+        store = store_factory()
+        yield store
+        store.close()
+
+    # ---- round trips ----------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype_name", sorted(DTYPE_CODES))
+    def test_every_dtype_round_trips_bit_for_bit(self, store: Store, dtype_name: str) -> None:
+        block = random_tensor((2, 2, 1, 3, 5, 8), torch_dtype(dtype_name), seed=len(dtype_name))
+        store.flush(KEY, block)
+        assert same_bits(store.fetch(KEY), block)
+
+    @pytest.mark.parametrize("shape", SHAPES, ids=str)
+    def test_shapes_round_trip(self, store: Store, shape: tuple[int, ...]) -> None:
+        block = random_tensor(shape, torch.float16, seed=1)
+        store.flush(KEY, block)
+        assert same_bits(store.fetch(KEY), block)
+
+    def test_numpy_buffers_and_non_contiguous_tensors_round_trip(self, store: Store) -> None:
+        array = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+        store.flush(KEY, array)
+        assert same_bits(store.fetch(KEY), torch.from_numpy(array))
+        other = BlockKey("req-1", layers=(1, 2), tokens=(0, 8))
+        store.flush(other, b"raw bytes")
+        assert bytes(store.fetch(other).numpy()) == b"raw bytes"
+        strided = random_tensor((4, 6), torch.bfloat16).t()
+        store.flush(KEY, strided)
+        assert same_bits(store.fetch(KEY), strided)
+
+    def test_fetch_into_out(self, store: Store) -> None:
+        block = random_tensor((1, 2, 1, 4, 8, 16), torch.bfloat16, seed=3)
+        store.flush(KEY, block)
+        out = torch.empty_like(block)
+        assert store.fetch(KEY, out=out) is out
+        assert same_bits(out, block)
+        strided_out = torch.empty(16, 8, 4, 1, 2, 1, dtype=torch.bfloat16).permute(5, 4, 3, 2, 1, 0)
+        store.fetch(KEY, out=strided_out)
+        assert same_bits(strided_out, block)
+
+    @pytest.mark.parametrize("wrong", ["shape", "dtype", "type"])
+    def test_out_of_the_wrong_kind_is_refused_untouched(self, store: Store, wrong: str) -> None:
+        store.flush(KEY, random_tensor((2, 3), torch.float32))
+        out = {
+            "shape": torch.zeros(3, 2),
+            "dtype": torch.zeros(2, 3, dtype=torch.float16),
+            "type": np.zeros((2, 3), np.float32),
+        }[wrong]
+        with pytest.raises(ConfigError, match="out"):
+            store.fetch(KEY, out=out)
+        assert not out.any()
+
+    def test_flush_replaces_the_block(self, store: Store) -> None:
+        store.flush(KEY, torch.zeros(4))
+        store.flush(KEY, torch.ones(2, 2, dtype=torch.int64))
+        assert same_bits(store.fetch(KEY), torch.ones(2, 2, dtype=torch.int64))
+
+    # ---- listing and deleting -------------------------------------------------------------
+    def test_keys_and_delete_by_stream(self, store: Store) -> None:
+        keys = [BlockKey(stream, layers=(layer, layer + 1), tokens=(0, 4))
+                for stream in ("req-1", "req-10", "other") for layer in range(3)]
+        for key in keys:
+            store.flush(key, torch.full((2,), float(key.layers[0])))
+        assert store.keys() == sorted(keys)
+        assert store.keys("req-1") == [k for k in keys if k.stream_id == "req-1"]
+        assert store.delete("req-1") == 3
+        assert store.keys("req-1") == []
+        assert store.keys() == sorted(k for k in keys if k.stream_id != "req-1")
+        assert store.delete("never-written") == 0
+        with pytest.raises(BlockNotFound):
+            store.fetch(keys[0])
+
+    # ---- errors ---------------------------------------------------------------------------
+    def test_missing_block_raises_block_not_found_which_is_a_key_error(self, store: Store) -> None:
+        with pytest.raises(BlockNotFound, match="req-1/L0-1.T0-8"):
+            store.fetch(KEY)
+        with pytest.raises(KeyError):
+            store.fetch(KEY)
+
+    @pytest.mark.parametrize("damage", ["payload", "header", "truncated", "extended", "empty"])
+    def test_damaged_records_raise_corrupt_block(self, store: Store, damage: str) -> None:
+        store.flush(KEY, random_tensor((64, 64), torch.float16))
+
+        def edit(data: bytearray) -> bytearray:
+            if damage == "payload":
+                data[-100] ^= 0x01
+            elif damage == "header":
+                data[12] ^= 0x40  # the payload length field
+            elif damage == "truncated":
+                del data[-1000:]
+            elif damage == "extended":
+                data += b"\0"
+            else:
+                data.clear()
+            return data
+
+        rewrite_record(store, KEY, edit)
+        out = torch.zeros(64, 64, dtype=torch.float16)
+        with pytest.raises(CorruptBlock, match="corrupt"):
+            store.fetch(KEY, out=out)
+        assert not out.any(), "a corrupt block must not leak into out"
+
+    def test_a_record_stored_under_another_key_is_corrupt(self, store: Store) -> None:
+        other = BlockKey("req-1", layers=(1, 2), tokens=(0, 8))
+        store.flush(other, torch.ones(4))
+        with store._get(str(other)) as record:
+            moved = np.frombuffer(bytes(record), dtype=np.uint8)
+        store._put(str(KEY), moved)
+        with pytest.raises(CorruptBlock, match="holds block"):
+            store.fetch(KEY)
+
+    def test_bad_arguments_raise_config_errors(self, store: Store) -> None:
+        with pytest.raises(ConfigError, match="BlockKey"):
+            store.flush("req-1/L0-1.T0-8", torch.ones(2))  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="complex64"):
+            store.flush(KEY, torch.ones(2, dtype=torch.complex64))
+        with pytest.raises(ConfigError, match="cannot store"):
+            store.flush(KEY, [1.0, 2.0])
+        with pytest.raises(ConfigError, match="stream_id"):
+            store.keys("a/b")
+
+    def test_use_after_close_raises_store_closed(self, store_factory: Callable[[], Store]) -> None:
+        with store_factory() as store:
+            store.flush(KEY, torch.ones(2))
+        assert store.closed
+        for call in (lambda: store.flush(KEY, torch.ones(2)), lambda: store.fetch(KEY),
+                     lambda: store.keys(), lambda: store.delete("req-1")):
+            with pytest.raises(StoreClosed, match="closed"):
+                call()
+        store.close()
+
+    # ---- concurrency and random sequences -------------------------------------------------
+    def test_concurrent_flushes_lose_nothing(self, store: Store) -> None:
+        threads, per_thread = 4, 12
+        errors: list[BaseException] = []
+
+        def writer(thread: int) -> None:
+            try:
+                for step in range(per_thread):
+                    key = BlockKey(f"t{thread}", layers=(0, 2), tokens=(step, step + 1))
+                    store.flush(key, random_tensor((2, 2, 1, 2, 1, 64), torch.float16, seed=thread * 100 + step))
+            except BaseException as error:  # surfaced below
+                errors.append(error)
+
+        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=120)
+        assert not errors, errors
+        assert len(store.keys()) == threads * per_thread
+        for thread in range(threads):
+            for step in range(per_thread):
+                key = BlockKey(f"t{thread}", layers=(0, 2), tokens=(step, step + 1))
+                expected = random_tensor((2, 2, 1, 2, 1, 64), torch.float16, seed=thread * 100 + step)
+                assert same_bits(store.fetch(key), expected)
+
+    def test_random_operations_agree_with_a_dict(self, store_factory: Callable[[], Store]) -> None:
+        run_store_state_machine(store_factory)

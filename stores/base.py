@@ -1,0 +1,126 @@
+"""The replica-store interface: flush/fetch blocks by key, list and delete them by stream.
+
+Callers (the cache manager, the CLI, users) use the public methods. A backend implements five small
+hooks on encoded records named by `str(key)`: `_put`, `_get`, `_names`, `_remove` and `_close`.
+Encoding, checksums, `out` handling, closed-state checks and argument validation live here once, so
+every backend behaves the same and wrappers stay complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..blocks import BlockKey, check_stream_id
+from ..codec import decode_block, encode_block
+from ..errors import ConfigError, StoreClosed
+
+
+class Store(ABC):
+    """A place where KV blocks live: `flush(key, block)`, `fetch(key, out=None)`, `keys`, `delete`.
+
+    Capability flags tell callers what a backend promises:
+    `persistent`: blocks outlive this process; `shared`: other processes can read what this one flushes.
+    """
+
+    persistent: ClassVar[bool] = False
+    shared: ClassVar[bool] = False
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # ---- the public interface -------------------------------------------------------------
+    def flush(self, key: BlockKey, block: Any) -> None:
+        """Store `block` (a tensor on any device, a numpy array or a buffer) under `key`, replacing any."""
+        self._check_open()
+        self._put(str(_check_key(key)), encode_block(key, block, self._allocate))
+
+    def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the block stored under `key`, verified, copied into `out` when given (any device)."""
+        self._check_open()
+        with self._get(str(_check_key(key))) as record:
+            return decode_block(key, record, out)
+
+    def keys(self, stream_id: str | None = None) -> list[BlockKey]:
+        """The keys of every stored block of `stream_id` (of all streams when None), sorted."""
+        self._check_open()
+        prefix = "" if stream_id is None else check_stream_id(stream_id) + "/"
+        parsed = (_block_key_or_none(name) for name in self._names(prefix))
+        return sorted(key for key in parsed if key is not None)
+
+    def delete(self, stream_id: str) -> int:
+        """Delete every block of `stream_id`; return how many were deleted."""
+        self._check_open()
+        names = list(self._names(check_stream_id(stream_id) + "/"))
+        self._remove(names)
+        return sum(1 for name in names if _block_key_or_none(name) is not None)
+
+    def close(self) -> None:
+        """Release the backend's resources; later calls raise `StoreClosed`. Closing twice is harmless."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}{', closed' if self._closed else ''})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed; open a new store with dejavu_sdk.open_store({self.url!r})")
+
+    # ---- backend hooks ---------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array for one encoded record; memory stores return pinned memory on CUDA."""
+        return np.empty(nbytes, dtype=np.uint8)
+
+    @abstractmethod
+    def _put(self, name: str, record: np.ndarray) -> None:
+        """Store `record` under `name` atomically: readers see the old record or the new one, whole."""
+
+    @abstractmethod
+    def _get(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """Context manager yielding the record stored under `name` as a buffer; BlockNotFound if none."""
+
+    @abstractmethod
+    def _names(self, prefix: str) -> Iterator[str] | Iterable[str]:
+        """Names of stored records that start with `prefix` ("" for all)."""
+
+    @abstractmethod
+    def _remove(self, names: list[str]) -> None:
+        """Delete the records under `names`; names already gone are ignored."""
+
+    def _close(self) -> None:
+        """Release backend resources (connections, file handles, memory)."""
+
+
+def _check_key(key: object) -> BlockKey:
+    if not isinstance(key, BlockKey):
+        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {key!r}")
+    return key
+
+
+def _block_key_or_none(name: str) -> BlockKey | None:
+    """The key a record name stands for, or None for records that are not blocks (temporary files)."""
+    try:
+        return BlockKey.parse(name)
+    except ConfigError:
+        return None

@@ -1,0 +1,113 @@
+"""Object storage and files through fsspec: `s3://bucket/prefix`, `file:///dir`, `fsspec+memory://name`, ...
+
+One object per block, named `<root>/<stream_id>/L<a>-<b>.T<t0>-<t1>`. Object stores replace whole objects
+atomically; on the local filesystem a block is written to a temporary file and renamed into place, so a
+reader never sees half a block. `storage_options` go to fsspec unchanged (credentials, `endpoint_url`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import numpy as np
+from fsspec.registry import known_implementations
+
+from ..errors import BackendUnavailable, BlockNotFound, StoreError
+from ..urls import ParsedURL
+from .base import Store
+
+_INSTALL_HINTS = {"s3": "pip install 'dejavu-sdk[s3]'", "s3a": "pip install 'dejavu-sdk[s3]'"}
+
+
+class FsspecStore(Store):
+    """Blocks as objects (or files) under an fsspec URL; thread-safe as fsspec filesystems are."""
+
+    shared = True
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url)
+        protocol = url.partition("://")[0] if "://" in url else "file"
+        try:
+            self._fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as error:
+            hint = _INSTALL_HINTS.get(protocol) or known_implementations.get(protocol, {}).get("err")
+            raise BackendUnavailable(f"the {protocol}:// store needs a missing package ({error})", hint) from error
+        except (ValueError, TypeError) as error:
+            raise StoreError(f"cannot open {url!r}: {error}") from error
+        self._root = root.rstrip("/")
+        self._local = "file" in _protocols(self._fs)
+        self.persistent = "memory" not in _protocols(self._fs)
+        self._made_dirs: set[str] = set()
+        with _translated(url):
+            self._fs.makedirs(self._root, exist_ok=True)
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, storage_options: dict[str, Any] | None = None) -> FsspecStore:
+        return cls(f"{url.protocol}://{url.path}", storage_options=storage_options)
+
+    def _path(self, name: str) -> str:
+        return f"{self._root}/{name}"
+
+    def _put(self, name: str, record: np.ndarray) -> None:
+        path = self._path(name)
+        with _translated(self.url):
+            if not self._local:
+                self._fs.pipe_file(path, record.tobytes())
+                return
+            directory = os.path.dirname(path)
+            if directory not in self._made_dirs:
+                self._fs.makedirs(directory, exist_ok=True)
+                self._made_dirs.add(directory)
+            temporary = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(temporary, "wb") as file:
+                file.write(memoryview(record))
+            os.replace(temporary, path)
+
+    @contextlib.contextmanager
+    def _get(self, name: str) -> Iterator[bytes]:
+        with _translated(self.url):
+            try:
+                record = self._fs.cat_file(self._path(name))
+            except FileNotFoundError:
+                raise BlockNotFound(f"no block {name} in {self.url}") from None
+        yield record
+
+    def _names(self, prefix: str) -> list[str]:
+        directory = self._path(prefix.rstrip("/")) if prefix else self._root
+        with _translated(self.url):
+            self._fs.invalidate_cache(directory)
+            found = self._fs.find(directory) if self._fs.exists(directory) else []
+        start = len(self._root) + 1
+        return [path[start:] for path in found if path[start:].startswith(prefix)]
+
+    def _remove(self, names: list[str]) -> None:
+        with _translated(self.url):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    self._fs.rm_file(self._path(name))
+            if self._local:
+                for directory in {os.path.dirname(self._path(name)) for name in names}:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)  # only succeeds once the stream's directory is empty
+                    self._made_dirs.discard(directory)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+@contextlib.contextmanager
+def _translated(url: str) -> Iterator[None]:
+    """Turn the filesystem's errors into StoreError (SDK errors pass through)."""
+    try:
+        yield
+    except (BlockNotFound, BackendUnavailable):
+        raise
+    except Exception as error:  # fsspec backends raise OSError, botocore and aiohttp errors alike
+        raise StoreError(f"{url}: {type(error).__name__}: {error}") from error

@@ -1,0 +1,176 @@
+"""`lmdb:///path`: blocks in an LMDB environment on local disk (the paper's SSD tier).
+
+Each flush is one LMDB write transaction, so a block is either wholly committed or absent, even if the
+process is killed mid-write. `sync=True` (the default) makes every committed block survive power loss;
+`sync=False` skips the fsync: committed blocks still survive a crash or SIGKILL of the process, but the
+last ones may be lost if the machine itself goes down. Other processes opening the same path see every
+committed block. The memory map starts at `map_size` and doubles whenever it fills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import lmdb
+import numpy as np
+
+from ..errors import BlockNotFound, ConfigError, StoreError
+from ..urls import ParsedURL
+from .base import Store
+
+_MAX_RESIZES = 48
+
+
+class _SharedExclusiveLock:
+    """Many transactions at once (shared), or one map resize with no transaction open (exclusive)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._holders = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._holders -= 1
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive and self._holders == 0)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._exclusive = False
+                self._condition.notify_all()
+
+
+class LmdbStore(Store):
+    """Blocks in an LMDB environment at `path` (a directory, created if missing); thread- and process-safe."""
+
+    persistent = True
+    shared = True
+
+    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True, map_size: int = 1 << 30,
+                 max_readers: int = 126) -> None:
+        path = os.fspath(path)
+        super().__init__(f"lmdb://{os.path.abspath(path)}")
+        if not isinstance(map_size, int) or map_size < 1 << 16:
+            raise ConfigError(f"map_size must be at least 65536 bytes, got {map_size!r}")
+        self.path = path
+        self.sync = bool(sync)
+        try:
+            os.makedirs(path, exist_ok=True)
+            self._env = lmdb.open(path, map_size=map_size, sync=self.sync, metasync=self.sync,
+                                  readahead=False, max_readers=max_readers, max_dbs=0)
+            self._env.reader_check()  # free reader slots left behind by killed processes
+        except (lmdb.Error, OSError) as error:
+            raise StoreError(f"cannot open LMDB store at {path!r}: {error}") from error
+        self._gate = _SharedExclusiveLock()
+        self._write_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, sync: bool = True, map_size: int = 1 << 30,
+                 max_readers: int = 126) -> LmdbStore:
+        return cls(url.path, sync=sync, map_size=map_size, max_readers=max_readers)
+
+    @property
+    def map_size(self) -> int:
+        return self._env.info()["map_size"]
+
+    # ---- transactions -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self, write: bool) -> Iterator[lmdb.Transaction]:
+        """A transaction that adopts a map grown by another process; commits a write when the block ends."""
+        for _ in range(_MAX_RESIZES):
+            with self._gate.shared():
+                try:
+                    txn = self._env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with _translated(self.path):
+                        with txn:  # commits on success, aborts on error
+                            yield txn
+                        return
+            self._resize(grow=False)
+        raise StoreError(f"LMDB store at {self.path!r} kept being resized by other processes")
+
+    def _resize(self, grow: bool, needed: int = 0) -> None:
+        with self._gate.exclusive(), _translated(self.path):
+            if grow:
+                current = self._env.info()["map_size"]
+                self._env.set_mapsize(max(2 * current, current + 2 * needed))
+            else:
+                self._env.set_mapsize(0)  # adopt the size another process chose
+
+    def _write(self, action: Callable[[lmdb.Transaction], object], needed: int = 0) -> None:
+        with self._write_lock:  # LMDB allows one writer; queue here rather than inside the C library
+            for _ in range(_MAX_RESIZES):
+                try:
+                    with self._transaction(write=True) as txn:
+                        action(txn)
+                    return
+                except lmdb.MapFullError:
+                    self._resize(grow=True, needed=needed)
+            raise StoreError(f"LMDB store at {self.path!r} could not grow its map enough")
+
+    # ---- backend hooks ------------------------------------------------------------------------
+    def _put(self, name: str, record: np.ndarray) -> None:
+        self._write(lambda txn: txn.put(name.encode(), record), needed=record.nbytes)
+
+    @contextlib.contextmanager
+    def _get(self, name: str) -> Iterator[memoryview]:
+        with self._transaction(write=False) as txn:
+            record = txn.get(name.encode())
+            if record is None:
+                raise BlockNotFound(f"no block {name} in {self.url}")
+            yield record
+
+    def _names(self, prefix: str) -> list[str]:
+        encoded = prefix.encode()
+        with self._transaction(write=False) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(encoded):
+                return []
+            names = []
+            for key in cursor.iternext(values=False):
+                key = bytes(key)
+                if not key.startswith(encoded):
+                    break
+                names.append(key.decode())
+            return names
+
+    def _remove(self, names: list[str]) -> None:
+        def delete_all(txn: lmdb.Transaction) -> None:
+            for name in names:
+                txn.delete(name.encode())
+
+        self._write(delete_all)
+
+    def _close(self) -> None:
+        with self._gate.exclusive():
+            self._env.close()
+
+
+@contextlib.contextmanager
+def _translated(path: str) -> Iterator[None]:
+    """Turn LMDB's errors (other than map resizing, handled by the caller) into StoreError."""
+    try:
+        yield
+    except (lmdb.MapFullError, lmdb.MapResizedError):
+        raise
+    except lmdb.Error as error:
+        raise StoreError(f"LMDB store at {path!r} failed: {error}") from error

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.stores import LmdbStore
+from dejavu_sdk.testing import StoreTests, random_tensor, same_bits
+
+
+class TestLmdbStore(StoreTests):
+    @pytest.fixture
+    def store_factory(self, tmp_path):
+        return lambda: dv.open_store(f"lmdb://{tmp_path / uuid.uuid4().hex}")
+
+
+class TestLmdbStoreWithoutSync(StoreTests):
+    @pytest.fixture
+    def store_factory(self, tmp_path):
+        return lambda: dv.open_store(f"lmdb://{tmp_path / uuid.uuid4().hex}", sync=False, map_size=1 << 16)
+
+
+def _key(step: int) -> dv.BlockKey:
+    return dv.BlockKey("req-1", layers=(0, 4), tokens=(step, step + 1))
+
+
+def _block(step: int) -> torch.Tensor:
+    return random_tensor((4, 2, 1, 8, 1, 64), torch.bfloat16, seed=step)
+
+
+def test_the_map_grows_when_full(tmp_path) -> None:
+    store = LmdbStore(tmp_path, map_size=1 << 16)
+    blocks = {step: random_tensor((256, 1024), torch.float32, seed=step) for step in range(8)}  # 1 MiB each
+    for step, block in blocks.items():
+        store.flush(_key(step), block)
+    assert store.map_size >= 8 << 20
+    for step, block in blocks.items():
+        assert same_bits(store.fetch(_key(step)), block)
+
+
+def test_sync_defaults_on_and_is_an_option(tmp_path) -> None:
+    assert LmdbStore(tmp_path / "a").sync is True
+    assert dv.open_store(f"lmdb://{tmp_path / 'b'}", sync=False).sync is False
+
+
+def test_a_path_that_is_a_file_raises_store_error(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(dv.StoreError, match="cannot open LMDB"):
+        LmdbStore(tmp_path / "file")
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+_HELPERS = """
+    import sys, torch, dejavu_sdk as dv
+    from dejavu_sdk.testing import random_tensor
+    def key(step): return dv.BlockKey("req-1", layers=(0, 4), tokens=(step, step + 1))
+    def block(step): return random_tensor((4, 2, 1, 8, 1, 64), torch.bfloat16, seed=step)
+"""
+
+
+def test_other_processes_read_committed_blocks(tmp_path) -> None:
+    store = LmdbStore(tmp_path, map_size=1 << 16)
+    for step in range(20):
+        store.flush(_key(step), _block(step))
+    reader = _HELPERS + f"""
+    from dejavu_sdk.testing import same_bits
+    store = dv.open_store("lmdb://{tmp_path}")
+    assert len(store.keys("req-1")) == 20
+    assert all(same_bits(store.fetch(key(s)), block(s)) for s in range(20))
+    print("ok")
+    """
+    result = subprocess.run(_python(reader), capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_writer_killed_with_sigkill_loses_no_committed_block(tmp_path, sync: bool) -> None:
+    writer = _HELPERS + f"""
+    store = dv.open_store("lmdb://{tmp_path}", sync={sync}, map_size=1 << 16)
+    for step in range(1_000_000):
+        store.flush(key(step), block(step))
+        print(step, flush=True)
+    """
+    process = subprocess.Popen(_python(writer), stdout=subprocess.PIPE, text=True)
+    committed = -1
+    deadline = time.monotonic() + 120
+    while committed < 150 and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        assert line, "the writer exited early"
+        committed = int(line)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    assert committed >= 150
+
+    store = LmdbStore(tmp_path)
+    steps = [key.tokens[0] for key in store.keys("req-1")]
+    assert set(range(committed + 1)) <= set(steps)
+    for step in steps:  # every stored block is whole, including any committed after the last print
+        assert same_bits(store.fetch(_key(step)), _block(step))
+    store.flush(_key(10**6), _block(0))
+    assert same_bits(store.fetch(_key(10**6)), _block(0))
