@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dejavu_sdk as dv
+from dejavu_sdk.blocks import DTYPE_CODES
+
+STREAM_IDS = st.text(alphabet="abcXYZ019_.:@+=,~-", min_size=1, max_size=40).filter(lambda s: s not in (".", ".."))
+
+
+@given(STREAM_IDS, st.integers(0, 10**6), st.integers(1, 10**4), st.integers(0, 10**7), st.integers(1, 10**5))
+def test_a_key_parses_back_from_its_string(stream_id: str, a: int, layers: int, t0: int, tokens: int) -> None:
+    key = dv.BlockKey(stream_id, layers=(a, a + layers), tokens=(t0, t0 + tokens))
+    assert dv.BlockKey.parse(str(key)) == key
+
+
+def test_string_form_is_stable() -> None:
+    assert str(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 512))) == "req-1/L0-1.T0-512"
+
+
+@pytest.mark.parametrize("stream_id", ["", "a/b", "a b", "a\\b", ".", "..", "tab\t", "x" * 201, 7, None])
+def test_unsafe_stream_ids_are_refused(stream_id: object) -> None:
+    with pytest.raises(dv.ConfigError, match="stream_id"):
+        dv.BlockKey(stream_id, layers=(0, 1), tokens=(0, 1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [(1, 1), (2, 1), (-1, 3), (0,), "01", (0.0, 1.0), (True, 2), None])
+def test_empty_inverted_or_malformed_ranges_are_refused(bad: object) -> None:
+    with pytest.raises(dv.ConfigError, match="layers"):
+        dv.BlockKey("s", layers=bad, tokens=(0, 1))  # type: ignore[arg-type]
+    with pytest.raises(dv.ConfigError, match="tokens"):
+        dv.BlockKey("s", layers=(0, 1), tokens=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["req-1", "req-1/L0-1", "req-1/L0-1.T5-5", "a/b/L0-1.T0-1", "req-1/L0-1.T0-1x"])
+def test_parse_refuses_what_is_not_a_key(text: str) -> None:
+    with pytest.raises(dv.ConfigError):
+        dv.BlockKey.parse(text)
+
+
+def test_keys_are_frozen_ordered_and_hashable() -> None:
+    a = dv.BlockKey("s", layers=(0, 1), tokens=(0, 4))
+    b = dv.BlockKey("s", layers=(1, 2), tokens=(0, 4))
+    assert sorted([b, a]) == [a, b] and len({a, b, dv.BlockKey("s", layers=[0, 1], tokens=[0, 4])}) == 2
+    with pytest.raises(AttributeError):
+        a.stream_id = "t"  # type: ignore[misc]
+
+
+def test_named_constructors() -> None:
+    assert dv.BlockKey.for_prompt_layer("s", 3, 512) == dv.BlockKey("s", layers=(3, 4), tokens=(0, 512))
+    assert dv.BlockKey.for_decode_steps("s", (0, 30), 512, 4) == dv.BlockKey("s", layers=(0, 30), tokens=(512, 516))
+
+
+def test_kvspec_gives_block_shapes_and_sizes() -> None:
+    spec = dv.KVSpec(layers=30, kv_heads=3, head_dim=64, dtype=torch.bfloat16, batch=2)
+    key = dv.BlockKey("s", layers=(4, 6), tokens=(10, 17))
+    assert spec.dtype == "bfloat16"
+    assert spec.block_shape(key) == (2, 2, 2, 3, 7, 64)
+    assert spec.block_nbytes(key) == 2 * 2 * 2 * 3 * 7 * 64 * 2
+    assert spec.bytes_per_token() == 30 * 2 * 2 * 3 * 64 * 2
+    with pytest.raises(dv.ConfigError, match="30 layers"):
+        spec.block_shape(dv.BlockKey("s", layers=(29, 31), tokens=(0, 1)))
+
+
+@pytest.mark.parametrize("field,value", [("layers", 0), ("kv_heads", -1), ("head_dim", 1.5), ("batch", True)])
+def test_kvspec_refuses_bad_geometry(field: str, value: object) -> None:
+    arguments = {"layers": 2, "kv_heads": 2, "head_dim": 8, field: value}
+    with pytest.raises(dv.ConfigError, match=field):
+        dv.KVSpec(**arguments)
+
+
+def test_kvspec_refuses_unsupported_dtypes() -> None:
+    with pytest.raises(dv.ConfigError, match="complex64"):
+        dv.KVSpec(layers=1, kv_heads=1, head_dim=1, dtype=torch.complex64)
+    assert all(getattr(torch, name).itemsize > 0 for name in DTYPE_CODES)

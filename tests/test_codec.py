@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.codec import decode_block, encode_block
+from dejavu_sdk.testing import random_tensor, same_bits
+
+KEY = dv.BlockKey("s", layers=(0, 2), tokens=(0, 3))
+
+
+def test_payload_starts_aligned_and_header_is_small() -> None:
+    block = random_tensor((2, 2, 1, 4, 3, 64), torch.float16)
+    record = encode_block(KEY, block)
+    header = record.nbytes - block.numel() * 2
+    assert header % 64 == 0 and header <= 128
+    assert same_bits(decode_block(KEY, record), block)
+
+
+def test_a_flipped_bit_anywhere_in_the_record_is_detected() -> None:
+    record = encode_block(KEY, random_tensor((3, 5), torch.bfloat16))
+    for position in range(record.nbytes):
+        damaged = record.copy()
+        damaged[position] ^= 0x10
+        with pytest.raises(dv.CorruptBlock):
+            decode_block(KEY, damaged)
+
+
+def test_allocator_receives_the_record_size() -> None:
+    sizes = []
+
+    def allocate(n: int) -> np.ndarray:
+        sizes.append(n)
+        return np.empty(n, np.uint8)
+
+    record = encode_block(KEY, torch.ones(10), allocate)
+    assert sizes == [record.nbytes]
+
+
+def test_too_many_dimensions_are_refused() -> None:
+    with pytest.raises(dv.ConfigError, match="dimensions"):
+        encode_block(KEY, torch.ones((1,) * 17))
