@@ -69,13 +69,19 @@ class FsspecStore(Store):
             os.replace(temporary, path)
 
     @contextlib.contextmanager
-    def _get(self, name: str) -> Iterator[bytes]:
+    def _get(self, name: str) -> Iterator[bytes | np.ndarray]:
         with _translated(self.url):
             try:
-                record = self._fs.cat_file(self._path(name))
+                record = self._read_local(name) if self._local else self._fs.cat_file(self._path(name))
             except FileNotFoundError:
                 raise BlockNotFound(f"no block {name} in {self.url}") from None
         yield record
+
+    def _read_local(self, name: str) -> np.ndarray:
+        """Read a local file straight into one buffer (fsspec's cat_file would copy it twice)."""
+        with open(self._path(name), "rb") as file:
+            record = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
+            return record[:file.readinto(memoryview(record))]
 
     def _names(self, prefix: str) -> list[str]:
         directory = self._path(prefix.rstrip("/")) if prefix else self._root

@@ -6,6 +6,6 @@ Needs pytest and hypothesis (extra: dev).
 """
 
 from .stores import StoreTests
-from .tensors import random_tensor, same_bits
+from ..tensors import random_tensor, same_bits
 
 __all__ = ["StoreTests", "random_tensor", "same_bits"]

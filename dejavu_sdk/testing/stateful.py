@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from ..blocks import BlockKey
 from ..errors import BlockNotFound
 from ..stores import Store
-from .tensors import random_tensor, same_bits
+from ..tensors import random_tensor, same_bits
 
 STREAMS = st.sampled_from(["a", "b", "a.b", "a-1"])
 RANGES = st.tuples(st.integers(0, 3), st.integers(1, 3)).map(lambda p: (p[0], p[0] + p[1]))

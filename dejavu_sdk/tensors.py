@@ -1,4 +1,4 @@
-"""Tensors for tests: random bit patterns of any dtype, and bitwise comparison."""
+"""Tensor helpers for tests, demos and benchmarks: random bit patterns of any dtype, bitwise comparison."""
 
 from __future__ import annotations
 

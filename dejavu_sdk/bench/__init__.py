@@ -1,0 +1,1 @@
+"""Benchmarks behind `dejavu bench ...`: each measures the SDK beside a ceiling in the same run."""

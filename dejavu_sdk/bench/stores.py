@@ -1,0 +1,185 @@
+"""`dejavu bench stores`: flush and fetch throughput of each store beside ceilings measured in the same run.
+
+Ceilings: memcpy (for memory://), the XXH3 checksum every block carries, and a plain file written
+sequentially (with and without fsync) and read back (for lmdb:// and file://). Every repeat measures every
+ceiling and every store in turn, so slow phases of a shared machine hit them alike; figures are medians.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import attrs
+import numpy as np
+import torch
+import xxhash
+from tqdm import tqdm
+
+from ..blocks import BlockKey
+from ..errors import ConfigError
+from ..stores import Store, open_store
+from .common import format_size, machine_description, markdown_table, median, seconds
+
+CEILINGS = ("memcpy", "xxh3 checksum", "file write", "file write+fsync", "file read")
+
+
+@attrs.frozen
+class Target:
+    """A store to measure and the ceilings its flush and fetch are compared with."""
+
+    name: str
+    open: Callable[[str], Store]
+    flush_ceiling: str
+    fetch_ceiling: str
+
+
+TARGETS = {
+    "memory": Target("memory", lambda _dir: open_store("memory://"), "memcpy", "memcpy"),
+    "lmdb": Target("lmdb", lambda d: open_store(f"lmdb://{d}", sync=True, map_size=1 << 34),
+                   "file write+fsync", "file read"),
+    "lmdb-nosync": Target("lmdb-nosync", lambda d: open_store(f"lmdb://{d}", sync=False, map_size=1 << 34),
+                          "file write+fsync", "file read"),
+    "file": Target("file", lambda d: open_store(f"file://{d}"), "file write", "file read"),
+}
+
+
+@attrs.frozen
+class StoreBenchReport:
+    """Per-repeat throughputs in GB/s, keyed by (block size, what was measured)."""
+
+    machine: str
+    sizes: tuple[int, ...]
+    targets: tuple[str, ...]
+    samples: dict[tuple[int, str], list[float]]
+
+    def gbps(self, size: int, what: str) -> float:
+        return median(self.samples[(size, what)])
+
+    def ratio(self, size: int, target: str, operation: str) -> float:
+        ceiling = getattr(TARGETS[target], f"{operation}_ceiling")
+        return self.gbps(size, f"{target} {operation}") / self.gbps(size, ceiling)
+
+    def to_markdown(self) -> str:
+        ceilings = markdown_table(
+            ["block", *CEILINGS],
+            [[format_size(s), *(f"{self.gbps(s, c):.2f}" for c in CEILINGS)] for s in self.sizes],
+        )
+        rows = []
+        for size in self.sizes:
+            for target in self.targets:
+                spec = TARGETS[target]
+                rows.append([
+                    format_size(size), target,
+                    f"{self.gbps(size, f'{target} flush'):.2f}", f"{self.gbps(size, f'{target} fetch'):.2f}",
+                    f"{self.ratio(size, target, 'flush'):.0%} of {spec.flush_ceiling}",
+                    f"{self.ratio(size, target, 'fetch'):.0%} of {spec.fetch_ceiling}",
+                ])
+        stores = markdown_table(["block", "store", "flush GB/s", "fetch GB/s", "flush vs ceiling",
+                                 "fetch vs ceiling"], rows)
+        repeats = len(next(iter(self.samples.values())))
+        return (f"Machine: {self.machine}\nMedians of {repeats} repeats.\n\nCeilings (GB/s):\n\n{ceilings}\n\n"
+                f"Stores:\n\n{stores}\n")
+
+    def to_json(self) -> dict:
+        return {"machine": self.machine, "samples": [
+            {"block_bytes": size, "what": what, "gbps": values} for (size, what), values in self.samples.items()]}
+
+
+def _ceilings(size: int, count: int, source: np.ndarray, directory: str) -> Iterator[tuple[str, float]]:
+    """Yield (ceiling, seconds) for each ceiling, moving `count` blocks of `size` bytes."""
+    # Distinct sources, like the records of a store, so small blocks are not copied from a warm cache.
+    sources = [source.copy() for _ in range(count)]
+    destination = np.empty_like(source)
+    np.copyto(destination, source)  # touch the pages first
+    yield "memcpy", seconds(lambda: [np.copyto(destination, each) for each in sources])
+    yield "xxh3 checksum", seconds(lambda: [xxhash.xxh3_64_intdigest(each) for each in sources])
+    del sources
+    paths = [os.path.join(directory, f"plain-{i}") for i in range(count)]
+
+    def write(sync: bool) -> None:
+        for path in paths:
+            with open(path, "wb") as file:
+                file.write(memoryview(source))
+                if sync:
+                    file.flush()
+                    os.fsync(file.fileno())
+
+    def read() -> None:
+        for path in paths:
+            with open(path, "rb") as file:
+                file.readinto(memoryview(destination))
+
+    yield "file write", seconds(lambda: write(sync=False))
+    yield "file write+fsync", seconds(lambda: write(sync=True))
+    yield "file read", seconds(read)
+    for path in paths:
+        os.remove(path)
+
+
+def _store(target: Target, count: int, block: torch.Tensor, directory: str) -> Iterator[tuple[str, float]]:
+    """Yield (flush or fetch, seconds) for `count` blocks through a fresh store of `target`."""
+    keys = [BlockKey("bench", layers=(0, 1), tokens=(i, i + 1)) for i in range(count)]
+    out = torch.empty_like(block)
+    out.zero_()
+    store_dir = os.path.join(directory, target.name)
+    with target.open(store_dir) as store:
+        yield "flush", seconds(lambda: [store.flush(key, block) for key in keys])
+        yield "fetch", seconds(lambda: [store.fetch(key, out=out) for key in keys])
+        if not torch.equal(out.view(torch.uint8), block.view(torch.uint8)):
+            raise AssertionError(f"{target.name} returned different bytes")
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def run_store_bench(sizes: list[int], targets: list[str], repeats: int = 5, volume: int = 128 << 20,
+                    directory: str | None = None, progress: bool = True) -> StoreBenchReport:
+    """Measure every target and ceiling `repeats` times for each block size; `volume` bytes per measurement."""
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"unknown bench target(s) {unknown}; choose from {sorted(TARGETS)}")
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    steps = repeats * len(sizes) * (len(CEILINGS) + 2 * len(targets))
+    with tempfile.TemporaryDirectory(dir=directory, prefix="dejavu-bench-") as scratch, \
+            tqdm(total=steps, desc="bench stores", unit="step", disable=not progress) as bar:
+        for repeat in range(repeats):
+            for size in sizes:
+                count = max(2, volume // size)
+                block = torch.randint(0, 256, (size,), dtype=torch.uint8).view(torch.float16)
+                measured = [*_ceilings(size, count, block.view(torch.uint8).numpy(), scratch)]
+                bar.update(len(CEILINGS))
+                for name in targets:
+                    for operation, elapsed in _store(TARGETS[name], count, block, scratch):
+                        measured.append((f"{name} {operation}", elapsed))
+                        bar.update()
+                for what, elapsed in measured:
+                    samples[(size, what)].append(count * size / elapsed / 1e9)
+                bar.set_postfix(repeat=f"{repeat + 1}/{repeats}")
+    return StoreBenchReport(machine_description(), tuple(sizes), tuple(targets), dict(samples))
+
+
+def plot_store_bench(report: StoreBenchReport, path: str) -> None:
+    """Bars of flush and fetch GB/s per store and block size, with each store's ceilings as ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(report.sizes), figsize=(6 * len(report.sizes), 4), squeeze=False)
+    for axis, size in zip(axes[0], report.sizes):
+        positions = np.arange(len(report.targets))
+        for offset, operation in ((-0.2, "flush"), (0.2, "fetch")):
+            values = [report.gbps(size, f"{t} {operation}") for t in report.targets]
+            ceilings = [report.gbps(size, getattr(TARGETS[t], f"{operation}_ceiling")) for t in report.targets]
+            axis.bar(positions + offset, values, width=0.4, label=operation)
+            axis.scatter(positions + offset, ceilings, marker="_", s=400, color="black",
+                         label="ceiling" if operation == "flush" else None)
+        axis.set_xticks(positions, report.targets)
+        axis.set_ylabel("GB/s")
+        axis.set_title(f"{format_size(size)} blocks")
+        axis.legend()
+    figure.suptitle("dejavu bench stores (medians; black ticks: ceilings)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

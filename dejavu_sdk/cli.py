@@ -1,0 +1,80 @@
+"""The `dejavu` command line: `dejavu --help` lists the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ._version import __version__
+from .errors import DejaVuError
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(args.store, args.prompt_tokens, args.new_tokens) else 1
+
+
+def _bench_stores(args: argparse.Namespace) -> int:
+    from .bench.common import parse_size
+    from .bench.stores import plot_store_bench, run_store_bench
+
+    sizes = [parse_size(size) for size in args.sizes.split(",")]
+    report = run_store_bench(sizes, args.stores.split(","), repeats=args.repeats, volume=parse_size(args.volume),
+                             directory=args.dir, progress=not args.quiet)
+    print(report.to_markdown())
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report.to_json(), file, indent=1)
+    if args.plot:
+        plot_store_bench(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dejavu", description="KV-cache streaming for fast, fault-tolerant "
+                                     "LLM serving.")
+    parser.add_argument("--version", action="version", version=f"dejavu-sdk {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="replicate a KV cache to a store and verify it block by block")
+    demo.add_argument("--store", help="store URL (default: LMDB in a temporary directory)")
+    demo.add_argument("--prompt-tokens", type=int, default=512)
+    demo.add_argument("--new-tokens", type=int, default=128)
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="measure the SDK beside ceilings from the same run")
+    benches = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
+    stores = benches.add_parser("stores", help="flush/fetch throughput of each store vs memcpy and plain files")
+    stores.add_argument("--sizes", default="1MiB,64MiB", help="comma-separated block sizes (default: 1MiB,64MiB)")
+    stores.add_argument("--stores", default="memory,lmdb,lmdb-nosync,file", help="comma-separated targets")
+    stores.add_argument("--repeats", type=int, default=5)
+    stores.add_argument("--volume", default="128MiB", help="bytes moved per measurement")
+    stores.add_argument("--dir", help="scratch directory on the disk to measure (default: the temp dir)")
+    stores.add_argument("--json", help="also write every sample to this JSON file")
+    stores.add_argument("--plot", help="also draw the figures into this PNG file")
+    stores.add_argument("--quiet", action="store_true", help="no progress bar")
+    stores.set_defaults(run=_bench_stores)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except DejaVuError as error:
+        print(f"dejavu: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from dejavu_sdk import __version__
+from dejavu_sdk.cli import main
+
+
+def test_console_script_lists_its_commands() -> None:
+    result = subprocess.run(["dejavu", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "demo" in result.stdout and "bench" in result.stdout
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dejavu-sdk {__version__}"
+
+
+def test_no_command_prints_help_and_fails(capsys) -> None:
+    assert main([]) == 2
+    assert "usage: dejavu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("store", ["memory://", "file://{tmp}", None])
+def test_demo_verifies_every_block(capsys, tmp_path, store) -> None:
+    store_arguments = ["--store", store.format(tmp=tmp_path)] if store else []
+    assert main(["demo", *store_arguments, "--prompt-tokens", "16", "--new-tokens", "4"]) == 0
+    output = capsys.readouterr().out
+    assert "34 blocks" in output and "bit for bit" in output
+
+
+def test_bad_input_is_a_message_not_a_traceback(capsys) -> None:
+    assert main(["demo", "--store", "nosuch://x"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("dejavu: error: unknown store scheme 'nosuch'") and "Traceback" not in error
+    assert main(["bench", "stores", "--stores", "bogus", "--quiet"]) == 2
+    assert "unknown bench target" in capsys.readouterr().err
+
+
+def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) -> None:
+    samples, plot = tmp_path / "samples.json", tmp_path / "plot.png"
+    arguments = ["bench", "stores", "--sizes", "64KiB", "--repeats", "2", "--volume", "512KiB", "--quiet",
+                 "--dir", str(tmp_path), "--json", str(samples), "--plot", str(plot)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    for target in ("memory", "lmdb", "lmdb-nosync", "file"):
+        assert f"| 64 KiB | {target} |" in output
+    assert "of memcpy" in output and "of file write+fsync" in output
+    recorded = json.loads(samples.read_text())
+    assert {entry["what"] for entry in recorded["samples"]} >= {"memory fetch", "lmdb flush", "memcpy"}
+    assert all(len(entry["gbps"]) == 2 and min(entry["gbps"]) > 0 for entry in recorded["samples"])
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("dejavu-bench")] == []
