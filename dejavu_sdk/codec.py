@@ -1,13 +1,16 @@
-"""Block encoding: a small self-describing header, then the raw payload, verified on every read.
+"""Block records: a small self-describing header, the raw payload, and a checksum trailer.
 
-Layout (little endian), padded so that the payload starts on a 64-byte boundary:
+Layout (little endian); the header is padded so that the payload starts on a 64-byte boundary:
 
-    magic "DJVB" | version u8 | dtype code u8 | ndim u8 | flags u8 | key length u32 | payload length u64
-    shape: ndim x u64 | key text (utf-8) | zero padding | checksum u64 | payload
+    header:  magic "DJVB" | version u8 | dtype code u8 | ndim u8 | flags u8 | label length u32 |
+             payload length u64 | shape: ndim x u64 | label (utf-8) | zero padding
+    payload: the tensor's bytes, C order
+    trailer: XXH3-64 of header and payload, u64
 
-The checksum is XXH3-64 over everything before it and the payload, so a torn, truncated or altered
-record, or one stored under another key, raises `CorruptBlock` instead of yielding wrong KV.
-Stores call `encode_block` on flush and `decode_block` on fetch; nothing else needs this module.
+The label is the block's key (`str(key)`), so a record stored or sent under another name is detected.
+The checksum comes last so that a network sender can hash each chunk while it is in cache, just before
+sending it, and never make a second pass over the payload; a torn, truncated or altered record raises `CorruptBlock`, never wrong KV.
+Stores use `encode_block`/`decode_block`; transports stream `RecordHeader`, payload and trailer.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import xxhash
 
-from .blocks import DTYPE_CODES, DTYPE_NAMES, BlockKey, dtype_name, torch_dtype
+from .blocks import DTYPE_CODES, DTYPE_NAMES, dtype_name, torch_dtype
 from .errors import ConfigError, CorruptBlock
 
 MAGIC = b"DJVB"
 FORMAT_VERSION = 1
-_FIXED = struct.Struct("<4sBBBBIQ")
-_CHECKSUM = struct.Struct("<Q")
+FIXED = struct.Struct("<4sBBBBIQ")
+TRAILER = struct.Struct("<Q")
 _ALIGN = 64
 _MAX_NDIM = 16
 
@@ -35,117 +39,179 @@ _MAX_NDIM = 16
 Allocator = Callable[[int], np.ndarray]
 
 
-def _header_length(ndim: int, key_length: int) -> int:
-    unpadded = _FIXED.size + 8 * ndim + key_length + _CHECKSUM.size
+def new_checksum() -> Any:
+    """A streaming XXH3-64 hasher: `update(buffer)` as bytes pass, `intdigest()` at the end."""
+    return xxhash.xxh3_64()
+
+
+def corrupt(label: str, reason: str) -> CorruptBlock:
+    return CorruptBlock(f"block {label} is corrupt: {reason}; it must not be used (delete and re-replicate)")
+
+
+@attrs.frozen
+class RecordHeader:
+    """What a record says about its payload: the label it was written under, dtype and shape."""
+
+    label: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def payload_length(self) -> int:
+        return math.prod(self.shape) * torch_dtype(self.dtype).itemsize
+
+    @property
+    def length(self) -> int:
+        return _header_length(len(self.shape), len(self.label.encode()))
+
+    @property
+    def record_length(self) -> int:
+        return self.length + self.payload_length + TRAILER.size
+
+    def pack(self) -> bytes:
+        if len(self.shape) > _MAX_NDIM:
+            raise ConfigError(f"blocks have at most {_MAX_NDIM} dimensions, got {len(self.shape)}")
+        label = self.label.encode()
+        fixed = FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], len(self.shape), 0, len(label),
+                           self.payload_length)
+        body = fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + label
+        return body + bytes(self.length - len(body))
+
+    @staticmethod
+    def length_from_fixed(data: Any, label: str) -> int:
+        """The whole header's length, from its first `FIXED.size` bytes (for readers of a byte stream)."""
+        magic, version, code, ndim, _flags, label_length, _payload = FIXED.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise corrupt(label, "not a DejaVu block (bad magic)")
+        if version != FORMAT_VERSION:
+            raise corrupt(label, f"format version {version}, this SDK reads version {FORMAT_VERSION}")
+        if code not in DTYPE_NAMES or ndim > _MAX_NDIM or label_length > 4096:
+            raise corrupt(label, f"unknown dtype code {code}, {ndim} dimensions or a {label_length}-byte label")
+        return _header_length(ndim, label_length)
+
+    @classmethod
+    def unpack(cls, data: Any, label: str) -> RecordHeader:
+        """Parse and check a header; `label` is what the caller expected (named in errors)."""
+        if len(data) < FIXED.size:
+            raise corrupt(label, f"only {len(data)} bytes, shorter than a block header")
+        length = cls.length_from_fixed(data, label)
+        if len(data) < length:
+            raise corrupt(label, f"{len(data)} bytes, shorter than its {length}-byte header")
+        _magic, _version, code, ndim, _flags, label_length, payload_length = FIXED.unpack_from(data, 0)
+        shape = struct.unpack_from(f"<{ndim}Q", data, FIXED.size)
+        start = FIXED.size + 8 * ndim
+        stored_label = bytes(data[start:start + label_length]).decode(errors="replace")
+        header = cls(stored_label, DTYPE_NAMES[code], shape)
+        if header.payload_length != payload_length:
+            raise corrupt(label, f"shape {shape} of {header.dtype} does not match {payload_length} payload bytes")
+        return header
+
+
+def _header_length(ndim: int, label_length: int) -> int:
+    unpadded = FIXED.size + 8 * ndim + label_length
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
-def _payload_writer(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray], None]]:
-    """Normalise a tensor, numpy array or buffer to (dtype name, shape, copy-into-uint8-destination)."""
+def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray], None], np.ndarray | None]:
+    """Normalise a tensor, numpy array or buffer to (dtype name, shape, copy-into-destination, flat view).
+
+    The flat view is the payload as CPU uint8 without a copy, or None when the source is not contiguous
+    host memory (a device tensor, a strided view); the copy function writes the payload in either case.
+    """
     if isinstance(block, torch.Tensor):
         if block.layout != torch.strided:
             raise ConfigError(f"cannot store a {block.layout} tensor; convert it to a dense tensor first")
         tensor = block.detach()
         name = dtype_name(tensor.dtype)
+        flat = None
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+            flat = tensor.reshape(-1).view(torch.uint8).numpy()
 
         def write_tensor(dst: np.ndarray) -> None:
             torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
-        return name, tuple(tensor.shape), write_tensor
+        return name, tuple(tensor.shape), write_tensor, flat
     if isinstance(block, np.ndarray):
+        name = dtype_name(block.dtype.name)
         array = np.ascontiguousarray(block)
-        name = dtype_name(array.dtype.name)
-        return name, array.shape, lambda dst: np.copyto(dst, array.reshape(-1).view(np.uint8))
+        flat = array.reshape(-1).view(np.uint8)
+        return name, array.shape, lambda dst: np.copyto(dst, flat), flat
     try:
         view = memoryview(block).cast("B")
     except TypeError:
         raise ConfigError(
             f"cannot store a {type(block).__name__}: pass a torch.Tensor, a numpy array or a bytes-like buffer"
         ) from None
-    return "uint8", (view.nbytes,), lambda dst: np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
+    flat = np.frombuffer(view, dtype=np.uint8)
+    return "uint8", (view.nbytes,), lambda dst: np.copyto(dst, flat), flat
 
 
-def encode_block(key: BlockKey, block: Any, allocate: Allocator = lambda n: np.empty(n, np.uint8)) -> np.ndarray:
-    """Encode `block` stored under `key` into one uint8 record from `allocate` (one copy of the payload)."""
-    name, shape, write_payload = _payload_writer(block)
-    key_text = str(key).encode()
-    payload_length = math.prod(shape) * torch_dtype(name).itemsize
-    header_length = _header_length(len(shape), len(key_text))
-    if len(shape) > _MAX_NDIM:
-        raise ConfigError(f"blocks have at most {_MAX_NDIM} dimensions, got {len(shape)}")
-    record = allocate(header_length + payload_length)
-    _FIXED.pack_into(record, 0, MAGIC, FORMAT_VERSION, DTYPE_CODES[name], len(shape), 0, len(key_text),
-                     payload_length)
-    offset = _FIXED.size
-    struct.pack_into(f"<{len(shape)}Q", record, offset, *shape)
-    offset += 8 * len(shape)
-    record[offset:offset + len(key_text)] = np.frombuffer(key_text, np.uint8)
-    record[offset + len(key_text):header_length - _CHECKSUM.size] = 0
-    payload = record[header_length:]
-    write_payload(payload)
-    checksum = _checksum(record[:header_length - _CHECKSUM.size], payload)
-    _CHECKSUM.pack_into(record, header_length - _CHECKSUM.size, checksum)
+def encode_block(label: Any, block: Any, allocate: Allocator = lambda n: np.empty(n, np.uint8)) -> np.ndarray:
+    """Encode `block` under `label` (a BlockKey or name) into one uint8 record from `allocate`."""
+    name, shape, write_payload, _flat = flat_bytes(block)
+    header = RecordHeader(str(label), name, tuple(shape))
+    packed = header.pack()
+    record = allocate(header.record_length)
+    record[:len(packed)] = np.frombuffer(packed, np.uint8)
+    checksum = new_checksum()
+    checksum.update(packed)
+    payload = record[len(packed):len(packed) + header.payload_length]
+    write_payload(payload)  # torch's copy runs on several threads: faster than copying chunk by chunk
+    checksum.update(payload)
+    TRAILER.pack_into(record, header.record_length - TRAILER.size, checksum.intdigest())
     return record
 
 
-def _checksum(header: Any, payload: Any) -> int:
-    hasher = xxhash.xxh3_64()
-    hasher.update(header)
-    hasher.update(payload)
-    return hasher.intdigest()
-
-
-def _parse(key: BlockKey, record: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
-    """Validate a record read back for `key`; return (dtype name, shape, payload as uint8)."""
-    data = np.frombuffer(record, dtype=np.uint8)
-
-    def corrupt(reason: str) -> CorruptBlock:
-        return CorruptBlock(f"block {key} is corrupt: {reason}; it must not be used (delete and re-replicate)")
-
-    if data.size < _FIXED.size:
-        raise corrupt(f"only {data.size} bytes, shorter than a block header")
-    magic, version, code, ndim, _flags, key_length, payload_length = _FIXED.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise corrupt("not a DejaVu block (bad magic)")
-    if version != FORMAT_VERSION:
-        raise corrupt(f"format version {version}, this SDK reads version {FORMAT_VERSION}")
-    if code not in DTYPE_NAMES or ndim > _MAX_NDIM:
-        raise corrupt(f"unknown dtype code {code} or {ndim} dimensions")
-    header_length = _header_length(ndim, key_length)
-    if data.size != header_length + payload_length:
-        raise corrupt(f"{data.size} bytes where the header promises {header_length + payload_length} (truncated?)")
-    shape = struct.unpack_from(f"<{ndim}Q", data, _FIXED.size)
-    name = DTYPE_NAMES[code]
-    if math.prod(shape) * torch_dtype(name).itemsize != payload_length:
-        raise corrupt(f"shape {shape} of {name} does not match {payload_length} payload bytes")
-    key_start = _FIXED.size + 8 * ndim
-    stored_key = data[key_start:key_start + key_length].tobytes().decode(errors="replace")
-    if stored_key != str(key):
-        raise corrupt(f"the record holds block {stored_key!r}")
-    payload = data[header_length:]
-    (expected,) = _CHECKSUM.unpack_from(data, header_length - _CHECKSUM.size)
-    if _checksum(data[:header_length - _CHECKSUM.size], payload) != expected:
-        raise corrupt("checksum mismatch")
-    return name, shape, payload
-
-
-def decode_block(key: BlockKey, record: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Verify a record read back for `key` and copy its payload into `out` (or a new CPU tensor)."""
-    name, shape, payload = _parse(key, record)
-    dtype = torch_dtype(name)
+def check_out(label: str, header: RecordHeader, out: Any) -> torch.Tensor:
+    """`out` if it can receive the block `header` describes, else ConfigError; a new tensor when None."""
+    dtype = torch_dtype(header.dtype)
     if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    elif not isinstance(out, torch.Tensor):
+        return torch.empty(header.shape, dtype=dtype)
+    if not isinstance(out, torch.Tensor):
         raise ConfigError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    elif out.dtype != dtype or tuple(out.shape) != shape:
+    if out.dtype != dtype or tuple(out.shape) != header.shape:
         raise ConfigError(
-            f"out is {out.dtype} {tuple(out.shape)} but block {key} holds {dtype} {shape}; "
+            f"out is {out.dtype} {tuple(out.shape)} but block {label} holds {dtype} {header.shape}; "
             "allocate out with the block's shape and dtype, or omit it"
         )
-    if out.device.type == "cpu" and out.is_contiguous():
-        np.copyto(out.detach().reshape(-1).view(torch.uint8).numpy(), payload)
-    else:
-        staging = torch.empty(payload.size, dtype=torch.uint8, pin_memory=out.device.type == "cuda")
-        np.copyto(staging.numpy(), payload)
-        out.copy_(staging.view(dtype).view(shape))
+    return out
+
+
+def host_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """The bytes of `tensor` as a writable uint8 array, or None when it is not contiguous host memory."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def copy_payload(payload: np.ndarray, out: torch.Tensor) -> None:
+    """Copy verified payload bytes into `out`, through a (pinned) staging buffer when out is not host memory."""
+    target = host_view(out)
+    if target is not None:
+        np.copyto(target, payload)
+        return
+    staging = torch.empty(payload.size, dtype=torch.uint8, pin_memory=out.device.type == "cuda")
+    np.copyto(staging.numpy(), payload)
+    out.copy_(staging.view(out.dtype).view(out.shape))
+
+
+def decode_block(label: Any, record: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Verify a record read back for `label` and copy its payload into `out` (or a new CPU tensor).
+
+    Nothing is written into `out` unless the whole record checks out.
+    """
+    label = str(label)
+    data = np.frombuffer(record, dtype=np.uint8)
+    header = RecordHeader.unpack(data, label)
+    if data.size != header.record_length:
+        raise corrupt(label, f"{data.size} bytes where the header promises {header.record_length} (truncated?)")
+    if header.label != label:
+        raise corrupt(label, f"the record holds block {header.label!r}")
+    out = check_out(label, header, out)
+    body = data[:header.record_length - TRAILER.size]
+    checksum = new_checksum()
+    checksum.update(body)
+    if checksum.intdigest() != TRAILER.unpack_from(data, body.size)[0]:
+        raise corrupt(label, "checksum mismatch")
+    copy_payload(body[header.length:], out)
     return out
