@@ -50,6 +50,13 @@ def check_stream_id(stream_id: object) -> str:
     return stream_id
 
 
+def check_key(key: object) -> BlockKey:
+    """Return `key` if it is a BlockKey; ConfigError otherwise."""
+    if not isinstance(key, BlockKey):
+        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {key!r}")
+    return key
+
+
 def _range(value: object, what: str) -> tuple[int, int]:
     try:
         start, stop = value  # type: ignore[misc]

@@ -34,6 +34,25 @@ def _bench_stores(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_store(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from .stores import open_store
+    from .transports import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with open_store(args.store) as store, serve(args.listen, store) as server:
+        print(f"serving {store.url} at {server.url}", flush=True)
+        stop.wait()
+        logging.info("stopping")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dejavu", description="KV-cache streaming for fast, fault-tolerant "
                                      "LLM serving.")
@@ -45,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-tokens", type=int, default=512)
     demo.add_argument("--new-tokens", type=int, default=128)
     demo.set_defaults(run=_demo)
+
+    serve_store = commands.add_parser("serve-store", help="hold a store in this process and serve it to peers "
+                                      "(the remote CPU tier); stops on SIGTERM or Ctrl-C")
+    serve_store.add_argument("--listen", required=True, help="tcp://host:port, ucx://host:port or nccl://host:port "
+                             "(port 0: any free port; the URL is printed)")
+    serve_store.add_argument("--store", default="memory://", help="the store to serve (default: memory://)")
+    serve_store.set_defaults(run=_serve_store)
 
     bench = commands.add_parser("bench", help="measure the SDK beside ceilings from the same run")
     benches = bench.add_subparsers(title="benchmarks", metavar="BENCH", required=True)

@@ -5,7 +5,7 @@
     file:///abs/path  file://rel   the same for fsspec's local filesystem
     s3://bucket/prefix             object storage: whatever follows :// is the fsspec path
     fsspec+memory://name           any fsspec protocol, forced through the fsspec store
-    tcp://host:port  ucx://[::1]:7000   a network peer
+    tcp://host:port  ucx://[::1]:7000   a network peer (port 0: any free port, when serving)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import attrs
 from .errors import ConfigError
 
 LOCAL_PATH_SCHEMES = frozenset({"lmdb", "file", "local"})
-NETWORK_SCHEMES = frozenset({"tcp", "ucx"})
+NETWORK_SCHEMES = frozenset({"tcp", "ucx", "nccl", "gloo"})
 FSSPEC_PREFIX = "fsspec+"
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 
@@ -71,6 +71,7 @@ def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
         port = parts.port
     except ValueError:
         port = None
-    if not parts.hostname or port is None or port == 0 or parts.path not in ("", "/"):
-        raise ConfigError(f"{text!r} must be '{scheme}://host:port' with a port from 1 to 65535 and no path")
+    if not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ConfigError(f"{text!r} must be '{scheme}://host:port' with a port from 0 to 65535 (0: any free "
+                          "port, when serving) and no path")
     return ParsedURL(text, scheme, host=parts.hostname, port=port)

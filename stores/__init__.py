@@ -4,6 +4,8 @@
     lmdb:///path         LmdbStore     LMDB on local disk (extra: lmdb)
     file:///path, s3://bucket/prefix, fsspec+memory://name, any fsspec protocol
                          FsspecStore   object storage and files through fsspec (s3 needs the extra: s3)
+    tcp://host:port, ucx://host:port
+                         RemoteStore   a store another process serves (`dejavu serve-store`)
 
 Backend classes are imported lazily, so `import dejavu_sdk.stores` pulls in no optional dependency.
 """
@@ -23,12 +25,14 @@ STORES = Registry(
     {
         "memory": Backend("dejavu_sdk.stores.memory:MemoryStore"),
         "lmdb": Backend("dejavu_sdk.stores.lmdb_store:LmdbStore", extra="lmdb"),
+        "tcp": Backend("dejavu_sdk.stores.remote:RemoteStore"),
+        "ucx": Backend("dejavu_sdk.stores.remote:RemoteStore", extra="ucx"),
     },
 )
 _FSSPEC = Backend("dejavu_sdk.stores.fsspec_store:FsspecStore")
-_LAZY = {"MemoryStore": "memory", "LmdbStore": "lmdb"}
+_LAZY = {"MemoryStore": "memory", "LmdbStore": "lmdb", "RemoteStore": "tcp"}
 
-__all__ = ["STORES", "FsspecStore", "LmdbStore", "MemoryStore", "Store", "open_store"]
+__all__ = ["STORES", "FsspecStore", "LmdbStore", "MemoryStore", "RemoteStore", "Store", "open_store"]
 
 
 def open_store(store: str | Store, **options: Any) -> Store:

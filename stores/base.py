@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..blocks import BlockKey, check_stream_id
+from ..blocks import BlockKey, check_key, check_stream_id
 from ..codec import decode_block, encode_block
 from ..errors import ConfigError, StoreClosed
 
@@ -41,12 +41,12 @@ class Store(ABC):
     def flush(self, key: BlockKey, block: Any) -> None:
         """Store `block` (a tensor on any device, a numpy array or a buffer) under `key`, replacing any."""
         self._check_open()
-        self._put(str(_check_key(key)), encode_block(key, block, self._allocate))
+        self._put(str(check_key(key)), encode_block(key, block, self._allocate))
 
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
         """Return the block stored under `key`, verified, copied into `out` when given (any device)."""
         self._check_open()
-        with self._get(str(_check_key(key))) as record:
+        with self._get(str(check_key(key))) as record:
             return decode_block(key, record, out)
 
     def keys(self, stream_id: str | None = None) -> list[BlockKey]:
@@ -110,12 +110,6 @@ class Store(ABC):
 
     def _close(self) -> None:
         """Release backend resources (connections, file handles, memory)."""
-
-
-def _check_key(key: object) -> BlockKey:
-    if not isinstance(key, BlockKey):
-        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {key!r}")
-    return key
 
 
 def _block_key_or_none(name: str) -> BlockKey | None:

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.codec import RecordHeader
+from dejavu_sdk.stores import MemoryStore
+from dejavu_sdk.testing.transports import KEY, TransportTests
+from dejavu_sdk.transports import open_transport, serve
+from dejavu_sdk.transports.wire import CONTROL, MAGIC, Op
+
+
+class TestTcpTransport(TransportTests):
+    scheme = "tcp"
+
+
+@pytest.fixture
+def server():
+    with serve("tcp://127.0.0.1:0", MemoryStore()) as server:
+        yield server
+
+
+def _raw_socket(server) -> socket.socket:
+    host, port = server.url.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _control(op: int, meta_length: int, record_length: int, version: int = 1) -> bytes:
+    """A control frame with a checksum that does not match (enough to test what is refused first)."""
+    return CONTROL.pack(MAGIC, version, op, 0, meta_length, record_length, 0)
+
+
+def _assert_still_serving(server) -> None:
+    with open_transport(server.url, timeout=10) as good:
+        good.flush(KEY, torch.arange(10))
+        assert good.fetch(KEY).tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\nHost: example\r\nAccept: */*\r\n\r\n",
+    b"\x00" * 64,
+    _control(Op.PUT, 0, 1 << 60),             # an oversized record
+    _control(Op.LIST, 1 << 31, 0),            # oversized metadata
+    _control(Op.HELLO, 0, 0, version=99),     # a future protocol version
+    _control(Op.HELLO, 0, 0),                 # a bad checksum
+])
+def test_garbage_and_oversized_frames_are_refused_and_logged(server, caplog, garbage: bytes) -> None:
+    caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
+    with _raw_socket(server) as sock:
+        sock.sendall(garbage)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(4096):  # the server answers (or not) and closes
+            reply += chunk
+    assert not reply or reply.startswith(MAGIC)
+    assert any("dropping" in record.message for record in caplog.records)
+    _assert_still_serving(server)
+
+
+def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
+    header = RecordHeader(str(KEY), "float32", (1 << 20,))
+    name = str(KEY).encode()
+    with open_transport(server.url) as good:
+        good.flush(dv.BlockKey("other", layers=(0, 1), tokens=(0, 1)), torch.ones(1))
+    with _raw_socket(server) as sock:
+        from dejavu_sdk.codec import new_checksum
+
+        unchecked = CONTROL.pack(MAGIC, 1, Op.PUT, 0, len(name), header.record_length, 0)[:-8]
+        checksum = new_checksum()
+        checksum.update(unchecked)
+        checksum.update(name)
+        sock.sendall(unchecked + struct.pack("<Q", checksum.intdigest()) + name)
+        packed = header.pack()
+        sock.sendall(packed[:20] + packed[20:] + np.ones(1 << 18, np.float32).tobytes())  # a quarter of it
+    _assert_still_serving(server)
+    assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]
+    assert server.store.fetch(KEY).tolist() == list(range(10))  # written later, whole, by the good client
+    assert any("mid-request" in record.message for record in caplog.records)
+
+
+def test_connecting_to_nobody_fails_fast_and_clearly() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    transport = open_transport(f"tcp://127.0.0.1:{port}", connect_timeout=2)
+    with pytest.raises(dv.TransportError, match="cannot connect"):
+        transport.fetch(KEY)
+
+
+@pytest.mark.parametrize("option", [{"timeout": 0}, {"timeout": -1}, {"connect_timeout": "soon"}])
+def test_bad_timeouts_are_refused(option) -> None:
+    with pytest.raises(dv.ConfigError, match="seconds"):
+        open_transport("tcp://127.0.0.1:9", **option)
+
+
+def test_transport_names_and_objects() -> None:
+    with pytest.raises(dv.ConfigError, match="unknown transport 'carrier-pigeon'"):
+        open_transport("carrier-pigeon://x:1")
+    transport = open_transport("tcp://127.0.0.1:9")
+    assert open_transport(transport) is transport
+    with pytest.raises(dv.ConfigError, match="only when the transport is given as a URL"):
+        open_transport(transport, timeout=3)

@@ -1,0 +1,278 @@
+"""Client and server logic shared by every transport built on a `Channel` (tcp, ucx, nccl/gloo).
+
+`ChannelTransport` sends one request at a time over a lazily opened channel and reopens it on the next
+call after any failure (per-link reconnect). `ChannelServer` answers requests from any number of channels
+against its store; a backend only opens, accepts and closes channels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._version import __version__
+from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
+from ..codec import TRAILER, RecordHeader, check_out, corrupt, host_view
+from ..errors import (BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError,
+                      TransportError)
+from ..stores import Store
+from .base import Server, Transport
+from .wire import (Channel, Limits, Message, Op, OutgoingRecord, PeerClosed, ProtocolError, Status,
+                   recv_message, recv_opaque, recv_record, send_message)
+
+TENSOR_LABEL = "tensor"
+_STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
+    Status.NOT_FOUND: BlockNotFound, Status.CORRUPT: CorruptBlock, Status.BAD_REQUEST: TransportError,
+    Status.FAILED: StoreError,
+}
+
+
+class ChannelTransport(Transport):
+    """A Transport over one channel, opened by `_connect` on first use and after any failure."""
+
+    def __init__(self, url: str, limits: Limits | None = None) -> None:
+        self.url = url
+        self.limits = limits or Limits()
+        self._channel: Channel | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @abstractmethod
+    def _connect(self) -> Channel:
+        """Open a new channel to the peer; TransportError if it cannot be reached in time."""
+
+    # ---- one request, one reply -----------------------------------------------------------
+    def _exchange(self, op: Op, meta: bytes = b"", record: OutgoingRecord | None = None,
+                  receive: Callable[[Channel, Message], Any] | None = None) -> tuple[Message, Any]:
+        with self._lock:
+            if self._closed:
+                raise StoreClosed(f"{self!r} is closed")
+            channel = self._channel or self._open()
+            try:
+                send_message(channel, op, meta=meta, record=record)
+                reply = recv_message(channel, self.limits)
+                received = receive(channel, reply) if receive is not None and reply.record_length else None
+            except BaseException:
+                self._drop()  # the channel's state is unknown: reopen it next time
+                raise
+        if reply.status != Status.OK:
+            raise _STATUS_ERRORS.get(reply.status, TransportError)(f"{self.url}: {reply.text}")
+        return reply, received
+
+    def _open(self) -> Channel:
+        channel = self._connect()
+        try:
+            send_message(channel, Op.HELLO, meta=f"dejavu-sdk {__version__}".encode())
+            reply = recv_message(channel, self.limits)
+        except BaseException:
+            channel.close()
+            raise
+        if reply.op != Op.REPLY or reply.status != Status.OK:
+            channel.close()
+            raise TransportError(f"{self.url} refused the connection: {reply.text}")
+        self._channel = channel
+        return channel
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # ---- the Transport interface ---------------------------------------------------------
+    def flush(self, key: BlockKey, block: Any) -> None:
+        name = str(check_key(key))
+        self._exchange(Op.PUT, name.encode(), OutgoingRecord.from_block(name, block))
+
+    def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
+        name = str(check_key(key))
+        landing: dict[str, Any] = {}
+
+        def payload_target(header: RecordHeader) -> np.ndarray:
+            try:
+                landing["out"] = check_out(name, header, out)
+            except ConfigError as error:  # still read the record, so the channel stays in step
+                landing["error"] = error
+                return np.empty(header.payload_length, np.uint8)
+            target = host_view(landing["out"])
+            if target is None:
+                landing["staging"] = torch.empty(header.payload_length, dtype=torch.uint8,
+                                                 pin_memory=landing["out"].device.type == "cuda")
+                target = landing["staging"].numpy()
+            return target
+
+        _, received = self._exchange(Op.GET, name.encode(),
+                                     receive=lambda channel, reply: recv_record(channel, reply, name, payload_target))
+        if "error" in landing:
+            raise landing["error"]
+        if not received.check_label(name):
+            raise corrupt(name, f"the record holds block {received.header.label!r}")
+        if not received.intact:
+            raise corrupt(name, "checksum mismatch")
+        result = landing["out"]
+        if "staging" in landing:
+            result.copy_(landing["staging"].view(result.dtype).view(received.header.shape))
+        return result
+
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"send_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        self._exchange(Op.TENSOR, record=OutgoingRecord.from_block(TENSOR_LABEL, tensor))
+
+    def put_record(self, name: str, record: np.ndarray) -> None:
+        self._exchange(Op.PUT_RECORD, name.encode(), OutgoingRecord.raw(record))
+
+    def get_record(self, name: str) -> np.ndarray:
+        def receive(channel: Channel, reply: Message) -> np.ndarray:
+            whole = np.empty(reply.record_length, np.uint8)
+            received = recv_record(channel, reply, name, lambda h: whole[h.length:h.length + h.payload_length])
+            whole[:received.header.length] = received.header_bytes
+            whole[whole.size - TRAILER.size:] = np.frombuffer(received.trailer, np.uint8)
+            return whole
+
+        return self._exchange(Op.GET, name.encode(), receive=receive)[1]
+
+    def names(self, prefix: str) -> list[str]:
+        reply, _ = self._exchange(Op.LIST, prefix.encode())
+        return reply.text.split("\n") if reply.meta else []
+
+    def remove(self, names: list[str]) -> None:
+        if names:
+            self._exchange(Op.REMOVE, "\n".join(names).encode())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+
+class ChannelServer(Server):
+    """Answers requests on channels against `store`; backends accept channels and call `serve_channel`."""
+
+    def __init__(self, store: Store, limits: Limits | None = None, inbox_size: int = 64) -> None:
+        self.store = store
+        self.limits = limits or Limits()
+        self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
+        self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=inbox_size)
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportError(f"no tensor arrived at {self.url} within {timeout} s") from None
+
+    def serve_channel(self, channel: Channel) -> None:
+        """Answer requests on `channel` until the peer leaves or misbehaves; never raises."""
+        self.log.info("%s connected", channel.peer)
+        try:
+            while True:
+                self._answer(channel, recv_message(channel, self.limits, idle=True))
+        except PeerClosed:
+            self.log.info("%s disconnected", channel.peer)
+        except (ProtocolError, CorruptBlock) as error:
+            self.log.warning("dropping %s: %s", channel.peer, error)
+            with contextlib.suppress(TransportError):
+                send_message(channel, Op.REPLY, status=Status.BAD_REQUEST, meta=str(error).encode())
+        except TransportError as error:
+            self.log.warning("lost %s mid-request: %s", channel.peer, error)
+        except Exception:
+            self.log.exception("unexpected error serving %s", channel.peer)
+        finally:
+            channel.close()
+
+    def _answer(self, channel: Channel, request: Message) -> None:
+        """Carry out one request and reply. Store errors become error replies; channel errors propagate."""
+        if request.op in (Op.PUT, Op.TENSOR):
+            reply = self._receive(channel, request)
+        elif request.op == Op.PUT_RECORD:
+            record = self.store._allocate(request.record_length)
+            recv_opaque(channel, request, record)
+            reply = self._store(request.text, record)
+        elif request.record_length:
+            raise ProtocolError(f"{request.op.name} requests carry no record")
+        elif request.op == Op.GET:
+            try:
+                name = _block_name(request.text)
+                with self.store._get(name) as stored:
+                    record = OutgoingRecord.from_record(stored, name)
+                    send_message(channel, Op.REPLY, record=record)  # inside: LMDB buffers live as long as this
+                    return
+            except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
+                reply = _error_reply(error)
+        elif request.op in (Op.HELLO, Op.LIST, Op.REMOVE):
+            reply = self._small(request)
+        else:
+            raise ProtocolError(f"{request.op.name} is not a request")
+        send_message(channel, Op.REPLY, status=reply[0], meta=reply[1])
+
+    def _small(self, request: Message) -> tuple[Status, bytes]:
+        try:
+            if request.op == Op.HELLO:
+                return Status.OK, f"dejavu-sdk {__version__}".encode()
+            if request.op == Op.LIST:
+                return Status.OK, "\n".join(self.store._names(_listing_prefix(request.text))).encode()
+            self.store._remove([_block_name(name) for name in request.text.split("\n")])
+            return Status.OK, b""
+        except (ConfigError, StoreError) as error:
+            return _error_reply(error)
+
+    def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
+        """Receive a PUT or TENSOR record whole, then store it or queue it; never half a record."""
+        is_tensor = request.op == Op.TENSOR
+        name = TENSOR_LABEL if is_tensor else request.text
+        buffer: dict[str, np.ndarray] = {}
+
+        def payload_target(header: RecordHeader) -> np.ndarray:
+            buffer["record"] = record = self.store._allocate(header.record_length)
+            return record[header.length:header.length + header.payload_length]
+
+        received = recv_record(channel, request, name, payload_target)
+        record, header = buffer["record"], received.header
+        record[:header.length] = received.header_bytes
+        record[record.size - TRAILER.size:] = np.frombuffer(received.trailer, np.uint8)
+        if not is_tensor:
+            return self._store(name, record)
+        if not received.intact:
+            return _error_reply(corrupt(name, "checksum mismatch"))
+        payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
+        self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
+        return Status.OK, b""
+
+    def _store(self, name: str, record: np.ndarray) -> tuple[Status, bytes]:
+        try:
+            self.store._put(_block_name(name), record)
+        except (ConfigError, StoreError) as error:
+            return _error_reply(error)
+        return Status.OK, b""
+
+
+def _block_name(name: str) -> str:
+    """Accept only names of blocks, so a peer cannot reach outside the store (paths, other records)."""
+    BlockKey.parse(name)
+    return name
+
+
+def _listing_prefix(prefix: str) -> str:
+    """Accept "" (everything) or one stream's "stream_id/"."""
+    if prefix and not (prefix.endswith("/") and check_stream_id(prefix[:-1])):
+        raise ConfigError(f"cannot list {prefix!r}")
+    return prefix
+
+
+def _error_reply(error: DejaVuError) -> tuple[Status, bytes]:
+    if isinstance(error, BlockNotFound):
+        status = Status.NOT_FOUND
+    elif isinstance(error, CorruptBlock):
+        status = Status.CORRUPT
+    elif isinstance(error, ConfigError):
+        status = Status.BAD_REQUEST
+    else:
+        status = Status.FAILED
+    return status, str(error).encode()

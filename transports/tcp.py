@@ -1,0 +1,149 @@
+"""`tcp://host:port`: blocks over plain TCP sockets, received straight into their final buffers.
+
+Sends go out from the tensor's own memory (`sendall` on memoryviews); receives land in preallocated
+buffers (`recv_into`), in 1 MiB pieces hashed while in cache. Every blocking call has a timeout: a peer
+that dies gives `TransportError` at once (connection reset or EOF), one that hangs when the timeout ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import socketserver
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import TransportError
+from ..stores import Store
+from ..urls import ParsedURL
+from .base import check_timeout
+from .channel import ChannelServer, ChannelTransport
+from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed
+
+
+class SocketChannel(Channel):
+    """A connected TCP socket; `timeout` bounds every send and receive (None: wait forever)."""
+
+    chunk_size = 1 << 20
+
+    def __init__(self, sock: socket.socket, peer: str, timeout: float | None) -> None:
+        self._sock = sock
+        self.peer = peer
+        self._timeout = timeout
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, buffer: Any) -> None:
+        try:
+            self._sock.settimeout(self._timeout)
+            self._sock.sendall(buffer)
+        except TimeoutError:
+            raise TransportError(f"sending to {self.peer} timed out after {self._timeout} s") from None
+        except OSError as error:
+            raise TransportError(f"sending to {self.peer} failed: {error}") from error
+
+    def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
+        view = memoryview(buffer).cast("B")
+        received = 0
+        self._sock.settimeout(None if idle else self._timeout)
+        while received < view.nbytes:
+            try:
+                count = self._sock.recv_into(view[received:])
+            except TimeoutError:
+                raise TransportError(f"{self.peer} sent nothing for {self._timeout} s") from None
+            except OSError as error:
+                raise TransportError(f"receiving from {self.peer} failed: {error}") from error
+            if count == 0:
+                if idle and received == 0:
+                    raise PeerClosed(f"{self.peer} closed the connection")
+                raise TransportError(f"{self.peer} closed the connection mid-message")
+            if idle and received == 0:
+                self._sock.settimeout(self._timeout)  # the rest of a message must follow promptly
+            received += count
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class TcpTransport(ChannelTransport):
+    """A connection to a `TcpServer`, reopened on the next call after any failure."""
+
+    def __init__(self, host: str, port: int, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(f"tcp://{_join(host, port)}", Limits(max_record_bytes=max_record_bytes))
+        self.address = (host, port)
+        self.timeout = check_timeout(timeout, "timeout")
+        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> TcpTransport:
+        return cls(url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
+                   max_record_bytes=max_record_bytes)
+
+    @classmethod
+    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = 60.0,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> TcpServer:
+        return TcpServer(store, url.host, url.port, timeout=timeout, max_record_bytes=max_record_bytes)
+
+    def _connect(self) -> Channel:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+        except OSError as error:
+            raise TransportError(f"cannot connect to {self.url}: {error}") from error
+        return SocketChannel(sock, self.url, self.timeout)
+
+
+class TcpServer(ChannelServer):
+    """Serves a store on a TCP port, one thread per connection. Port 0 picks a free port (see `url`)."""
+
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, timeout: float | None = 60.0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(store, Limits(max_record_bytes=max_record_bytes))
+        timeout = check_timeout(timeout, "timeout")
+        channels: set[SocketChannel] = set()
+        self._channels = channels
+        serve_channel = self.serve_channel
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                channel = SocketChannel(self.request, "tcp://" + _join(*self.client_address[:2]), timeout)
+                channels.add(channel)
+                try:
+                    serve_channel(channel)
+                finally:
+                    channels.discard(channel)
+
+        server_class = _Ipv6Server if ":" in host else _Ipv4Server
+        try:
+            self._server = server_class((host, port), Handler)
+        except OSError as error:
+            raise TransportError(f"cannot listen on tcp://{_join(host, port)}: {error}") from error
+        self.url = f"tcp://{_join(host, self._server.server_address[1])}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"dejavu-serve {self.url}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for channel in list(self._channels):
+            channel.close()
+        self._thread.join(timeout=10)
+
+
+class _Ipv4Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _Ipv6Server(_Ipv4Server):
+    address_family = socket.AF_INET6
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
