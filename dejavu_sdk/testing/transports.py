@@ -175,7 +175,7 @@ class TransportTests:
 
     # ---- failures of the peer --------------------------------------------------------------
     def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedPeer) -> None:
-        transport = open_transport(peer.url, timeout=20, **self.options)
+        transport = open_transport(peer.url, timeout=20, connect_timeout=3, **self.options)
         transport.flush(KEY, torch.ones(4))  # connected
         peer.signal(signal.SIGSTOP)  # the transfer below stalls half way, then the peer dies
         thread, outcome = _in_background(lambda: transport.flush(KEY, torch.empty(4 * BIG, dtype=torch.uint8)))

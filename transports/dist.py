@@ -1,0 +1,186 @@
+"""`nccl://host:port` and `gloo://host:port`: blocks over torch.distributed point-to-point links.
+
+Every link is a two-rank process group of its own (server rank 0, client rank 1), created through the
+server's long-lived TCPStore under a fresh prefix, so a broken link is replaced by a new one without
+touching other links or any global process group. `nccl://` uses NCCL when CUDA is available and gloo
+otherwise (the same code path, tested on CPU); `gloo://` always uses gloo.
+
+Failure behaviour of gloo (see the docs): a dead peer surfaces in tens of milliseconds, a hung one only
+through the timeout, and any timeout closes the link for good; the next call opens a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import TransportError
+from ..stores import Store
+from ..urls import ParsedURL
+from .base import check_timeout
+from .channel import ChannelServer, ChannelTransport
+from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed
+
+_TAG = 0
+_SERVER_RANK, _CLIENT_RANK = 0, 1
+_IDLE_TIMEOUT = datetime.timedelta(days=7)  # a server waits this long for a client's next request
+_SKIP_LINK_AFTER = 30.0  # seconds a server waits for a client that took a link number, then moves on
+
+
+def _uses_nccl(scheme: str) -> bool:
+    return scheme == "nccl" and torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def _seconds(value: float | None) -> datetime.timedelta:
+    return _IDLE_TIMEOUT if value is None else datetime.timedelta(seconds=value)
+
+
+def _link_group(scheme: str, store: Any, rank: int, host: str, timeout: datetime.timedelta) -> Any:
+    """A two-rank process group over `store` (a per-link prefix of the server's TCPStore)."""
+    if _uses_nccl(scheme):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+class DistChannel(Channel):
+    """One two-rank process group; each send and receive is one point-to-point message."""
+
+    chunk_size = 1 << 62  # whole payloads: each message costs a round of gloo/NCCL bookkeeping
+
+    def __init__(self, group: Any, peer_rank: int, peer: str, timeout: float | None, device: torch.device) -> None:
+        self._group = group
+        self._peer_rank = peer_rank
+        self.peer = peer
+        self._timeout = timeout
+        self._device = device
+
+    def _wait(self, work: Any, what: str, idle: bool = False) -> None:
+        try:
+            if idle or self._timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self._timeout))
+        except RuntimeError as error:
+            text = str(error)
+            if idle and ("closed" in text.lower() or "reset" in text.lower()):
+                raise PeerClosed(f"{self.peer} closed the link") from None
+            raise TransportError(f"{what} {self.peer} failed: {text.splitlines()[0]}") from error
+
+    def send(self, buffer: Any) -> None:
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+        if self._device.type != "cpu":
+            tensor = tensor.to(self._device)
+        self._wait(self._group.send([tensor], self._peer_rank, _TAG), "sending to")
+
+    def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
+        target = torch.from_numpy(buffer)
+        landing = target if self._device.type == "cpu" else torch.empty_like(target, device=self._device)
+        self._wait(self._group.recv([landing], self._peer_rank, _TAG), "receiving from", idle)
+        if landing is not target:
+            target.copy_(landing)
+
+    def close(self) -> None:
+        try:
+            self._group.abort()
+        except RuntimeError:
+            pass
+
+
+class DistTransport(ChannelTransport):
+    """A link to a `DistServer`; a broken link is replaced by a new process group on the next call."""
+
+    def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = 30.0,
+                 connect_timeout: float = 30.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(f"{scheme}://{host}:{port}", Limits(max_record_bytes=max_record_bytes))
+        self.scheme, self.host, self.port = scheme, host, port
+        self.timeout = check_timeout(timeout, "timeout")
+        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
+        self.backend = "nccl" if _uses_nccl(scheme) else "gloo"
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 30.0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> DistTransport:
+        return cls(url.scheme, url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
+                   max_record_bytes=max_record_bytes)
+
+    @classmethod
+    def serve(cls, url: ParsedURL, store: Store, *, max_record_bytes: int = MAX_RECORD_BYTES) -> DistServer:
+        return DistServer(store, url.scheme, url.host, url.port, max_record_bytes=max_record_bytes)
+
+    def _connect(self) -> Channel:
+        try:
+            rendezvous = dist.TCPStore(self.host, self.port, is_master=False,
+                                       timeout=_seconds(self.connect_timeout))
+            link = rendezvous.add("links", 1)
+            rendezvous.set(f"link/{link}/ready", self.backend)
+            group = _link_group(self.scheme, dist.PrefixStore(f"link/{link}", rendezvous), _CLIENT_RANK,
+                                self.host, _seconds(self.connect_timeout))
+        except RuntimeError as error:
+            raise TransportError(f"cannot connect to {self.url}: {str(error).splitlines()[0]}") from error
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        return DistChannel(group, _SERVER_RANK, self.url, self.timeout, device)
+
+
+class DistServer(ChannelServer):
+    """Hosts the TCPStore peers rendezvous through and serves each link on its own thread."""
+
+    def __init__(self, store: Store, scheme: str = "gloo", host: str = "127.0.0.1", port: int = 0, *,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(store, Limits(max_record_bytes=max_record_bytes))
+        self.scheme, self.host = scheme, host
+        try:
+            self._rendezvous = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                             timeout=datetime.timedelta(seconds=30))
+        except RuntimeError as error:
+            raise TransportError(f"cannot listen on {scheme}://{host}:{port}: {error}") from error
+        self.url = f"{scheme}://{host}:{self._rendezvous.port}"
+        self._stopping = threading.Event()
+        self._channels: set[DistChannel] = set()
+        self._acceptor = threading.Thread(target=self._accept_links, name=f"dejavu-serve {self.url}", daemon=True)
+        self._acceptor.start()
+
+    def _accept_links(self) -> None:
+        link, waiting_since = 1, time.monotonic()
+        while not self._stopping.is_set():
+            key = f"link/{link}/ready"
+            if not self._rendezvous.check([key]):
+                taken = self._rendezvous.add("links", 0)
+                if taken > link and time.monotonic() - waiting_since > _SKIP_LINK_AFTER:
+                    link, waiting_since = link + 1, time.monotonic()  # that client died before joining
+                time.sleep(0.02)
+                continue
+            threading.Thread(target=self._serve_link, args=(link,), daemon=True).start()
+            link, waiting_since = link + 1, time.monotonic()
+
+    def _serve_link(self, link: int) -> None:
+        try:
+            group = _link_group(self.scheme, dist.PrefixStore(f"link/{link}", self._rendezvous), _SERVER_RANK,
+                                self.host, _IDLE_TIMEOUT)
+        except RuntimeError as error:
+            self.log.warning("link %d to %s failed to form: %s", link, self.url, error)
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if _uses_nccl(self.scheme) else torch.device("cpu")
+        channel = DistChannel(group, _CLIENT_RANK, f"{self.url} link {link}", 60.0, device)
+        self._channels.add(channel)
+        try:
+            self.serve_channel(channel)
+        finally:
+            self._channels.discard(channel)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._acceptor.join(timeout=10)
+        for channel in list(self._channels):
+            channel.close()
