@@ -18,7 +18,7 @@ import attrs
 
 from .errors import ConfigError
 
-LOCAL_PATH_SCHEMES = frozenset({"lmdb", "file", "local"})
+LOCAL_PATH_SCHEMES = frozenset({"lmdb", "file"})
 NETWORK_SCHEMES = frozenset({"tcp", "ucx", "nccl", "gloo"})
 FSSPEC_PREFIX = "fsspec+"
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")

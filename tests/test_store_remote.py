@@ -28,3 +28,9 @@ class TestTcpRemoteStore(StoreTests):
     @pytest.fixture
     def store_factory(self, remote_store_factory):
         return lambda: remote_store_factory("tcp", timeout=30)
+
+
+class TestUcxRemoteStore(StoreTests):
+    @pytest.fixture
+    def store_factory(self, remote_store_factory):
+        return lambda: remote_store_factory("ucx", timeout=30)

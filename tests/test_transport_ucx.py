@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+from dejavu_sdk.testing.transports import TransportTests
+
+
+class TestUcxTransport(TransportTests):
+    scheme = "ucx"

@@ -1,0 +1,116 @@
+"""`local`: blocks between the model's device and a store in this same process.
+
+With CUDA, device->host copies run on a side stream into page-locked buffers, ordered after the work
+already queued on the caller's stream, so they overlap compute that the caller queues next; host->device
+copies of fetched blocks are queued the same way and the caller's stream waits for them on the device,
+not on the host. Without CUDA the same calls are plain copies into and out of the store.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..blocks import BlockKey, check_key
+from ..errors import ConfigError, StoreClosed, TransportError
+from ..stores import Store, open_store
+from ..urls import ParsedURL
+from .base import Transport
+
+
+class LocalTransport(Transport):
+    """Copies blocks into and out of `store` (a Store or URL, default memory://) in this process."""
+
+    def __init__(self, store: str | Store = "memory://") -> None:
+        self.store = open_store(store)
+        self.url = f"local+{self.store.url}"
+        self._side_streams: dict[torch.device, Any] = {}
+        self._inbox: queue.Queue[torch.Tensor] = queue.Queue()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, store: str | Store = "memory://") -> LocalTransport:
+        if url.path:
+            raise ConfigError(f"the local transport takes no address, got {url.text!r}; pass store=... instead")
+        return cls(store)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed")
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
+
+    def flush(self, key: BlockKey, block: Any) -> None:
+        self._check_open()
+        check_key(key)
+        if isinstance(block, torch.Tensor) and block.device.type == "cuda":
+            block = self._to_host(block)
+        self.store.flush(key, block)
+
+    def _to_host(self, block: torch.Tensor) -> torch.Tensor:
+        """Copy on the side stream, after the caller's queued work; wait for that copy alone."""
+        side = self._side_stream(block.device)
+        side.wait_stream(torch.cuda.current_stream(block.device))
+        staging = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            staging.copy_(block, non_blocking=True)
+            block.record_stream(side)  # the caching allocator must not reuse block's memory until done
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+        return staging
+
+    def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_open()
+        check_key(key)
+        if out is None or out.device.type != "cuda":
+            return self.store.fetch(key, out)
+        staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        self.store.fetch(key, out=staging)
+        side = self._side_stream(out.device)
+        side.wait_stream(torch.cuda.current_stream(out.device))  # out may still be in use by queued work
+        with torch.cuda.stream(side):
+            out.copy_(staging, non_blocking=True)
+            out.record_stream(side)
+        torch.cuda.current_stream(out.device).wait_stream(side)  # later work on the caller's stream sees it
+        return out
+
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        self._check_open()
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"send_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        self._inbox.put(tensor.detach().clone())
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        """The next tensor this process sent to itself (the local transport is its own peer)."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportError(f"no tensor arrived within {timeout} s") from None
+
+    def put_record(self, name: str, record: np.ndarray) -> None:
+        self._check_open()
+        self.store._put(name, record)
+
+    def get_record(self, name: str) -> np.ndarray:
+        self._check_open()
+        with self.store._get(name) as record:
+            return np.array(record, dtype=np.uint8, copy=True)
+
+    def names(self, prefix: str) -> list[str]:
+        self._check_open()
+        return list(self.store._names(prefix))
+
+    def remove(self, names: list[str]) -> None:
+        self._check_open()
+        self.store._remove(names)
+
+    def close(self) -> None:
+        """Close the transport; the store stays open, as it may be shared."""
+        self._closed = True
