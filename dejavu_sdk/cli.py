@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._version import __version__
 from .errors import DejaVuError
@@ -19,19 +20,39 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_stores(args: argparse.Namespace) -> int:
     from .bench.common import parse_size
-    from .bench.stores import plot_store_bench, run_store_bench
+    from .bench.stores import plot_store_bench, run_store_bench, store_bench_markdown
 
     sizes = [parse_size(size) for size in args.sizes.split(",")]
-    report = run_store_bench(sizes, args.stores.split(","), repeats=args.repeats, volume=parse_size(args.volume),
-                             directory=args.dir, progress=not args.quiet)
-    print(report.to_markdown())
+    targets = tuple(args.stores.split(","))
+    results = run_store_bench(sizes, list(targets), repeats=args.repeats, volume=parse_size(args.volume),
+                              directory=args.dir, progress=not args.quiet)
+    print(store_bench_markdown(results, targets))
+    _write_outputs(args, results, lambda path: plot_store_bench(results, targets, path))
+    return 0
+
+
+def _bench_transports(args: argparse.Namespace) -> int:
+    from .bench.common import parse_size
+    from .bench.transports import available, plot_transport_bench, run_transport_bench, transport_bench_markdown
+
+    targets, notes = available(args.transports.split(","))
+    for note in notes:
+        print(note)
+    sizes = [parse_size(size) for size in args.sizes.split(",")]
+    results = run_transport_bench(sizes, targets, repeats=args.repeats, volume=parse_size(args.volume),
+                                  progress=not args.quiet)
+    print(transport_bench_markdown(results, targets))
+    _write_outputs(args, results, lambda path: plot_transport_bench(results, targets, path))
+    return 0
+
+
+def _write_outputs(args: argparse.Namespace, results: Any, plot: Callable[[str], None]) -> None:
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(report.to_json(), file, indent=1)
+            json.dump(results.to_json(), file, indent=1)
     if args.plot:
-        plot_store_bench(report, args.plot)
+        plot(args.plot)
         print(f"plot written to {args.plot}")
-    return 0
 
 
 def _serve_store(args: argparse.Namespace) -> int:
@@ -80,11 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     stores.add_argument("--repeats", type=int, default=5)
     stores.add_argument("--volume", default="128MiB", help="bytes moved per measurement")
     stores.add_argument("--dir", help="scratch directory on the disk to measure (default: the temp dir)")
-    stores.add_argument("--json", help="also write every sample to this JSON file")
-    stores.add_argument("--plot", help="also draw the figures into this PNG file")
-    stores.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_arguments(stores)
     stores.set_defaults(run=_bench_stores)
+
+    transports = benches.add_parser("transports", help="flush/fetch throughput between two processes per "
+                                    "transport vs a plain socket")
+    transports.add_argument("--sizes", default="1MiB,64MiB", help="comma-separated block sizes")
+    transports.add_argument("--transports", default="tcp,ucx,gloo,local", help="comma-separated transports")
+    transports.add_argument("--repeats", type=int, default=5)
+    transports.add_argument("--volume", default="256MiB", help="bytes moved per measurement")
+    _add_output_arguments(transports)
+    transports.set_defaults(run=_bench_transports)
     return parser
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", help="also write every sample to this JSON file")
+    parser.add_argument("--plot", help="also draw the figures into this PNG file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

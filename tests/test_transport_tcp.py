@@ -2,18 +2,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 
-import numpy as np
 import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.codec import RecordHeader
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
 from dejavu_sdk.transports import open_transport, serve
-from dejavu_sdk.transports.wire import CONTROL, MAGIC, Op
+from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
 
 
 class TestTcpTransport(TransportTests):
@@ -31,9 +28,26 @@ def _raw_socket(server) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def _control(op: int, meta_length: int, record_length: int, version: int = 1) -> bytes:
+def _control(op: int, meta_length: int, payload_length: int, version: int = 1) -> bytes:
     """A control frame with a checksum that does not match (enough to test what is refused first)."""
-    return CONTROL.pack(MAGIC, version, op, 0, meta_length, record_length, 0)
+    return CONTROL.pack(MAGIC, version, op, 0, meta_length, 0, payload_length, 0)
+
+
+class RecordingChannel(Channel):
+    """Keeps what would be sent, to replay part of a well-formed message by hand."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+
+    def send(self, *buffers) -> None:
+        for buffer in buffers:
+            self.sent += bytes(buffer)
+
+    def recv_into(self, buffer, idle=False) -> None:
+        raise AssertionError("not used")
+
+    def close(self) -> None:
+        pass
 
 
 def _assert_still_serving(server) -> None:
@@ -65,20 +79,13 @@ def test_garbage_and_oversized_frames_are_refused_and_logged(server, caplog, gar
 
 def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
-    header = RecordHeader(str(KEY), "float32", (1 << 20,))
-    name = str(KEY).encode()
     with open_transport(server.url) as good:
         good.flush(dv.BlockKey("other", layers=(0, 1), tokens=(0, 1)), torch.ones(1))
+    recording = RecordingChannel()
+    send_message(recording, Op.PUT, meta=str(KEY).encode(),
+                 record=OutgoingRecord.from_block(str(KEY), torch.ones(1 << 20)))
     with _raw_socket(server) as sock:
-        from dejavu_sdk.codec import new_checksum
-
-        unchecked = CONTROL.pack(MAGIC, 1, Op.PUT, 0, len(name), header.record_length, 0)[:-8]
-        checksum = new_checksum()
-        checksum.update(unchecked)
-        checksum.update(name)
-        sock.sendall(unchecked + struct.pack("<Q", checksum.intdigest()) + name)
-        packed = header.pack()
-        sock.sendall(packed[:20] + packed[20:] + np.ones(1 << 18, np.float32).tobytes())  # a quarter of it
+        sock.sendall(bytes(recording.sent[: len(recording.sent) // 3]))  # then vanish
     _assert_still_serving(server)
     assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]
     assert server.store.fetch(KEY).tolist() == list(range(10))  # written later, whole, by the good client

@@ -20,13 +20,13 @@ import torch
 
 from .._version import __version__
 from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
-from ..codec import TRAILER, RecordHeader, check_out, corrupt, host_view
+from ..codec import TRAILER, check_out, corrupt, host_view
 from ..errors import (BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError,
                       TransportError)
 from ..stores import Store
 from .base import Server, Transport
-from .wire import (Channel, Limits, Message, Op, OutgoingRecord, PeerClosed, ProtocolError, Status,
-                   recv_message, recv_opaque, recv_record, send_message)
+from .wire import (Channel, Limits, Message, Op, OutgoingRecord, PeerClosed, ProtocolError, Status, recv_message,
+                   recv_payload, send_message)
 
 TENSOR_LABEL = "tensor"
 _STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
@@ -52,6 +52,7 @@ class ChannelTransport(Transport):
     # ---- one request, one reply -----------------------------------------------------------
     def _exchange(self, op: Op, meta: bytes = b"", record: OutgoingRecord | None = None,
                   receive: Callable[[Channel, Message], Any] | None = None) -> tuple[Message, Any]:
+        """Send a request and read the reply; `receive` reads the reply's record, if it has one."""
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"{self!r} is closed")
@@ -59,7 +60,9 @@ class ChannelTransport(Transport):
             try:
                 send_message(channel, op, meta=meta, record=record)
                 reply = recv_message(channel, self.limits)
-                received = receive(channel, reply) if receive is not None and reply.record_length else None
+                if reply.has_record and receive is None:
+                    raise ProtocolError(f"{self.url} answered {op.name} with an unexpected record")
+                received = receive(channel, reply) if reply.has_record else None
             except BaseException:
                 self._drop()  # the channel's state is unknown: reopen it next time
                 raise
@@ -93,32 +96,33 @@ class ChannelTransport(Transport):
 
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
         name = str(check_key(key))
-        landing: dict[str, Any] = {}
+        landed: dict[str, Any] = {}
 
-        def payload_target(header: RecordHeader) -> np.ndarray:
+        def receive(channel: Channel, reply: Message) -> bool:
+            header = reply.header
+            if header is None:
+                raise ProtocolError(f"{self.url} answered GET with bytes that are not a block record")
             try:
-                landing["out"] = check_out(name, header, out)
+                landed["out"] = check_out(name, header, out)
+                target = host_view(landed["out"])
             except ConfigError as error:  # still read the record, so the channel stays in step
-                landing["error"] = error
-                return np.empty(header.payload_length, np.uint8)
-            target = host_view(landing["out"])
+                landed["error"], target = error, None
             if target is None:
-                landing["staging"] = torch.empty(header.payload_length, dtype=torch.uint8,
-                                                 pin_memory=landing["out"].device.type == "cuda")
-                target = landing["staging"].numpy()
-            return target
+                pinned = "out" in landed and landed["out"].device.type == "cuda"
+                landed["staging"] = torch.empty(header.payload_length, dtype=torch.uint8, pin_memory=pinned)
+                target = landed["staging"].numpy()
+            return recv_payload(channel, reply, target)[0]
 
-        _, received = self._exchange(Op.GET, name.encode(),
-                                     receive=lambda channel, reply: recv_record(channel, reply, name, payload_target))
-        if "error" in landing:
-            raise landing["error"]
-        if not received.check_label(name):
-            raise corrupt(name, f"the record holds block {received.header.label!r}")
-        if not received.intact:
+        reply, intact = self._exchange(Op.GET, name.encode(), receive=receive)
+        if "error" in landed:
+            raise landed["error"]
+        if reply.header.label != name:
+            raise corrupt(name, f"the record holds block {reply.header.label!r}")
+        if not intact:
             raise corrupt(name, "checksum mismatch")
-        result = landing["out"]
-        if "staging" in landing:
-            result.copy_(landing["staging"].view(result.dtype).view(received.header.shape))
+        result = landed["out"]
+        if "staging" in landed:
+            result.copy_(landed["staging"].view(result.dtype).view(reply.header.shape))
         return result
 
     def send_tensor(self, tensor: torch.Tensor) -> None:
@@ -127,15 +131,17 @@ class ChannelTransport(Transport):
         self._exchange(Op.TENSOR, record=OutgoingRecord.from_block(TENSOR_LABEL, tensor))
 
     def put_record(self, name: str, record: np.ndarray) -> None:
-        self._exchange(Op.PUT_RECORD, name.encode(), OutgoingRecord.raw(record))
+        self._exchange(Op.PUT_RECORD, name.encode(), OutgoingRecord.opaque(record))
 
     def get_record(self, name: str) -> np.ndarray:
         def receive(channel: Channel, reply: Message) -> np.ndarray:
-            whole = np.empty(reply.record_length, np.uint8)
-            received = recv_record(channel, reply, name, lambda h: whole[h.length:h.length + h.payload_length])
-            whole[:received.header.length] = received.header_bytes
-            whole[whole.size - TRAILER.size:] = np.frombuffer(received.trailer, np.uint8)
-            return whole
+            if reply.header is None:
+                raise ProtocolError(f"{self.url} answered GET with bytes that are not a block record")
+            record = np.empty(reply.header.record_length, np.uint8)
+            record[:reply.header.length] = reply.header_bytes
+            _, trailer = recv_payload(channel, reply, record[reply.header.length:])
+            record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
+            return record  # verified later, by whoever decodes it
 
         return self._exchange(Op.GET, name.encode(), receive=receive)[1]
 
@@ -189,13 +195,9 @@ class ChannelServer(Server):
 
     def _answer(self, channel: Channel, request: Message) -> None:
         """Carry out one request and reply. Store errors become error replies; channel errors propagate."""
-        if request.op in (Op.PUT, Op.TENSOR):
-            reply = self._receive(channel, request)
-        elif request.op == Op.PUT_RECORD:
-            record = self.store._allocate(request.record_length)
-            recv_opaque(channel, request, record)
-            reply = self._store(request.text, record)
-        elif request.record_length:
+        if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORD):
+            status, meta = self._receive(channel, request)
+        elif request.has_record:
             raise ProtocolError(f"{request.op.name} requests carry no record")
         elif request.op == Op.GET:
             try:
@@ -205,12 +207,12 @@ class ChannelServer(Server):
                     send_message(channel, Op.REPLY, record=record)  # inside: LMDB buffers live as long as this
                     return
             except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
-                reply = _error_reply(error)
+                status, meta = _error_reply(error)
         elif request.op in (Op.HELLO, Op.LIST, Op.REMOVE):
-            reply = self._small(request)
+            status, meta = self._small(request)
         else:
             raise ProtocolError(f"{request.op.name} is not a request")
-        send_message(channel, Op.REPLY, status=reply[0], meta=reply[1])
+        send_message(channel, Op.REPLY, status=status, meta=meta)
 
     def _small(self, request: Message) -> tuple[Status, bytes]:
         try:
@@ -224,31 +226,30 @@ class ChannelServer(Server):
             return _error_reply(error)
 
     def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
-        """Receive a PUT or TENSOR record whole, then store it or queue it; never half a record."""
-        is_tensor = request.op == Op.TENSOR
-        name = TENSOR_LABEL if is_tensor else request.text
-        buffer: dict[str, np.ndarray] = {}
-
-        def payload_target(header: RecordHeader) -> np.ndarray:
-            buffer["record"] = record = self.store._allocate(header.record_length)
-            return record[header.length:header.length + header.payload_length]
-
-        received = recv_record(channel, request, name, payload_target)
-        record, header = buffer["record"], received.header
-        record[:header.length] = received.header_bytes
-        record[record.size - TRAILER.size:] = np.frombuffer(received.trailer, np.uint8)
-        if not is_tensor:
-            return self._store(name, record)
-        if not received.intact:
-            return _error_reply(corrupt(name, "checksum mismatch"))
-        payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
-        self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
-        return Status.OK, b""
-
-    def _store(self, name: str, record: np.ndarray) -> tuple[Status, bytes]:
+        """Receive a record whole and verified, then store it or queue it; never store half a record."""
+        header = request.header
+        if (request.op == Op.PUT_RECORD) != (header is None):
+            raise ProtocolError(f"{request.op.name} with{'out' if header is None else ''} a record header")
+        if header is None:
+            record = self.store._allocate(request.payload_length)
+            intact, _ = recv_payload(channel, request, record)
+        else:
+            record = self.store._allocate(header.record_length)
+            record[:header.length] = request.header_bytes
+            intact, trailer = recv_payload(channel, request, record[header.length:])
+            record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
+        if not intact:
+            return Status.BAD_REQUEST, f"a record from {channel.peer} was damaged in transit".encode()
+        if request.op == Op.TENSOR:
+            payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
+            self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
+            return Status.OK, b""
         try:
-            self.store._put(_block_name(name), record)
-        except (ConfigError, StoreError) as error:
+            name = _block_name(request.text)
+            if header is not None and header.label != name:
+                raise corrupt(name, f"the record holds block {header.label!r}")
+            self.store._put(name, record)
+        except (ConfigError, CorruptBlock, StoreError) as error:
             return _error_reply(error)
         return Status.OK, b""
 

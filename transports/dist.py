@@ -25,7 +25,7 @@ from ..stores import Store
 from ..urls import ParsedURL
 from .base import check_timeout
 from .channel import ChannelServer, ChannelTransport
-from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed
+from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed, one_array as _one_array
 
 _TAG = 0
 _SERVER_RANK, _CLIENT_RANK = 0, 1
@@ -77,9 +77,9 @@ class DistChannel(Channel):
                 raise PeerClosed(f"{self.peer} closed the link") from None
             raise TransportError(f"{what} {self.peer} failed: {text.splitlines()[0]}") from error
 
-    def send(self, buffer: Any) -> None:
-        array = np.frombuffer(buffer, dtype=np.uint8)
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+    def send(self, *buffers: Any) -> None:
+        array = _one_array(buffers)
+        tensor = torch.from_numpy(array)
         if self._device.type != "cpu":
             tensor = tensor.to(self._device)
         self._wait(self._group.send([tensor], self._peer_rank, _TAG), "sending to")

@@ -34,10 +34,13 @@ class SocketChannel(Channel):
         self._timeout = timeout
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def send(self, buffer: Any) -> None:
+    def send(self, *buffers: Any) -> None:
         try:
             self._sock.settimeout(self._timeout)
-            self._sock.sendall(buffer)
+            if len(buffers) == 1:
+                self._sock.sendall(buffers[0])
+            else:  # small parts: one segment, one system call
+                self._sock.sendall(b"".join(bytes(buffer) for buffer in buffers))
         except TimeoutError:
             raise TransportError(f"sending to {self.peer} timed out after {self._timeout} s") from None
         except OSError as error:

@@ -25,7 +25,7 @@ from ..stores import Store  # noqa: E402
 from ..urls import ParsedURL  # noqa: E402
 from .base import check_timeout  # noqa: E402
 from .channel import ChannelServer, ChannelTransport  # noqa: E402
-from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed  # noqa: E402
+from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed, one_array as _one_array  # noqa: E402
 
 
 class _EventLoop:
@@ -72,10 +72,8 @@ class UcxChannel(Channel):
         self.peer = peer
         self._timeout = timeout
 
-    def send(self, buffer: Any) -> None:
-        array = np.frombuffer(buffer, dtype=np.uint8)
-        if not array.flags.writeable:
-            array = array.copy()
+    def send(self, *buffers: Any) -> None:
+        array = _one_array(buffers)
         self._loop.run(self._endpoint.send(array), self._timeout, f"sending to {self.peer}")
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:

@@ -1,18 +1,18 @@
 """The wire format shared by the tcp, ucx and nccl/gloo transports, over any `Channel`.
 
-A message is a control frame, optional metadata, and an optional record:
+A message is at most four sends, always in this order:
 
-    control  magic "DJVT" | version u8 | op u8 | status u16 | meta length u32 | record length u64 |
-             XXH3-64 of the preceding 20 bytes and the metadata, u64
-    meta     utf-8: a block name, a list of names, or an error message
-    record   a block record (see `dejavu_sdk.codec`), sent as: fixed header | rest of the header |
-             payload chunks | record trailer, then a frame trailer: XXH3-64 of the record bytes as sent
-             (PUT_RECORD sends its record as opaque chunks and the frame trailer, unparsed)
+    control   magic "DJVT" | version u8 | op u8 | status u16 | meta length u32 | header length u32 |
+              payload length u64 | XXH3-64 of the preceding 24 bytes, the metadata and the header, u64
+    head      the metadata (utf-8: a block name, a list of names, an error) then a block record's header
+    payload   the record's payload, in `channel.chunk_size` pieces
+    trailer   u64: for a block record, its own checksum (header and payload, see `dejavu_sdk.codec`);
+              for an opaque record (header length 0), XXH3-64 of the payload
 
-Both ends cut a record into the same pieces, so message-oriented channels (UCX, torch.distributed),
-whose receives must match sends, work exactly like a byte stream. Every chunk is hashed while in cache.
-The frame trailer proves the bytes crossed intact; the record's own checksum is verified end to end by
-whoever decodes the block, so a store behind a server keeps records exactly as they were sent.
+Sizes always follow from the control frame, so message-oriented channels (UCX, torch.distributed),
+whose receives must match sends, work exactly like a byte stream. Each payload piece is hashed once, on
+each side, while it is in cache. A block record keeps its own checksum end to end: a server stores the
+bytes it verified, and a client fetching them verifies them again as they arrive.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from __future__ import annotations
 import enum
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 import numpy as np
 
-from ..codec import FIXED, TRAILER, RecordHeader, corrupt, flat_bytes, new_checksum
+from ..codec import TRAILER, RecordHeader, corrupt, flat_bytes, new_checksum
 from ..errors import TransportError
 
 MAGIC = b"DJVT"
 PROTOCOL_VERSION = 1
-CONTROL = struct.Struct("<4sBBHIQQ")
+CONTROL = struct.Struct("<4sBBHIIQQ")
 _UNCHECKED = CONTROL.size - 8
+MAX_RECORD_BYTES = 4 << 30
 
 
 class Op(enum.IntEnum):
@@ -62,9 +62,6 @@ class PeerClosed(TransportError):
     """The peer closed the channel."""
 
 
-MAX_RECORD_BYTES = 4 << 30
-
-
 @attrs.frozen
 class Limits:
     """The largest message parts a receiver accepts before allocating anything."""
@@ -75,15 +72,15 @@ class Limits:
 
 class Channel(ABC):
     """An ordered, reliable link to one peer. Each `recv_into` fills exactly one buffer, matching one `send`
-    of the same size on the other side (byte streams trivially do)."""
+    of the same total size on the other side (byte streams trivially do)."""
 
     #: Largest payload piece per send; byte streams use small pieces so each is hashed while in cache.
     chunk_size: int = 1 << 20
     peer: str = "?"
 
     @abstractmethod
-    def send(self, buffer: Any) -> None:
-        """Send a contiguous buffer; TransportError if the peer is gone or the send times out."""
+    def send(self, *buffers: Any) -> None:
+        """Send the buffers as one message; TransportError if the peer is gone or the send times out."""
 
     @abstractmethod
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
@@ -95,40 +92,21 @@ class Channel(ABC):
         """Release the link; the peer sees it closed."""
 
 
-@attrs.frozen
-class Message:
-    op: Op
-    status: Status
-    meta: bytes
-    record_length: int
-
-    @property
-    def text(self) -> str:
-        return self.meta.decode(errors="replace")
+def one_array(buffers: tuple[Any, ...]) -> np.ndarray:
+    """The buffers of one send as a single writable uint8 array (copied only when they must be)."""
+    if len(buffers) == 1:
+        array = np.frombuffer(buffers[0], dtype=np.uint8)
+        return array if array.flags.writeable else array.copy()
+    return np.frombuffer(b"".join(bytes(buffer) for buffer in buffers), dtype=np.uint8).copy()
 
 
 @attrs.frozen
 class OutgoingRecord:
-    """A record to send: its header bytes, payload bytes and, if already known, its trailer.
-
-    An opaque record (`header` empty) is sent as bytes the receiver does not parse.
-    """
+    """A record to send: header bytes (empty for opaque bytes), payload and, if already known, its trailer."""
 
     header: bytes | np.ndarray
     payload: np.ndarray
     trailer: bytes | np.ndarray | None = None
-
-    @property
-    def opaque(self) -> bool:
-        return len(self.header) == 0
-
-    @property
-    def length(self) -> int:
-        return self.payload.size if self.opaque else len(self.header) + self.payload.size + TRAILER.size
-
-    @classmethod
-    def raw(cls, data: Any) -> OutgoingRecord:
-        return cls(b"", np.frombuffer(data, dtype=np.uint8))
 
     @classmethod
     def from_block(cls, label: str, block: Any) -> OutgoingRecord:
@@ -142,7 +120,7 @@ class OutgoingRecord:
 
     @classmethod
     def from_record(cls, record: Any, label: str) -> OutgoingRecord:
-        """Send an encoded record as it is stored (its trailer included, damage and all)."""
+        """Send an encoded record as it is stored, trailer included (it is checked by the receiver)."""
         data = np.frombuffer(record, dtype=np.uint8)
         header = RecordHeader.unpack(data, label)  # CorruptBlock if the stored header is damaged
         if data.size != header.record_length:
@@ -150,134 +128,108 @@ class OutgoingRecord:
         end = data.size - TRAILER.size
         return cls(data[:header.length], data[header.length:end], data[end:])
 
+    @classmethod
+    def opaque(cls, data: Any) -> OutgoingRecord:
+        """Bytes the receiver stores without parsing (a record as some store holds it, damage and all)."""
+        return cls(b"", np.frombuffer(data, dtype=np.uint8))
+
 
 def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: bytes = b"",
                  record: OutgoingRecord | None = None) -> None:
-    """Send one message; the record, if any, is streamed chunk by chunk."""
-    length = record.length if record is not None else 0
-    unchecked = CONTROL.pack(MAGIC, PROTOCOL_VERSION, op, status, len(meta), length, 0)[:_UNCHECKED]
+    """Send one message; a record's payload is streamed and hashed chunk by chunk."""
+    header = bytes(record.header) if record is not None else b""
+    payload = record.payload if record is not None else np.empty(0, np.uint8)
+    unchecked = CONTROL.pack(MAGIC, PROTOCOL_VERSION, op, status, len(meta), len(header), payload.size, 0)
     checksum = new_checksum()
-    checksum.update(unchecked)
-    checksum.update(meta)
-    channel.send(unchecked + struct.pack("<Q", checksum.intdigest()))
-    if meta:
-        channel.send(meta)
-    if record is not None:
-        _send_record(channel, record)
-
-
-def _send_record(channel: Channel, record: OutgoingRecord) -> None:
-    frame = new_checksum()
-    if record.opaque:
-        _send_chunks(channel, record.payload, frame)
-        channel.send(TRAILER.pack(frame.intdigest()))
+    for part in (unchecked[:_UNCHECKED], meta, header):
+        checksum.update(part)
+    control = unchecked[:_UNCHECKED] + struct.pack("<Q", checksum.intdigest())
+    channel.send(control)
+    if meta or header:
+        channel.send(meta, header)
+    if record is None:
         return
-    header = np.frombuffer(record.header, dtype=np.uint8)
-    own = new_checksum() if record.trailer is None else None
-    for piece in (header[:FIXED.size], header[FIXED.size:]):
-        frame.update(piece)
-        channel.send(piece)
-    if own is not None:
-        own.update(header)
-    _send_chunks(channel, record.payload, frame, own)
-    trailer = TRAILER.pack(own.intdigest()) if own is not None else bytes(record.trailer)
-    frame.update(trailer)
-    channel.send(trailer)
-    channel.send(TRAILER.pack(frame.intdigest()))
-
-
-def _send_chunks(channel: Channel, payload: np.ndarray, *checksums: Any) -> None:
+    payload_checksum = new_checksum() if record.trailer is None else None
+    if payload_checksum is not None and header:
+        payload_checksum.update(header)
     step = channel.chunk_size
     for start in range(0, payload.size, step):
         piece = payload[start:start + step]
-        for checksum in checksums:
-            if checksum is not None:
-                checksum.update(piece)
+        if payload_checksum is not None:
+            payload_checksum.update(piece)
         channel.send(piece)
+    channel.send(bytes(record.trailer) if payload_checksum is None else TRAILER.pack(payload_checksum.intdigest()))
+
+
+@attrs.frozen
+class Message:
+    """A received control frame and head; a record's payload is still to be read with `recv_payload`."""
+
+    op: Op
+    status: Status
+    meta: bytes
+    header: RecordHeader | None
+    header_bytes: np.ndarray
+    payload_length: int
+
+    @property
+    def text(self) -> str:
+        return self.meta.decode(errors="replace")
+
+    @property
+    def has_record(self) -> bool:
+        return self.header is not None or self.payload_length > 0
 
 
 def recv_message(channel: Channel, limits: Limits, idle: bool = False) -> Message:
-    """Receive the control frame and metadata of the next message; ProtocolError if it is not valid."""
+    """Receive the control frame and head of the next message; ProtocolError if they are not valid."""
     control = np.empty(CONTROL.size, dtype=np.uint8)
     channel.recv_into(control, idle=idle)
-    magic, version, op, status, meta_length, record_length, expected = CONTROL.unpack(control.tobytes())
+    magic, version, op, status, meta_length, header_length, payload_length, expected = CONTROL.unpack(
+        control.tobytes())
     if magic != MAGIC:
         raise ProtocolError(f"{channel.peer} sent a frame that does not start with {MAGIC!r}")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"{channel.peer} speaks protocol version {version}, this SDK {PROTOCOL_VERSION}")
-    if meta_length > limits.max_meta_bytes or record_length > limits.max_record_bytes:
-        raise ProtocolError(
-            f"{channel.peer} sent a frame of {meta_length} + {record_length} bytes, over the limit of "
-            f"{limits.max_meta_bytes} + {limits.max_record_bytes}")
-    meta = np.empty(meta_length, dtype=np.uint8)
-    if meta_length:
-        channel.recv_into(meta)
+    if meta_length > limits.max_meta_bytes or header_length > 4096 or payload_length > limits.max_record_bytes:
+        raise ProtocolError(f"{channel.peer} sent a frame of {meta_length} + {header_length} + {payload_length} "
+                            f"bytes, over the limit of {limits.max_meta_bytes} + 4096 + {limits.max_record_bytes}")
+    head = np.empty(meta_length + header_length, dtype=np.uint8)
+    if head.size:
+        channel.recv_into(head)
     checksum = new_checksum()
     checksum.update(control[:_UNCHECKED])
-    checksum.update(meta)
+    checksum.update(head)
     if checksum.intdigest() != expected:
         raise ProtocolError(f"{channel.peer} sent a control frame that fails its checksum")
     try:
-        return Message(Op(op), Status(status), meta.tobytes(), record_length)
+        kind, state = Op(op), Status(status)
     except ValueError:
         raise ProtocolError(f"{channel.peer} sent unknown op {op} or status {status}") from None
+    header_bytes = head[meta_length:]
+    header = None
+    if header_length:
+        header = RecordHeader.unpack(header_bytes, "from " + channel.peer)
+        if header.length != header_length or header.payload_length != payload_length:
+            raise ProtocolError(f"{channel.peer} sent a record header that does not match its frame")
+    return Message(kind, state, head[:meta_length].tobytes(), header, header_bytes, payload_length)
 
 
-@attrs.frozen
-class ReceivedRecord:
-    header: RecordHeader
-    header_bytes: np.ndarray
-    trailer: bytes
-    intact: bool  # the record's own checksum holds
+def recv_payload(channel: Channel, message: Message, target: np.ndarray) -> tuple[bool, bytes]:
+    """Receive the payload `message` announced into `target`, then its trailer.
 
-    def check_label(self, label: str) -> bool:
-        return self.header.label == label
-
-
-def recv_record(channel: Channel, message: Message, label: str,
-                payload_target: Callable[[RecordHeader], np.ndarray]) -> ReceivedRecord:
-    """Receive the record `message` announced, its payload into `payload_target(header)`.
-
-    ProtocolError if the bytes were damaged in transit or do not add up; CorruptBlock if the header itself
-    is damaged (the channel is out of step then and must be closed).
+    Returns whether the checksum holds (over header and payload for a block record, the payload alone
+    for an opaque one) and the trailer as received.
     """
-    fixed = np.empty(FIXED.size, dtype=np.uint8)
-    channel.recv_into(fixed)
-    header_bytes = np.empty(RecordHeader.length_from_fixed(fixed, label), dtype=np.uint8)
-    header_bytes[:FIXED.size] = fixed
-    channel.recv_into(header_bytes[FIXED.size:])
-    header = RecordHeader.unpack(header_bytes, label)
-    if header.record_length != message.record_length:
-        raise ProtocolError(f"{channel.peer} announced {message.record_length} record bytes but sent "
-                            f"a header for {header.record_length}")
-    frame, own = new_checksum(), new_checksum()
-    frame.update(header_bytes)
-    own.update(header_bytes)
-    _recv_chunks(channel, payload_target(header)[:header.payload_length], frame, own)
-    trailers = np.empty(2 * TRAILER.size, dtype=np.uint8)
-    channel.recv_into(trailers[:TRAILER.size])
-    channel.recv_into(trailers[TRAILER.size:])
-    trailer = trailers[:TRAILER.size].tobytes()
-    frame.update(trailer)
-    if frame.intdigest() != TRAILER.unpack(trailers[TRAILER.size:].tobytes())[0]:
-        raise ProtocolError(f"a record from {channel.peer} was damaged in transit (frame checksum mismatch)")
-    return ReceivedRecord(header, header_bytes, trailer, own.intdigest() == TRAILER.unpack(trailer)[0])
-
-
-def recv_opaque(channel: Channel, message: Message, target: np.ndarray) -> None:
-    """Receive an opaque record into `target` (of `message.record_length` bytes); ProtocolError if damaged."""
-    frame = new_checksum()
-    _recv_chunks(channel, target, frame)
-    trailer = np.empty(TRAILER.size, dtype=np.uint8)
-    channel.recv_into(trailer)
-    if frame.intdigest() != TRAILER.unpack(trailer.tobytes())[0]:
-        raise ProtocolError(f"a record from {channel.peer} was damaged in transit (frame checksum mismatch)")
-
-
-def _recv_chunks(channel: Channel, target: np.ndarray, *checksums: Any) -> None:
+    checksum = new_checksum()
+    if message.header is not None:
+        checksum.update(message.header_bytes)
     step = channel.chunk_size
-    for start in range(0, target.size, step):
+    target = target[:message.payload_length]
+    for start in range(0, message.payload_length, step):
         piece = target[start:start + step]
         channel.recv_into(piece)
-        for checksum in checksums:
-            checksum.update(piece)
+        checksum.update(piece)
+    trailer = np.empty(TRAILER.size, dtype=np.uint8)
+    channel.recv_into(trailer)
+    return checksum.intdigest() == TRAILER.unpack(trailer.tobytes())[0], trailer.tobytes()

@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 
 from .._version import __version__
@@ -58,3 +59,50 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@attrs.frozen
+class Throughputs:
+    """Per-repeat throughputs in GB/s, keyed by (block size, what was measured), and where they came from."""
+
+    machine: str
+    sizes: tuple[int, ...]
+    samples: dict[tuple[int, str], list[float]]
+
+    def gbps(self, size: int, what: str) -> float:
+        return median(self.samples[(size, what)])
+
+    @property
+    def repeats(self) -> int:
+        return len(next(iter(self.samples.values())))
+
+    def to_json(self) -> dict:
+        return {"machine": self.machine, "samples": [
+            {"block_bytes": size, "what": what, "gbps": values} for (size, what), values in self.samples.items()]}
+
+
+def plot_operations(path: str, title: str, results: Throughputs, targets: Sequence[str],
+                    ceiling_of: Callable[[str, str], str]) -> None:
+    """Bars of '<target> flush' and '<target> fetch' per block size, with each one's ceiling as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figure, axes = plt.subplots(1, len(results.sizes), figsize=(6 * len(results.sizes), 4), squeeze=False)
+    for axis, size in zip(axes[0], results.sizes):
+        positions = np.arange(len(targets))
+        for offset, operation in ((-0.2, "flush"), (0.2, "fetch")):
+            values = [results.gbps(size, f"{t} {operation}") for t in targets]
+            ceilings = [results.gbps(size, ceiling_of(t, operation)) for t in targets]
+            axis.bar(positions + offset, values, width=0.4, label=operation)
+            axis.scatter(positions + offset, ceilings, marker="_", s=400, color="black",
+                         label="ceiling" if operation == "flush" else None)
+        axis.set_xticks(positions, targets)
+        axis.set_ylabel("GB/s")
+        axis.set_title(f"{format_size(size)} blocks")
+        axis.legend()
+    figure.suptitle(f"{title} (medians of {results.repeats}; black ticks: ceilings from the same run)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..blocks import BlockKey
 from ..errors import ConfigError
 from ..stores import Store, open_store
-from .common import format_size, machine_description, markdown_table, median, seconds
+from .common import Throughputs, format_size, machine_description, markdown_table, plot_operations, seconds
 
 CEILINGS = ("memcpy", "xxh3 checksum", "file write", "file write+fsync", "file read")
 
@@ -47,46 +47,24 @@ TARGETS = {
 }
 
 
-@attrs.frozen
-class StoreBenchReport:
-    """Per-repeat throughputs in GB/s, keyed by (block size, what was measured)."""
-
-    machine: str
-    sizes: tuple[int, ...]
-    targets: tuple[str, ...]
-    samples: dict[tuple[int, str], list[float]]
-
-    def gbps(self, size: int, what: str) -> float:
-        return median(self.samples[(size, what)])
-
-    def ratio(self, size: int, target: str, operation: str) -> float:
+def store_bench_markdown(results: Throughputs, targets: tuple[str, ...]) -> str:
+    """The ceilings table and the stores table, each store beside the ceilings that bound it."""
+    def ratio(size: int, target: str, operation: str) -> str:
         ceiling = getattr(TARGETS[target], f"{operation}_ceiling")
-        return self.gbps(size, f"{target} {operation}") / self.gbps(size, ceiling)
+        return f"{results.gbps(size, f'{target} {operation}') / results.gbps(size, ceiling):.0%} of {ceiling}"
 
-    def to_markdown(self) -> str:
-        ceilings = markdown_table(
-            ["block", *CEILINGS],
-            [[format_size(s), *(f"{self.gbps(s, c):.2f}" for c in CEILINGS)] for s in self.sizes],
-        )
-        rows = []
-        for size in self.sizes:
-            for target in self.targets:
-                spec = TARGETS[target]
-                rows.append([
-                    format_size(size), target,
-                    f"{self.gbps(size, f'{target} flush'):.2f}", f"{self.gbps(size, f'{target} fetch'):.2f}",
-                    f"{self.ratio(size, target, 'flush'):.0%} of {spec.flush_ceiling}",
-                    f"{self.ratio(size, target, 'fetch'):.0%} of {spec.fetch_ceiling}",
-                ])
-        stores = markdown_table(["block", "store", "flush GB/s", "fetch GB/s", "flush vs ceiling",
-                                 "fetch vs ceiling"], rows)
-        repeats = len(next(iter(self.samples.values())))
-        return (f"Machine: {self.machine}\nMedians of {repeats} repeats.\n\nCeilings (GB/s):\n\n{ceilings}\n\n"
-                f"Stores:\n\n{stores}\n")
-
-    def to_json(self) -> dict:
-        return {"machine": self.machine, "samples": [
-            {"block_bytes": size, "what": what, "gbps": values} for (size, what), values in self.samples.items()]}
+    ceilings = markdown_table(
+        ["block", *CEILINGS],
+        [[format_size(s), *(f"{results.gbps(s, c):.2f}" for c in CEILINGS)] for s in results.sizes],
+    )
+    stores = markdown_table(
+        ["block", "store", "flush GB/s", "fetch GB/s", "flush vs ceiling", "fetch vs ceiling"],
+        [[format_size(size), target, f"{results.gbps(size, f'{target} flush'):.2f}",
+          f"{results.gbps(size, f'{target} fetch'):.2f}", ratio(size, target, "flush"), ratio(size, target, "fetch")]
+         for size in results.sizes for target in targets],
+    )
+    return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s):\n\n"
+            f"{ceilings}\n\nStores:\n\n{stores}\n")
 
 
 def _ceilings(size: int, count: int, source: np.ndarray, directory: str) -> Iterator[tuple[str, float]]:
@@ -135,7 +113,7 @@ def _store(target: Target, count: int, block: torch.Tensor, directory: str) -> I
 
 
 def run_store_bench(sizes: list[int], targets: list[str], repeats: int = 5, volume: int = 128 << 20,
-                    directory: str | None = None, progress: bool = True) -> StoreBenchReport:
+                    directory: str | None = None, progress: bool = True) -> Throughputs:
     """Measure every target and ceiling `repeats` times for each block size; `volume` bytes per measurement."""
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
@@ -157,29 +135,9 @@ def run_store_bench(sizes: list[int], targets: list[str], repeats: int = 5, volu
                 for what, elapsed in measured:
                     samples[(size, what)].append(count * size / elapsed / 1e9)
                 bar.set_postfix(repeat=f"{repeat + 1}/{repeats}")
-    return StoreBenchReport(machine_description(), tuple(sizes), tuple(targets), dict(samples))
+    return Throughputs(machine_description(), tuple(sizes), dict(samples))
 
 
-def plot_store_bench(report: StoreBenchReport, path: str) -> None:
-    """Bars of flush and fetch GB/s per store and block size, with each store's ceilings as ticks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(report.sizes), figsize=(6 * len(report.sizes), 4), squeeze=False)
-    for axis, size in zip(axes[0], report.sizes):
-        positions = np.arange(len(report.targets))
-        for offset, operation in ((-0.2, "flush"), (0.2, "fetch")):
-            values = [report.gbps(size, f"{t} {operation}") for t in report.targets]
-            ceilings = [report.gbps(size, getattr(TARGETS[t], f"{operation}_ceiling")) for t in report.targets]
-            axis.bar(positions + offset, values, width=0.4, label=operation)
-            axis.scatter(positions + offset, ceilings, marker="_", s=400, color="black",
-                         label="ceiling" if operation == "flush" else None)
-        axis.set_xticks(positions, report.targets)
-        axis.set_ylabel("GB/s")
-        axis.set_title(f"{format_size(size)} blocks")
-        axis.legend()
-    figure.suptitle("dejavu bench stores (medians; black ticks: ceilings)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+def plot_store_bench(results: Throughputs, targets: tuple[str, ...], path: str) -> None:
+    plot_operations(path, "dejavu bench stores", results, targets,
+                    lambda target, operation: getattr(TARGETS[target], f"{operation}_ceiling"))

@@ -9,10 +9,7 @@ the peer-death and timeout tests, which kill or freeze that child.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,30 +23,10 @@ from ..errors import BlockNotFound, ConfigError, StoreClosed, TransportError
 from ..stores import MemoryStore
 from ..tensors import random_tensor, same_bits
 from ..transports import Server, Transport, open_transport, serve
+from ..transports.child import ServedStoreProcess
 
 KEY = BlockKey("req-1", layers=(0, 2), tokens=(0, 16))
 BIG = 64 << 20
-
-
-class ServedPeer:
-    """A `dejavu serve-store` child process serving memory:// at `url`."""
-
-    def __init__(self, scheme: str) -> None:
-        command = [sys.executable, "-m", "dejavu_sdk.cli", "serve-store", "--listen", f"{scheme}://127.0.0.1:0"]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.process.stdout.readline()
-        if " at " not in line:
-            self.process.kill()
-            raise RuntimeError(f"serve-store did not start: {line!r} {self.process.stderr.read()}")
-        self.url = line.rsplit(" at ", 1)[1].strip()
-
-    def signal(self, signum: int) -> None:
-        os.kill(self.process.pid, signum)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
 
 
 def _in_background(action: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -84,10 +61,9 @@ class TransportTests:
             yield transport
 
     @pytest.fixture
-    def peer(self) -> Iterator[ServedPeer]:
-        peer = ServedPeer(self.scheme)
-        yield peer
-        peer.stop()
+    def peer(self) -> Iterator[ServedStoreProcess]:
+        with ServedStoreProcess(self.scheme) as peer:
+            yield peer
 
     # ---- blocks ----------------------------------------------------------------------------
     @pytest.mark.parametrize("dtype_name", sorted(DTYPE_CODES))
@@ -174,7 +150,7 @@ class TransportTests:
         assert len(transport.names("")) == 40
 
     # ---- failures of the peer --------------------------------------------------------------
-    def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedPeer) -> None:
+    def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedStoreProcess) -> None:
         transport = open_transport(peer.url, timeout=20, connect_timeout=3, **self.options)
         transport.flush(KEY, torch.ones(4))  # connected
         peer.signal(signal.SIGSTOP)  # the transfer below stalls half way, then the peer dies
@@ -191,7 +167,7 @@ class TransportTests:
         transport.close()
 
     def test_a_hung_peer_gives_transport_error_within_the_timeout_then_the_link_recovers(
-            self, peer: ServedPeer) -> None:
+            self, peer: ServedStoreProcess) -> None:
         transport = open_transport(peer.url, timeout=1.0, **self.options)
         transport.flush(KEY, torch.ones(4))
         peer.signal(signal.SIGSTOP)
@@ -203,7 +179,7 @@ class TransportTests:
         assert transport.fetch(KEY).tolist() == [1.0] * 4  # reconnected
         transport.close()
 
-    def test_the_server_stops_cleanly_on_sigterm(self, peer: ServedPeer) -> None:
+    def test_the_server_stops_cleanly_on_sigterm(self, peer: ServedStoreProcess) -> None:
         with open_transport(peer.url, **self.options) as transport:
             transport.flush(KEY, torch.ones(4))
         peer.signal(signal.SIGTERM)

@@ -1,0 +1,88 @@
+"""The plain-socket ceiling for `dejavu bench transports`: the least work a TCP transfer can be.
+
+Run as a child process (`python -m dejavu_sdk.bench.plain_socket`); it prints its port and serves one
+connection. Each command is one byte and a u64 size:
+    K  receive `size` bytes into a fresh buffer and keep it, as a store must (then ack 1 byte)
+    R  receive `size` bytes into one reused buffer (then ack 1 byte)
+    S  send `size` bytes from one buffer
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+COMMAND = struct.Struct("<cQ")
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    received = 0
+    while received < view.nbytes:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("peer closed")
+        received += count
+
+
+def serve_one_connection() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        print(listener.getsockname()[1], flush=True)
+        connection, _ = listener.accept()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reused = np.empty(0, np.uint8)
+    kept: list[np.ndarray] = []
+    command = bytearray(COMMAND.size)
+    with connection:
+        while True:
+            try:
+                _recv_exactly(connection, memoryview(command))
+            except ConnectionError:
+                return
+            kind, size = COMMAND.unpack(command)
+            if reused.size < size:
+                reused = np.ones(size, np.uint8)
+            if kind == b"K":
+                kept.append(np.empty(size, np.uint8))
+                _recv_exactly(connection, memoryview(kept[-1]))
+                kept = kept[-4:]  # keep a few, like a store, without growing forever
+                connection.sendall(b"k")
+            elif kind == b"R":
+                _recv_exactly(connection, memoryview(reused)[:size])
+                connection.sendall(b"k")
+            else:
+                connection.sendall(memoryview(reused)[:size])
+
+
+class PlainSocketPeer:
+    """Starts the child and speaks to it: `keep`, `reuse` (client sends) and `source` (client receives)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.bench.plain_socket"],
+                                        stdout=subprocess.PIPE, text=True)
+        port = int(self.process.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._ack = bytearray(1)
+
+    def send(self, block: np.ndarray, keep: bool) -> None:
+        self.sock.sendall(COMMAND.pack(b"K" if keep else b"R", block.size))
+        self.sock.sendall(memoryview(block))
+        _recv_exactly(self.sock, memoryview(self._ack))
+
+    def receive(self, out: np.ndarray) -> None:
+        self.sock.sendall(COMMAND.pack(b"S", out.size))
+        _recv_exactly(self.sock, memoryview(out))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.process.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    serve_one_connection()

@@ -1,0 +1,122 @@
+"""`dejavu bench transports`: flush and fetch throughput between two processes on loopback, per transport.
+
+Each networked transport talks to a `dejavu serve-store` child holding memory://; the ceiling is a plain
+TCP socket to another child that does nothing but move bytes, measured in the same repeat:
+    socket send (kept)    the child receives each block into fresh memory and keeps it, as a store must
+    socket send (reused)  the child receives every block into one warm buffer (no page faults at all)
+    socket receive        the child sends from a buffer; we receive into a warm one, as fetch(out=) does
+`local` (same-process copies into memory://) is measured against memcpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..blocks import BlockKey
+from ..errors import BackendUnavailable, ConfigError
+from ..transports import TRANSPORTS, Transport, open_transport
+from ..transports.child import ServedStoreProcess
+from .common import Throughputs, format_size, machine_description, markdown_table, plot_operations, seconds
+from .plain_socket import PlainSocketPeer
+
+NETWORKED = ("tcp", "ucx", "gloo")
+CEILINGS = ("socket send (kept)", "socket send (reused)", "socket receive", "memcpy")
+
+
+def ceiling_of(target: str, operation: str) -> str:
+    if target == "local":
+        return "memcpy"
+    return "socket send (kept)" if operation == "flush" else "socket receive"
+
+
+def _ceilings(peer: PlainSocketPeer, block: np.ndarray, count: int) -> Iterator[tuple[str, float]]:
+    out = np.empty_like(block)
+    yield "socket send (kept)", seconds(lambda: [peer.send(block, keep=True) for _ in range(count)])
+    yield "socket send (reused)", seconds(lambda: [peer.send(block, keep=False) for _ in range(count)])
+    yield "socket receive", seconds(lambda: [peer.receive(out) for _ in range(count)])
+    sources = [block.copy() for _ in range(count)]
+    yield "memcpy", seconds(lambda: [np.copyto(out, source) for source in sources])
+
+
+def _transport(transport: Transport, block: torch.Tensor, count: int) -> Iterator[tuple[str, float]]:
+    keys = [BlockKey("bench", layers=(0, 1), tokens=(i, i + 1)) for i in range(count)]
+    out = torch.zeros_like(block)
+    yield "flush", seconds(lambda: [transport.flush(key, block) for key in keys])
+    yield "fetch", seconds(lambda: [transport.fetch(key, out=out) for key in keys])
+    if not torch.equal(out, block):
+        raise AssertionError(f"{transport.url} returned different bytes")
+
+
+def available(targets: list[str]) -> tuple[list[str], list[str]]:
+    """Split targets into those whose backend loads here and notes on those that do not."""
+    usable, notes = [], []
+    for target in targets:
+        backend = TRANSPORTS.find(target)
+        if backend is None:
+            raise ConfigError(f"unknown bench target {target!r}; choose from {', '.join((*NETWORKED, 'local'))}")
+        try:
+            TRANSPORTS.load(target, backend)
+            usable.append(target)
+        except BackendUnavailable as error:
+            notes.append(f"{target}: skipped, {error}")
+    return usable, notes
+
+
+def run_transport_bench(sizes: list[int], targets: list[str], repeats: int = 5, volume: int = 256 << 20,
+                        progress: bool = True) -> Throughputs:
+    """Measure each target and ceiling `repeats` times per block size, moving `volume` bytes each time."""
+    samples: dict[tuple[int, str], list[float]] = defaultdict(list)
+    with contextlib.ExitStack() as stack:
+        transports: dict[str, Transport] = {}
+        for target in targets:
+            if target == "local":
+                transports[target] = stack.enter_context(open_transport("local"))
+            else:
+                served = stack.enter_context(ServedStoreProcess(target, quiet=True))
+                transports[target] = stack.enter_context(open_transport(served.url, timeout=120))
+        peer = PlainSocketPeer()
+        stack.callback(peer.close)
+        steps = repeats * len(sizes) * (1 + len(targets))
+        bar = stack.enter_context(tqdm(total=steps, desc="bench transports", unit="step", disable=not progress))
+        for repeat in range(repeats):
+            for size in sizes:
+                count = max(2, volume // size)
+                block = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                measured = list(_ceilings(peer, block.numpy(), count))
+                bar.update()
+                for target, transport in transports.items():
+                    measured += [(f"{target} {operation}", elapsed)
+                                 for operation, elapsed in _transport(transport, block, count)]
+                    bar.update()
+                for what, elapsed in measured:
+                    samples[(size, what)].append(count * size / elapsed / 1e9)
+            bar.set_postfix(repeat=f"{repeat + 1}/{repeats}")
+    return Throughputs(machine_description(), tuple(sizes), dict(samples))
+
+
+def transport_bench_markdown(results: Throughputs, targets: list[str]) -> str:
+    ceilings = markdown_table(
+        ["block", *CEILINGS], [[format_size(s), *(f"{results.gbps(s, c):.2f}" for c in CEILINGS)]
+                               for s in results.sizes])
+
+    def ratio(size: int, target: str, operation: str) -> str:
+        ceiling = ceiling_of(target, operation)
+        return f"{results.gbps(size, f'{target} {operation}') / results.gbps(size, ceiling):.0%} of {ceiling}"
+
+    rows = [[format_size(size), target, f"{results.gbps(size, f'{target} flush'):.2f}",
+             f"{results.gbps(size, f'{target} fetch'):.2f}", ratio(size, target, "flush"),
+             ratio(size, target, "fetch")] for size in results.sizes for target in targets]
+    table = markdown_table(["block", "transport", "flush GB/s", "fetch GB/s", "flush vs ceiling",
+                            "fetch vs ceiling"], rows)
+    return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s):\n\n"
+            f"{ceilings}\n\nTransports (two processes on 127.0.0.1):\n\n{table}\n")
+
+
+def plot_transport_bench(results: Throughputs, targets: list[str], path: str) -> None:
+    plot_operations(path, "dejavu bench transports", results, targets, ceiling_of)
