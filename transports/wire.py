@@ -155,9 +155,9 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
     step = channel.chunk_size
     for start in range(0, payload.size, step):
         piece = payload[start:start + step]
-        if payload_checksum is not None:
-            payload_checksum.update(piece)
         channel.send(piece)
+        if payload_checksum is not None:
+            payload_checksum.update(piece)  # after the send, which left the piece in cache
     channel.send(bytes(record.trailer) if payload_checksum is None else TRAILER.pack(payload_checksum.intdigest()))
 
 

@@ -30,9 +30,10 @@ CEILINGS = ("socket send (kept)", "socket send (reused)", "socket receive", "mem
 
 
 def ceiling_of(target: str, operation: str) -> str:
+    """The ceiling measured beside `target` that bounds its `operation`."""
     if target == "local":
-        return "memcpy"
-    return "socket send (kept)" if operation == "flush" else "socket receive"
+        return f"{target} | memcpy"
+    return f"{target} | {'socket send (kept)' if operation == 'flush' else 'socket receive'}"
 
 
 def _ceilings(peer: PlainSocketPeer, block: np.ndarray, count: int) -> Iterator[tuple[str, float]]:
@@ -70,52 +71,63 @@ def available(targets: list[str]) -> tuple[list[str], list[str]]:
 
 def run_transport_bench(sizes: list[int], targets: list[str], repeats: int = 5, volume: int = 256 << 20,
                         progress: bool = True) -> Throughputs:
-    """Measure each target and ceiling `repeats` times per block size, moving `volume` bytes each time."""
+    """Measure each target `repeats` times per block size, each beside the ceilings of the same repeat.
+
+    Targets run one after another, each with only its own server alive: UCX and gloo keep progress
+    threads busy, which would slow everything else on a small machine. `volume` bytes move per measurement.
+    """
     samples: dict[tuple[int, str], list[float]] = defaultdict(list)
-    with contextlib.ExitStack() as stack:
-        transports: dict[str, Transport] = {}
+    steps = repeats * len(sizes) * len(targets)
+    with tqdm(total=steps, desc="bench transports", unit="step", disable=not progress) as bar, \
+            contextlib.closing(PlainSocketPeer()) as peer:
         for target in targets:
-            if target == "local":
-                transports[target] = stack.enter_context(open_transport("local"))
-            else:
-                served = stack.enter_context(ServedStoreProcess(target, quiet=True))
-                transports[target] = stack.enter_context(open_transport(served.url, timeout=120))
-        peer = PlainSocketPeer()
-        stack.callback(peer.close)
-        steps = repeats * len(sizes) * (1 + len(targets))
-        bar = stack.enter_context(tqdm(total=steps, desc="bench transports", unit="step", disable=not progress))
-        for repeat in range(repeats):
-            for size in sizes:
-                count = max(2, volume // size)
-                block = torch.randint(0, 256, (size,), dtype=torch.uint8)
-                measured = list(_ceilings(peer, block.numpy(), count))
-                bar.update()
-                for target, transport in transports.items():
-                    measured += [(f"{target} {operation}", elapsed)
-                                 for operation, elapsed in _transport(transport, block, count)]
-                    bar.update()
-                for what, elapsed in measured:
-                    samples[(size, what)].append(count * size / elapsed / 1e9)
-            bar.set_postfix(repeat=f"{repeat + 1}/{repeats}")
+            bar.set_description(f"bench transports: {target}")
+            with _connected(target) as transport:
+                for size in sizes:  # warm up both processes' memory once, unmeasured
+                    list(_transport(transport, torch.zeros(size, dtype=torch.uint8), max(2, volume // size)))
+                for _ in range(repeats):
+                    for size in sizes:
+                        count = max(2, volume // size)
+                        block = torch.randint(0, 256, (size,), dtype=torch.uint8)
+                        measured = [(f"{target} | {ceiling}", elapsed)
+                                    for ceiling, elapsed in _ceilings(peer, block.numpy(), count)]
+                        measured += [(f"{target} {operation}", elapsed)
+                                     for operation, elapsed in _transport(transport, block, count)]
+                        for what, elapsed in measured:
+                            samples[(size, what)].append(count * size / elapsed / 1e9)
+                        bar.update()
     return Throughputs(machine_description(), tuple(sizes), dict(samples))
+
+
+@contextlib.contextmanager
+def _connected(target: str) -> Iterator[Transport]:
+    if target == "local":
+        with open_transport("local") as transport:
+            yield transport
+        return
+    with ServedStoreProcess(target, quiet=True) as served, open_transport(served.url, timeout=120) as transport:
+        yield transport
 
 
 def transport_bench_markdown(results: Throughputs, targets: list[str]) -> str:
     ceilings = markdown_table(
-        ["block", *CEILINGS], [[format_size(s), *(f"{results.gbps(s, c):.2f}" for c in CEILINGS)]
-                               for s in results.sizes])
+        ["block", "measured beside", *CEILINGS],
+        [[format_size(size), target, *(f"{results.gbps(size, f'{target} | {c}'):.2f}" for c in CEILINGS)]
+         for size in results.sizes for target in targets])
 
     def ratio(size: int, target: str, operation: str) -> str:
         ceiling = ceiling_of(target, operation)
-        return f"{results.gbps(size, f'{target} {operation}') / results.gbps(size, ceiling):.0%} of {ceiling}"
+        share = results.gbps(size, f"{target} {operation}") / results.gbps(size, ceiling)
+        return f"{share:.0%} of {ceiling.split(' | ')[1]}"
 
     rows = [[format_size(size), target, f"{results.gbps(size, f'{target} flush'):.2f}",
              f"{results.gbps(size, f'{target} fetch'):.2f}", ratio(size, target, "flush"),
              ratio(size, target, "fetch")] for size in results.sizes for target in targets]
     table = markdown_table(["block", "transport", "flush GB/s", "fetch GB/s", "flush vs ceiling",
                             "fetch vs ceiling"], rows)
-    return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s):\n\n"
-            f"{ceilings}\n\nTransports (two processes on 127.0.0.1):\n\n{table}\n")
+    return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s), measured in "
+            f"the same repeats as each transport:\n\n{ceilings}\n\nTransports (two processes on 127.0.0.1):\n\n"
+            f"{table}\n")
 
 
 def plot_transport_bench(results: Throughputs, targets: list[str], path: str) -> None:
