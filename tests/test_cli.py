@@ -57,3 +57,22 @@ def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) ->
     assert all(len(entry["gbps"]) == 2 and min(entry["gbps"]) > 0 for entry in recorded["samples"])
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("dejavu-bench")] == []
+
+
+def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, capsys) -> None:
+    samples = tmp_path / "samples.json"
+    arguments = ["bench", "transports", "--sizes", "256KiB", "--repeats", "2", "--volume", "1MiB",
+                 "--transports", "tcp,local", "--quiet", "--json", str(samples)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    assert "| 256 KiB | tcp |" in output and "of socket send" in output and "of socket receive" in output
+    assert "| 256 KiB | local |" in output and "of memcpy" in output
+    recorded = {entry["what"]: entry["gbps"] for entry in json.loads(samples.read_text())["samples"]}
+    assert {"tcp flush", "tcp fetch", "tcp | socket send", "local | memcpy"} <= set(recorded)
+    assert main(["bench", "transports", "--transports", "pigeon", "--quiet"]) == 2
+    assert "unknown bench target 'pigeon'" in capsys.readouterr().err
+
+
+def test_serve_store_refuses_a_bad_listen_url(capsys) -> None:
+    assert main(["serve-store", "--listen", "tcp://127.0.0.1"]) == 2
+    assert "host:port" in capsys.readouterr().err

@@ -4,7 +4,6 @@ Bytes move in 1 MiB sends and receives, the fastest way found for loopback TCP h
 
 Run as a child process (`python -m dejavu_sdk.bench.plain_socket`); it prints its port and serves one
 connection. Each command is one byte and a u64 size:
-    K  receive `size` bytes into a fresh buffer and keep it, as a store must (then ack 1 byte)
     R  receive `size` bytes into one reused buffer (then ack 1 byte)
     S  send `size` bytes from one buffer
 """
@@ -46,7 +45,6 @@ def serve_one_connection() -> None:
         connection, _ = listener.accept()
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     reused = np.empty(0, np.uint8)
-    kept: list[np.ndarray] = []
     command = bytearray(COMMAND.size)
     with connection:
         while True:
@@ -57,12 +55,7 @@ def serve_one_connection() -> None:
             kind, size = COMMAND.unpack(command)
             if reused.size < size:
                 reused = np.ones(size, np.uint8)
-            if kind == b"K":
-                kept.append(np.empty(size, np.uint8))
-                _recv_exactly(connection, memoryview(kept[-1]))
-                kept = kept[-4:]  # keep a few, like a store, without growing forever
-                connection.sendall(b"k")
-            elif kind == b"R":
+            if kind == b"R":
                 _recv_exactly(connection, memoryview(reused)[:size])
                 connection.sendall(b"k")
             else:
@@ -70,7 +63,7 @@ def serve_one_connection() -> None:
 
 
 class PlainSocketPeer:
-    """Starts the child and speaks to it: `keep`, `reuse` (client sends) and `source` (client receives)."""
+    """Starts the child and speaks to it: `send` a block to it, `receive` one from it."""
 
     def __init__(self) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.bench.plain_socket"],
@@ -80,8 +73,8 @@ class PlainSocketPeer:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ack = bytearray(1)
 
-    def send(self, block: np.ndarray, keep: bool) -> None:
-        self.sock.sendall(COMMAND.pack(b"K" if keep else b"R", block.size))
+    def send(self, block: np.ndarray) -> None:
+        self.sock.sendall(COMMAND.pack(b"R", block.size))
         _send_in_pieces(self.sock, memoryview(block))
         _recv_exactly(self.sock, memoryview(self._ack))
 

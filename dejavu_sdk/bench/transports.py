@@ -2,9 +2,8 @@
 
 Each networked transport talks to a `dejavu serve-store` child holding memory://; the ceiling is a plain
 TCP socket to another child that does nothing but move bytes, measured in the same repeat:
-    socket send (kept)    the child receives each block into fresh memory and keeps it, as a store must
-    socket send (reused)  the child receives every block into one warm buffer (no page faults at all)
-    socket receive        the child sends from a buffer; we receive into a warm one, as fetch(out=) does
+    socket send     the child receives every block into one warm buffer, as memory:// reuses its records
+    socket receive  the child sends from a buffer; we receive into a warm one, as fetch(out=) does
 `local` (same-process copies into memory://) is measured against memcpy.
 """
 
@@ -26,20 +25,19 @@ from .common import Throughputs, format_size, machine_description, markdown_tabl
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
-CEILINGS = ("socket send (kept)", "socket send (reused)", "socket receive", "memcpy")
+CEILINGS = ("socket send", "socket receive", "memcpy")
 
 
 def ceiling_of(target: str, operation: str) -> str:
     """The ceiling measured beside `target` that bounds its `operation`."""
     if target == "local":
         return f"{target} | memcpy"
-    return f"{target} | {'socket send (kept)' if operation == 'flush' else 'socket receive'}"
+    return f"{target} | {'socket send' if operation == 'flush' else 'socket receive'}"
 
 
 def _ceilings(peer: PlainSocketPeer, block: np.ndarray, count: int) -> Iterator[tuple[str, float]]:
-    out = np.empty_like(block)
-    yield "socket send (kept)", seconds(lambda: [peer.send(block, keep=True) for _ in range(count)])
-    yield "socket send (reused)", seconds(lambda: [peer.send(block, keep=False) for _ in range(count)])
+    out = np.zeros_like(block)  # touched: a fetch into `out` finds its pages mapped too
+    yield "socket send", seconds(lambda: [peer.send(block) for _ in range(count)])
     yield "socket receive", seconds(lambda: [peer.receive(out) for _ in range(count)])
     sources = [block.copy() for _ in range(count)]
     yield "memcpy", seconds(lambda: [np.copyto(out, source) for source in sources])
