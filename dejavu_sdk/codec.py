@@ -8,8 +8,8 @@ Layout (little endian); the header is padded so that the payload starts on a 64-
     trailer: XXH3-64 of header and payload, u64
 
 The label is the block's key (`str(key)`), so a record stored or sent under another name is detected.
-The checksum comes last so that a network sender can hash each chunk while it is in cache, just before
-sending it, and never make a second pass over the payload; a torn, truncated or altered record raises `CorruptBlock`, never wrong KV.
+The checksum comes last, so a network sender can stream the payload and append the checksum it computed
+on the way, with no second pass. A torn, truncated or altered record raises `CorruptBlock`, never wrong KV.
 Stores use `encode_block`/`decode_block`; transports stream `RecordHeader`, payload and trailer.
 """
 

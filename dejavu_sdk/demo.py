@@ -24,8 +24,9 @@ def _blocks(stream_id: str, prompt_length: int, new_tokens: int) -> list[tuple[B
                           SPEC.torch_dtype, seed=0)
     prompt = [(BlockKey.for_prompt_layer(stream_id, layer, prompt_length),
                cache[layer:layer + 1, :, :, :, :prompt_length]) for layer in range(SPEC.layers)]
+    positions = range(prompt_length, prompt_length + new_tokens)
     steps = [(BlockKey.for_decode_steps(stream_id, (0, SPEC.layers), position),
-              cache[:, :, :, :, position:position + 1]) for position in range(prompt_length, prompt_length + new_tokens)]
+              cache[:, :, :, :, position:position + 1]) for position in positions]
     return prompt + steps
 
 

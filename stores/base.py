@@ -108,7 +108,7 @@ class Store(ABC):
     def _remove(self, names: list[str]) -> None:
         """Delete the records under `names`; names already gone are ignored."""
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing to release
         """Release backend resources (connections, file handles, memory)."""
 
 

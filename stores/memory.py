@@ -21,7 +21,6 @@ from ..errors import BlockNotFound, ConfigError
 from ..urls import ParsedURL
 from .base import Store
 
-
 _SPARE_PER_SIZE = 4
 
 

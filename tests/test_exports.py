@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import types
 
+import dejavu_sdk.stores
 import pytest
 
 import dejavu_sdk
-import dejavu_sdk.stores
 import dejavu_sdk.testing
 
 
@@ -24,8 +24,8 @@ def test_all_is_complete_and_resolves(module: types.ModuleType) -> None:
 
 
 def test_errors_form_one_tree() -> None:
-    errors = [getattr(dejavu_sdk, name) for name in dejavu_sdk.__all__ if name.endswith(("Error", "Unavailable",
-                                                                                         "NotFound", "Block", "Closed"))]
+    suffixes = ("Error", "Unavailable", "NotFound", "Block", "Closed")
+    errors = [getattr(dejavu_sdk, name) for name in dejavu_sdk.__all__ if name.endswith(suffixes)]
     assert all(issubclass(error, dejavu_sdk.DejaVuError) for error in errors)
     assert issubclass(dejavu_sdk.BlockNotFound, KeyError) and issubclass(dejavu_sdk.ConfigError, ValueError)
     assert issubclass(dejavu_sdk.BackendUnavailable, ImportError)

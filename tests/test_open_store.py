@@ -6,9 +6,9 @@ import sys
 import textwrap
 
 import pytest
+from dejavu_sdk.stores import STORES, LmdbStore, MemoryStore
 
 import dejavu_sdk as dv
-from dejavu_sdk.stores import STORES, LmdbStore, MemoryStore
 from dejavu_sdk.urls import parse_url
 
 
@@ -135,7 +135,8 @@ def test_a_missing_dependency_gives_an_install_hint() -> None:
                 assert isinstance(error, ImportError)
                 print(error.hint)
     """)
-    assert result.stdout.splitlines() == ["pip install 'dejavu-sdk[lmdb]'", "pip install 'dejavu-sdk[s3]'"], result.stderr
+    hints = ["pip install 'dejavu-sdk[lmdb]'", "pip install 'dejavu-sdk[s3]'"]
+    assert result.stdout.splitlines() == hints, result.stderr
 
 
 def test_third_party_stores_register_through_entry_points(tmp_path, monkeypatch) -> None:

@@ -13,7 +13,7 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -21,12 +21,24 @@ import torch
 from .._version import __version__
 from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
 from ..codec import TRAILER, check_out, corrupt, host_view
-from ..errors import (BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError,
-                      TransportError)
+from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError, TransportError
 from ..stores import Store
-from .base import Server, Transport
-from .wire import (Channel, Limits, Message, Op, OutgoingRecord, PeerClosed, ProtocolError, Status, recv_message,
-                   recv_payload, send_message)
+from ..urls import ParsedURL
+from .base import Server, Transport, check_timeout
+from .wire import (
+    MAX_RECORD_BYTES,
+    Channel,
+    Limits,
+    Message,
+    Op,
+    OutgoingRecord,
+    PeerClosed,
+    ProtocolError,
+    Status,
+    recv_message,
+    recv_payload,
+    send_message,
+)
 
 TENSOR_LABEL = "tensor"
 _STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
@@ -159,12 +171,44 @@ class ChannelTransport(Transport):
             self._drop()
 
 
+class AddressedTransport(ChannelTransport):
+    """A ChannelTransport to `scheme://host:port`, with the options every networked backend takes."""
+
+    server_class: ClassVar[type[ChannelServer]]
+
+    def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = 30.0,
+                 connect_timeout: float = 10.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(f"{scheme}://{join_host_port(host, port)}", Limits(max_record_bytes=max_record_bytes))
+        self.scheme, self.host, self.port = scheme, host, port
+        self.timeout = check_timeout(timeout, "timeout")
+        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
+
+    @classmethod
+    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> AddressedTransport:
+        return cls(url.scheme, url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
+                   max_record_bytes=max_record_bytes)
+
+    @classmethod
+    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = 60.0,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> ChannelServer:
+        """Serve `store` at the URL's host and port (0: any free port), with `timeout` for each request."""
+        return cls.server_class(store, url.host, url.port, scheme=url.scheme, timeout=timeout,
+                                max_record_bytes=max_record_bytes)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ChannelServer(Server):
     """Answers requests on channels against `store`; backends accept channels and call `serve_channel`."""
 
-    def __init__(self, store: Store, limits: Limits | None = None, inbox_size: int = 64) -> None:
+    def __init__(self, store: Store, *, timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES,
+                 inbox_size: int = 64) -> None:
         self.store = store
-        self.limits = limits or Limits()
+        self.timeout = check_timeout(timeout, "timeout")
+        self.limits = Limits(max_record_bytes=max_record_bytes)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=inbox_size)
 

@@ -22,10 +22,9 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from ..stores import Store
-from ..urls import ParsedURL
-from .base import check_timeout
-from .channel import ChannelServer, ChannelTransport
-from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed, one_array as _one_array
+from .channel import AddressedTransport, ChannelServer
+from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
+from .wire import one_array as _one_array
 
 _TAG = 0
 _SERVER_RANK, _CLIENT_RANK = 0, 1
@@ -98,47 +97,12 @@ class DistChannel(Channel):
             pass
 
 
-class DistTransport(ChannelTransport):
-    """A link to a `DistServer`; a broken link is replaced by a new process group on the next call."""
-
-    def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = 30.0,
-                 connect_timeout: float = 30.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(f"{scheme}://{host}:{port}", Limits(max_record_bytes=max_record_bytes))
-        self.scheme, self.host, self.port = scheme, host, port
-        self.timeout = check_timeout(timeout, "timeout")
-        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
-        self.backend = "nccl" if _uses_nccl(scheme) else "gloo"
-
-    @classmethod
-    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 30.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> DistTransport:
-        return cls(url.scheme, url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
-                   max_record_bytes=max_record_bytes)
-
-    @classmethod
-    def serve(cls, url: ParsedURL, store: Store, *, max_record_bytes: int = MAX_RECORD_BYTES) -> DistServer:
-        return DistServer(store, url.scheme, url.host, url.port, max_record_bytes=max_record_bytes)
-
-    def _connect(self) -> Channel:
-        try:
-            rendezvous = dist.TCPStore(self.host, self.port, is_master=False,
-                                       timeout=_seconds(self.connect_timeout))
-            link = rendezvous.add("links", 1)
-            rendezvous.set(f"link/{link}/ready", self.backend)
-            group = _link_group(self.scheme, dist.PrefixStore(f"link/{link}", rendezvous), _CLIENT_RANK,
-                                self.host, _seconds(self.connect_timeout))
-        except RuntimeError as error:
-            raise TransportError(f"cannot connect to {self.url}: {str(error).splitlines()[0]}") from error
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        return DistChannel(group, _SERVER_RANK, self.url, self.timeout, device)
-
-
 class DistServer(ChannelServer):
     """Hosts the TCPStore peers rendezvous through and serves each link on its own thread."""
 
-    def __init__(self, store: Store, scheme: str = "gloo", host: str = "127.0.0.1", port: int = 0, *,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, Limits(max_record_bytes=max_record_bytes))
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "gloo",
+                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
         self.scheme, self.host = scheme, host
         try:
             self._rendezvous = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
@@ -172,7 +136,7 @@ class DistServer(ChannelServer):
             self.log.warning("link %d to %s failed to form: %s", link, self.url, error)
             return
         device = torch.device("cuda", torch.cuda.current_device()) if _uses_nccl(self.scheme) else torch.device("cpu")
-        channel = DistChannel(group, _CLIENT_RANK, f"{self.url} link {link}", 60.0, device)
+        channel = DistChannel(group, _CLIENT_RANK, f"{self.url} link {link}", self.timeout, device)
         self._channels.add(channel)
         try:
             self.serve_channel(channel)
@@ -184,3 +148,26 @@ class DistServer(ChannelServer):
         self._acceptor.join(timeout=10)
         for channel in list(self._channels):
             channel.close()
+
+
+class DistTransport(AddressedTransport):
+    """A link to a `DistServer`; a broken link is replaced by a new process group on the next call."""
+
+    server_class = DistServer
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if _uses_nccl(self.scheme) else "gloo"
+
+    def _connect(self) -> Channel:
+        try:
+            rendezvous = dist.TCPStore(self.host, self.port, is_master=False,
+                                       timeout=_seconds(self.connect_timeout))
+            link = rendezvous.add("links", 1)
+            rendezvous.set(f"link/{link}/ready", self.backend)
+            group = _link_group(self.scheme, dist.PrefixStore(f"link/{link}", rendezvous), _CLIENT_RANK,
+                                self.host, _seconds(self.connect_timeout))
+        except RuntimeError as error:
+            raise TransportError(f"cannot connect to {self.url}: {str(error).splitlines()[0]}") from error
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        return DistChannel(group, _SERVER_RANK, self.url, self.timeout, device)

@@ -17,10 +17,8 @@ import numpy as np
 
 from ..errors import TransportError
 from ..stores import Store
-from ..urls import ParsedURL
-from .base import check_timeout
-from .channel import ChannelServer, ChannelTransport
-from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed
+from .channel import AddressedTransport, ChannelServer, join_host_port
+from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
 
 
 class SocketChannel(Channel):
@@ -72,49 +70,20 @@ class SocketChannel(Channel):
             self._sock.close()
 
 
-class TcpTransport(ChannelTransport):
-    """A connection to a `TcpServer`, reopened on the next call after any failure."""
-
-    def __init__(self, host: str, port: int, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(f"tcp://{_join(host, port)}", Limits(max_record_bytes=max_record_bytes))
-        self.address = (host, port)
-        self.timeout = check_timeout(timeout, "timeout")
-        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
-
-    @classmethod
-    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> TcpTransport:
-        return cls(url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
-                   max_record_bytes=max_record_bytes)
-
-    @classmethod
-    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = 60.0,
-              max_record_bytes: int = MAX_RECORD_BYTES) -> TcpServer:
-        return TcpServer(store, url.host, url.port, timeout=timeout, max_record_bytes=max_record_bytes)
-
-    def _connect(self) -> Channel:
-        try:
-            sock = socket.create_connection(self.address, timeout=self.connect_timeout)
-        except OSError as error:
-            raise TransportError(f"cannot connect to {self.url}: {error}") from error
-        return SocketChannel(sock, self.url, self.timeout)
-
-
 class TcpServer(ChannelServer):
     """Serves a store on a TCP port, one thread per connection. Port 0 picks a free port (see `url`)."""
 
-    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, timeout: float | None = 60.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, Limits(max_record_bytes=max_record_bytes))
-        timeout = check_timeout(timeout, "timeout")
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "tcp",
+                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
+        timeout = self.timeout
         channels: set[SocketChannel] = set()
         self._channels = channels
         serve_channel = self.serve_channel
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                channel = SocketChannel(self.request, "tcp://" + _join(*self.client_address[:2]), timeout)
+                channel = SocketChannel(self.request, "tcp://" + join_host_port(*self.client_address[:2]), timeout)
                 channels.add(channel)
                 try:
                     serve_channel(channel)
@@ -125,8 +94,8 @@ class TcpServer(ChannelServer):
         try:
             self._server = server_class((host, port), Handler)
         except OSError as error:
-            raise TransportError(f"cannot listen on tcp://{_join(host, port)}: {error}") from error
-        self.url = f"tcp://{_join(host, self._server.server_address[1])}"
+            raise TransportError(f"cannot listen on {scheme}://{join_host_port(host, port)}: {error}") from error
+        self.url = f"{scheme}://{join_host_port(host, self._server.server_address[1])}"
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
                                         name=f"dejavu-serve {self.url}", daemon=True)
         self._thread.start()
@@ -148,5 +117,14 @@ class _Ipv6Server(_Ipv4Server):
     address_family = socket.AF_INET6
 
 
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+class TcpTransport(AddressedTransport):
+    """A connection to a `TcpServer`, reopened on the next call after any failure."""
+
+    server_class = TcpServer
+
+    def _connect(self) -> Channel:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        except OSError as error:
+            raise TransportError(f"cannot connect to {self.url}: {error}") from error
+        return SocketChannel(sock, self.url, self.timeout)

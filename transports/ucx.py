@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables some UCX builds do not know
-import ucxx  # noqa: E402
+import ucxx
 
-from ..errors import TransportError  # noqa: E402
-from ..stores import Store  # noqa: E402
-from ..urls import ParsedURL  # noqa: E402
-from .base import check_timeout  # noqa: E402
-from .channel import ChannelServer, ChannelTransport  # noqa: E402
-from .wire import MAX_RECORD_BYTES, Channel, Limits, PeerClosed, one_array as _one_array  # noqa: E402
+from ..errors import TransportError
+from ..stores import Store
+from .channel import AddressedTransport, ChannelServer, join_host_port
+from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
+from .wire import one_array as _one_array
 
 
 class _EventLoop:
@@ -96,54 +95,23 @@ class UcxChannel(Channel):
             pass
 
 
-class UcxTransport(ChannelTransport):
-    """A connection to a `UcxServer`, reopened on the next call after any failure."""
-
-    def __init__(self, host: str, port: int, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(f"ucx://{host}:{port}", Limits(max_record_bytes=max_record_bytes))
-        self.host, self.port = host, port
-        self.timeout = check_timeout(timeout, "timeout")
-        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
-
-    @classmethod
-    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> UcxTransport:
-        return cls(url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
-                   max_record_bytes=max_record_bytes)
-
-    @classmethod
-    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = 60.0,
-              max_record_bytes: int = MAX_RECORD_BYTES) -> UcxServer:
-        return UcxServer(store, url.host, url.port, timeout=timeout, max_record_bytes=max_record_bytes)
-
-    def _connect(self) -> Channel:
-        connect = ucxx.create_endpoint(self.host, self.port, connect_timeout=self.connect_timeout)
-        try:
-            endpoint = _EventLoop.get().run(connect, self.connect_timeout + 5, f"connecting to {self.url}")
-        except TransportError as error:
-            raise TransportError(f"cannot connect to {self.url}: {error}") from error
-        return UcxChannel(endpoint, self.url, self.timeout)
-
-
 class UcxServer(ChannelServer):
     """Listens for UCX endpoints and serves each on a thread of its own."""
 
-    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, timeout: float | None = 60.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, Limits(max_record_bytes=max_record_bytes))
-        self._timeout = check_timeout(timeout, "timeout")
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "ucx",
+                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
         self._loop = _EventLoop.get()
         self._channels: set[UcxChannel] = set()
         try:
             self._listener = self._loop.run(_call(ucxx.create_listener, self._accept, port or None), 30,
-                                            f"listening on ucx://{host}:{port}")
+                                            f"listening on {scheme}://{host}:{port}")
         except TransportError as error:
-            raise TransportError(f"cannot listen on ucx://{host}:{port}: {error}") from error
-        self.url = f"ucx://{host}:{self._listener.port}"
+            raise TransportError(f"cannot listen on {scheme}://{host}:{port}: {error}") from error
+        self.url = f"{scheme}://{join_host_port(host, self._listener.port)}"
 
     async def _accept(self, endpoint: Any) -> None:
-        channel = UcxChannel(endpoint, f"{self.url} peer {endpoint.uid:x}", self._timeout)
+        channel = UcxChannel(endpoint, f"{self.url} peer {endpoint.uid:x}", self.timeout)
         self._channels.add(channel)
         finished = asyncio.get_running_loop().create_future()
 
@@ -161,3 +129,17 @@ class UcxServer(ChannelServer):
         self._loop.run(_call(self._listener.close), 10, f"closing {self.url}")
         for channel in list(self._channels):
             channel.close()
+
+
+class UcxTransport(AddressedTransport):
+    """A connection to a `UcxServer`, reopened on the next call after any failure."""
+
+    server_class = UcxServer
+
+    def _connect(self) -> Channel:
+        connect = ucxx.create_endpoint(self.host, self.port, connect_timeout=self.connect_timeout)
+        try:
+            endpoint = _EventLoop.get().run(connect, self.connect_timeout + 5, f"connecting to {self.url}")
+        except TransportError as error:
+            raise TransportError(f"cannot connect to {self.url}: {error}") from error
+        return UcxChannel(endpoint, self.url, self.timeout)

@@ -91,7 +91,7 @@ def plot_operations(path: str, title: str, results: Throughputs, targets: Sequen
     import numpy as np
 
     figure, axes = plt.subplots(1, len(results.sizes), figsize=(6 * len(results.sizes), 4), squeeze=False)
-    for axis, size in zip(axes[0], results.sizes):
+    for axis, size in zip(axes[0], results.sizes, strict=True):
         positions = np.arange(len(targets))
         for offset, operation in ((-0.2, "flush"), (0.2, "fetch")):
             values = [results.gbps(size, f"{t} {operation}") for t in targets]

@@ -5,7 +5,7 @@
 Needs pytest and hypothesis (extra: dev).
 """
 
-from .stores import StoreTests
 from ..tensors import random_tensor, same_bits
+from .stores import StoreTests
 
 __all__ = ["StoreTests", "random_tensor", "same_bits"]

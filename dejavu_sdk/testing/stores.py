@@ -23,8 +23,8 @@ import torch
 from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
 from ..errors import BlockNotFound, ConfigError, CorruptBlock, StoreClosed
 from ..stores import Store
-from .stateful import run_store_state_machine
 from ..tensors import random_tensor, same_bits
+from .stateful import run_store_state_machine
 
 KEY = BlockKey("req-1", layers=(0, 1), tokens=(0, 8))
 SHAPES = [(), (0,), (1,), (3, 5), (2, 2, 1, 3, 7, 16), (1, 2, 1, 4, 512, 64), (5 << 20,)]
