@@ -33,7 +33,7 @@ class BlockSource(Protocol):
 
 
 def _check_boundaries(_instance: object, _attribute: object, value: tuple[int, ...]) -> None:
-    if len(value) < 2 or value[0] != 0 or any(b <= a for a, b in zip(value, value[1:])):
+    if len(value) < 2 or value[0] != 0 or any(b <= a for a, b in zip(value, value[1:], strict=False)):
         raise ConfigError(f"stage boundaries must rise strictly from 0, like (0, 15, 30); got {value!r}")
 
 
@@ -60,7 +60,7 @@ class LayerPartition:
 
     @property
     def stages(self) -> list[tuple[int, int]]:
-        return list(zip(self.boundaries, self.boundaries[1:]))
+        return list(zip(self.boundaries, self.boundaries[1:], strict=False))
 
 
 class StagingBuffer:

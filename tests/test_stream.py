@@ -2,11 +2,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dejavu_sdk.stores import MemoryStore
 
 import dejavu_sdk as dv
-from dejavu_sdk.stores import MemoryStore
-from dejavu_sdk.stream import (LayerPartition, StagingBuffer, check_tiling, gather, plan_stream_out, scatter,
-                               stream_in, stream_out)
+from dejavu_sdk.stream import (
+    LayerPartition,
+    StagingBuffer,
+    check_tiling,
+    gather,
+    plan_stream_out,
+    scatter,
+    stream_in,
+    stream_out,
+)
 from dejavu_sdk.testing import random_tensor, same_bits
 
 SPEC = dv.KVSpec(layers=6, kv_heads=2, head_dim=8, dtype="bfloat16", batch=2)
