@@ -7,7 +7,8 @@
     ├── CorruptBlock                      stored bytes fail the header or checksum check
     ├── StoreError (OSError)              a replica store's backend failed
     │   └── StoreClosed                   the store was used after close()
-    └── TransportError (ConnectionError)  moving blocks between workers failed
+    ├── TransportError (ConnectionError)  moving blocks between workers failed
+    └── ReplicationError                  streaming a live cache to its replica failed (a gap)
 """
 
 from __future__ import annotations
@@ -50,3 +51,7 @@ class StoreClosed(StoreError):
 
 class TransportError(DejaVuError, ConnectionError):
     """Moving a block or tensor between workers failed or timed out."""
+
+
+class ReplicationError(DejaVuError):
+    """Streaming a live cache to its replica failed; the replica has a gap from the named block on."""

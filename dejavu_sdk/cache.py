@@ -1,0 +1,175 @@
+"""The streaming cache: a transformers `DynamicCache` that streams every layer's new KV as it is produced.
+
+Who calls what:
+- the model calls `StreamingCache.update(keys, values, layer_idx)` once per attention layer per forward;
+  the cache stores the KV as `DynamicCache` does, then shows the delta to its `CacheManager`;
+- the `CacheManager` decides what leaves and when:
+    prefill (several new positions): layer l's block is handed off at once, while layer l+1 computes
+        (layer-by-layer prompt streaming);
+    decode (one new position): each layer's slice is copied into a reusable staging buffer, and the
+        whole step (or `replicate_every` steps) leaves as one block (buffered copies);
+- one background streamer thread flushes handed-off blocks to the sink (a store or transport) through a
+  bounded queue, so streaming overlaps compute and a slow sink slows the model instead of using unbounded
+  memory;
+- the caller (the engine, or a custom loop) calls `finish()` after the last step: it flushes what is
+  buffered, waits for the streamer, and raises if anything failed, so there is never a silent gap.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .blocks import BlockKey, KVSpec
+from .errors import ConfigError, ReplicationError
+from .stream import BlockSink, StagingBuffer
+
+_STOP = object()
+
+
+class CacheManager:
+    """Routes one stream's KV deltas to `sink` from a background thread.
+
+    `replicate_every`: decode steps per block (1: every step; more for slow tiers such as object storage).
+    `on_replica_error`: "raise" (default) surfaces a failed flush from the next call and from `finish`;
+    "warn" warns once and stops replicating this stream.
+    """
+
+    def __init__(self, sink: BlockSink, stream_id: str, layers: int, *, replicate_every: int = 1,
+                 queue_size: int = 8, on_replica_error: str = "raise") -> None:
+        if not isinstance(replicate_every, int) or replicate_every < 1:
+            raise ConfigError(f"replicate_every must be a positive integer, got {replicate_every!r}")
+        if on_replica_error not in ("raise", "warn"):
+            raise ConfigError(f"on_replica_error must be 'raise' or 'warn', got {on_replica_error!r}")
+        self.sink, self.stream_id, self.layers = sink, stream_id, layers
+        self.replicate_every, self.on_replica_error = replicate_every, on_replica_error
+        self.durable: list[BlockKey] = []  # blocks the sink has accepted, in hand-off order
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._free: queue.Queue[StagingBuffer] = queue.Queue()
+        self._staging: StagingBuffer | None = None
+        self._step_slices: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._first_position = 0
+        self._filled = 0
+        self._error: BaseException | None = None
+        self._warned = False
+        self._finished = False
+        self._thread = threading.Thread(target=self._stream, name=f"dejavu-streamer {stream_id}", daemon=True)
+        self._thread.start()
+
+    # ---- called from the model's forward -------------------------------------------------
+    def observe(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
+        """See layer `layer`'s new KV `[B, H_kv, T, D]` for positions from `first_position` on."""
+        self._check()
+        if self._error is not None:  # on_replica_error="warn": this stream is no longer replicated
+            return
+        if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, while the next layer computes
+            block = torch.stack((keys, values)).unsqueeze(0)
+            key = BlockKey(self.stream_id, layers=(layer, layer + 1),
+                           tokens=(first_position, first_position + keys.shape[-2]))
+            self._hand_off(key, block)
+            return
+        if layer == 0:
+            self._step_slices = []
+            if self._filled == 0:
+                self._first_position = first_position
+        self._step_slices.append((keys, values))
+        if layer == self.layers - 1:
+            self._buffer_step()
+
+    def _buffer_step(self) -> None:
+        if len(self._step_slices) != self.layers:
+            raise ConfigError(f"a decode step updated {len(self._step_slices)} layers, expected {self.layers}")
+        if self._staging is None:
+            self._staging = self._take_staging(self._step_slices[0][0])
+        slot = (self._filled, self._filled + 1)
+        for layer, (keys, values) in enumerate(self._step_slices):
+            self._staging.buffer[layer, 0, :, :, slot[0]:slot[1]].copy_(keys, non_blocking=True)
+            self._staging.buffer[layer, 1, :, :, slot[0]:slot[1]].copy_(values, non_blocking=True)
+        self._filled += 1
+        if self._filled == self.replicate_every:
+            self._hand_off_staging()
+
+    def _take_staging(self, sample: torch.Tensor) -> StagingBuffer:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            spec = KVSpec(layers=self.layers, kv_heads=sample.shape[1], head_dim=sample.shape[-1],
+                          dtype=sample.dtype, batch=sample.shape[0])
+            return StagingBuffer(spec, (0, self.layers), tokens=self.replicate_every, device=sample.device)
+
+    def _hand_off_staging(self) -> None:
+        staging, filled = self._staging, self._filled
+        self._staging, self._filled = None, 0
+        key = BlockKey(self.stream_id, layers=(0, self.layers),
+                       tokens=(self._first_position, self._first_position + filled))
+        block = staging.buffer if filled == self.replicate_every else staging.buffer[:, :, :, :, :filled]
+        self._hand_off(key, block, lambda: self._free.put(staging))
+
+    def _hand_off(self, key: BlockKey, block: torch.Tensor, done: Callable[[], None] | None = None) -> None:
+        ready = None
+        if block.device.type == "cuda":  # the streamer must not read the block before it is computed
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(block.device))
+        self._queue.put((key, block, ready, done))  # blocks when the streamer is behind: back-pressure
+
+    # ---- the streamer thread ---------------------------------------------------------------
+    def _stream(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            key, block, ready, done = item
+            try:
+                if self._error is None:
+                    if ready is not None:
+                        ready.synchronize()
+                    self.sink.flush(key, block)
+                    self.durable.append(key)
+            except BaseException as error:  # surfaced to the model's thread by _check and finish
+                self._error = ReplicationError(f"replicating {key} failed: {error}")
+                self._error.__cause__ = error
+            finally:
+                if done is not None:
+                    done()
+
+    def _check(self) -> None:
+        if self._error is None or self._finished:
+            return
+        if self.on_replica_error == "raise":
+            raise self._error
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self._error}; stream {self.stream_id} is no longer replicated", stacklevel=3)
+
+    def finish(self) -> list[BlockKey]:
+        """Flush what is buffered, wait until the streamer is done, and return the durable blocks."""
+        if not self._finished:
+            if self._error is None and self._filled:
+                self._hand_off_staging()
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._finished = True
+            if self._error is not None:
+                if self.on_replica_error == "raise":
+                    raise self._error
+                warnings.warn(f"{self._error}; stream {self.stream_id} is not fully replicated", stacklevel=2)
+        return list(self.durable)
+
+
+class StreamingCache(DynamicCache):
+    """A `DynamicCache` whose every update is also streamed by `manager`. Use it like any transformers
+    cache (`model(ids, cache=cache)`, `model.generate(..., cache=cache)`), then call `manager.finish()`."""
+
+    def __init__(self, manager: CacheManager, config: Any = None) -> None:
+        super().__init__(config=config)
+        self.manager = manager
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        first_position = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
+        result = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.manager.observe(layer_idx, key_states, value_states, first_position)
+        return result

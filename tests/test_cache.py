@@ -1,0 +1,113 @@
+"""The streaming cache: generation is unchanged, and what reached the store is exactly the model's cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dejavu_sdk.stores import MemoryStore
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import dejavu_sdk as dv
+from dejavu_sdk.cache import CacheManager, StreamingCache
+from dejavu_sdk.stream import gather
+from dejavu_sdk.testing import same_bits
+
+PROMPT, NEW = 7, 6
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, PROMPT), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded row
+    return ids, mask
+
+
+def _generate(model, sink, **options):
+    ids, mask = _inputs()
+    manager = CacheManager(sink, "req-1", model.config.num_hidden_layers, **options)
+    cache = StreamingCache(manager, config=model.config)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
+    return out, cache, manager
+
+
+def _cache_tensor(cache: StreamingCache) -> torch.Tensor:
+    return torch.stack([torch.stack((layer.keys, layer.values)) for layer in cache.layers])
+
+
+@pytest.mark.parametrize("replicate_every", [1, 4])
+def test_generation_is_unchanged_and_the_replica_equals_the_cache(model, replicate_every: int) -> None:
+    ids, mask = _inputs()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    store = MemoryStore()
+    out, cache, manager = _generate(model, store, replicate_every=replicate_every)
+    assert torch.equal(out, expected)
+    durable = manager.finish()
+    positions = PROMPT + NEW - 1  # the last token's KV is never computed
+    layers = model.config.num_hidden_layers
+    decode_blocks = -(-(NEW - 1) // replicate_every)
+    assert len(durable) == layers + decode_blocks  # one block per layer for the prompt, then per k steps
+    spec = dv.KVSpec(layers=layers, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    assert same_bits(gather(store, store.keys("req-1"), spec, positions), _cache_tensor(cache))
+
+
+class SlowSink:
+    """Takes its time, so the model runs ahead until the bounded queue pushes back."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+
+    def flush(self, key, block) -> None:
+        time.sleep(0.01)
+        self.store.flush(key, block)
+
+
+def test_a_slow_sink_with_a_tiny_queue_still_gets_every_block(model) -> None:
+    sink = SlowSink()
+    out, cache, manager = _generate(model, sink, queue_size=1)
+    manager.finish()
+    spec = dv.KVSpec(layers=3, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    assert same_bits(gather(sink.store, sink.store.keys("req-1"), spec, PROMPT + NEW - 1), _cache_tensor(cache))
+
+
+class FailingSink:
+    def __init__(self, fail_after: int) -> None:
+        self.calls, self.fail_after = 0, fail_after
+
+    def flush(self, key, block) -> None:
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise dv.StoreError("disk full")
+
+
+def test_a_failing_replica_is_an_error_not_a_silent_gap(model) -> None:
+    with pytest.raises(dv.ReplicationError, match="disk full"):
+        _, _, manager = _generate(model, FailingSink(fail_after=2))
+        manager.finish()
+
+
+def test_on_replica_error_warn_lets_generation_finish(model) -> None:
+    ids, mask = _inputs()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    with pytest.warns(UserWarning, match="disk full"):
+        out, _, manager = _generate(model, FailingSink(fail_after=1), on_replica_error="warn")
+        durable = manager.finish()
+    assert torch.equal(out, expected)
+    assert len(durable) == 1
+
+
+@pytest.mark.parametrize("option,value", [("replicate_every", 0), ("on_replica_error", "ignore")])
+def test_bad_options_are_refused(option: str, value) -> None:
+    with pytest.raises(dv.ConfigError, match=option):
+        CacheManager(MemoryStore(), "s", 2, **{option: value})
