@@ -63,6 +63,19 @@ class Store(ABC):
         self._remove(names)
         return sum(1 for name in names if _block_key_or_none(name) is not None)
 
+    def write_manifest(self, stream_id: str, manifest: bytes) -> None:
+        """Store a stream's manifest (small, checksummed like a block), replacing any; `delete` removes it."""
+        self._check_open()
+        name = manifest_name(stream_id)
+        self._put(name, encode_block(name, manifest, self._allocate))
+
+    def read_manifest(self, stream_id: str) -> bytes:
+        """The stream's manifest; BlockNotFound if it has none, CorruptBlock if it is damaged."""
+        self._check_open()
+        name = manifest_name(stream_id)
+        with self._get(name) as record:
+            return decode_block(name, record).numpy().tobytes()
+
     def close(self) -> None:
         """Release the backend's resources; later calls raise `StoreClosed`. Closing twice is harmless."""
         with self._close_lock:
@@ -110,6 +123,11 @@ class Store(ABC):
 
     def _close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing to release
         """Release backend resources (connections, file handles, memory)."""
+
+
+def manifest_name(stream_id: str) -> str:
+    """The record name of a stream's manifest, beside its blocks."""
+    return check_stream_id(stream_id) + "/manifest"
 
 
 def _block_key_or_none(name: str) -> BlockKey | None:

@@ -23,6 +23,7 @@ from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
 from ..codec import TRAILER, check_out, corrupt, host_view
 from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError, TransportError
 from ..stores import Store
+from ..stores.base import manifest_name
 from ..urls import ParsedURL
 from .base import Server, Transport, check_timeout
 from .wire import (
@@ -299,7 +300,10 @@ class ChannelServer(Server):
 
 
 def _block_name(name: str) -> str:
-    """Accept only names of blocks, so a peer cannot reach outside the store (paths, other records)."""
+    """Accept only names of blocks and manifests, so a peer cannot reach outside the store (paths)."""
+    stream_id, _, rest = name.partition("/")
+    if rest == "manifest" and name == manifest_name(stream_id):
+        return name
     BlockKey.parse(name)
     return name
 

@@ -112,6 +112,18 @@ class StoreTests:
         with pytest.raises(BlockNotFound):
             store.fetch(keys[0])
 
+    def test_manifests_live_beside_blocks(self, store: Store) -> None:
+        store.flush(KEY, torch.ones(2))
+        store.write_manifest("req-1", b'{"step": 1}')
+        store.write_manifest("req-1", b'{"step": 2}')
+        assert store.read_manifest("req-1") == b'{"step": 2}'
+        assert store.keys("req-1") == [KEY]  # a manifest is not a block
+        with pytest.raises(BlockNotFound):
+            store.read_manifest("req-2")
+        assert store.delete("req-1") == 1
+        with pytest.raises(BlockNotFound):
+            store.read_manifest("req-1")
+
     # ---- errors ---------------------------------------------------------------------------
     def test_missing_block_raises_block_not_found_which_is_a_key_error(self, store: Store) -> None:
         with pytest.raises(BlockNotFound, match="req-1/L0-1.T0-8"):
