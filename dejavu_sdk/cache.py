@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,14 +42,18 @@ class CacheManager:
     """
 
     def __init__(self, sink: BlockSink, stream_id: str, layers: int, *, replicate_every: int = 1,
-                 queue_size: int = 8, on_replica_error: str = "raise") -> None:
+                 queue_size: int = 8, on_replica_error: str = "raise",
+                 on_durable: Callable[[BlockKey], None] | None = None, durable: Sequence[BlockKey] = (),
+                 durable_positions: int = 0) -> None:
         if not isinstance(replicate_every, int) or replicate_every < 1:
             raise ConfigError(f"replicate_every must be a positive integer, got {replicate_every!r}")
         if on_replica_error not in ("raise", "warn"):
             raise ConfigError(f"on_replica_error must be 'raise' or 'warn', got {on_replica_error!r}")
         self.sink, self.stream_id, self.layers = sink, stream_id, layers
         self.replicate_every, self.on_replica_error = replicate_every, on_replica_error
-        self.durable: list[BlockKey] = []  # blocks the sink has accepted, in hand-off order
+        self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
+        self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
+        self._on_durable = on_durable
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
         self._staging: StagingBuffer | None = None
@@ -127,13 +131,26 @@ class CacheManager:
                     if ready is not None:
                         ready.synchronize()
                     self.sink.flush(key, block)
-                    self.durable.append(key)
+                    self._record_durable(key)
             except BaseException as error:  # surfaced to the model's thread by _check and finish
                 self._error = ReplicationError(f"replicating {key} failed: {error}")
                 self._error.__cause__ = error
             finally:
                 if done is not None:
                     done()
+
+    def _record_durable(self, key: BlockKey) -> None:
+        self.durable.append(key)
+        for layer in range(*key.layers):
+            if key.tokens[0] == self._layer_ends[layer]:  # one streamer thread: blocks arrive in order
+                self._layer_ends[layer] = key.tokens[1]
+        if self._on_durable is not None:
+            self._on_durable(key)
+
+    @property
+    def durable_positions(self) -> int:
+        """Positions [0, n) of every layer have reached the sink."""
+        return min(self._layer_ends)
 
     def _check(self) -> None:
         if self._error is None or self._finished:
@@ -166,6 +183,11 @@ class StreamingCache(DynamicCache):
     def __init__(self, manager: CacheManager, config: Any = None) -> None:
         super().__init__(config=config)
         self.manager = manager
+
+    def restore(self, cache: torch.Tensor) -> None:
+        """Fill the cache from `[layers, 2, B, H_kv, positions, D]` (fetched blocks) without streaming it again."""
+        for layer in range(cache.shape[0]):
+            DynamicCache.update(self, cache[layer, 0], cache[layer, 1], layer)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

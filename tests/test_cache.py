@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from dejavu_sdk.stores import MemoryStore
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dejavu_sdk as dv
 from dejavu_sdk.cache import CacheManager, StreamingCache
+from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.stream import gather
 from dejavu_sdk.testing import same_bits
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import types
 
-import dejavu_sdk.stores
 import pytest
 
 import dejavu_sdk
+import dejavu_sdk.stores
 import dejavu_sdk.testing
 
 

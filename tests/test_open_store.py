@@ -6,9 +6,9 @@ import sys
 import textwrap
 
 import pytest
-from dejavu_sdk.stores import STORES, LmdbStore, MemoryStore
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import STORES, LmdbStore, MemoryStore
 from dejavu_sdk.urls import parse_url
 
 

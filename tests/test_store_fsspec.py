@@ -4,9 +4,9 @@ import uuid
 
 import pytest
 import torch
-from dejavu_sdk.stores import FsspecStore
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import FsspecStore
 from dejavu_sdk.testing import StoreTests, same_bits
 
 

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 import torch
-from dejavu_sdk.stores import LmdbStore
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import LmdbStore
 from dejavu_sdk.testing import StoreTests, random_tensor, same_bits
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dejavu_sdk.stores import MemoryStore
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing import StoreTests
 
 

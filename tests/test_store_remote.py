@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from dejavu_sdk.stores import MemoryStore, RemoteStore
-from dejavu_sdk.transports import serve
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import MemoryStore, RemoteStore
 from dejavu_sdk.testing import StoreTests
+from dejavu_sdk.transports import serve
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dejavu_sdk.stores import MemoryStore
-from dejavu_sdk.transports import open_transport, serve
 
+from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
+from dejavu_sdk.transports import open_transport, serve
 
 
 class TestGlooTransport(TransportTests):

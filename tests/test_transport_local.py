@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dejavu_sdk.transports import open_transport, serve
-from dejavu_sdk.transports.local import LocalTransport
 
 import dejavu_sdk as dv
 from dejavu_sdk.testing import random_tensor, same_bits
+from dejavu_sdk.transports import open_transport, serve
+from dejavu_sdk.transports.local import LocalTransport
 
 KEY = dv.BlockKey("req-1", layers=(0, 2), tokens=(0, 16))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and pinned memory need CUDA")

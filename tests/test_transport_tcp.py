@@ -5,12 +5,12 @@ import socket
 
 import pytest
 import torch
-from dejavu_sdk.stores import MemoryStore
-from dejavu_sdk.transports import open_transport, serve
-from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
 
 import dejavu_sdk as dv
+from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
+from dejavu_sdk.transports import open_transport, serve
+from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
 
 
 class TestTcpTransport(TransportTests):

@@ -1,0 +1,282 @@
+"""`DejaVuEngine`: generate with any Hugging Face causal LM while its KV cache streams to a replica.
+
+Who calls what:
+- users call `generate` (like `model.generate`, greedy), `resume` in a new process after a crash,
+  `cache` for custom loops, `forget` to drop a stream, and `close`;
+- `generate` runs `model.generate` with a `StreamingCache`; its `CacheManager` streams blocks through the
+  transport into the store and, after each durable block, the manifest is rewritten with the tokens so far;
+- `resume` reads the manifest, checks the model's geometry, rebuilds the durable cache with `gather`, and
+  lets `model.generate` recompute only the positions after the last durable one.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import attrs
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from .blocks import BlockKey, KVSpec, check_stream_id, dtype_name
+from .cache import CacheManager, StreamingCache
+from .errors import BlockNotFound, ConfigError
+from .manifest import Manifest
+from .stores import Store, open_store
+from .stream import check_tiling, gather
+from .transports import Transport, open_transport
+
+_SAMPLING = {"do_sample": True, "num_beams": lambda n: n > 1, "num_return_sequences": lambda n: n > 1}
+
+
+class DejaVuEngine:
+    """Wraps `model`; `store` (URL or Store) holds replicas, `transport` moves blocks there (default local).
+
+    Without a store the engine is `model.generate` and nothing more. `keep_finished=False` deletes a
+    stream's blocks and manifest once its generation completes; `forget` deletes them at any time.
+    """
+
+    def __init__(self, model: Any, store: str | Store | None = None, transport: str | Transport = "local", *,
+                 replicate_every: int = 1, queue_size: int = 8, on_replica_error: str = "raise",
+                 keep_finished: bool = False) -> None:
+        self.model = model
+        self.config = model.config.get_text_config(decoder=True)
+        self.store = open_store(store) if store is not None else None
+        self.transport = None
+        if self.store is not None:
+            self.transport = open_transport(transport, store=self.store) if transport == "local" \
+                else open_transport(transport)
+        self.options = {"replicate_every": replicate_every, "queue_size": queue_size,
+                        "on_replica_error": on_replica_error}
+        self.keep_finished = keep_finished
+        self._refuse_non_kv_layers()
+
+    # ---- public API --------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int | None = None, stream_id: str | None = None, **kwargs: Any) -> torch.Tensor:
+        """`model.generate(input_ids, ..., do_sample=False)`, with the KV cache replicated as it is produced."""
+        _refuse_sampling(kwargs)
+        if self.store is None:
+            return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                       do_sample=False, **kwargs)
+        stream_id = check_stream_id(stream_id or f"stream-{uuid.uuid4().hex[:12]}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        eos, pad = self._special_tokens(kwargs)
+        manifest = Manifest(stream_id, self._geometry(input_ids.shape[0]), input_ids.tolist(),
+                            attention_mask.tolist(), self._max_new_tokens(max_new_tokens), eos, pad,
+                            self.options["replicate_every"])
+        self.store.write_manifest(stream_id, manifest.to_bytes())
+        return self._run(manifest, kwargs)
+
+    def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:
+        """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed."""
+        _refuse_sampling(kwargs)
+        store = self._require_store()
+        manifest = Manifest.from_bytes(store.read_manifest(check_stream_id(stream_id)), stream_id)
+        manifest.check_geometry(self._geometry(len(manifest.input_ids)))
+        return self._run(manifest, kwargs)
+
+    def cache(self, stream_id: str) -> StreamingCache:
+        """A streaming transformers cache for custom loops: `model(ids, cache=cache)`, then
+        `cache.manager.finish()` to wait until every block is durable."""
+        manager = CacheManager(self._require_transport(), check_stream_id(stream_id), self.config.num_hidden_layers,
+                               **self.options)
+        return StreamingCache(manager, config=self.model.config)
+
+    def forget(self, stream_id: str) -> int:
+        """Delete a stream's blocks and manifest; returns how many blocks were deleted."""
+        return self._require_store().delete(check_stream_id(stream_id))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> DejaVuEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- one run of model.generate, fresh or resumed ----------------------------------------------
+    def _run(self, manifest: Manifest, kwargs: dict[str, Any]) -> torch.Tensor:
+        prompt_ids = torch.tensor(manifest.input_ids)
+        generated = torch.tensor(manifest.generated, dtype=prompt_ids.dtype).reshape(len(manifest.input_ids), -1)
+        ids = torch.cat((prompt_ids, generated), dim=1).to(self.model.device)
+        mask = torch.cat((torch.tensor(manifest.attention_mask), torch.ones_like(generated)), dim=1).to(ids.device)
+        finished = _finished_rows(manifest.generated, manifest.eos_token_id)
+        remaining = manifest.max_new_tokens - generated.shape[1]
+        if manifest.finished or remaining <= 0 or (finished and all(finished)):
+            self._complete(manifest)
+            return ids
+        restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
+        recorder = _TokenRecorder(manifest, self.store)
+        manager = CacheManager(self.transport, manifest.stream_id, self.config.num_hidden_layers,
+                               durable=restored_keys, durable_positions=restored,
+                               on_durable=recorder.block_durable, **self.options)
+        recorder.manager = manager
+        cache = StreamingCache(manager, config=self.model.config)
+        if restored:
+            cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
+        extra = _keep_finished_rows_padded(finished, manifest.pad_token_id) if any(finished) else {}
+        try:
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=remaining, do_sample=False,
+                                      cache=cache, streamer=recorder, eos_token_id=manifest.eos_token_id,
+                                      pad_token_id=manifest.pad_token_id, **extra, **kwargs)
+        finally:
+            durable = manager.finish()
+        self._complete(recorder.final(durable, manager.durable_positions))
+        return out
+
+    def _restorable(self, manifest: Manifest, limit: int) -> tuple[int, list[BlockKey]]:
+        """The longest prefix of at most `limit` positions that durable blocks tile exactly, and those blocks.
+
+        A prefix must leave at least one known token to feed the model, so it may end before the last
+        durable position; the positions after it are recomputed.
+        """
+        keys = manifest.block_keys
+        ends = sorted({key.tokens[1] for key in keys if key.tokens[1] <= min(limit, manifest.durable_positions)},
+                      reverse=True)
+        for end in ends:
+            inside = [key for key in keys if key.tokens[1] <= end]
+            try:
+                check_tiling(inside, (0, self.config.num_hidden_layers), (0, end))
+            except ConfigError:
+                continue
+            return end, inside
+        return 0, []
+
+    def _fetch_cache(self, manifest: Manifest, keys: list[BlockKey], positions: int) -> torch.Tensor:
+        geometry = manifest.geometry
+        spec = KVSpec(layers=geometry["layers"], kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
+                      dtype=geometry["dtype"], batch=geometry["batch"])
+        try:
+            return gather(self.store, keys, spec, positions)
+        except BlockNotFound as error:
+            raise BlockNotFound(f"stream {manifest.stream_id} cannot be resumed: {error}") from error
+
+    def _complete(self, manifest: Manifest) -> None:
+        if self.keep_finished:
+            self.store.write_manifest(manifest.stream_id, attrs.evolve(manifest, finished=True).to_bytes())
+        else:
+            self.store.delete(manifest.stream_id)
+
+    # ---- the model --------------------------------------------------------------------------
+    def _geometry(self, batch: int) -> dict[str, Any]:
+        config = self.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return {"architecture": type(self.model).__name__, "layers": config.num_hidden_layers,
+                "kv_heads": getattr(config, "num_key_value_heads", None) or heads, "head_dim": head_dim,
+                "dtype": dtype_name(self.model.dtype), "batch": batch}
+
+    def _refuse_non_kv_layers(self) -> None:
+        layer_types = getattr(self.config, "layer_types", None) or []
+        odd = sorted({kind for kind in layer_types if kind not in ("full_attention", "sliding_attention")})
+        if odd:
+            raise ConfigError(f"{type(self.model).__name__} has {', '.join(odd)} layers, which keep no KV cache "
+                              "to stream; DejaVuEngine supports attention-only models")
+
+    def _special_tokens(self, kwargs: dict[str, Any]) -> tuple[list[int], int | None]:
+        generation_config = self.model.generation_config
+        eos = kwargs.pop("eos_token_id", generation_config.eos_token_id)
+        pad = kwargs.pop("pad_token_id", generation_config.pad_token_id)
+        eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(token) for token in eos]
+        return eos, (pad if pad is not None else (eos[0] if eos else None))
+
+    def _max_new_tokens(self, value: int | None) -> int:
+        value = value if value is not None else self.model.generation_config.max_new_tokens
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {value!r}")
+        return value
+
+    def _require_store(self) -> Store:
+        if self.store is None:
+            raise ConfigError("this engine has no store; create it with DejaVuEngine(model, store='lmdb:///path')")
+        return self.store
+
+    def _require_transport(self) -> Transport:
+        self._require_store()
+        return self.transport
+
+
+def _refuse_sampling(kwargs: dict[str, Any]) -> None:
+    for name, bad in _SAMPLING.items():
+        value = kwargs.get(name)
+        if value is not None and (value is bad or (callable(bad) and bad(value))):
+            raise ConfigError(f"{name}={value!r}: DejaVuEngine replicates greedy decoding, whose resume is exact")
+    kwargs.pop("do_sample", None)
+
+
+def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
+    return [any(token in eos for token in row) for row in generated] if generated and eos else []
+
+
+class _TokenRecorder:
+    """A `generate` streamer: keeps the tokens of each step and rewrites the manifest as blocks become durable."""
+
+    def __init__(self, manifest: Manifest, store: Store) -> None:
+        self.manifest, self.store = manifest, store
+        self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
+        self.manager: CacheManager | None = None
+        self._prompt_seen = False
+        self._lock = threading.Lock()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate first shows the whole input
+            self._prompt_seen = True
+            return
+        with self._lock:
+            for row, token in zip(self.tokens, value.reshape(-1).tolist(), strict=True):
+                row.append(token)
+
+    def end(self) -> None:
+        pass
+
+    def _snapshot(self, durable: list[BlockKey], positions: int) -> Manifest:
+        with self._lock:
+            tokens = [list(row) for row in self.tokens]
+        return attrs.evolve(self.manifest, generated=tokens, blocks=[str(key) for key in durable],
+                            durable_positions=positions)
+
+    def block_durable(self, _key: BlockKey) -> None:
+        """Called on the streamer thread after each accepted block: make the new position resumable."""
+        self.store.write_manifest(self.manifest.stream_id,
+                                  self._snapshot(self.manager.durable, self.manager.durable_positions).to_bytes())
+
+    def final(self, durable: list[BlockKey], positions: int) -> Manifest:
+        return self._snapshot(durable, positions)
+
+
+class _PadFinishedRows(LogitsProcessor):
+    """Rows that ended before the crash keep producing padding, as they did in the first run."""
+
+    def __init__(self, finished: torch.Tensor, pad_token_id: int) -> None:
+        self.finished, self.pad_token_id = finished, pad_token_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        rows = self.finished.to(scores.device)
+        scores = scores.masked_fill(rows[:, None], float("-inf"))
+        scores[rows, self.pad_token_id] = 0.0
+        return scores
+
+
+class _FinishedRowsAreDone(StoppingCriteria):
+    """...and count as done, so generation stops when the other rows do."""
+
+    def __init__(self, finished: torch.Tensor) -> None:
+        self.finished = finished
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.finished.to(input_ids.device)
+
+
+def _keep_finished_rows_padded(finished: list[bool], pad_token_id: int | None) -> dict[str, Any]:
+    if pad_token_id is None:
+        raise ConfigError("resuming a batch where some rows already ended needs a pad_token_id")
+    rows = torch.tensor(finished)
+    return {"logits_processor": LogitsProcessorList([_PadFinishedRows(rows, pad_token_id)]),
+            "stopping_criteria": StoppingCriteriaList([_FinishedRowsAreDone(rows)])}

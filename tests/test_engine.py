@@ -1,0 +1,145 @@
+"""DejaVuEngine: generation equals model.generate, and a stream interrupted mid-decode resumes exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+import dejavu_sdk as dv
+from dejavu_sdk.engine import DejaVuEngine
+from dejavu_sdk.manifest import Manifest
+from dejavu_sdk.stores import MemoryStore
+
+NEW = 10
+
+
+def _llama(layers: int = 3) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=256, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return _llama()
+
+
+@pytest.fixture
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    return ids, mask
+
+
+class Crash(LogitsProcessor):
+    """Raises in the middle of decoding, like a process dying between two steps."""
+
+    def __init__(self, after_steps: int) -> None:
+        self.steps, self.after_steps = 0, after_steps
+
+    def __call__(self, input_ids, scores):
+        self.steps += 1
+        if self.steps > self.after_steps:
+            raise KeyboardInterrupt("crash")
+        return scores
+
+
+def _reference(model, inputs, **kwargs) -> torch.Tensor:
+    ids, mask = inputs
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def test_without_a_store_the_engine_is_model_generate(model, inputs) -> None:
+    ids, mask = inputs
+    assert torch.equal(DejaVuEngine(model).generate(ids, attention_mask=mask, max_new_tokens=NEW),
+                       _reference(model, inputs))
+
+
+@pytest.mark.parametrize("replicate_every", [1, 3])
+def test_generate_equals_model_generate_and_leaves_nothing_behind(model, inputs, replicate_every) -> None:
+    store = MemoryStore()
+    engine = DejaVuEngine(model, store=store, replicate_every=replicate_every)
+    ids, mask = inputs
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="req-1")
+    assert torch.equal(out, _reference(model, inputs))
+    assert store.keys() == []  # finished streams are not kept by default
+    with pytest.raises(dv.BlockNotFound):
+        store.read_manifest("req-1")
+
+
+@pytest.mark.parametrize("replicate_every,crash_after", [(1, 4), (3, 5), (1, 1)])
+def test_an_interrupted_stream_resumes_to_the_same_tokens(model, inputs, replicate_every, crash_after) -> None:
+    store = MemoryStore()
+    ids, mask = inputs
+    first = DejaVuEngine(model, store=store, replicate_every=replicate_every)
+    with pytest.raises(KeyboardInterrupt):
+        first.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="req-1",
+                       logits_processor=LogitsProcessorList([Crash(crash_after)]))
+    manifest = Manifest.from_bytes(store.read_manifest("req-1"), "req-1")
+    assert manifest.durable_positions >= ids.shape[1] and len(manifest.generated[0]) == crash_after
+    second = DejaVuEngine(model, store=store, replicate_every=replicate_every)
+    assert torch.equal(second.resume("req-1"), _reference(model, inputs))
+    assert store.keys() == []
+
+
+def test_rows_that_ended_before_the_crash_stay_padded(model, inputs) -> None:
+    reference = _reference(model, inputs)
+    eos = int(reference[0, inputs[0].shape[1] + 1])  # row 0's second new token ends it
+    expected = _reference(model, inputs, eos_token_id=eos)
+    store = MemoryStore()
+    ids, mask = inputs
+    with pytest.raises(KeyboardInterrupt):
+        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
+                                                  eos_token_id=eos,
+                                                  logits_processor=LogitsProcessorList([Crash(4)]))
+    assert torch.equal(DejaVuEngine(model, store=store).resume("r"), expected)
+
+
+def test_resuming_with_another_model_is_refused(model, inputs) -> None:
+    store = MemoryStore()
+    ids, mask = inputs
+    with pytest.raises(KeyboardInterrupt):
+        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
+                                                  logits_processor=LogitsProcessorList([Crash(2)]))
+    with pytest.raises(dv.ConfigError, match="layers: stream has 3, model has 4"):
+        DejaVuEngine(_llama(layers=4), store=store).resume("r")
+
+
+def test_missing_or_corrupt_replicas_are_errors(model, inputs) -> None:
+    store = MemoryStore()
+    ids, mask = inputs
+    with pytest.raises(KeyboardInterrupt):
+        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
+                                                  logits_processor=LogitsProcessorList([Crash(3)]))
+    engine = DejaVuEngine(model, store=store)
+    victim = store.keys("r")[0]
+    from dejavu_sdk.testing.stores import rewrite_record
+
+    rewrite_record(store, victim, lambda data: data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(dv.CorruptBlock):
+        engine.resume("r")
+    store._remove([str(victim)])
+    with pytest.raises(dv.BlockNotFound, match="cannot be resumed"):
+        engine.resume("r")
+    with pytest.raises(dv.BlockNotFound):
+        engine.resume("never-started")
+
+
+def test_forget_and_keep_finished(model, inputs) -> None:
+    store = MemoryStore()
+    ids, mask = inputs
+    engine = DejaVuEngine(model, store=store, keep_finished=True)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="kept")
+    assert Manifest.from_bytes(store.read_manifest("kept"), "kept").finished
+    assert torch.equal(engine.resume("kept"), out)  # a finished stream answers from its manifest
+    assert engine.forget("kept") > 0 and store.keys() == []
+
+
+@pytest.mark.parametrize("option", [{"do_sample": True}, {"num_beams": 2}])
+def test_sampling_is_refused(model, inputs, option) -> None:
+    with pytest.raises(dv.ConfigError, match="greedy"):
+        DejaVuEngine(model, store=MemoryStore()).generate(*inputs, max_new_tokens=2, **option)
