@@ -1,0 +1,95 @@
+"""A generation killed with SIGKILL mid-decode resumes in another process to identical tokens,
+without recomputing its prompt, from LMDB and from S3 (a loopback server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.engine import DejaVuEngine
+from dejavu_sdk.manifest import Manifest
+
+TESTS = Path(__file__).parent
+NEW = 40
+
+CHILD = """
+    import json, sys, time
+    sys.path.insert(0, {tests!r})
+    import dejavu_sdk as dv
+    from dejavu_sdk.engine import DejaVuEngine
+    from transformers import LogitsProcessor, LogitsProcessorList
+    from tiny_models import prompt, tiny_llama
+
+    class Progress(LogitsProcessor):
+        def __init__(self):
+            self.step = 0
+        def __call__(self, input_ids, scores):
+            self.step += 1
+            print(self.step, flush=True)
+            time.sleep(0.05)  # a decode step of a bigger model
+            return scores
+
+    store = dv.open_store({url!r}, **json.loads({options!r}))
+    ids, mask = prompt()
+    DejaVuEngine(tiny_llama(), store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
+                                                     stream_id="victim", logits_processor=LogitsProcessorList([Progress()]))
+    print("finished", flush=True)
+"""
+
+
+def _kill_mid_decode(url: str, options: dict) -> None:
+    code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    deadline, step = time.monotonic() + 120, 0
+    while step < 15 and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        assert line and line.strip() != "finished", "the child ended before it could be killed"
+        step = int(line)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+
+def _resume_and_check(store: dv.Store) -> None:
+    from tiny_models import prompt, tiny_llama
+
+    manifest = Manifest.from_bytes(store.read_manifest("victim"), "victim")
+    ids, mask = prompt()
+    assert manifest.durable_positions > ids.shape[1]  # the prompt and some steps survived the kill
+    assert len(manifest.generated[0]) < NEW
+    model = tiny_llama()
+    fed: list[int] = []
+    model.register_forward_pre_hook(lambda _m, args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    resumed = DejaVuEngine(model, store=store).resume("victim")
+    assert max(fed) <= 2, f"resume fed {max(fed)} positions at once: the prompt was recomputed"
+    fed.clear()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(resumed, expected)
+
+
+@pytest.mark.slow
+def test_resume_from_lmdb_after_sigkill(tmp_path) -> None:
+    sys.path.insert(0, str(TESTS))
+    url = f"lmdb://{tmp_path / 'kv'}"
+    _kill_mid_decode(url, {})
+    _resume_and_check(dv.open_store(url))
+
+
+@pytest.mark.slow
+def test_resume_from_s3_after_sigkill(s3_options) -> None:
+    sys.path.insert(0, str(TESTS))
+    url = f"s3://dejavu-resume/{uuid.uuid4().hex}"
+    _kill_mid_decode(url, {"storage_options": s3_options})
+    _resume_and_check(dv.open_store(url, storage_options=s3_options))

@@ -1,0 +1,21 @@
+"""Small random models shared by tests and the child processes they start (same seed, same weights)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                         max_position_embeddings=512, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 96, (2, 24), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
