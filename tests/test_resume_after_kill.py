@@ -42,8 +42,9 @@ CHILD = """
 
     store = dv.open_store({url!r}, **json.loads({options!r}))
     ids, mask = prompt()
+    progress = LogitsProcessorList([Progress()])
     DejaVuEngine(tiny_llama(), store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
-                                                     stream_id="victim", logits_processor=LogitsProcessorList([Progress()]))
+                                                     stream_id="victim", logits_processor=progress)
     print("finished", flush=True)
 """
 
