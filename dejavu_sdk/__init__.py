@@ -4,6 +4,10 @@
     store = dv.open_store("lmdb:///var/kv")
     key = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 512))
     store.flush(key, kv_block); again = store.fetch(key)
+
+    engine = dv.DejaVuEngine(model, store="lmdb:///var/kv")
+    out = engine.generate(input_ids, attention_mask=mask, max_new_tokens=256, stream_id="req-1")
+    out = dv.DejaVuEngine(model, store="lmdb:///var/kv").resume("req-1")    # after a crash, in a new process
 """
 
 from ._version import __version__
@@ -21,12 +25,23 @@ from .errors import (
 )
 from .stores import Store, open_store
 
+_LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models"}  # these import transformers: only on first use
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "BackendUnavailable",
     "BlockKey",
     "BlockNotFound",
     "ConfigError",
     "CorruptBlock",
+    "DejaVuEngine",
     "DejaVuError",
     "KVSpec",
     "ReplicationError",
@@ -35,5 +50,6 @@ __all__ = [
     "StoreError",
     "TransportError",
     "__version__",
+    "load_smollm2",
     "open_store",
 ]

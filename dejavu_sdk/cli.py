@@ -15,7 +15,7 @@ from .errors import DejaVuError
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return 0 if run_demo(args.store, args.prompt_tokens, args.new_tokens) else 1
+    return 0 if run_demo(args.store, args.new_tokens, args.kill_at, args.random_model) else 1
 
 
 def _bench_stores(args: argparse.Namespace) -> int:
@@ -80,10 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dejavu-sdk {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    demo = commands.add_parser("demo", help="replicate a KV cache to a store and verify it block by block")
+    demo = commands.add_parser("demo", help="kill a replicated generation mid-decode and resume it in a new process")
     demo.add_argument("--store", help="store URL (default: LMDB in a temporary directory)")
-    demo.add_argument("--prompt-tokens", type=int, default=512)
-    demo.add_argument("--new-tokens", type=int, default=128)
+    demo.add_argument("--new-tokens", type=int, default=96)
+    demo.add_argument("--kill-at", type=int, help="decode step to kill at (default: half way)")
+    demo.add_argument("--random-model", action="store_true", help="use a small random model even if SmolLM2 "
+                      "weights are installed")
     demo.set_defaults(run=_demo)
 
     serve_store = commands.add_parser("serve-store", help="hold a store in this process and serve it to peers "

@@ -1,58 +1,154 @@
-"""`dejavu demo`: replicate a KV cache to a store block by block, reopen the store, and verify every byte.
+"""`dejavu demo`: a generation replicated to LMDB is killed with SIGKILL mid-decode and resumed in a new process.
 
-The cache has the geometry of SmolLM2-135M (30 layers, 3 KV heads of 64, bfloat16): one block per layer
-for the prompt, as prefill would stream it, then one block per decode step over all layers.
+Three processes, as in production: the first generates while its KV cache streams to LMDB and is killed
+half way; the second resumes the stream from LMDB, then, for comparison, generates the same answer again
+from scratch. The demo checks that both texts are identical and shows how much faster resuming was.
+Uses SmolLM2-135M-Instruct when its weights are installed, else a small random model (and says so).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from .blocks import BlockKey, KVSpec
+from .errors import ConfigError
 from .stores import open_store
-from .tensors import random_tensor, same_bits
 
-SPEC = KVSpec(layers=30, kv_heads=3, head_dim=64, dtype="bfloat16")
-
-
-def _blocks(stream_id: str, prompt_length: int, new_tokens: int) -> list[tuple[BlockKey, torch.Tensor]]:
-    cache = random_tensor((SPEC.layers, 2, 1, SPEC.kv_heads, prompt_length + new_tokens, SPEC.head_dim),
-                          SPEC.torch_dtype, seed=0)
-    prompt = [(BlockKey.for_prompt_layer(stream_id, layer, prompt_length),
-               cache[layer:layer + 1, :, :, :, :prompt_length]) for layer in range(SPEC.layers)]
-    positions = range(prompt_length, prompt_length + new_tokens)
-    steps = [(BlockKey.for_decode_steps(stream_id, (0, SPEC.layers), position),
-              cache[:, :, :, :, position:position + 1]) for position in positions]
-    return prompt + steps
+QUESTION = "Explain in a few sentences why a language model keeps a key-value cache while it generates."
+STREAM = "demo"
 
 
-def run_demo(store_url: str | None = None, prompt_length: int = 512, new_tokens: int = 128) -> bool:
-    """Run the demo and print a summary; True when every block came back identical."""
+def _model(random_model: bool) -> tuple[Any, Any, str]:
+    from .models import load_smollm2, smollm2_available
+
+    if not random_model and smollm2_available():
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, "SmolLM2-135M-Instruct"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval(), None, "a small random Llama (SmolLM2 weights are not installed)"
+
+
+def _prompt(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if tokenizer is None:
+        ids = torch.randint(1, 512, (1, 200), generator=torch.Generator().manual_seed(0))
+        return ids, torch.ones_like(ids)
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def _text(tokenizer: Any, tokens: torch.Tensor, prompt_length: int) -> str:
+    new = tokens[0, prompt_length:]
+    return tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else str(new.tolist())
+
+
+def _generate_child(store: str, new_tokens: int, random_model: bool) -> None:
+    """Generate with replication, printing each step so the parent knows when to kill us."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from .engine import DejaVuEngine
+
+    class Progress(LogitsProcessor):
+        def __init__(self) -> None:
+            self.step = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.step += 1
+            print(f"step {self.step}", flush=True)
+            return scores
+
+    model, tokenizer, name = _model(random_model)
+    print(f"model {name}", flush=True)
+    ids, mask = _prompt(tokenizer)
+    DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=new_tokens, stream_id=STREAM,
+                                              logits_processor=LogitsProcessorList([Progress()]))
+    print("finished", flush=True)
+
+
+def _resume_child(store: str, new_tokens: int, random_model: bool) -> None:
+    """Resume the stream, then generate the same answer from scratch; report both."""
+    from .engine import DejaVuEngine
+
+    model, tokenizer, _ = _model(random_model)
+    ids, mask = _prompt(tokenizer)
+    engine = DejaVuEngine(model, store=store)
+    start = time.perf_counter()
+    resumed = engine.resume(STREAM)
+    resume_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    restart_seconds = time.perf_counter() - start
+    print(json.dumps({"identical": torch.equal(resumed, again), "text": _text(tokenizer, resumed, ids.shape[1]),
+                      "resume_seconds": resume_seconds, "restart_seconds": restart_seconds}), flush=True)
+
+
+def _child(role: str, store: str, new_tokens: int, random_model: bool) -> subprocess.Popen:
+    command = [sys.executable, "-m", "dejavu_sdk.demo", role, "--store", store, "--new-tokens", str(new_tokens)]
+    return subprocess.Popen(command + (["--random-model"] if random_model else []), stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+
+
+def run_demo(store_url: str | None = None, new_tokens: int = 96, kill_at: int | None = None,
+             random_model: bool = False) -> bool:
+    """Run the demo and print a summary; True when the resumed text equals the uninterrupted one."""
+    kill_at = kill_at or new_tokens // 2
     with tempfile.TemporaryDirectory(prefix="dejavu-demo-") as scratch:
-        url = store_url or f"lmdb://{scratch}/kv"
-        blocks = _blocks("demo", prompt_length, new_tokens)
-        total = sum(block.numel() * block.element_size() for _, block in blocks)
-        print(f"Replicating a {SPEC.layers}-layer KV cache ({prompt_length} prompt + {new_tokens} generated "
-              f"tokens, {total / 2**20:.1f} MiB in {len(blocks)} blocks) to {url}")
-        store = open_store(url)
-        store.delete("demo")
-        start = time.perf_counter()
-        for key, block in tqdm(blocks, desc="flush", unit="block"):
-            store.flush(key, block)
-        flush_seconds = time.perf_counter() - start
-        if store.persistent:  # read through a fresh handle, as a recovering process would
-            store.close()
-            store = open_store(url)
-        with store:
-            start = time.perf_counter()
-            identical = len(store.keys("demo")) == len(blocks) and all(
-                same_bits(store.fetch(key), block) for key, block in tqdm(blocks, desc="fetch", unit="block"))
-            fetch_seconds = time.perf_counter() - start
-            store.delete("demo")
-    print(f"flush: {total / flush_seconds / 1e6:,.0f} MB/s   fetch and verify: {total / fetch_seconds / 1e6:,.0f} MB/s")
-    print("Every block came back bit for bit." if identical else "MISMATCH: blocks differ after the round trip.")
-    return identical
+        store = store_url or f"lmdb://{scratch}/kv"
+        with open_store(store) as opened:
+            if not opened.shared:
+                raise ConfigError(f"{store} lives in one process; the demo resumes in another, so use a store other "
+                                  "processes can read: lmdb://, file://, s3:// or tcp://")
+        print(f"1. Generating {new_tokens} tokens with the KV cache streaming to {store}; SIGKILL at step {kill_at}.")
+        writer = _child("generate", store, new_tokens, random_model)
+        name = writer.stdout.readline().removeprefix("model ").strip()
+        print(f"   model: {name}")
+        with tqdm(total=kill_at, desc="   decoding", unit="token") as bar:
+            for line in writer.stdout:
+                if not line.startswith("step "):
+                    break
+                bar.update()
+                if int(line.split()[1]) >= kill_at:
+                    os.kill(writer.pid, signal.SIGKILL)
+                    break
+        writer.wait(timeout=60)
+        if writer.returncode != -signal.SIGKILL:
+            print(f"The generating process ended on its own (exit code {writer.returncode}) before step {kill_at}.")
+            return False
+        print("   killed (SIGKILL), mid-decode.")
+        print("2. A new process resumes the stream from the replica, then generates it again from scratch.")
+        report = json.loads(_child("resume", store, new_tokens, random_model).communicate(timeout=600)[0])
+    print(f"\nResumed text:\n  {report['text']}\n")
+    verdict = "identical" if report["identical"] else "DIFFERENT"
+    speedup = report["restart_seconds"] / report["resume_seconds"]
+    print(f"Resumed and from-scratch outputs are {verdict}. Resuming took {report['resume_seconds']:.2f} s, "
+          f"starting again {report['restart_seconds']:.2f} s: {speedup:.1f}x faster.")
+    return bool(report["identical"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="child processes of `dejavu demo`")
+    parser.add_argument("role", choices=["generate", "resume"])
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--new-tokens", type=int, required=True)
+    parser.add_argument("--random-model", action="store_true")
+    args = parser.parse_args()
+    role = _generate_child if args.role == "generate" else _resume_child
+    role(args.store, args.new_tokens, args.random_model)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,47 @@ class _SharedExclusiveLock:
                 self._condition.notify_all()
 
 
+class _Environment:
+    """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by every
+    LmdbStore on that directory and closed with the last of them."""
+
+    _open: dict[str, _Environment] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, real_path: str, sync: bool, map_size: int, max_readers: int) -> None:
+        self.real_path, self.sync, self.users = real_path, sync, 0
+        self.env = lmdb.open(real_path, map_size=map_size, sync=sync, metasync=sync, readahead=False,
+                             max_readers=max_readers, max_dbs=0)
+        self.env.reader_check()  # free reader slots left behind by killed processes
+        self.gate = _SharedExclusiveLock()
+        self.write_lock = threading.Lock()
+
+    @classmethod
+    def acquire(cls, path: str, sync: bool, map_size: int, max_readers: int) -> _Environment:
+        with cls._registry_lock:
+            try:
+                os.makedirs(path, exist_ok=True)
+                real_path = os.path.realpath(path)
+                shared = cls._open.get(real_path)
+                if shared is None:
+                    shared = cls._open[real_path] = cls(real_path, sync, map_size, max_readers)
+            except (lmdb.Error, OSError) as error:
+                raise StoreError(f"cannot open LMDB store at {path!r}: {error}") from error
+            if shared.sync != sync:
+                raise ConfigError(f"the LMDB store at {path!r} is already open in this process with sync="
+                                  f"{shared.sync}; open it again with the same setting")
+            shared.users += 1
+            return shared
+
+    def release(self) -> None:
+        with self._registry_lock:
+            self.users -= 1
+            if self.users == 0:
+                del self._open[self.real_path]
+                with self.gate.exclusive():
+                    self.env.close()
+
+
 class LmdbStore(Store):
     """Blocks in an LMDB environment at `path` (a directory, created if missing); thread- and process-safe."""
 
@@ -71,15 +112,8 @@ class LmdbStore(Store):
             raise ConfigError(f"map_size must be at least 65536 bytes, got {map_size!r}")
         self.path = path
         self.sync = bool(sync)
-        try:
-            os.makedirs(path, exist_ok=True)
-            self._env = lmdb.open(path, map_size=map_size, sync=self.sync, metasync=self.sync,
-                                  readahead=False, max_readers=max_readers, max_dbs=0)
-            self._env.reader_check()  # free reader slots left behind by killed processes
-        except (lmdb.Error, OSError) as error:
-            raise StoreError(f"cannot open LMDB store at {path!r}: {error}") from error
-        self._gate = _SharedExclusiveLock()
-        self._write_lock = threading.Lock()
+        self._shared = _Environment.acquire(path, self.sync, map_size, max_readers)
+        self._env, self._gate, self._write_lock = self._shared.env, self._shared.gate, self._shared.write_lock
 
     @classmethod
     def from_url(cls, url: ParsedURL, *, sync: bool = True, map_size: int = 1 << 30,
@@ -161,8 +195,7 @@ class LmdbStore(Store):
         self._write(delete_all)
 
     def _close(self) -> None:
-        with self._gate.exclusive():
-            self._env.close()
+        self._shared.release()
 
 
 @contextlib.contextmanager

