@@ -91,10 +91,7 @@ class CacheManager:
             raise ConfigError(f"a decode step updated {len(self._step_slices)} layers, expected {self.layers}")
         if self._staging is None:
             self._staging = self._take_staging(self._step_slices[0][0])
-        slot = (self._filled, self._filled + 1)
-        for layer, (keys, values) in enumerate(self._step_slices):
-            self._staging.buffer[layer, 0, :, :, slot[0]:slot[1]].copy_(keys, non_blocking=True)
-            self._staging.buffer[layer, 1, :, :, slot[0]:slot[1]].copy_(values, non_blocking=True)
+        self._staging.fill(self._step_slices, (0, 1), slot=self._filled)
         self._filled += 1
         if self._filled == self.replicate_every:
             self._hand_off_staging()

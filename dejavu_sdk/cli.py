@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._version import __version__
-from .errors import DejaVuError
+from .errors import ConfigError, DejaVuError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -43,6 +43,22 @@ def _bench_transports(args: argparse.Namespace) -> int:
                                   progress=not args.quiet)
     print(transport_bench_markdown(results, targets))
     _write_outputs(args, results, lambda path: plot_transport_bench(results, targets, path))
+    return 0
+
+
+def _bench_streaming(args: argparse.Namespace) -> int:
+    from .bench.streaming import TARGETS, run_streaming_bench
+
+    targets = tuple(args.stores.split(","))
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"unknown bench target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    report = run_streaming_bench(targets, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
+                                 new_tokens=args.new_tokens, random_model=args.random_model, progress=not args.quiet)
+    print(report.to_markdown(targets))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report.to_json(), file, indent=1)
     return 0
 
 
@@ -114,7 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     transports.add_argument("--volume", default="256MiB", help="bytes moved per measurement")
     _add_output_arguments(transports)
     transports.set_defaults(run=_bench_transports)
+    _add_streaming_bench(benches)
     return parser
+
+
+def _add_streaming_bench(benches: Any) -> None:
+    streaming = benches.add_parser("streaming", help="decode latency with replication on vs off, buffered vs "
+                                   "naive copies, layer-wise vs after-prefill prompt streaming")
+    streaming.add_argument("--stores", default="memory,lmdb,tcp", help="comma-separated replicas to measure")
+    streaming.add_argument("--repeats", type=int, default=5)
+    streaming.add_argument("--prompt-tokens", type=int, default=512)
+    streaming.add_argument("--new-tokens", type=int, default=48)
+    streaming.add_argument("--random-model", action="store_true", help="random weights even if SmolLM2 is installed")
+    streaming.add_argument("--json", help="also write every sample to this JSON file")
+    streaming.add_argument("--quiet", action="store_true", help="no progress bar")
+    streaming.set_defaults(run=_bench_streaming)
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:

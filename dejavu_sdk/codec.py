@@ -128,7 +128,10 @@ def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray],
             flat = tensor.reshape(-1).view(torch.uint8).numpy()
 
         def write_tensor(dst: np.ndarray) -> None:
-            torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            if flat is not None:  # numpy copies on one thread: they never compete for the model's OpenMP threads
+                np.copyto(dst, flat)
+            else:
+                torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
         return name, tuple(tensor.shape), write_tensor, flat
     if isinstance(block, np.ndarray):
@@ -156,7 +159,7 @@ def encode_block(label: Any, block: Any, allocate: Allocator = lambda n: np.empt
     checksum = new_checksum()
     checksum.update(packed)
     payload = record[len(packed):len(packed) + header.payload_length]
-    write_payload(payload)  # torch's copy runs on several threads: faster than copying chunk by chunk
+    write_payload(payload)
     checksum.update(payload)
     TRAILER.pack_into(record, header.record_length - TRAILER.size, checksum.intdigest())
     return record

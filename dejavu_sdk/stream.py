@@ -77,22 +77,28 @@ class StagingBuffer:
         self.buffer = torch.empty((layers[1] - layers[0], 2, spec.batch, spec.kv_heads, tokens, spec.head_dim),
                                   dtype=spec.torch_dtype, device=device)
 
-    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int]) -> torch.Tensor:
-        """Copy positions `tokens` of each layer's (keys, values) `[B, H_kv, S, D]` into the buffer."""
+    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int],
+             slot: int = 0) -> torch.Tensor:
+        """Copy positions `tokens` of each layer's (keys, values) `[B, H_kv, S, D]` into the buffer, at
+        position `slot` onwards (several decode steps can share one buffer); one copy for all layers."""
         t0, t1 = tokens
-        if t1 - t0 != self.buffer.shape[4]:
-            raise ConfigError(f"this staging buffer holds {self.buffer.shape[4]} positions, not {t1 - t0}")
+        if slot + t1 - t0 > self.buffer.shape[4]:
+            raise ConfigError(f"this staging buffer holds {self.buffer.shape[4]} positions, not {slot + t1 - t0}")
         if len(layer_kv) != self.buffer.shape[0]:
             raise ConfigError(f"expected {self.buffer.shape[0]} layers of (keys, values), got {len(layer_kv)}")
-        for index, (keys, values) in enumerate(layer_kv):
-            self.buffer[index, 0].copy_(keys[:, :, t0:t1], non_blocking=True)
-            self.buffer[index, 1].copy_(values[:, :, t0:t1], non_blocking=True)
+        slices = [_positions(part, tokens) for pair in layer_kv for part in pair]
+        target = self.buffer[:, :, :, :, slot:slot + t1 - t0]
+        if target.is_contiguous():
+            torch.stack(slices, out=target.view(-1, *target.shape[2:]))
+        else:
+            target.copy_(torch.stack(slices).view(target.shape))
         return self.buffer
 
 
 def scatter(sink: BlockSink, stream_id: str, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
             layers: tuple[int, int], tokens: tuple[int, int], staging: StagingBuffer | None = None) -> list[BlockKey]:
-    """Flush positions `tokens` of layers `layers` (whose (keys, values) are `layer_kv`) to `sink`.
+    """Flush positions `tokens` of layers `layers` (whose (keys, values) are `layer_kv`, whole caches or
+    just those positions, as a decode step produces them) to `sink`.
 
     With `staging`: one block over all the layers. Without: one block per layer, each its own copy.
     """
@@ -103,12 +109,16 @@ def scatter(sink: BlockSink, stream_id: str, layer_kv: Sequence[tuple[torch.Tens
         sink.flush(key, staging.fill(layer_kv, tokens))
         return [key]
     flushed = []
-    t0, t1 = tokens
     for offset, (keys, values) in enumerate(layer_kv):
         key = BlockKey(stream_id, layers=(layers[0] + offset, layers[0] + offset + 1), tokens=tokens)
-        sink.flush(key, torch.stack((keys[:, :, t0:t1], values[:, :, t0:t1])).unsqueeze(0))
+        sink.flush(key, torch.stack((_positions(keys, tokens), _positions(values, tokens))).unsqueeze(0))
         flushed.append(key)
     return flushed
+
+
+def _positions(states: torch.Tensor, tokens: tuple[int, int]) -> torch.Tensor:
+    """Positions `tokens` of `[B, H_kv, S, D]`: a whole cache is sliced, a delta of that length taken as is."""
+    return states if states.shape[2] == tokens[1] - tokens[0] else states[:, :, tokens[0]:tokens[1]]
 
 
 def check_tiling(keys: Iterable[BlockKey], layers: tuple[int, int], tokens: tuple[int, int]) -> list[BlockKey]:
