@@ -74,7 +74,12 @@ class DejaVuEngine:
         """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed."""
         _refuse_sampling(kwargs)
         store = self._require_store()
-        manifest = Manifest.from_bytes(store.read_manifest(check_stream_id(stream_id)), stream_id)
+        try:
+            data = store.read_manifest(check_stream_id(stream_id))
+        except BlockNotFound:
+            raise BlockNotFound(f"stream {stream_id} has no manifest in {store.url}: it never started there, or it "
+                                "finished and was deleted (keep_finished=False)") from None
+        manifest = Manifest.from_bytes(data, stream_id)
         manifest.check_geometry(self._geometry(len(manifest.input_ids)))
         return self._run(manifest, kwargs)
 
