@@ -73,7 +73,7 @@ class CacheManager:
         if self._error is not None:  # on_replica_error="warn": this stream is no longer replicated
             return
         if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, while the next layer computes
-            block = torch.stack((keys, values)).unsqueeze(0)
+            block = torch.stack((keys.detach(), values.detach())).unsqueeze(0)  # a copy, off the graph
             key = BlockKey(self.stream_id, layers=(layer, layer + 1),
                            tokens=(first_position, first_position + keys.shape[-2]))
             self._hand_off(key, block)

@@ -107,6 +107,18 @@ def test_on_replica_error_warn_lets_generation_finish(model) -> None:
     assert len(durable) == 1
 
 
+def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
+    ids, mask = _inputs()
+    store = MemoryStore()
+    manager = CacheManager(store, "loop", model.config.num_hidden_layers)
+    cache = StreamingCache(manager, config=model.config)
+    tokens = ids
+    for _ in range(3):  # no torch.no_grad(): the KV requires grad
+        logits = model(tokens[:, cache.get_seq_length():], cache=cache).logits
+        tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    assert [key.tokens for key in manager.finish()][-2:] == [(PROMPT, PROMPT + 1), (PROMPT + 1, PROMPT + 2)]
+
+
 @pytest.mark.parametrize("option,value", [("replicate_every", 0), ("on_replica_error", "ignore")])
 def test_bad_options_are_refused(option: str, value) -> None:
     with pytest.raises(dv.ConfigError, match=option):
