@@ -92,7 +92,12 @@ class DejaVuEngine:
 
     def forget(self, stream_id: str) -> int:
         """Delete a stream's blocks and manifest; returns how many blocks were deleted."""
-        return self._require_store().delete(check_stream_id(stream_id))
+        deleted = self._require_store().delete(check_stream_id(stream_id))
+        if getattr(self.transport, "store", None) is not self.store:  # blocks live behind another transport
+            names = self.transport.names(f"{stream_id}/")
+            self.transport.remove(names)
+            deleted += sum(1 for name in names if not name.endswith("/manifest"))
+        return deleted
 
     def close(self) -> None:
         if self.transport is not None:
@@ -159,7 +164,7 @@ class DejaVuEngine:
         spec = KVSpec(layers=geometry["layers"], kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
                       dtype=geometry["dtype"], batch=geometry["batch"])
         try:
-            return gather(self.store, keys, spec, positions)
+            return gather(self.transport, keys, spec, positions)
         except BlockNotFound as error:
             raise BlockNotFound(f"stream {manifest.stream_id} cannot be resumed: {error}") from error
 
@@ -167,7 +172,7 @@ class DejaVuEngine:
         if self.keep_finished:
             self.store.write_manifest(manifest.stream_id, attrs.evolve(manifest, finished=True).to_bytes())
         else:
-            self.store.delete(manifest.stream_id)
+            self.forget(manifest.stream_id)
 
     # ---- the model --------------------------------------------------------------------------
     def _geometry(self, batch: int) -> dict[str, Any]:

@@ -143,3 +143,19 @@ def test_forget_and_keep_finished(model, inputs) -> None:
 def test_sampling_is_refused(model, inputs, option) -> None:
     with pytest.raises(dv.ConfigError, match="greedy"):
         DejaVuEngine(model, store=MemoryStore()).generate(*inputs, max_new_tokens=2, **option)
+
+
+def test_blocks_can_go_to_a_remote_cpu_replica_while_the_manifest_stays_local(model, inputs) -> None:
+    from dejavu_sdk.transports import open_transport, serve
+
+    ids, mask = inputs
+    manifests = MemoryStore()
+    with serve("tcp://127.0.0.1:0", MemoryStore()) as replica:
+        with pytest.raises(KeyboardInterrupt):
+            DejaVuEngine(model, store=manifests, transport=open_transport(replica.url)).generate(
+                ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
+                logits_processor=LogitsProcessorList([Crash(4)]))
+        assert replica.store.keys("r") and manifests.keys("r") == []
+        resumed = DejaVuEngine(model, store=manifests, transport=open_transport(replica.url)).resume("r")
+        assert replica.store.keys("r") == []  # a finished stream is deleted from the replica too
+    assert torch.equal(resumed, _reference(model, inputs))
