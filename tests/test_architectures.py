@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import Crash
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    LogitsProcessor,
     LogitsProcessorList,
     MistralConfig,
     MistralForCausalLM,
@@ -54,17 +54,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding
     return ids, mask
-
-
-class Crash(LogitsProcessor):
-    def __init__(self, after: int) -> None:
-        self.calls, self.after = 0, after
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        if self.calls > self.after:
-            raise KeyboardInterrupt("crash")
-        return scores
 
 
 def test_tokens_and_logits_equal_model_generate(model, inputs) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from tiny_models import Crash, tiny_llama
+from transformers import LlamaForCausalLM, LogitsProcessorList
 
 import dejavu_sdk as dv
 from dejavu_sdk.engine import DejaVuEngine
@@ -14,17 +15,9 @@ from dejavu_sdk.stores import MemoryStore
 NEW = 10
 
 
-def _llama(layers: int = 3) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=256, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return _llama()
+    return tiny_llama(layers=3)
 
 
 @pytest.fixture
@@ -33,19 +26,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded row
     return ids, mask
-
-
-class Crash(LogitsProcessor):
-    """Raises in the middle of decoding, like a process dying between two steps."""
-
-    def __init__(self, after_steps: int) -> None:
-        self.steps, self.after_steps = 0, after_steps
-
-    def __call__(self, input_ids, scores):
-        self.steps += 1
-        if self.steps > self.after_steps:
-            raise KeyboardInterrupt("crash")
-        return scores
 
 
 def _reference(model, inputs, **kwargs) -> torch.Tensor:
@@ -106,7 +86,7 @@ def test_resuming_with_another_model_is_refused(model, inputs) -> None:
         DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
                                                   logits_processor=LogitsProcessorList([Crash(2)]))
     with pytest.raises(dv.ConfigError, match="layers: stream has 3, model has 4"):
-        DejaVuEngine(_llama(layers=4), store=store).resume("r")
+        DejaVuEngine(tiny_llama(layers=4), store=store).resume("r")
 
 
 def test_missing_or_corrupt_replicas_are_errors(model, inputs) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor
 
 
 def tiny_llama(layers: int = 4) -> LlamaForCausalLM:
@@ -19,3 +19,16 @@ def prompt() -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     return ids, mask
+
+
+class Crash(LogitsProcessor):
+    """Raises in the middle of decoding, like a process dying between two steps."""
+
+    def __init__(self, after_steps: int) -> None:
+        self.steps, self.after_steps = 0, after_steps
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        if self.steps > self.after_steps:
+            raise KeyboardInterrupt("crash")
+        return scores
