@@ -123,7 +123,7 @@ class DejaVuEngine:
             self._complete(manifest)
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
-        recorder = _TokenRecorder(manifest, self.store)
+        recorder = _TokenRecorder(manifest, self.store, restored_keys)
         manager = CacheManager(self.transport, manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored,
                                on_durable=recorder.block_durable, **self.options)
@@ -137,8 +137,8 @@ class DejaVuEngine:
                                       cache=cache, streamer=recorder, eos_token_id=manifest.eos_token_id,
                                       pad_token_id=manifest.pad_token_id, **extra, **kwargs)
         finally:
-            durable = manager.finish()
-        self._complete(recorder.final(durable, manager.durable_positions))
+            manager.finish()
+        self._complete(recorder.final(manager.durable_positions))
         return out
 
     def _restorable(self, manifest: Manifest, limit: int) -> tuple[int, list[BlockKey]]:
@@ -228,10 +228,12 @@ def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
 class _TokenRecorder:
     """A `generate` streamer: keeps the tokens of each step and rewrites the manifest as blocks become durable."""
 
-    def __init__(self, manifest: Manifest, store: Store) -> None:
+    def __init__(self, manifest: Manifest, store: Store, restored: list[BlockKey]) -> None:
         self.manifest, self.store = manifest, store
         self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
         self.manager: CacheManager | None = None
+        self._names = [str(key) for key in restored]
+        self._encode = manifest.progress_writer(self._names)
         self._prompt_seen = False
         self._lock = threading.Lock()
 
@@ -246,19 +248,18 @@ class _TokenRecorder:
     def end(self) -> None:
         pass
 
-    def _snapshot(self, durable: list[BlockKey], positions: int) -> Manifest:
+    def block_durable(self, key: BlockKey) -> None:
+        """Called on the streamer thread after each accepted block: make the new position resumable."""
+        self._names.append(str(key))
         with self._lock:
             tokens = [list(row) for row in self.tokens]
-        return attrs.evolve(self.manifest, generated=tokens, blocks=[str(key) for key in durable],
-                            durable_positions=positions)
-
-    def block_durable(self, _key: BlockKey) -> None:
-        """Called on the streamer thread after each accepted block: make the new position resumable."""
         self.store.write_manifest(self.manifest.stream_id,
-                                  self._snapshot(self.manager.durable, self.manager.durable_positions).to_bytes())
+                                  self._encode(tokens, self._names, self.manager.durable_positions))
 
-    def final(self, durable: list[BlockKey], positions: int) -> Manifest:
-        return self._snapshot(durable, positions)
+    def final(self, positions: int) -> Manifest:
+        with self._lock:
+            tokens = [list(row) for row in self.tokens]
+        return attrs.evolve(self.manifest, generated=tokens, blocks=list(self._names), durable_positions=positions)
 
 
 class _PadFinishedRows(LogitsProcessor):
