@@ -15,6 +15,7 @@ Stores use `encode_block`/`decode_block`; transports stream `RecordHeader`, payl
 
 from __future__ import annotations
 
+import collections
 import math
 import struct
 from collections.abc import Callable
@@ -180,11 +181,26 @@ def check_out(label: str, header: RecordHeader, out: Any) -> torch.Tensor:
     return out
 
 
+_VIEWS: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+_VIEWS_KEPT = 4
+
+
 def host_view(tensor: torch.Tensor) -> np.ndarray | None:
-    """The bytes of `tensor` as a writable uint8 array, or None when it is not contiguous host memory."""
+    """The bytes of `tensor` as a writable uint8 array, or None when it is not contiguous host memory.
+
+    Views of the last few tensors are kept: fetches into the same preallocated `out` are the hot path, and
+    building a view through torch costs tens of microseconds there. A kept view keeps its tensor alive, so
+    an address and size always name the same live memory.
+    """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return None
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())  # a kept view keeps that memory alive
+    view = _VIEWS.get(key)
+    if view is None:
+        view = _VIEWS[key] = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+        if len(_VIEWS) > _VIEWS_KEPT:
+            _VIEWS.popitem(last=False)
+    return view
 
 
 def copy_payload(payload: np.ndarray, out: torch.Tensor) -> None:
