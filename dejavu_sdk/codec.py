@@ -16,6 +16,7 @@ Stores use `encode_block`/`decode_block`; transports stream `RecordHeader`, payl
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import struct
 from collections.abc import Callable
@@ -34,6 +35,7 @@ FORMAT_VERSION = 1
 FIXED = struct.Struct("<4sBBBBIQ")
 TRAILER = struct.Struct("<Q")
 _ALIGN = 64
+_ITEMSIZE = {name: torch_dtype(name).itemsize for name in DTYPE_CODES}
 _MAX_NDIM = 16
 
 #: Returns a writable, uninitialised uint8 array of the given length; stores override it (pinned memory).
@@ -57,15 +59,16 @@ class RecordHeader:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    # Cached: a fetch reads these several times, and per-call costs matter for small blocks.
+    @functools.cached_property
     def payload_length(self) -> int:
-        return math.prod(self.shape) * torch_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
-    @property
+    @functools.cached_property
     def length(self) -> int:
         return _header_length(len(self.shape), len(self.label.encode()))
 
-    @property
+    @functools.cached_property
     def record_length(self) -> int:
         return self.length + self.payload_length + TRAILER.size
 
@@ -220,7 +223,7 @@ def decode_block(label: Any, record: Any, out: torch.Tensor | None = None) -> to
     Nothing is written into `out` unless the whole record checks out.
     """
     label = str(label)
-    data = np.frombuffer(record, dtype=np.uint8)
+    data = record if isinstance(record, np.ndarray) and record.dtype == np.uint8 else np.frombuffer(record, np.uint8)
     header = RecordHeader.unpack(data, label)
     if data.size != header.record_length:
         raise corrupt(label, f"{data.size} bytes where the header promises {header.record_length} (truncated?)")
