@@ -42,6 +42,8 @@ class DejaVuEngine:
                  keep_finished: bool = False) -> None:
         self.model = model
         self.config = model.config.get_text_config(decoder=True)
+        if store is None and not (isinstance(transport, str) and transport == "local"):
+            raise ConfigError("a transport needs a store for the stream's manifest; pass store=... as well")
         self.store = open_store(store) if store is not None else None
         self.transport = None
         if self.store is not None:

@@ -37,6 +37,8 @@ def test_without_a_store_the_engine_is_model_generate(model, inputs) -> None:
     ids, mask = inputs
     assert torch.equal(DejaVuEngine(model).generate(ids, attention_mask=mask, max_new_tokens=NEW),
                        _reference(model, inputs))
+    with pytest.raises(dv.ConfigError, match="needs a store"):
+        DejaVuEngine(model, transport="tcp://127.0.0.1:9")
 
 
 @pytest.mark.parametrize("replicate_every", [1, 3])
