@@ -27,8 +27,6 @@ from .stores import Store, open_store
 from .stream import check_tiling, gather
 from .transports import Transport, open_transport
 
-_SAMPLING = {"do_sample": True, "num_beams": lambda n: n > 1, "num_return_sequences": lambda n: n > 1}
-
 
 class DejaVuEngine:
     """Wraps `model`; `store` (URL or Store) holds replicas, `transport` moves blocks there (default local).
@@ -216,11 +214,12 @@ class DejaVuEngine:
 
 
 def _refuse_sampling(kwargs: dict[str, Any]) -> None:
-    for name, bad in _SAMPLING.items():
-        value = kwargs.get(name)
-        if value is not None and (value is bad or (callable(bad) and bad(value))):
+    """Only greedy decoding resumes exactly: refuse sampling and beams, and drop a harmless do_sample=False."""
+    settings = {"do_sample": kwargs.pop("do_sample", False), "num_beams": kwargs.get("num_beams") or 1,
+                "num_return_sequences": kwargs.get("num_return_sequences") or 1}
+    for name, value in settings.items():
+        if (name == "do_sample" and value) or (name != "do_sample" and value > 1):
             raise ConfigError(f"{name}={value!r}: DejaVuEngine replicates greedy decoding, whose resume is exact")
-    kwargs.pop("do_sample", None)
 
 
 def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
@@ -235,7 +234,7 @@ class _TokenRecorder:
         self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
         self.manager: CacheManager | None = None
         self._names = [str(key) for key in restored]
-        self._encode = manifest.progress_writer(self._names)
+        self._encode = manifest.progress_writer()
         self._prompt_seen = False
         self._lock = threading.Lock()
 
@@ -250,18 +249,19 @@ class _TokenRecorder:
     def end(self) -> None:
         pass
 
+    def _tokens(self) -> list[list[int]]:
+        with self._lock:
+            return [list(row) for row in self.tokens]
+
     def block_durable(self, key: BlockKey) -> None:
         """Called on the streamer thread after each accepted block: make the new position resumable."""
         self._names.append(str(key))
-        with self._lock:
-            tokens = [list(row) for row in self.tokens]
         self.store.write_manifest(self.manifest.stream_id,
-                                  self._encode(tokens, self._names, self.manager.durable_positions))
+                                  self._encode(self._tokens(), self._names, self.manager.durable_positions))
 
     def final(self, positions: int) -> Manifest:
-        with self._lock:
-            tokens = [list(row) for row in self.tokens]
-        return attrs.evolve(self.manifest, generated=tokens, blocks=list(self._names), durable_positions=positions)
+        return attrs.evolve(self.manifest, generated=self._tokens(), blocks=list(self._names),
+                            durable_positions=positions)
 
 
 class _PadFinishedRows(LogitsProcessor):

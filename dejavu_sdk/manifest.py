@@ -46,7 +46,7 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT, **attrs.asdict(self)}, separators=(",", ":")).encode()
 
-    def progress_writer(self, blocks: list[str]) -> Callable[[list[list[int]], list[str], int], bytes]:
+    def progress_writer(self) -> Callable[[list[list[int]], list[str], int], bytes]:
         """A fast serializer for this manifest as generation progresses: the fixed fields are encoded once,
         and each call encodes only the tokens, the durable blocks and the durable positions."""
         fixed = {"format": FORMAT, **attrs.asdict(self, filter=lambda field, _: field.name not in _PROGRESS)}

@@ -28,6 +28,15 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _interrupted(model, store, inputs, after_steps: int, stream_id: str = "r", **kwargs) -> None:
+    """Start a replicated generation that dies after `after_steps` decode steps."""
+    ids, mask = inputs
+    with pytest.raises(KeyboardInterrupt):
+        DejaVuEngine(model, store=store, **kwargs.pop("engine", {})).generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, stream_id=stream_id,
+            logits_processor=LogitsProcessorList([Crash(after_steps)]), **kwargs)
+
+
 def _reference(model, inputs, **kwargs) -> torch.Tensor:
     ids, mask = inputs
     return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kwargs)
@@ -73,30 +82,20 @@ def test_rows_that_ended_before_the_crash_stay_padded(model, inputs) -> None:
     eos = int(reference[0, inputs[0].shape[1] + 1])  # row 0's second new token ends it
     expected = _reference(model, inputs, eos_token_id=eos)
     store = MemoryStore()
-    ids, mask = inputs
-    with pytest.raises(KeyboardInterrupt):
-        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
-                                                  eos_token_id=eos,
-                                                  logits_processor=LogitsProcessorList([Crash(4)]))
+    _interrupted(model, store, inputs, 4, eos_token_id=eos)
     assert torch.equal(DejaVuEngine(model, store=store).resume("r"), expected)
 
 
 def test_resuming_with_another_model_is_refused(model, inputs) -> None:
     store = MemoryStore()
-    ids, mask = inputs
-    with pytest.raises(KeyboardInterrupt):
-        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
-                                                  logits_processor=LogitsProcessorList([Crash(2)]))
+    _interrupted(model, store, inputs, 2)
     with pytest.raises(dv.ConfigError, match="layers: stream has 3, model has 4"):
         DejaVuEngine(tiny_llama(layers=4), store=store).resume("r")
 
 
 def test_missing_or_corrupt_replicas_are_errors(model, inputs) -> None:
     store = MemoryStore()
-    ids, mask = inputs
-    with pytest.raises(KeyboardInterrupt):
-        DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
-                                                  logits_processor=LogitsProcessorList([Crash(3)]))
+    _interrupted(model, store, inputs, 3)
     engine = DejaVuEngine(model, store=store)
     victim = store.keys("r")[0]
     from dejavu_sdk.testing.stores import rewrite_record
