@@ -101,14 +101,26 @@ class RecordHeader:
         length = cls.length_from_fixed(data, label)
         if len(data) < length:
             raise corrupt(label, f"{len(data)} bytes, shorter than its {length}-byte header")
-        _magic, _version, code, ndim, _flags, label_length, payload_length = FIXED.unpack_from(data, 0)
-        shape = struct.unpack_from(f"<{ndim}Q", data, FIXED.size)
-        start = FIXED.size + 8 * ndim
-        stored_label = bytes(data[start:start + label_length]).decode(errors="replace")
-        header = cls(stored_label, DTYPE_NAMES[code], shape)
-        if header.payload_length != payload_length:
-            raise corrupt(label, f"shape {shape} of {header.dtype} does not match {payload_length} payload bytes")
+        header = _parse_header(bytes(data[:length]))
+        if header is None:
+            _magic, _version, code, ndim, _flags, _label_length, payload_length = FIXED.unpack_from(data, 0)
+            shape = struct.unpack_from(f"<{ndim}Q", data, FIXED.size)
+            raise corrupt(label, f"shape {shape} of {DTYPE_NAMES[code]} does not match {payload_length} payload bytes")
         return header
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_header(packed: bytes) -> RecordHeader | None:
+    """The header these bytes describe, or None when its shape and payload length disagree.
+
+    Cached: fetches of the same blocks parse the same bytes again and again, and for small blocks the
+    parse costs as much as hashing a fifth of the payload. `length_from_fixed` has checked the fixed part.
+    """
+    _magic, _version, code, ndim, _flags, label_length, payload_length = FIXED.unpack_from(packed, 0)
+    shape = struct.unpack_from(f"<{ndim}Q", packed, FIXED.size)
+    start = FIXED.size + 8 * ndim
+    header = RecordHeader(packed[start:start + label_length].decode(errors="replace"), DTYPE_NAMES[code], shape)
+    return header if header.payload_length == payload_length else None
 
 
 def _header_length(ndim: int, label_length: int) -> int:
@@ -176,7 +188,7 @@ def check_out(label: str, header: RecordHeader, out: Any) -> torch.Tensor:
         return torch.empty(header.shape, dtype=dtype)
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != dtype or tuple(out.shape) != header.shape:
+    if out.dtype != dtype or out.shape != header.shape:
         raise ConfigError(
             f"out is {out.dtype} {tuple(out.shape)} but block {label} holds {dtype} {header.shape}; "
             "allocate out with the block's shape and dtype, or omit it"
@@ -184,7 +196,7 @@ def check_out(label: str, header: RecordHeader, out: Any) -> torch.Tensor:
     return out
 
 
-_VIEWS: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+_VIEWS: collections.OrderedDict[int, tuple[torch.Tensor, int, np.ndarray]] = collections.OrderedDict()
 _VIEWS_KEPT = 4
 
 
@@ -192,17 +204,21 @@ def host_view(tensor: torch.Tensor) -> np.ndarray | None:
     """The bytes of `tensor` as a writable uint8 array, or None when it is not contiguous host memory.
 
     Views of the last few tensors are kept: fetches into the same preallocated `out` are the hot path, and
-    building a view through torch costs tens of microseconds there. A kept view keeps its tensor alive, so
-    an address and size always name the same live memory.
+    building a view through torch costs tens of microseconds there. An entry holds its tensor, so its id
+    names the same object; the address is checked too, since `set_` or `resize_` can move a tensor's memory.
     """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if not tensor.is_contiguous():
         return None
-    key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())  # a kept view keeps that memory alive
-    view = _VIEWS.get(key)
-    if view is None:
-        view = _VIEWS[key] = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-        if len(_VIEWS) > _VIEWS_KEPT:
-            _VIEWS.popitem(last=False)
+    kept = _VIEWS.get(id(tensor))
+    address = tensor.data_ptr()
+    if kept is not None and kept[0] is tensor and kept[1] == address and kept[2].size == tensor.nbytes:
+        return kept[2]
+    if tensor.device.type != "cpu":
+        return None
+    view = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    _VIEWS[id(tensor)] = (tensor, address, view)
+    if len(_VIEWS) > _VIEWS_KEPT:
+        _VIEWS.popitem(last=False)
     return view
 
 
@@ -231,9 +247,7 @@ def decode_block(label: Any, record: Any, out: torch.Tensor | None = None) -> to
         raise corrupt(label, f"the record holds block {header.label!r}")
     out = check_out(label, header, out)
     body = data[:header.record_length - TRAILER.size]
-    checksum = new_checksum()
-    checksum.update(body)
-    if checksum.intdigest() != TRAILER.unpack_from(data, body.size)[0]:
+    if xxhash.xxh3_64_intdigest(body) != TRAILER.unpack_from(data, body.size)[0]:
         raise corrupt(label, "checksum mismatch")
     copy_payload(body[header.length:], out)
     return out

@@ -12,7 +12,6 @@ import contextlib
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -56,13 +55,13 @@ class MemoryStore(Store):
             self._keep_spare(self._records.get(name))
             self._records[name] = record
 
-    @contextlib.contextmanager
-    def _get(self, name: str) -> Iterator[np.ndarray]:
+    def _get(self, name: str) -> contextlib.nullcontext[np.ndarray]:
+        # A plain context, not a generator: for small blocks the per-fetch overhead shows.
         with self._lock:
             record = self._records.get(name)
         if record is None:
             raise BlockNotFound(f"no block {name} in memory://")
-        yield record
+        return contextlib.nullcontext(record)
 
     def _names(self, prefix: str) -> list[str]:
         with self._lock:

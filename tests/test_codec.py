@@ -42,3 +42,18 @@ def test_allocator_receives_the_record_size() -> None:
 def test_too_many_dimensions_are_refused() -> None:
     with pytest.raises(dv.ConfigError, match="dimensions"):
         encode_block(KEY, torch.ones((1,) * 17))
+
+
+def test_fetching_into_an_out_whose_memory_moved_writes_the_new_memory() -> None:
+    block = random_tensor((8, 8), torch.float32, seed=1)
+    record = encode_block("s/L0-1.T0-1", block)
+    out = torch.zeros_like(block)
+    decode_block("s/L0-1.T0-1", record, out)
+    old_memory = out.clone()
+    out.set_(torch.zeros_like(block))  # same tensor object, new storage
+    decode_block("s/L0-1.T0-1", record, out)
+    assert same_bits(out, block) and same_bits(old_memory, block)
+    out.t_()  # same tensor and memory, no longer contiguous
+    out.zero_()
+    decode_block("s/L0-1.T0-1", record, out)
+    assert same_bits(out, block)
