@@ -8,6 +8,9 @@
     engine = dv.DejaVuEngine(model, store="lmdb:///var/kv")
     out = engine.generate(input_ids, attention_mask=mask, max_new_tokens=256, stream_id="req-1")
     out = dv.DejaVuEngine(model, store="lmdb:///var/kv").resume("req-1")    # after a crash, in a new process
+
+    remote = dv.open_store("tcp://10.0.0.2:7000")    # a `dejavu serve-store` process's CPU memory
+    link = dv.open_transport("tcp://10.0.0.2:7001")  # or move blocks and activations to a peer directly
 """
 
 from ._version import __version__
@@ -24,6 +27,7 @@ from .errors import (
     TransportError,
 )
 from .stores import Store, open_store
+from .transports import Transport, open_transport, serve
 
 _LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models"}  # these import transformers: only on first use
 
@@ -48,8 +52,11 @@ __all__ = [
     "Store",
     "StoreClosed",
     "StoreError",
+    "Transport",
     "TransportError",
     "__version__",
     "load_smollm2",
     "open_store",
+    "open_transport",
+    "serve",
 ]
