@@ -73,7 +73,8 @@ def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, c
     assert "| 256 KiB | tcp |" in output and "of socket send" in output and "of socket receive" in output
     assert "| 256 KiB | local |" in output and "of memcpy" in output
     recorded = {entry["what"]: entry["gbps"] for entry in json.loads(samples.read_text())["samples"]}
-    assert {"tcp flush", "tcp fetch", "tcp | socket send", "local | memcpy"} <= set(recorded)
+    assert {"tcp flush", "tcp fetch", "tcp | socket send", "tcp | socket send + checksums", "local | memcpy"} <= set(
+        recorded)
     assert main(["bench", "transports", "--transports", "pigeon", "--quiet"]) == 2
     assert "unknown bench target 'pigeon'" in capsys.readouterr().err
 

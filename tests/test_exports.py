@@ -12,7 +12,8 @@ import dejavu_sdk.testing
 import dejavu_sdk.transports
 
 
-@pytest.mark.parametrize("module", [dejavu_sdk, dejavu_sdk.stores, dejavu_sdk.testing, dejavu_sdk.transports], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [dejavu_sdk, dejavu_sdk.stores, dejavu_sdk.testing, dejavu_sdk.transports],
+                         ids=lambda m: m.__name__)
 def test_all_is_complete_and_resolves(module: types.ModuleType) -> None:
     public = {  # classes and functions that this package (or its submodules) defines
         name for name, value in vars(module).items()

@@ -5,6 +5,7 @@ Bytes move in 1 MiB sends and receives, the fastest way found for loopback TCP h
 Run as a child process (`python -m dejavu_sdk.bench.plain_socket`); it prints its port and serves one
 connection. Each command is one byte and a u64 size:
     R  receive `size` bytes into one reused buffer (then ack 1 byte)
+    V  the same, then hash them with XXH3-64 before the ack (as a receiver verifying a checksum must)
     S  send `size` bytes from one buffer
 """
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 
 import numpy as np
+import xxhash
 
 COMMAND = struct.Struct("<cQ")
 
@@ -55,8 +57,10 @@ def serve_one_connection() -> None:
             kind, size = COMMAND.unpack(command)
             if reused.size < size:
                 reused = np.ones(size, np.uint8)
-            if kind == b"R":
+            if kind in (b"R", b"V"):
                 _recv_exactly(connection, memoryview(reused)[:size])
+                if kind == b"V":
+                    xxhash.xxh3_64_intdigest(reused[:size])
                 connection.sendall(b"k")
             else:
                 _send_in_pieces(connection, memoryview(reused)[:size])
@@ -73,8 +77,11 @@ class PlainSocketPeer:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ack = bytearray(1)
 
-    def send(self, block: np.ndarray) -> None:
-        self.sock.sendall(COMMAND.pack(b"R", block.size))
+    def send(self, block: np.ndarray, checksums: bool = False) -> None:
+        """Send `block`; with `checksums`, hash it first and have the child hash what it received."""
+        if checksums:
+            xxhash.xxh3_64_intdigest(block)
+        self.sock.sendall(COMMAND.pack(b"V" if checksums else b"R", block.size))
         _send_in_pieces(self.sock, memoryview(block))
         _recv_exactly(self.sock, memoryview(self._ack))
 

@@ -3,6 +3,8 @@
 Each networked transport talks to a `dejavu serve-store` child holding memory://; the ceiling is a plain
 TCP socket to another child that does nothing but move bytes, measured in the same repeat:
     socket send     the child receives every block into one warm buffer, as memory:// reuses its records
+    socket send + checksums  the same, with the least checksum work a verified flush needs: we hash each
+                    block before sending it, the child hashes it once received
     socket receive  the child sends from a buffer; we receive into a warm one, as fetch(out=) does
 `local` (same-process copies into memory://) is measured against memcpy.
 """
@@ -25,7 +27,7 @@ from .common import Throughputs, format_size, machine_description, markdown_tabl
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
-CEILINGS = ("socket send", "socket receive", "memcpy")
+CEILINGS = ("socket send", "socket send + checksums", "socket receive", "memcpy")
 
 
 def ceiling_of(target: str, operation: str) -> str:
@@ -38,6 +40,7 @@ def ceiling_of(target: str, operation: str) -> str:
 def _ceilings(peer: PlainSocketPeer, block: np.ndarray, count: int) -> Iterator[tuple[str, float]]:
     out = np.zeros_like(block)  # touched: a fetch into `out` finds its pages mapped too
     yield "socket send", seconds(lambda: [peer.send(block) for _ in range(count)])
+    yield "socket send + checksums", seconds(lambda: [peer.send(block, checksums=True) for _ in range(count)])
     yield "socket receive", seconds(lambda: [peer.receive(out) for _ in range(count)])
     sources = [block.copy() for _ in range(count)]
     yield "memcpy", seconds(lambda: [np.copyto(out, source) for source in sources])
@@ -118,11 +121,18 @@ def transport_bench_markdown(results: Throughputs, targets: list[str]) -> str:
         share = results.gbps(size, f"{target} {operation}") / results.gbps(size, ceiling)
         return f"{share:.0%} of {ceiling.split(' | ')[1]}"
 
+    def checked_ratio(size: int, target: str) -> str:
+        if target == "local":
+            return "-"
+        ceiling = results.gbps(size, f"{target} | socket send + checksums")
+        return f"{results.gbps(size, f'{target} flush') / ceiling:.0%}"
+
     rows = [[format_size(size), target, f"{results.gbps(size, f'{target} flush'):.2f}",
              f"{results.gbps(size, f'{target} fetch'):.2f}", ratio(size, target, "flush"),
-             ratio(size, target, "fetch")] for size in results.sizes for target in targets]
+             checked_ratio(size, target), ratio(size, target, "fetch")]
+            for size in results.sizes for target in targets]
     table = markdown_table(["block", "transport", "flush GB/s", "fetch GB/s", "flush vs ceiling",
-                            "fetch vs ceiling"], rows)
+                            "flush vs socket send + checksums", "fetch vs ceiling"], rows)
     return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s), measured in "
             f"the same repeats as each transport:\n\n{ceilings}\n\nTransports (two processes on 127.0.0.1):\n\n"
             f"{table}\n")
