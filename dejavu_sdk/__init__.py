@@ -26,6 +26,7 @@ from .errors import (
     StoreError,
     TransportError,
 )
+from .planner import Plan, plan
 from .stores import Store, open_store
 from .transports import Transport, open_transport, serve
 
@@ -48,6 +49,7 @@ __all__ = [
     "DejaVuEngine",
     "DejaVuError",
     "KVSpec",
+    "Plan",
     "ReplicationError",
     "Store",
     "StoreClosed",
@@ -58,5 +60,6 @@ __all__ = [
     "load_smollm2",
     "open_store",
     "open_transport",
+    "plan",
     "serve",
 ]

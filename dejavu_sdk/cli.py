@@ -10,6 +10,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import ConfigError, DejaVuError
+from .plan_cli import add_planning_commands
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_arguments(transports)
     transports.set_defaults(run=_bench_transports)
     _add_streaming_bench(benches)
+    add_planning_commands(commands)
     return parser
 
 
