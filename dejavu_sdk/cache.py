@@ -39,12 +39,16 @@ class CacheManager:
     `replicate_every`: decode steps per block (1: every step; more for slow tiers such as object storage).
     `on_replica_error`: "raise" (default) surfaces a failed flush from the next call and from `finish`;
     "warn" warns once and stops replicating this stream.
+    `on_durable(key)` runs on the streamer thread after each block the sink accepted. With `manifest_for`,
+    a sink that has `flush_with_manifest` (a store, the local transport) gets each block together with the
+    stream's manifest as it will be once that block is durable: `manifest_for(key, durable_positions)`.
+    LMDB then commits both in one transaction.
     """
 
     def __init__(self, sink: BlockSink, stream_id: str, layers: int, *, replicate_every: int = 1,
                  queue_size: int = 8, on_replica_error: str = "raise",
                  on_durable: Callable[[BlockKey], None] | None = None, durable: Sequence[BlockKey] = (),
-                 durable_positions: int = 0) -> None:
+                 durable_positions: int = 0, manifest_for: Callable[[BlockKey, int], bytes] | None = None) -> None:
         if not isinstance(replicate_every, int) or replicate_every < 1:
             raise ConfigError(f"replicate_every must be a positive integer, got {replicate_every!r}")
         if on_replica_error not in ("raise", "warn"):
@@ -54,6 +58,7 @@ class CacheManager:
         self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
         self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
         self._on_durable = on_durable
+        self._manifest_for = manifest_for if hasattr(sink, "flush_with_manifest") else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
         self._staging: StagingBuffer | None = None
@@ -127,7 +132,11 @@ class CacheManager:
                 if self._error is None:
                     if ready is not None:
                         ready.synchronize()
-                    self.sink.flush(key, block)
+                    if self._manifest_for is None:
+                        self.sink.flush(key, block)
+                    else:
+                        manifest = self._manifest_for(key, min(_advanced(self._layer_ends, key)))
+                        self.sink.flush_with_manifest(key, block, manifest)
                     self._record_durable(key)
             except BaseException as error:  # surfaced to the model's thread by _check and finish
                 self._error = ReplicationError(f"replicating {key} failed: {error}")
@@ -138,9 +147,7 @@ class CacheManager:
 
     def _record_durable(self, key: BlockKey) -> None:
         self.durable.append(key)
-        for layer in range(*key.layers):
-            if key.tokens[0] == self._layer_ends[layer]:  # one streamer thread: blocks arrive in order
-                self._layer_ends[layer] = key.tokens[1]
+        self._layer_ends = _advanced(self._layer_ends, key)
         if self._on_durable is not None:
             self._on_durable(key)
 
@@ -171,6 +178,15 @@ class CacheManager:
                     raise self._error
                 warnings.warn(f"{self._error}; stream {self.stream_id} is not fully replicated", stacklevel=2)
         return list(self.durable)
+
+
+def _advanced(layer_ends: list[int], key: BlockKey) -> list[int]:
+    """Per layer, the end of the durable positions once `key` is durable too (blocks arrive in order)."""
+    ends = list(layer_ends)
+    for layer in range(*key.layers):
+        if key.tokens[0] == ends[layer]:
+            ends[layer] = key.tokens[1]
+    return ends
 
 
 class StreamingCache(DynamicCache):

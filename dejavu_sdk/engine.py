@@ -124,9 +124,11 @@ class DejaVuEngine:
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
         recorder = _TokenRecorder(manifest, self.store, restored_keys)
+        together = getattr(self.transport, "store", None) is self.store  # one write for block and manifest
         manager = CacheManager(self.transport, manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored,
-                               on_durable=recorder.block_durable, **self.options)
+                               on_durable=recorder.note_durable if together else recorder.block_durable,
+                               manifest_for=recorder.manifest_after if together else None, **self.options)
         recorder.manager = manager
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
@@ -253,9 +255,17 @@ class _TokenRecorder:
         with self._lock:
             return [list(row) for row in self.tokens]
 
+    def manifest_after(self, key: BlockKey, durable_positions: int) -> bytes:
+        """The manifest as it will be once `key` is durable; written together with that block."""
+        return self._encode(self._tokens(), [*self._names, str(key)], durable_positions)
+
+    def note_durable(self, key: BlockKey) -> None:
+        """Called on the streamer thread after each accepted block whose manifest went with it."""
+        self._names.append(str(key))
+
     def block_durable(self, key: BlockKey) -> None:
         """Called on the streamer thread after each accepted block: make the new position resumable."""
-        self._names.append(str(key))
+        self.note_durable(key)
         self.store.write_manifest(self.manifest.stream_id,
                                   self._encode(self._tokens(), self._names, self.manager.durable_positions))
 

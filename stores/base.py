@@ -1,7 +1,8 @@
 """The replica-store interface: flush/fetch blocks by key, list and delete them by stream.
 
 Callers (the cache manager, the CLI, users) use the public methods. A backend implements five small
-hooks on encoded records named by `str(key)`: `_put`, `_get`, `_names`, `_remove` and `_close`.
+hooks on encoded records named by `str(key)`: `_put`, `_get`, `_names`, `_remove` and `_close`
+(and `_put_many`, where a backend can commit several records at once).
 Encoding, checksums, `out` handling, closed-state checks and argument validation live here once, so
 every backend behaves the same and wrappers stay complete.
 """
@@ -69,6 +70,17 @@ class Store(ABC):
         name = manifest_name(stream_id)
         self._put(name, encode_block(name, manifest, self._allocate))
 
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+        """Store `block` under `key` and replace its stream's manifest, in that order.
+
+        Backends that can write both atomically do (LMDB: one transaction, one sync); the others write the
+        block first, so a manifest never names a block that is not stored.
+        """
+        self._check_open()
+        name, manifest_record_name = str(check_key(key)), manifest_name(key.stream_id)
+        self._put_many([(name, encode_block(key, block, self._allocate)),
+                        (manifest_record_name, encode_block(manifest_record_name, manifest, self._allocate))])
+
     def read_manifest(self, stream_id: str) -> bytes:
         """The stream's manifest; BlockNotFound if it has none, CorruptBlock if it is damaged."""
         self._check_open()
@@ -108,6 +120,11 @@ class Store(ABC):
     @abstractmethod
     def _put(self, name: str, record: np.ndarray) -> None:
         """Store `record` under `name` atomically: readers see the old record or the new one, whole."""
+
+    def _put_many(self, records: list[tuple[str, np.ndarray]]) -> None:
+        """Store several records in order; backends with transactions override this to commit them at once."""
+        for name, record in records:
+            self._put(name, record)
 
     @abstractmethod
     def _get(self, name: str) -> contextlib.AbstractContextManager[Any]:

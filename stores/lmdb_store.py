@@ -165,6 +165,13 @@ class LmdbStore(Store):
     def _put(self, name: str, record: np.ndarray) -> None:
         self._write(lambda txn: txn.put(name.encode(), record), needed=record.nbytes)
 
+    def _put_many(self, records: list[tuple[str, np.ndarray]]) -> None:
+        def put_all(txn: lmdb.Transaction) -> None:
+            for name, record in records:
+                txn.put(name.encode(), record)
+
+        self._write(put_all, needed=sum(record.nbytes for _, record in records))
+
     @contextlib.contextmanager
     def _get(self, name: str) -> Iterator[memoryview]:
         with self._transaction(write=False) as txn:

@@ -125,3 +125,27 @@ def test_one_directory_can_be_opened_twice_in_a_process(tmp_path) -> None:
             LmdbStore(tmp_path, sync=False)
     third = LmdbStore(tmp_path, sync=False)  # every handle closed: any setting again
     assert same_bits(third.fetch(_key(0)), _block(0))
+
+
+def test_a_block_and_its_manifest_commit_in_one_transaction(tmp_path) -> None:
+    store = LmdbStore(tmp_path)
+    before = store._env.info()["last_txnid"]
+    store.flush_with_manifest(_key(0), _block(0), b'{"step": 0}')
+    assert store._env.info()["last_txnid"] == before + 1
+    store.flush(_key(1), _block(1))
+    store.write_manifest("req-1", b'{"step": 1}')
+    assert store._env.info()["last_txnid"] == before + 3
+
+
+def test_the_engine_commits_each_block_with_its_manifest(tmp_path) -> None:
+    from tiny_models import prompt, tiny_llama
+
+    model = tiny_llama(layers=4)
+    ids, mask = prompt()
+    with dv.DejaVuEngine(model, store=f"lmdb://{tmp_path}/kv", keep_finished=True) as engine:
+        before = engine.store._env.info()["last_txnid"]
+        engine.generate(ids, attention_mask=mask, max_new_tokens=12, stream_id="one-commit")
+        commits = engine.store._env.info()["last_txnid"] - before
+        blocks = len(engine.store.keys("one-commit"))
+    assert blocks == 4 + 11  # the prompt's 4 layer blocks, then one block per decode step
+    assert commits == blocks + 2  # plus the first manifest and the finished one

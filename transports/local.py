@@ -47,11 +47,19 @@ class LocalTransport(Transport):
         return self._side_streams[device]
 
     def flush(self, key: BlockKey, block: Any) -> None:
+        self.store.flush(key, self._on_host(key, block))
+
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+        """`flush`, with the stream's manifest written together with the block (see `Store.flush_with_manifest`)."""
+        self.store.flush_with_manifest(key, self._on_host(key, block), manifest)
+
+    def _on_host(self, key: BlockKey, block: Any) -> Any:
+        """`block` as the store can take it: a device tensor is copied to pinned host memory first."""
         self._check_open()
         check_key(key)
         if isinstance(block, torch.Tensor) and block.device.type == "cuda":
-            block = self._to_host(block)
-        self.store.flush(key, block)
+            return self._to_host(block)
+        return block
 
     def _to_host(self, block: torch.Tensor) -> torch.Tensor:
         """Copy on the side stream, after the caller's queued work; wait for that copy alone."""

@@ -124,6 +124,16 @@ class StoreTests:
         with pytest.raises(BlockNotFound):
             store.read_manifest("req-1")
 
+    def test_a_block_and_its_manifest_are_flushed_together(self, store: Store) -> None:
+        store.write_manifest(KEY.stream_id, b'{"step": 0}')
+        block = random_tensor((3, 5), torch.float16, seed=7)
+        store.flush_with_manifest(KEY, block, b'{"step": 1}')
+        assert same_bits(store.fetch(KEY), block)
+        assert store.read_manifest(KEY.stream_id) == b'{"step": 1}'
+        assert store.keys(KEY.stream_id) == [KEY]
+        with pytest.raises(ConfigError):
+            store.flush_with_manifest("not a key", block, b"{}")
+
     # ---- errors ---------------------------------------------------------------------------
     def test_missing_block_raises_block_not_found_which_is_a_key_error(self, store: Store) -> None:
         with pytest.raises(BlockNotFound, match="req-1/L0-1.T0-8"):
