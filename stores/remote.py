@@ -38,17 +38,15 @@ class RemoteStore(Store):
         self._check_open()
         self.transport.flush(check_key(key), block)
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
-        """The block streams straight from the tensor, then the manifest follows: two requests, in order."""
-        self.flush(key, block)
-        self.write_manifest(key.stream_id, manifest)
-
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check_open()
         return self.transport.fetch(check_key(key), out)
 
     def _put(self, name: str, record: np.ndarray) -> None:
-        self.transport.put_record(name, record)
+        self.transport.put_records([(name, record)])
+
+    def _put_many(self, records: list[tuple[str, np.ndarray]]) -> None:
+        self.transport.put_records(records)  # one request; the server stores them with its own _put_many
 
     @contextlib.contextmanager
     def _get(self, name: str) -> Iterator[np.ndarray]:

@@ -22,7 +22,7 @@ def test_blocks_round_trip_through_the_store(tmp_path, store: str) -> None:
     out = torch.empty_like(block)
     assert transport.fetch(KEY, out=out) is out and same_bits(out, block)
     assert transport.names("req-1/") == [str(KEY)]
-    transport.put_record("req-2/L0-2.T0-16", transport.get_record(str(KEY)))
+    transport.put_records([("req-2/L0-2.T0-16", transport.get_record(str(KEY)))])
     assert [k.stream_id for k in backing.keys()] == ["req-1", "req-2"]
     transport.remove([str(KEY)])
     assert [k.stream_id for k in backing.keys()] == ["req-2"]

@@ -4,6 +4,7 @@ import logging
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,20 @@ def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -
     assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]
     assert server.store.fetch(KEY).tolist() == list(range(10))  # written later, whole, by the good client
     _wait_for_log(caplog, "mid-request")  # the server's connection thread logs it on its own time
+
+
+@pytest.mark.parametrize(("meta", "why"), [
+    (b"5 req-1/L0-1.T0-1\n5 req-1/L0-1.T1-2", "do not add up"),
+    (b"ten req-1/L0-1.T0-1", "one 'size name' line"),
+    (b"8 ../outside", "not a block key"),
+])
+def test_records_that_misstate_themselves_are_refused(server, meta: bytes, why: str) -> None:
+    with open_transport(server.url) as client:
+        with pytest.raises(dv.TransportError, match=why):  # a bad request, answered as such
+            client._exchange(Op.PUT_RECORDS, meta, OutgoingRecord.opaque(np.zeros(8, np.uint8)))
+        assert server.store.keys() == []  # nothing half-stored
+        client.flush(KEY, torch.ones(2))  # the same connection keeps working
+    _assert_still_serving(server)
 
 
 def test_connecting_to_nobody_fails_fast_and_clearly() -> None:

@@ -42,7 +42,8 @@ class Transport(ABC):
 
     # Record-level operations, for RemoteStore: names and encoded records, passed through untouched.
     @abstractmethod
-    def put_record(self, name: str, record: np.ndarray) -> None: ...
+    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
+        """Store (name, record) pairs in order, in one request; in one transaction where the store allows."""
 
     @abstractmethod
     def get_record(self, name: str) -> np.ndarray: ...

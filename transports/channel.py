@@ -143,8 +143,12 @@ class ChannelTransport(Transport):
             raise ConfigError(f"send_tensor takes a torch.Tensor, got {type(tensor).__name__}")
         self._exchange(Op.TENSOR, record=OutgoingRecord.from_block(TENSOR_LABEL, tensor))
 
-    def put_record(self, name: str, record: np.ndarray) -> None:
-        self._exchange(Op.PUT_RECORD, name.encode(), OutgoingRecord.opaque(record))
+    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
+        if not records:
+            return
+        meta = "\n".join(f"{record.size} {name}" for name, record in records).encode()
+        payload = records[0][1] if len(records) == 1 else np.concatenate([record for _, record in records])
+        self._exchange(Op.PUT_RECORDS, meta, OutgoingRecord.opaque(payload))
 
     def get_record(self, name: str) -> np.ndarray:
         def receive(channel: Channel, reply: Message) -> np.ndarray:
@@ -240,7 +244,7 @@ class ChannelServer(Server):
 
     def _answer(self, channel: Channel, request: Message) -> None:
         """Carry out one request and reply. Store errors become error replies; channel errors propagate."""
-        if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORD):
+        if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS):
             status, meta = self._receive(channel, request)
         elif request.has_record:
             raise ProtocolError(f"{request.op.name} requests carry no record")
@@ -271,9 +275,9 @@ class ChannelServer(Server):
             return _error_reply(error)
 
     def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
-        """Receive a record whole and verified, then store it or queue it; never store half a record."""
+        """Receive records whole and verified, then store or queue them; never store half a record."""
         header = request.header
-        if (request.op == Op.PUT_RECORD) != (header is None):
+        if (request.op == Op.PUT_RECORDS) != (header is None):
             raise ProtocolError(f"{request.op.name} with{'out' if header is None else ''} a record header")
         if header is None:
             record = self.store._allocate(request.payload_length)
@@ -290,13 +294,36 @@ class ChannelServer(Server):
             self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
             return Status.OK, b""
         try:
-            name = _block_name(request.text)
-            if header is not None and header.label != name:
-                raise corrupt(name, f"the record holds block {header.label!r}")
-            self.store._put(name, record)
+            if header is None:
+                self.store._put_many(self._split_records(request.text, record))
+            else:
+                name = _block_name(request.text)
+                if header.label != name:
+                    raise corrupt(name, f"the record holds block {header.label!r}")
+                self.store._put(name, record)
         except (ConfigError, CorruptBlock, StoreError) as error:
             return _error_reply(error)
         return Status.OK, b""
+
+    def _split_records(self, meta: str, payload: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """PUT_RECORDS' payload cut into its records, as its "size name" lines say; ConfigError if they lie."""
+        lines = [line.partition(" ") for line in meta.split("\n")]
+        try:
+            sizes = [int(size) for size, _, _ in lines]
+        except ValueError:
+            raise ConfigError("PUT_RECORDS needs one 'size name' line per record") from None
+        entries = [(size, _block_name(name)) for size, (_, _, name) in zip(sizes, lines, strict=True)]
+        if any(size < 0 for size, _ in entries) or sum(size for size, _ in entries) != payload.size:
+            raise ConfigError(f"PUT_RECORDS sizes do not add up to its {payload.size}-byte payload")
+        if len(entries) == 1:
+            return [(entries[0][1], payload)]
+        records, start = [], 0
+        for size, name in entries:  # each record gets memory of its own, as the store allocates it
+            record = self.store._allocate(size)
+            record[:] = payload[start:start + size]
+            records.append((name, record))
+            start += size
+        return records
 
 
 def _block_name(name: str) -> str:

@@ -102,9 +102,9 @@ class LocalTransport(Transport):
         except queue.Empty:
             raise TransportError(f"no tensor arrived within {timeout} s") from None
 
-    def put_record(self, name: str, record: np.ndarray) -> None:
+    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
         self._check_open()
-        self.store._put(name, record)
+        self.store._put_many(records)
 
     def get_record(self, name: str) -> np.ndarray:
         self._check_open()

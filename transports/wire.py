@@ -43,7 +43,7 @@ class Op(enum.IntEnum):
     REMOVE = 5
     TENSOR = 6
     REPLY = 7
-    PUT_RECORD = 8  # an encoded record as opaque bytes, stored exactly as sent
+    PUT_RECORDS = 8  # encoded records as opaque bytes, stored exactly as sent; meta: "size name" per line
 
 
 class Status(enum.IntEnum):

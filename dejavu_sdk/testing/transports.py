@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,8 +105,10 @@ class TransportTests:
         assert transport.names("") == [str(KEY)]
         record = transport.get_record(str(KEY))
         other = BlockKey("req-2", layers=(0, 2), tokens=(0, 16))
-        transport.put_record(str(other), record)
-        assert sorted(transport.names("")) == [str(KEY), str(other)]
+        third = BlockKey("req-2", layers=(2, 4), tokens=(0, 16))
+        transport.put_records([(str(other), record), (str(third), record[:-1])])  # one request, both stored
+        assert sorted(transport.names("")) == [str(KEY), str(other), str(third)]
+        assert np.array_equal(transport.get_record(str(other)), record)
         transport.remove([str(KEY)])
         assert transport.names("req-1/") == []
 
