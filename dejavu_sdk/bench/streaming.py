@@ -3,7 +3,8 @@
 (a) decode: per-step latency with replication to each store, beside the same generation without it;
 (b) copies: one decode step's KV leaving as one staged block (buffered) or as one block per layer (naive);
 (c) prefill: prompt blocks streamed layer by layer during the forward, or all after it.
-Every repeat measures every variant in turn; figures are medians. The model is SmolLM2-135M-Instruct
+Every repeat measures every variant in turn, each repeat starting from the next variant; figures are
+medians. The model is SmolLM2-135M-Instruct
 when installed (a decode step takes tens of milliseconds on a small CPU), else a random model of its shape.
 """
 
@@ -183,10 +184,10 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, _stores(targets, scratch) as stores, \
             tqdm(total=repeats * (len(targets) + 3), desc="bench streaming", unit="run", disable=not progress) as bar:
         prefill_store = stores.get("lmdb") or next(iter(stores.values()), MemoryStore())
-        for _ in range(repeats):
-            samples["decode off"].append(_decode_step(model, ids, new_tokens, None))
-            bar.update()
-            for target, store in stores.items():
+        variants: list[tuple[str, Store | None]] = [("off", None), *stores.items()]
+        for repeat in range(repeats):
+            # Each repeat starts with another variant, so a drift in the machine's speed favours none.
+            for target, store in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
                 samples[f"decode {target}"].append(_decode_step(model, ids, new_tokens, store))
                 bar.update()
             for what, seconds in _copies(pairs, spec, prompt_tokens - 1).items():
