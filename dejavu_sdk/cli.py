@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_streaming_bench(benches: Any) -> None:
     streaming = benches.add_parser("streaming", help="decode latency with replication on vs off, buffered vs "
                                    "naive copies, layer-wise vs after-prefill prompt streaming")
-    streaming.add_argument("--stores", default="memory,lmdb,tcp", help="comma-separated replicas to measure")
+    streaming.add_argument("--stores", default="memory,lmdb,lmdb-nosync,tcp",
+                           help="comma-separated replicas to measure (lmdb syncs each commit, lmdb-nosync does not)")
     streaming.add_argument("--repeats", type=int, default=5)
     streaming.add_argument("--prompt-tokens", type=int, default=512)
     streaming.add_argument("--new-tokens", type=int, default=48)

@@ -82,3 +82,18 @@ def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, c
 def test_serve_store_refuses_a_bad_listen_url(capsys) -> None:
     assert main(["serve-store", "--listen", "tcp://127.0.0.1"]) == 2
     assert "host:port" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, capsys) -> None:
+    samples = tmp_path / "samples.json"
+    arguments = ["bench", "streaming", "--random-model", "--repeats", "2", "--prompt-tokens", "16",
+                 "--new-tokens", "5", "--stores", "memory,lmdb-nosync", "--quiet", "--json", str(samples)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    assert "| none |" in output and "| memory |" in output and "| lmdb-nosync |" in output
+    assert "buffered: staged, one block" in output and "stream layer by layer" in output
+    recorded = json.loads(samples.read_text())["samples_seconds"]
+    assert all(len(recorded[f"decode {what}"]) == 2 for what in ("off", "memory", "lmdb-nosync"))
+    assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2
+    assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err

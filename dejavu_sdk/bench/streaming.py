@@ -30,7 +30,7 @@ from ..stream import StagingBuffer, scatter
 from ..transports.child import ServedStoreProcess
 from .common import machine_description, markdown_table, median
 
-TARGETS = ("memory", "lmdb", "tcp")
+TARGETS = ("memory", "lmdb", "lmdb-nosync", "tcp")
 
 
 @attrs.frozen
@@ -105,8 +105,9 @@ def _stores(targets: tuple[str, ...], scratch: str) -> Iterator[dict[str, Store]
         for target in targets:
             if target == "memory":
                 stores[target] = MemoryStore()
-            elif target == "lmdb":
-                stores[target] = stack.enter_context(open_store(f"lmdb://{scratch}/kv"))
+            elif target in ("lmdb", "lmdb-nosync"):
+                stores[target] = stack.enter_context(open_store(f"lmdb://{scratch}/{target}",
+                                                                sync=target == "lmdb"))
             else:
                 served = stack.enter_context(ServedStoreProcess(target, quiet=True))
                 stores[target] = stack.enter_context(open_store(served.url))
