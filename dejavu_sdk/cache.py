@@ -74,8 +74,8 @@ class CacheManager:
     # ---- called from the model's forward -------------------------------------------------
     def observe(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
         """See layer `layer`'s new KV `[B, H_kv, T, D]` for positions from `first_position` on."""
-        self._check()
-        if self._error is not None:  # on_replica_error="warn": this stream is no longer replicated
+        if self._error is not None:  # raises, or with on_replica_error="warn" no longer replicates this stream
+            self._check()
             return
         if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, while the next layer computes
             block = torch.stack((keys.detach(), values.detach())).unsqueeze(0)  # a copy, off the graph

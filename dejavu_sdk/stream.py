@@ -86,12 +86,13 @@ class StagingBuffer:
             raise ConfigError(f"this staging buffer holds {self.buffer.shape[4]} positions, not {slot + t1 - t0}")
         if len(layer_kv) != self.buffer.shape[0]:
             raise ConfigError(f"expected {self.buffer.shape[0]} layers of (keys, values), got {len(layer_kv)}")
-        slices = [_positions(part, tokens).detach() for pair in layer_kv for part in pair]
+        slices = [_positions(part, tokens) for pair in layer_kv for part in pair]
         target = self.buffer[:, :, :, :, slot:slot + t1 - t0]
-        if target.is_contiguous():
-            torch.stack(slices, out=target.view(-1, *target.shape[2:]))
-        else:
-            target.copy_(torch.stack(slices).view(target.shape))
+        with torch.no_grad():  # a copy off the graph; cheaper than detaching every slice
+            if target.is_contiguous():
+                torch.stack(slices, out=target.view(-1, *target.shape[2:]))
+            else:
+                target.copy_(torch.stack(slices).view(target.shape))
         return self.buffer
 
 

@@ -96,6 +96,16 @@ def test_staging_buffer_checks_what_it_is_given() -> None:
         scatter(MemoryStore(), "s", _layer_kv(cache, range(3)), (0, 2), (0, 1))
 
 
+def test_staging_copies_kv_that_requires_grad_off_the_graph() -> None:
+    staging = StagingBuffer(SPEC, (0, 2))
+    pairs = [(keys.clone().requires_grad_(), values.clone().requires_grad_())
+             for keys, values in _layer_kv(_cache(), range(2))]
+    filled = staging.fill(pairs, (3, 4))
+    assert not filled.requires_grad and filled.grad_fn is None
+    expected = torch.stack([part[:, :, 3:4].detach() for pair in pairs for part in pair])
+    assert same_bits(filled.reshape(expected.shape), expected)
+
+
 def test_a_two_stage_cut_streams_into_a_three_stage_cut() -> None:
     """Prompt pipeline: 2 stages of 3 layers; token pipeline: 3 stages of 2 layers."""
     cache, store = _cache(), MemoryStore()
