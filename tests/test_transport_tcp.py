@@ -137,3 +137,21 @@ def test_transport_names_and_objects() -> None:
     assert open_transport(transport) is transport
     with pytest.raises(dv.ConfigError, match="only when the transport is given as a URL"):
         open_transport(transport, timeout=3)
+
+
+def test_several_buffers_go_out_whole_even_when_the_kernel_takes_a_few_bytes_at_a_time() -> None:
+    from dejavu_sdk.transports.tcp import _send_all
+
+    class Trickle:
+        def __init__(self) -> None:
+            self.received = b""
+
+        def sendmsg(self, views: list[memoryview]) -> int:
+            data = b"".join(bytes(view) for view in views)[:7]
+            self.received += data
+            return len(data)
+
+    parts = [b"control-", b"", np.arange(40, dtype=np.uint8), b"-trailer"]
+    sock = Trickle()
+    _send_all(sock, [memoryview(part).cast("B") for part in parts])
+    assert sock.received == b"".join(bytes(part) for part in parts)

@@ -21,10 +21,22 @@ from .channel import AddressedTransport, ChannelServer, join_host_port
 from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
 
 
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """`sendall` for several buffers: `sendmsg` until every byte is out."""
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
 class SocketChannel(Channel):
     """A connected TCP socket; `timeout` bounds every send and receive (None: wait forever)."""
 
     chunk_size = 1 << 20
+    byte_stream = True
 
     def __init__(self, sock: socket.socket, peer: str, timeout: float | None) -> None:
         self._sock = sock
@@ -37,8 +49,8 @@ class SocketChannel(Channel):
             self._sock.settimeout(self._timeout)
             if len(buffers) == 1:
                 self._sock.sendall(buffers[0])
-            else:  # small parts: one segment, one system call
-                self._sock.sendall(b"".join(bytes(buffer) for buffer in buffers))
+            else:  # small parts: one segment, one system call, no copy
+                _send_all(self._sock, [memoryview(buffer).cast("B") for buffer in buffers])
         except TimeoutError:
             raise TransportError(f"sending to {self.peer} timed out after {self._timeout} s") from None
         except OSError as error:
