@@ -315,13 +315,9 @@ class ChannelServer(Server):
         entries = [(size, _block_name(name)) for size, (_, _, name) in zip(sizes, lines, strict=True)]
         if any(size < 0 for size, _ in entries) or sum(size for size, _ in entries) != payload.size:
             raise ConfigError(f"PUT_RECORDS sizes do not add up to its {payload.size}-byte payload")
-        if len(entries) == 1:
-            return [(entries[0][1], payload)]
         records, start = [], 0
-        for size, name in entries:  # each record gets memory of its own, as the store allocates it
-            record = self.store._allocate(size)
-            record[:] = payload[start:start + size]
-            records.append((name, record))
+        for size, name in entries:  # views into the one buffer the store allocated: no copies
+            records.append((name, payload[start:start + size]))
             start += size
         return records
 
