@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from .errors import ConfigError
 
@@ -27,15 +28,21 @@ def load_causal_lm(name: str) -> Any:
 
 
 @torch.inference_mode()
-def measure_times(model: Any, batch: int, prompt_tokens: int, repeats: int = 3) -> tuple[float, float]:
-    """Median seconds of one prefill of `batch` x `prompt_tokens` tokens (Y) and of one decode step after it (t)."""
+def measure_times(model: Any, batch: int, prompt_tokens: int, repeats: int = 3,
+                  progress: bool = True) -> tuple[float, float]:
+    """Median seconds of one prefill of `batch` x `prompt_tokens` tokens (Y) and of one decode step after it (t).
+
+    One unmeasured round warms up first; a progress bar counts the rounds (a large prefill on a CPU takes a while).
+    """
     if batch < 1 or prompt_tokens < 1 or repeats < 1:
         raise ConfigError("batch, prompt tokens and repeats must be positive")
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (batch, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     prompt_times, token_times = [], []
-    for _ in range(repeats + 1):  # the first round warms up and is not counted
+    rounds = tqdm(range(repeats + 1), desc=f"timing {batch} x {prompt_tokens} tokens", unit="round",
+                  disable=not progress)
+    for _ in rounds:  # the first round warms up and is not counted
         start = time.perf_counter()
         output = model(prompt, use_cache=True)
         _synchronize(device)
