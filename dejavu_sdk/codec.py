@@ -16,9 +16,11 @@ Stores use `encode_block`/`decode_block`; transports stream `RecordHeader`, payl
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import math
 import struct
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -196,27 +198,32 @@ def check_out(label: str, header: RecordHeader, out: Any) -> torch.Tensor:
     return out
 
 
-_VIEWS: collections.OrderedDict[int, tuple[torch.Tensor, int, np.ndarray]] = collections.OrderedDict()
+_VIEWS: collections.OrderedDict[int, tuple[weakref.ref, int, np.ndarray]] = collections.OrderedDict()
 _VIEWS_KEPT = 4
 
 
 def host_view(tensor: torch.Tensor) -> np.ndarray | None:
     """The bytes of `tensor` as a writable uint8 array, or None when it is not contiguous host memory.
 
+    Use the array at once, while `tensor` is alive: it does not keep the tensor's memory alive.
+
     Views of the last few tensors are kept: fetches into the same preallocated `out` are the hot path, and
-    building a view through torch costs tens of microseconds there. An entry holds its tensor, so its id
-    names the same object; the address is checked too, since `set_` or `resize_` can move a tensor's memory.
+    building a view through torch costs tens of microseconds there. An entry holds only a weak reference,
+    so the cache never keeps a caller's tensor alive. It is used only when that reference still gives
+    this very tensor and the tensor's memory is where it was (`set_` or `resize_` can move it).
     """
     if not tensor.is_contiguous():
         return None
     kept = _VIEWS.get(id(tensor))
-    address = tensor.data_ptr()
-    if kept is not None and kept[0] is tensor and kept[1] == address and kept[2].size == tensor.nbytes:
+    address, nbytes = tensor.data_ptr(), tensor.nbytes
+    if kept is not None and kept[0]() is tensor and kept[1] == address and kept[2].size == nbytes:
         return kept[2]
     if tensor.device.type != "cpu":
         return None
-    view = tensor.detach().reshape(-1).view(torch.uint8).numpy()
-    _VIEWS[id(tensor)] = (tensor, address, view)
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+    _VIEWS[id(tensor)] = (weakref.ref(tensor), address, view)
     if len(_VIEWS) > _VIEWS_KEPT:
         _VIEWS.popitem(last=False)
     return view

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -57,3 +60,18 @@ def test_fetching_into_an_out_whose_memory_moved_writes_the_new_memory() -> None
     out.zero_()
     decode_block("s/L0-1.T0-1", record, out)
     assert same_bits(out, block)
+
+
+def test_fetching_into_out_does_not_keep_it_alive() -> None:
+    block = random_tensor((256, 64), torch.float32, seed=2)
+    record = encode_block("s/L0-1.T0-1", block)
+    out = torch.zeros_like(block)
+    decode_block("s/L0-1.T0-1", record, out)
+    assert same_bits(out, block)
+    gone = weakref.ref(out)
+    del out
+    gc.collect()
+    assert gone() is None
+    assert same_bits(decode_block("s/L0-1.T0-1", record, torch.zeros_like(block)), block)
+    empty = torch.empty(0)
+    assert decode_block("s/L0-1.T0-1", encode_block("s/L0-1.T0-1", empty), empty).numel() == 0
