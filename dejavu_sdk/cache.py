@@ -58,7 +58,10 @@ class CacheManager:
         self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
         self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
         self._on_durable = on_durable
-        self._manifest_for = manifest_for if hasattr(sink, "flush_with_manifest") else None
+        if manifest_for is not None and not hasattr(sink, "flush_with_manifest"):
+            raise ConfigError(f"manifest_for needs a sink with flush_with_manifest (a store or the local transport); "
+                              f"{type(sink).__name__} has none, so write the manifest from on_durable instead")
+        self._manifest_for = manifest_for
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
         self._staging: StagingBuffer | None = None

@@ -28,7 +28,7 @@ def _bench_stores(args: argparse.Namespace) -> int:
     results = run_store_bench(sizes, list(targets), repeats=args.repeats, volume=parse_size(args.volume),
                               directory=args.dir, progress=not args.quiet)
     print(store_bench_markdown(results, targets))
-    _write_outputs(args, results, lambda path: plot_store_bench(results, targets, path))
+    write_outputs(args, results, lambda path: plot_store_bench(results, targets, path))
     return 0
 
 
@@ -43,7 +43,7 @@ def _bench_transports(args: argparse.Namespace) -> int:
     results = run_transport_bench(sizes, targets, repeats=args.repeats, volume=parse_size(args.volume),
                                   progress=not args.quiet)
     print(transport_bench_markdown(results, targets))
-    _write_outputs(args, results, lambda path: plot_transport_bench(results, targets, path))
+    write_outputs(args, results, lambda path: plot_transport_bench(results, targets, path))
     return 0
 
 
@@ -57,17 +57,16 @@ def _bench_streaming(args: argparse.Namespace) -> int:
     report = run_streaming_bench(targets, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
                                  new_tokens=args.new_tokens, random_model=args.random_model, progress=not args.quiet)
     print(report.to_markdown(targets))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report.to_json(), file, indent=1)
+    write_outputs(args, report)
     return 0
 
 
-def _write_outputs(args: argparse.Namespace, results: Any, plot: Callable[[str], None]) -> None:
+def write_outputs(args: argparse.Namespace, results: Any, plot: Callable[[str], None] | None = None) -> None:
+    """`--json`: every sample or outcome (`results.to_json()`); `--plot`: draw the figures into that file."""
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results.to_json(), file, indent=1)
-    if args.plot:
+    if plot is not None and args.plot:
         plot(args.plot)
         print(f"plot written to {args.plot}")
 

@@ -93,7 +93,7 @@ class DejaVuEngine:
     def forget(self, stream_id: str) -> int:
         """Delete a stream's blocks and manifest; returns how many blocks were deleted."""
         deleted = self._require_store().delete(check_stream_id(stream_id))
-        if getattr(self.transport, "store", None) is not self.store:  # blocks live behind another transport
+        if not self._blocks_in_own_store:  # blocks live behind another transport
             names = self.transport.names(f"{stream_id}/")
             self.transport.remove(names)
             deleted += sum(1 for name in names if not name.endswith("/manifest"))
@@ -124,7 +124,7 @@ class DejaVuEngine:
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
         recorder = _TokenRecorder(manifest, self.store, restored_keys)
-        together = getattr(self.transport, "store", None) is self.store  # one write for block and manifest
+        together = self._blocks_in_own_store  # each block goes with its manifest, in one write
         manager = CacheManager(self.transport, manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored,
                                on_durable=recorder.note_durable if together else recorder.block_durable,
@@ -204,6 +204,11 @@ class DejaVuEngine:
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"max_new_tokens must be a positive integer, got {value!r}")
         return value
+
+    @property
+    def _blocks_in_own_store(self) -> bool:
+        """Blocks reach the engine's own store (the local transport): each can go with its manifest."""
+        return getattr(self.transport, "store", None) is self.store
 
     def _require_store(self) -> Store:
         if self.store is None:

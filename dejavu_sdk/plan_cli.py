@@ -94,6 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from .cli import write_outputs  # loaded already: it is what runs this command
     from .simulator import Workload, poisson_arrivals
     from .sweep import plot_sweep, run_sweep, sweep_markdown
 
@@ -113,12 +114,7 @@ def _simulate(args: argparse.Namespace) -> int:
              f"m = {args.stream_overhead}")
     sweep = run_sweep(workload, machine_counts, inputs.memory, title, progress=not args.quiet)
     print(sweep_markdown(sweep))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(sweep.to_json(), file, indent=1)
-    if args.plot:
-        plot_sweep(sweep, args.plot)
-        print(f"plot written to {args.plot}")
+    write_outputs(args, sweep, lambda path: plot_sweep(sweep, path))
     return 0
 
 

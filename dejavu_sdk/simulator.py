@@ -122,9 +122,6 @@ class _Requests:
     def exhausted(self) -> bool:
         return self.next >= len(self.arrivals)
 
-    def first_arrival_after(self, time: float) -> float:
-        return max(time, self.arrivals[self.next])
-
     def take(self, time: float, size: int) -> list[int]:
         """The requests that have arrived by `time`, at most `size` (the caller waits for the first)."""
         end = self.next
@@ -158,7 +155,7 @@ def _simulate(workload: Workload, prompt_lines: Sequence[_Pipeline], token_lines
     if not mixed:
         token_line = token_lines[0]
         token_slots = token_line.depth
-        waiting_for_tokens: deque[tuple[float, list[int]]] = deque()
+        waiting_for_tokens: deque[tuple[float, list[int], int]] = deque()
     while events:
         time, _, kind, payload = heapq.heappop(events)
         if kind == "slot":  # a prompt slot is free: start the next microbatch, or wait for one to arrive
@@ -166,7 +163,7 @@ def _simulate(workload: Workload, prompt_lines: Sequence[_Pipeline], token_lines
             if requests.exhausted:
                 continue
             if requests.arrivals[requests.next] > time:
-                heapq.heappush(events, (requests.first_arrival_after(time), next(counter), "slot", line))
+                heapq.heappush(events, (requests.arrivals[requests.next], next(counter), "slot", line))
                 continue
             batch = requests.take(time, workload.microbatch)
             prompt_done = line.run(time, prompt_scale * workload.prompt_time / line.depth)
@@ -175,16 +172,15 @@ def _simulate(workload: Workload, prompt_lines: Sequence[_Pipeline], token_lines
                 heapq.heappush(events, (prompt_done, next(counter), "step", (line, batch, prompt_done, steps, [])))
             else:
                 heapq.heappush(events, (prompt_done, next(counter), "slot", line))
-                heapq.heappush(events, (prompt_done, next(counter), "prompted", batch))
+                heapq.heappush(events, (prompt_done, next(counter), "prompted", (batch, steps)))
         elif kind == "prompted":  # disaggregated: a prefilled microbatch waits for a token slot
-            waiting_for_tokens.append((time, payload))
+            waiting_for_tokens.append((time, *payload))
             heapq.heappush(events, (time, next(counter), "token-slot", None))
         elif kind == "token-slot":
             if token_slots == 0 or not waiting_for_tokens:
                 continue
             token_slots -= 1
-            prompt_done, batch = waiting_for_tokens.popleft()
-            steps = max(requests.lengths[r] for r in batch) - 1
+            prompt_done, batch, steps = waiting_for_tokens.popleft()
             heapq.heappush(events, (time, next(counter), "step", (token_line, batch, prompt_done, steps, [])))
         else:  # "step": the microbatch's next decode step may enter its pipeline
             line, batch, prompt_done, steps, done = payload

@@ -163,7 +163,7 @@ class LmdbStore(Store):
 
     # ---- backend hooks ------------------------------------------------------------------------
     def _put(self, name: str, record: np.ndarray) -> None:
-        self._write(lambda txn: txn.put(name.encode(), record), needed=record.nbytes)
+        self._put_many([(name, record)])
 
     def _put_many(self, records: list[tuple[str, np.ndarray]]) -> None:
         def put_all(txn: lmdb.Transaction) -> None:

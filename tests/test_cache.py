@@ -123,3 +123,12 @@ def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
 def test_bad_options_are_refused(option: str, value) -> None:
     with pytest.raises(dv.ConfigError, match=option):
         CacheManager(MemoryStore(), "s", 2, **{option: value})
+
+
+def test_manifests_for_a_sink_that_cannot_take_them_are_refused() -> None:
+    class BlocksOnly:
+        def flush(self, key, block) -> None:
+            pass
+
+    with pytest.raises(dv.ConfigError, match="manifest_for needs a sink with flush_with_manifest"):
+        CacheManager(BlocksOnly(), "s", 2, manifest_for=lambda key, positions: b"{}")

@@ -295,7 +295,7 @@ class ChannelServer(Server):
             return Status.OK, b""
         try:
             if header is None:
-                self.store._put_many(self._split_records(request.text, record))
+                self.store._put_many(_split_records(request.text, record))
             else:
                 name = _block_name(request.text)
                 if header.label != name:
@@ -305,21 +305,22 @@ class ChannelServer(Server):
             return _error_reply(error)
         return Status.OK, b""
 
-    def _split_records(self, meta: str, payload: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """PUT_RECORDS' payload cut into its records, as its "size name" lines say; ConfigError if they lie."""
-        lines = [line.partition(" ") for line in meta.split("\n")]
-        try:
-            sizes = [int(size) for size, _, _ in lines]
-        except ValueError:
-            raise ConfigError("PUT_RECORDS needs one 'size name' line per record") from None
-        entries = [(size, _block_name(name)) for size, (_, _, name) in zip(sizes, lines, strict=True)]
-        if any(size < 0 for size, _ in entries) or sum(size for size, _ in entries) != payload.size:
-            raise ConfigError(f"PUT_RECORDS sizes do not add up to its {payload.size}-byte payload")
-        records, start = [], 0
-        for size, name in entries:  # views into the one buffer the store allocated: no copies
-            records.append((name, payload[start:start + size]))
-            start += size
-        return records
+
+def _split_records(meta: str, payload: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """PUT_RECORDS' payload cut into its records, as its "size name" lines say; ConfigError if they lie."""
+    lines = [line.partition(" ") for line in meta.split("\n")]
+    try:
+        sizes = [int(size) for size, _, _ in lines]
+    except ValueError:
+        raise ConfigError("PUT_RECORDS needs one 'size name' line per record") from None
+    entries = [(size, _block_name(name)) for size, (_, _, name) in zip(sizes, lines, strict=True)]
+    if any(size < 0 for size, _ in entries) or sum(size for size, _ in entries) != payload.size:
+        raise ConfigError(f"PUT_RECORDS sizes do not add up to its {payload.size}-byte payload")
+    records, start = [], 0
+    for size, name in entries:  # views into the one buffer the store allocated: no copies
+        records.append((name, payload[start:start + size]))
+        start += size
+    return records
 
 
 def _block_name(name: str) -> str:
