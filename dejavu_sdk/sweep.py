@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import attrs
 from tqdm import tqdm
 
+from .bench.common import markdown_table
 from .planner import MemoryModel
 from .simulator import STRATEGIES, Outcome, Workload, compare
 
@@ -48,19 +49,17 @@ def sweep_markdown(sweep: Sweep) -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = ["| machines | pipeline | pipeline+dp | disaggregated | vs pipeline | vs pipeline+dp |",
-             "|---|---|---|---|---|---|"]
-    for (machines, outcomes), versus_pipeline, versus_dp in zip(sweep.rows, sweep.speedups("pipeline"),
-                                                                sweep.speedups("pipeline+dp"), strict=True):
-        lines.append(f"| {machines} | {cell(outcomes['pipeline'])} | {cell(outcomes['pipeline+dp'])} | "
-                     f"{cell(outcomes['disaggregated'])} | {ratio(versus_pipeline)} | {ratio(versus_dp)} |")
-    costs = ["| machines | " + " | ".join(f"{name} cost (machine-hours)" for name in STRATEGIES) + " |",
-             "|---|" + "---|" * len(STRATEGIES)]
-    for machines, outcomes in sweep.rows:
-        costs.append(f"| {machines} | " + " | ".join(
-            "-" if outcomes[name] is None else f"{outcomes[name].cost / 3600:.2f}" for name in STRATEGIES) + " |")
-    return (f"{sweep.title}\n\nMakespan (layout), and the disaggregated system's speed-up:\n\n" + "\n".join(lines)
-            + "\n\nCost, makespan x machines:\n\n" + "\n".join(costs) + "\n")
+    makespans = markdown_table(
+        ["machines", *STRATEGIES, "vs pipeline", "vs pipeline+dp"],
+        [[machines, *(cell(outcomes[name]) for name in STRATEGIES), ratio(versus_pipeline), ratio(versus_dp)]
+         for (machines, outcomes), versus_pipeline, versus_dp in
+         zip(sweep.rows, sweep.speedups("pipeline"), sweep.speedups("pipeline+dp"), strict=True)])
+    costs = markdown_table(
+        ["machines", *(f"{name} cost (machine-hours)" for name in STRATEGIES)],
+        [[machines, *("-" if outcomes[name] is None else f"{outcomes[name].cost / 3600:.2f}" for name in STRATEGIES)]
+         for machines, outcomes in sweep.rows])
+    return (f"{sweep.title}\n\nMakespan (layout), and the disaggregated system's speed-up:\n\n{makespans}"
+            f"\n\nCost, makespan x machines:\n\n{costs}\n")
 
 
 def plot_sweep(sweep: Sweep, path: str) -> None:

@@ -106,3 +106,4 @@ def plot_operations(path: str, title: str, results: Throughputs, targets: Sequen
     figure.suptitle(f"{title} (medians of {results.repeats}; black ticks: ceilings from the same run)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)
