@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import attrs
 from tqdm import tqdm
 
-from .bench.common import markdown_table
 from .planner import MemoryModel
+from .report import markdown_table
 from .simulator import STRATEGIES, Outcome, Workload, compare
 
 
@@ -36,10 +36,9 @@ class Sweep:
 
 def run_sweep(workload: Workload, machine_counts: Sequence[int], memory: MemoryModel | None = None,
               title: str = "", progress: bool = True) -> Sweep:
-    rows = []
-    for machines in tqdm(machine_counts, desc="simulate", unit="machine count", disable=not progress):
-        rows.append((machines, compare(workload, machines, memory)))
-    return Sweep(title, tuple(rows))
+    rows = tuple((machines, compare(workload, machines, memory))
+                 for machines in tqdm(machine_counts, desc="simulate", unit="machine count", disable=not progress))
+    return Sweep(title, rows)
 
 
 def sweep_markdown(sweep: Sweep) -> str:

@@ -12,7 +12,8 @@ from dejavu_sdk.cli import main
 def test_console_script_lists_its_commands() -> None:
     result = subprocess.run(["dejavu", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    assert "demo" in result.stdout and "bench" in result.stdout
+    assert "demo" in result.stdout
+    assert "bench" in result.stdout
 
 
 def test_version(capsys) -> None:
@@ -32,7 +33,8 @@ def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> No
     store_arguments = ["--store", store.format(tmp=tmp_path)] if store else []
     assert main(["demo", *store_arguments, "--random-model", "--new-tokens", "24"]) == 0
     output = capsys.readouterr().out
-    assert "killed (SIGKILL), mid-decode" in output and "outputs are identical" in output
+    assert "killed (SIGKILL), mid-decode" in output
+    assert "outputs are identical" in output
 
 
 def test_demo_refuses_a_store_other_processes_cannot_read(capsys) -> None:
@@ -43,7 +45,8 @@ def test_demo_refuses_a_store_other_processes_cannot_read(capsys) -> None:
 def test_bad_input_is_a_message_not_a_traceback(capsys) -> None:
     assert main(["demo", "--store", "nosuch://x"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("dejavu: error: unknown store scheme 'nosuch'") and "Traceback" not in error
+    assert error.startswith("dejavu: error: unknown store scheme 'nosuch'")
+    assert "Traceback" not in error
     assert main(["bench", "stores", "--stores", "bogus", "--quiet"]) == 2
     assert "unknown bench target" in capsys.readouterr().err
 
@@ -56,7 +59,8 @@ def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) ->
     output = capsys.readouterr().out
     for target in ("memory", "lmdb", "lmdb-nosync", "file"):
         assert f"| 64 KiB | {target} |" in output
-    assert "of memcpy" in output and "of file write+fsync" in output
+    assert "of memcpy" in output
+    assert "of file write+fsync" in output
     recorded = json.loads(samples.read_text())
     assert {entry["what"] for entry in recorded["samples"]} >= {"memory fetch", "lmdb flush", "memcpy"}
     assert all(len(entry["gbps"]) == 2 and min(entry["gbps"]) > 0 for entry in recorded["samples"])
@@ -70,8 +74,8 @@ def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, c
                  "--transports", "tcp,local", "--quiet", "--json", str(samples)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    assert "| 256 KiB | tcp |" in output and "of socket send" in output and "of socket receive" in output
-    assert "| 256 KiB | local |" in output and "of memcpy" in output
+    for expected in ("| 256 KiB | tcp |", "of socket send", "of socket receive", "| 256 KiB | local |", "of memcpy"):
+        assert expected in output
     recorded = {entry["what"]: entry["gbps"] for entry in json.loads(samples.read_text())["samples"]}
     assert {"tcp flush", "tcp fetch", "tcp | socket send", "tcp | socket send + checksums", "local | memcpy"} <= set(
         recorded)
@@ -91,8 +95,9 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
                  "--new-tokens", "5", "--stores", "memory,lmdb-nosync", "--quiet", "--json", str(samples)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    assert "| none |" in output and "| memory |" in output and "| lmdb-nosync |" in output
-    assert "buffered: staged, one block" in output and "stream layer by layer" in output
+    for expected in ("| none |", "| memory |", "| lmdb-nosync |", "buffered: staged, one block",
+                     "stream layer by layer"):
+        assert expected in output
     recorded = json.loads(samples.read_text())["samples_seconds"]
     assert all(len(recorded[f"decode {what}"]) == 2 for what in ("off", "memory", "lmdb-nosync"))
     assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2

@@ -4,7 +4,8 @@ Both need the prompt time Y and per-token time t of one microbatch, from one of:
     --prompt-time/--token-time        given in seconds
     --model + --hardware              a roofline estimate for a built-in or Hugging Face model
     --measure MODEL                   timed on this machine (`smollm2` or a local model directory)
-With --model and --hardware the planner also knows the memory bounds of both pipelines.
+With --model and --hardware the planner also knows the memory bounds of both pipelines. The answers come from
+`dejavu_sdk.planner` (plan) and `dejavu_sdk.sweep` over `dejavu_sdk.simulator` (simulate).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 
 import attrs
 
-from .errors import ConfigError
-from .planner import MemoryModel, plan
-from .profiles import ModelProfile, Roofline, hardware_profile, model_profile, profile_from_hf_config
-from .traces import load_trace
+from ..errors import ConfigError
+from ..planner import MemoryModel, plan
+from ..profiles import ModelProfile, Roofline, hardware_profile, model_profile, profile_from_hf_config
+from ..traces import load_trace
+from .output import add_output_arguments, write_outputs
 
 
 @attrs.frozen
@@ -56,7 +58,7 @@ def resolve_inputs(args: argparse.Namespace, new_tokens: float) -> Inputs:
     if given:
         return Inputs(args.prompt_time, args.token_time, "given", memory)
     if args.measure is not None:
-        from .timing import load_causal_lm, measure_times
+        from ..timing import load_causal_lm, measure_times
 
         prompt_time, token_time = measure_times(load_causal_lm(args.measure), args.microbatch, args.prompt_tokens)
         return Inputs(prompt_time, token_time, f"measured here on {args.measure}", memory)
@@ -94,9 +96,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .cli import write_outputs  # loaded already: it is what runs this command
-    from .simulator import Workload, poisson_arrivals
-    from .sweep import plot_sweep, run_sweep, sweep_markdown
+    from ..simulator import Workload, poisson_arrivals
+    from ..sweep import plot_sweep, run_sweep, sweep_markdown
 
     machine_counts = _machine_range(args.machines)
     trace = load_trace(args.trace)
@@ -169,8 +170,6 @@ def add_planning_commands(commands: Any) -> None:
     simulate.add_argument("--trace", help="CSV with TIMESTAMP,ContextTokens,GeneratedTokens for output lengths "
                           "(default: the shipped Azure LLM 2023 conversation sample, CC-BY-4.0)")
     simulate.add_argument("--seed", type=int, default=0)
-    simulate.add_argument("--json", help="also write the outcomes to this JSON file")
-    simulate.add_argument("--plot", help="also draw makespan and cost into this PNG file")
-    simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_arguments(simulate, samples="the outcomes", figures="makespan and cost")
     _add_model_arguments(simulate)
     simulate.set_defaults(run=_simulate)

@@ -1,0 +1,23 @@
+"""`dejavu demo`: registers the command; the demo itself is `dejavu_sdk.demo`, imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
+    return 0 if run_demo(args.store, args.new_tokens, args.kill_at, args.random_model) else 1
+
+
+def add_demo_commands(commands: Any) -> None:
+    """Register `demo` on the `dejavu` command's subparsers."""
+    demo = commands.add_parser("demo", help="kill a replicated generation mid-decode and resume it in a new process")
+    demo.add_argument("--store", help="store URL (default: LMDB in a temporary directory)")
+    demo.add_argument("--new-tokens", type=int, default=96)
+    demo.add_argument("--kill-at", type=int, help="decode step to kill at (default: half way)")
+    demo.add_argument("--random-model", action="store_true", help="use a small random model even if SmolLM2 "
+                      "weights are installed")
+    demo.set_defaults(run=_demo)
