@@ -21,25 +21,21 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .backends import open_store
 from .errors import ConfigError
-from .stores import open_store
 
 QUESTION = "Explain in a few sentences why a language model keeps a key-value cache while it generates."
 STREAM = "demo"
 
 
 def _model(random_model: bool) -> tuple[Any, Any, str]:
-    from .models import load_smollm2, smollm2_available
+    from .models import load_smollm2, random_llama, smollm2_available
 
     if not random_model and smollm2_available():
         model, tokenizer = load_smollm2()
         return model, tokenizer, "SmolLM2-135M-Instruct"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, initializer_range=0.2, pad_token_id=0)
-    return LlamaForCausalLM(config).eval(), None, "a small random Llama (SmolLM2 weights are not installed)"
+    model = random_llama(layers=8, hidden_size=256, intermediate_size=512, heads=8, vocab_size=512, max_positions=2048)
+    return model, None, "a small random Llama (SmolLM2 weights are not installed)"
 
 
 def _prompt(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +110,7 @@ def run_demo(store_url: str | None = None, new_tokens: int = 96, kill_at: int | 
                                   "processes can read: lmdb://, file://, s3:// or tcp://")
         print(f"1. Generating {new_tokens} tokens with the KV cache streaming to {store}; SIGKILL at step {kill_at}.")
         writer = _child("generate", store, new_tokens, random_model)
+        assert writer.stdout is not None  # a pipe: stdout=PIPE
         name = writer.stdout.readline().removeprefix("model ").strip()
         print(f"   model: {name}")
         with tqdm(total=kill_at, desc="   decoding", unit="token") as bar:

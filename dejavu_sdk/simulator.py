@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -131,10 +131,48 @@ class _Requests:
         self.next = end
         return taken
 
-    def record(self, batch: list[int], prompt_done: float, step_done: Callable[[int], float]) -> None:
+    def record(self, batch: list[int], prompt_done: float, steps_done: Sequence[float]) -> None:
+        """Finish times of a microbatch's requests: prefill gives the first token, decode step k the k+1-th."""
         for request in batch:
             length = self.lengths[request]
-            self.finish[request] = prompt_done if length == 1 else step_done(length - 1)
+            self.finish[request] = prompt_done if length == 1 else steps_done[length - 2]
+
+
+@attrs.define
+class _Slot:
+    """A slot of a prompt (or mixed) pipeline is free to start a microbatch."""
+
+    line: _Pipeline
+
+
+@attrs.define
+class _Prompted:
+    """Disaggregated: a microbatch is prefilled and waits for a slot of the token pipeline `line`."""
+
+    line: _Pipeline
+    batch: list[int]
+    steps: int
+
+
+@attrs.define
+class _TokenSlot:
+    """Disaggregated: a slot of the token pipeline `line` may be free for a waiting microbatch."""
+
+    line: _Pipeline
+
+
+@attrs.define
+class _Step:
+    """A microbatch's next decode step may enter `line`; `done` holds when each earlier step finished."""
+
+    line: _Pipeline
+    batch: list[int]
+    prompt_done: float
+    steps: int
+    done: list[float]
+
+
+_Event = _Slot | _Prompted | _TokenSlot | _Step
 
 
 def _simulate(workload: Workload, prompt_lines: Sequence[_Pipeline], token_lines: Sequence[_Pipeline] | None,
@@ -146,55 +184,56 @@ def _simulate(workload: Workload, prompt_lines: Sequence[_Pipeline], token_lines
     """
     requests = _Requests(workload)
     counter = itertools.count()
-    events: list[tuple[float, int, str, object]] = []  # (time, tie-break, kind, payload)
-    mixed = token_lines is None
-    prompt_scale = 1.0 if mixed else workload.stream_overhead
+    events: list[tuple[float, int, _Event]] = []  # (time, tie-break, event)
+    if token_lines is None:
+        token_line, prompt_scale, token_slots = None, 1.0, 0
+    else:
+        token_line, prompt_scale = token_lines[0], workload.stream_overhead
+        token_slots = token_line.depth
+    waiting_for_tokens: deque[tuple[float, list[int], int]] = deque()
     for line in prompt_lines:
         for _ in range(line.depth):
-            heapq.heappush(events, (0.0, next(counter), "slot", line))
-    if not mixed:
-        token_line = token_lines[0]
-        token_slots = token_line.depth
-        waiting_for_tokens: deque[tuple[float, list[int], int]] = deque()
+            heapq.heappush(events, (0.0, next(counter), _Slot(line)))
     while events:
-        time, _, kind, payload = heapq.heappop(events)
-        if kind == "slot":  # a prompt slot is free: start the next microbatch, or wait for one to arrive
-            line = payload
+        time, _, event = heapq.heappop(events)
+        if isinstance(event, _Step):  # a decode step, or the microbatch is done and frees its slot
+            done = event.done
+            if len(done) == event.steps:
+                requests.record(event.batch, event.prompt_done, done)
+                if token_line is None:
+                    heapq.heappush(events, (time, next(counter), _Slot(event.line)))
+                else:
+                    token_slots += 1
+                    heapq.heappush(events, (time, next(counter), _TokenSlot(token_line)))
+                continue
+            line = event.line
+            finished = line.run(time, workload.token_time / line.depth)
+            done.append(finished)
+            heapq.heappush(events, (finished, next(counter), event))
+        elif isinstance(event, _Slot):  # a prompt slot is free: start the next microbatch, or wait for one to arrive
+            line = event.line
             if requests.exhausted:
                 continue
             if requests.arrivals[requests.next] > time:
-                heapq.heappush(events, (requests.arrivals[requests.next], next(counter), "slot", line))
+                heapq.heappush(events, (requests.arrivals[requests.next], next(counter), event))
                 continue
             batch = requests.take(time, workload.microbatch)
             prompt_done = line.run(time, prompt_scale * workload.prompt_time / line.depth)
             steps = max(requests.lengths[r] for r in batch) - 1
-            if mixed:
-                heapq.heappush(events, (prompt_done, next(counter), "step", (line, batch, prompt_done, steps, [])))
+            if token_line is None:
+                heapq.heappush(events, (prompt_done, next(counter), _Step(line, batch, prompt_done, steps, [])))
             else:
-                heapq.heappush(events, (prompt_done, next(counter), "slot", line))
-                heapq.heappush(events, (prompt_done, next(counter), "prompted", (batch, steps)))
-        elif kind == "prompted":  # disaggregated: a prefilled microbatch waits for a token slot
-            waiting_for_tokens.append((time, *payload))
-            heapq.heappush(events, (time, next(counter), "token-slot", None))
-        elif kind == "token-slot":
+                heapq.heappush(events, (prompt_done, next(counter), event))
+                heapq.heappush(events, (prompt_done, next(counter), _Prompted(token_line, batch, steps)))
+        elif isinstance(event, _Prompted):
+            waiting_for_tokens.append((time, event.batch, event.steps))
+            heapq.heappush(events, (time, next(counter), _TokenSlot(event.line)))
+        else:  # a token slot
             if token_slots == 0 or not waiting_for_tokens:
                 continue
             token_slots -= 1
             prompt_done, batch, steps = waiting_for_tokens.popleft()
-            heapq.heappush(events, (time, next(counter), "step", (token_line, batch, prompt_done, steps, [])))
-        else:  # "step": the microbatch's next decode step may enter its pipeline
-            line, batch, prompt_done, steps, done = payload
-            if len(done) == steps:
-                requests.record(batch, prompt_done, lambda step, done=done: done[step - 1])
-                if mixed:
-                    heapq.heappush(events, (time, next(counter), "slot", line))
-                else:
-                    token_slots += 1
-                    heapq.heappush(events, (time, next(counter), "token-slot", None))
-                continue
-            finished = line.run(time, workload.token_time / line.depth)
-            done.append(finished)
-            heapq.heappush(events, (finished, next(counter), "step", payload))
+            heapq.heappush(events, (time, next(counter), _Step(event.line, batch, prompt_done, steps, [])))
     finish = np.asarray(requests.finish)
     arrivals = np.asarray(workload.arrivals)
     return float(finish.max() - arrivals.min()), float((finish - arrivals).mean())
@@ -226,7 +265,7 @@ def compare(workload: Workload, machines: int, memory: MemoryModel | None = None
     uses the planner's best split for the workload's decode steps per microbatch, even where it would
     not split, so that a sweep shows what splitting costs there.
     """
-    min_depth = 1
+    min_depth: float = 1
     if memory is not None:
         min_depth = memory.min_token_machines or math.inf
     results: dict[str, Outcome | None] = dict.fromkeys(STRATEGIES)

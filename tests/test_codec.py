@@ -18,7 +18,8 @@ def test_payload_starts_aligned_and_header_is_small() -> None:
     block = random_tensor((2, 2, 1, 4, 3, 64), torch.float16)
     record = encode_block(KEY, block)
     header = record.nbytes - block.numel() * 2 - 8  # 8: the checksum trailer
-    assert header % 64 == 0 and header <= 128
+    assert header % 64 == 0
+    assert header <= 128
     assert same_bits(decode_block(KEY, record), block)
 
 
@@ -55,7 +56,8 @@ def test_fetching_into_an_out_whose_memory_moved_writes_the_new_memory() -> None
     old_memory = out.clone()
     out.set_(torch.zeros_like(block))  # same tensor object, new storage
     decode_block("s/L0-1.T0-1", record, out)
-    assert same_bits(out, block) and same_bits(old_memory, block)
+    assert same_bits(out, block)
+    assert same_bits(old_memory, block)
     out.t_()  # same tensor and memory, no longer contiguous
     out.zero_()
     decode_block("s/L0-1.T0-1", record, out)

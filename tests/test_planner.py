@@ -40,9 +40,11 @@ def test_a_hand_computed_plan() -> None:
 
 def test_when_prefill_is_no_slower_than_a_token_the_mixed_pipeline_stays() -> None:
     result = plan(8, prompt_time=0.03, token_time=0.03, new_tokens=200)
-    assert not result.disaggregate and (result.prompt_machines, result.token_machines) == (0, 0)
+    assert not result.disaggregate
+    assert (result.prompt_machines, result.token_machines) == (0, 0)
     assert result.predicted_speedup < 1
-    assert result.reason.startswith("Keep one mixed pipeline") and "does not exceed" in result.reason
+    assert result.reason.startswith("Keep one mixed pipeline")
+    assert "does not exceed" in result.reason
 
 
 def test_the_continuous_split_balances_both_pipelines() -> None:
@@ -82,12 +84,14 @@ def test_memory_bounds_by_hand() -> None:
     assert tight.min_prompt_machines == 2  # ceil(10 * 6 / 40)
     assert tight.min_token_machines == 3  # ceil(10 * 5 / (40 - 20)) = ceil(2.5)
     too_few = plan(4, 1.0, 0.02, 200, memory=tight)
-    assert not too_few.disaggregate and "for memory" in too_few.reason
+    assert not too_few.disaggregate
+    assert "for memory" in too_few.reason
     # Without bounds 1 prompt + 7 token machines pays off (I_dis = 4.571 < I_c = 4.92); memory forces at
     # least 2 prompt machines, and 2 + 6 gives I_dis = 5.333, worse than the mixed pipeline.
     assert (plan(8, 0.5, 0.02, 200).prompt_machines, plan(8, 0.5, 0.02, 200).token_machines) == (1, 7)
     bounded = plan(8, 0.5, 0.02, 200, memory=tight)
-    assert not bounded.disaggregate and "(2 prompt + 6 token machines)" in bounded.reason
+    assert not bounded.disaggregate
+    assert "(2 prompt + 6 token machines)" in bounded.reason
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
@@ -135,7 +139,8 @@ def test_the_swapping_condition_by_hand() -> None:
 
 def test_profiles_and_a_roofline_estimate() -> None:
     opt = model_profile("OPT-66B")
-    assert opt.layers == 64 and opt.kv_bytes_per_token_per_layer == 2 * 9216 * 2
+    assert opt.layers == 64
+    assert opt.kv_bytes_per_token_per_layer == 2 * 9216 * 2
     assert opt.weight_bytes == pytest.approx(131.4e9)
     roofline = Roofline(opt, hardware_profile("a100-80gb"), gpus=4)
     assert roofline.machine_memory == 320e9
@@ -153,7 +158,8 @@ def test_a_hugging_face_config_gives_the_parameter_count(tmp_path) -> None:
               "intermediate_size": 1536, "vocab_size": 49152, "hidden_act": "silu", "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     profile = profile_from_hf_config(str(tmp_path))
-    assert profile.layers == 30 and profile.parameters == pytest.approx(134.5e6, rel=0.01)
+    assert profile.layers == 30
+    assert profile.parameters == pytest.approx(134.5e6, rel=0.01)
     assert profile.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 2
     (tmp_path / "bad.json").write_text(json.dumps({"vocab_size": 10}))
     with pytest.raises(dv.ConfigError, match="layer count"):

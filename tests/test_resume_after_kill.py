@@ -55,7 +55,8 @@ def _kill_mid_decode(url: str, options: dict) -> None:
     deadline, step = time.monotonic() + 120, 0
     while step < 15 and time.monotonic() < deadline:
         line = child.stdout.readline()
-        assert line and line.strip() != "finished", "the child ended before it could be killed"
+        assert line, "the child ended before it could be killed"
+        assert line.strip() != "finished", "the child finished before it could be killed"
         step = int(line)
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)

@@ -28,8 +28,10 @@ def test_one_machine_runs_a_microbatch_until_its_longest_request_ends() -> None:
     workload = Workload(2.0, 0.5, (3, 5), at_once((3, 5)), microbatch=2)
     outcome = simulate_pipeline(workload, machines=1)
     # Prefill gives the first token at 2; four decode steps follow; the 3-token request ends at 3.
-    assert outcome.makespan == pytest.approx(4.0) and outcome.mean_latency == pytest.approx(3.5)
-    assert outcome.cost == pytest.approx(4.0) and outcome.layout == "1 x 1 stages"
+    assert outcome.makespan == pytest.approx(4.0)
+    assert outcome.mean_latency == pytest.approx(3.5)
+    assert outcome.cost == pytest.approx(4.0)
+    assert outcome.layout == "1 x 1 stages"
 
 
 def test_a_two_stage_pipeline_by_hand() -> None:
@@ -37,14 +39,16 @@ def test_a_two_stage_pipeline_by_hand() -> None:
     # B's step [3,3.5] [3.5,4].
     workload = Workload(2.0, 1.0, (2, 2), at_once((2, 2)), microbatch=1)
     outcome = simulate_pipeline(workload, machines=2)
-    assert outcome.makespan == pytest.approx(4.0) and outcome.mean_latency == pytest.approx(3.75)
+    assert outcome.makespan == pytest.approx(4.0)
+    assert outcome.mean_latency == pytest.approx(3.75)
 
 
 def test_disaggregated_by_hand() -> None:
     # One prompt machine prefills A [0,2] then B [2,4]; the token machine decodes A [2,4] then B [4,6].
     workload = Workload(2.0, 1.0, (3, 3), at_once((3, 3)), microbatch=1)
     outcome = simulate_disaggregated(workload, 1, 1)
-    assert outcome.makespan == pytest.approx(6.0) and outcome.mean_latency == pytest.approx(5.0)
+    assert outcome.makespan == pytest.approx(6.0)
+    assert outcome.mean_latency == pytest.approx(5.0)
     slowed = simulate_disaggregated(Workload(2.0, 1.0, (3, 3), at_once((3, 3)), 1, stream_overhead=1.5), 1, 1)
     assert slowed.makespan == pytest.approx(8.0)  # prefills take 3: A [0,3] [3,5], B [3,6] [6,8]
 
@@ -52,7 +56,8 @@ def test_disaggregated_by_hand() -> None:
 def test_requests_arriving_later_wait_for_nothing_but_their_arrival() -> None:
     workload = Workload(1.0, 0.1, (1, 1), (0.0, 10.0), microbatch=1)
     outcome = simulate_pipeline(workload, machines=1)
-    assert outcome.makespan == pytest.approx(11.0) and outcome.mean_latency == pytest.approx(1.0)
+    assert outcome.makespan == pytest.approx(11.0)
+    assert outcome.mean_latency == pytest.approx(1.0)
 
 
 def test_disaggregation_wins_when_prefill_is_long_and_loses_when_the_condition_fails() -> None:
@@ -93,7 +98,8 @@ def test_pipeline_with_data_parallelism_keeps_the_best_replica_count() -> None:
     outcomes = compare(workload, 8)
     best = min((simulate_pipeline(workload, 8, k) for k in (2, 4, 8)), key=lambda outcome: outcome.makespan)
     assert outcomes["pipeline+dp"] == best
-    assert compare(workload, 1)["pipeline+dp"] is None and compare(workload, 1)["disaggregated"] is None
+    assert compare(workload, 1)["pipeline+dp"] is None
+    assert compare(workload, 1)["disaggregated"] is None
 
 
 def test_memory_rules_out_shallow_pipelines() -> None:
@@ -102,14 +108,17 @@ def test_memory_rules_out_shallow_pipelines() -> None:
     workload = trace_workload(100, 1.0, 0.02)
     assert all(outcome is None for outcome in compare(workload, 2, memory).values())
     six = compare(workload, 6, memory)
-    assert six["pipeline"] is not None and six["pipeline+dp"].layout == "2 x 3 stages"
+    assert six["pipeline"] is not None
+    assert six["pipeline+dp"].layout == "2 x 3 stages"
     prompt, token = (int(part.split()[0]) for part in six["disaggregated"].layout.split(" + "))
-    assert prompt >= 2 and token >= 3
+    assert prompt >= 2
+    assert token >= 3
 
 
 def test_poisson_arrivals() -> None:
     arrivals = np.array(poisson_arrivals(20000, rate=4.0, seed=1))
-    assert arrivals[0] == 0 and np.all(np.diff(arrivals) >= 0)
+    assert arrivals[0] == 0
+    assert np.all(np.diff(arrivals) >= 0)
     assert np.mean(np.diff(arrivals)) == pytest.approx(0.25, rel=0.03)
     assert poisson_arrivals(3, None) == (0.0, 0.0, 0.0)
     with pytest.raises(dv.ConfigError, match="rate must be positive"):
@@ -134,11 +143,15 @@ def test_bad_workloads_are_refused(arguments: dict, message: str) -> None:
 
 def test_the_shipped_trace_carries_its_attribution(tmp_path) -> None:
     trace = load_trace()
-    assert len(trace) == 1937 and "CC-BY-4.0" in trace.attribution
-    assert trace.arrivals[0] == 0 and np.all(np.diff(trace.arrivals) >= 0)
-    assert 100 < np.median(trace.output_tokens) < 160 and trace.output_tokens.max() == 1000
+    assert len(trace) == 1937
+    assert "CC-BY-4.0" in trace.attribution
+    assert trace.arrivals[0] == 0
+    assert np.all(np.diff(trace.arrivals) >= 0)
+    assert 100 < np.median(trace.output_tokens) < 160
+    assert trace.output_tokens.max() == 1000
     lengths = trace.sample_output_lengths(1000, seed=0, clip=(20, 500))
-    assert min(lengths) >= 20 and max(lengths) <= 500
+    assert min(lengths) >= 20
+    assert max(lengths) <= 500
     bad = tmp_path / "bad.csv"
     bad.write_text("when,what\n1,2\n")
     with pytest.raises(dv.ConfigError, match="TIMESTAMP, ContextTokens, GeneratedTokens"):

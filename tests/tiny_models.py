@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor
+from transformers import LlamaForCausalLM, LogitsProcessor
+
+from dejavu_sdk.models import random_llama
 
 
 def tiny_llama(layers: int = 4) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=512, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    """`random_llama`'s default model (vocabulary of 96 tokens, width 64), with `layers` layers."""
+    return random_llama(layers=layers)
 
 
 def prompt() -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,12 +58,12 @@ def serve_one_connection() -> None:
             if reused.size < size:
                 reused = np.ones(size, np.uint8)
             if kind in (b"R", b"V"):
-                _recv_exactly(connection, memoryview(reused)[:size])
+                _recv_exactly(connection, reused.data[:size])
                 if kind == b"V":
-                    xxhash.xxh3_64_intdigest(reused[:size])
+                    xxhash.xxh3_64_intdigest(reused.data[:size])
                 connection.sendall(b"k")
             else:
-                _send_in_pieces(connection, memoryview(reused)[:size])
+                _send_in_pieces(connection, reused.data[:size])
 
 
 class PlainSocketPeer:
@@ -72,6 +72,7 @@ class PlainSocketPeer:
     def __init__(self) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.bench.plain_socket"],
                                         stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None  # a pipe: stdout=PIPE
         port = int(self.process.stdout.readline())
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,14 +81,14 @@ class PlainSocketPeer:
     def send(self, block: np.ndarray, checksums: bool = False) -> None:
         """Send `block`; with `checksums`, hash it first and have the child hash what it received."""
         if checksums:
-            xxhash.xxh3_64_intdigest(block)
+            xxhash.xxh3_64_intdigest(block.data)
         self.sock.sendall(COMMAND.pack(b"V" if checksums else b"R", block.size))
-        _send_in_pieces(self.sock, memoryview(block))
+        _send_in_pieces(self.sock, block.data)
         _recv_exactly(self.sock, memoryview(self._ack))
 
     def receive(self, out: np.ndarray) -> None:
         self.sock.sendall(COMMAND.pack(b"S", out.size))
-        _recv_exactly(self.sock, memoryview(out))
+        _recv_exactly(self.sock, out.data)
 
     def close(self) -> None:
         self.sock.close()
