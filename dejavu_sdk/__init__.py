@@ -26,9 +26,11 @@ from .errors import (
     StoreError,
     TransportError,
 )
+from .backends import open_store, open_transport, serve
 from .planner import Plan, plan
-from .stores import Store, open_store
-from .transports import Transport, open_transport, serve
+from .records import RecordStore
+from .store import Store
+from .transports import Transport
 
 _LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models"}  # these import transformers: only on first use
 
@@ -50,6 +52,7 @@ __all__ = [
     "DejaVuError",
     "KVSpec",
     "Plan",
+    "RecordStore",
     "ReplicationError",
     "Store",
     "StoreClosed",

@@ -7,7 +7,6 @@ named by a `BlockKey`. Stores, transports and the cache manager all speak in the
 
 from __future__ import annotations
 
-import math
 import re
 
 import attrs
@@ -59,9 +58,12 @@ def check_key(key: object) -> BlockKey:
 
 def _range(value: object, what: str) -> tuple[int, int]:
     try:
-        start, stop = value  # type: ignore[misc]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a (start, stop) pair, got {value!r}") from None
+        pair = tuple(value)  # type: ignore[call-overload]
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {value!r}")
+    start, stop = pair
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop)):
         raise ConfigError(f"{what} must hold integers, got {value!r}")
     if not 0 <= start < stop:
@@ -81,9 +83,9 @@ class BlockKey:
     tokens: tuple[int, int] = attrs.field(converter=lambda v: _range(v, "tokens"))
 
     @classmethod
-    def for_prompt_layer(cls, stream_id: str, layer: int, prompt_length: int) -> BlockKey:
-        """The block prefill streams once `layer` has processed the whole prompt."""
-        return cls(stream_id, layers=(layer, layer + 1), tokens=(0, prompt_length))
+    def for_layer(cls, stream_id: str, layer: int, first: int, count: int) -> BlockKey:
+        """The block prefill streams once `layer` has processed `count` positions from `first` on."""
+        return cls(stream_id, layers=(layer, layer + 1), tokens=(first, first + count))
 
     @classmethod
     def for_decode_steps(cls, stream_id: str, layers: tuple[int, int], first: int, count: int = 1) -> BlockKey:
@@ -134,21 +136,14 @@ class KVSpec:
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
 
-    @property
-    def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+    def shape(self, layers: int, tokens: int) -> tuple[int, int, int, int, int, int]:
+        """The shape of `layers` layers x `tokens` positions of this cache: `[layers, 2, B, H_kv, tokens, D]`."""
+        return (layers, 2, self.batch, self.kv_heads, tokens, self.head_dim)
 
     def block_shape(self, key: BlockKey) -> tuple[int, ...]:
         """The shape of the block `key` names; ConfigError if its layers lie outside the model."""
         if key.layers[1] > self.layers:
             raise ConfigError(f"{key} reaches layer {key.layers[1]} but the model has {self.layers} layers")
-        return (key.num_layers, 2, self.batch, self.kv_heads, key.num_tokens, self.head_dim)
+        return self.shape(key.num_layers, key.num_tokens)
 
-    def block_nbytes(self, key: BlockKey) -> int:
-        """Bytes of payload in the block `key` names."""
-        return math.prod(self.block_shape(key)) * self.itemsize
-
-    def bytes_per_token(self) -> int:
-        """Bytes the whole cache grows by per generated position."""
-        return self.layers * 2 * self.batch * self.kv_heads * self.head_dim * self.itemsize
 

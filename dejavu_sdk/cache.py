@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from .blocks import BlockKey, KVSpec
 from .errors import ConfigError, ReplicationError
-from .stream import BlockSink, StagingBuffer
+from .stream import BlockSink, ManifestSink, StagingBuffer
 
 _STOP = object()
 
@@ -40,12 +40,12 @@ class CacheManager:
     `on_replica_error`: "raise" (default) surfaces a failed flush from the next call and from `finish`;
     "warn" warns once and stops replicating this stream.
     `on_durable(key)` runs on the streamer thread after each block the sink accepted. With `manifest_for`,
-    a sink that has `flush_with_manifest` (a store, the local transport) gets each block together with the
-    stream's manifest as it will be once that block is durable: `manifest_for(key, durable_positions)`.
-    LMDB then commits both in one transaction.
+    the sink must be a `ManifestSink` (a store, the local transport, an engine's replica): it gets each block
+    together with the stream's manifest as it will be once that block is durable,
+    `manifest_for(key, durable_positions)`. LMDB then commits both in one transaction.
     """
 
-    def __init__(self, sink: BlockSink, stream_id: str, layers: int, *, replicate_every: int = 1,
+    def __init__(self, sink: BlockSink | ManifestSink, stream_id: str, layers: int, *, replicate_every: int = 1,
                  queue_size: int = 8, on_replica_error: str = "raise",
                  on_durable: Callable[[BlockKey], None] | None = None, durable: Sequence[BlockKey] = (),
                  durable_positions: int = 0, manifest_for: Callable[[BlockKey, int], bytes] | None = None) -> None:
@@ -58,9 +58,9 @@ class CacheManager:
         self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
         self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
         self._on_durable = on_durable
-        if manifest_for is not None and not hasattr(sink, "flush_with_manifest"):
-            raise ConfigError(f"manifest_for needs a sink with flush_with_manifest (a store or the local transport); "
-                              f"{type(sink).__name__} has none, so write the manifest from on_durable instead")
+        if manifest_for is not None and not isinstance(sink, ManifestSink):
+            raise ConfigError(f"manifest_for needs a ManifestSink (a store or the local transport); "
+                              f"{type(sink).__name__} is not one, so write the manifest from on_durable instead")
         self._manifest_for = manifest_for
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
@@ -82,8 +82,7 @@ class CacheManager:
             return
         if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, while the next layer computes
             block = torch.stack((keys.detach(), values.detach())).unsqueeze(0)  # a copy, off the graph
-            key = BlockKey(self.stream_id, layers=(layer, layer + 1),
-                           tokens=(first_position, first_position + keys.shape[-2]))
+            key = BlockKey.for_layer(self.stream_id, layer, first_position, keys.shape[-2])
             self._hand_off(key, block)
             return
         if layer == 0:
@@ -115,8 +114,7 @@ class CacheManager:
     def _hand_off_staging(self) -> None:
         staging, filled = self._staging, self._filled
         self._staging, self._filled = None, 0
-        key = BlockKey(self.stream_id, layers=(0, self.layers),
-                       tokens=(self._first_position, self._first_position + filled))
+        key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled)
         block = staging.buffer if filled == self.replicate_every else staging.buffer[:, :, :, :, :filled]
         self._hand_off(key, block, lambda: self._free.put(staging))
 
@@ -136,10 +134,10 @@ class CacheManager:
                     if ready is not None:
                         ready.synchronize()
                     if self._manifest_for is None:
-                        self.sink.flush(key, block)
+                        self.sink.flush(key, block)  # type: ignore[union-attr]
                     else:
                         manifest = self._manifest_for(key, min(_advanced(self._layer_ends, key)))
-                        self.sink.flush_with_manifest(key, block, manifest)
+                        self.sink.flush_with_manifest(key, block, manifest)  # type: ignore[union-attr]
                     self._record_durable(key)
             except BaseException as error:  # surfaced to the model's thread by _check and finish
                 self._error = ReplicationError(f"replicating {key} failed: {error}")

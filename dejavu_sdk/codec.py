@@ -38,7 +38,8 @@ FIXED = struct.Struct("<4sBBBBIQ")
 TRAILER = struct.Struct("<Q")
 _ALIGN = 64
 _ITEMSIZE = {name: torch_dtype(name).itemsize for name in DTYPE_CODES}
-_MAX_NDIM = 16
+MAX_NDIM = 16
+MAX_LABEL_BYTES = 4096
 
 #: Returns a writable, uninitialised uint8 array of the given length; stores override it (pinned memory).
 Allocator = Callable[[int], np.ndarray]
@@ -75,8 +76,8 @@ class RecordHeader:
         return self.length + self.payload_length + TRAILER.size
 
     def pack(self) -> bytes:
-        if len(self.shape) > _MAX_NDIM:
-            raise ConfigError(f"blocks have at most {_MAX_NDIM} dimensions, got {len(self.shape)}")
+        if len(self.shape) > MAX_NDIM:
+            raise ConfigError(f"blocks have at most {MAX_NDIM} dimensions, got {len(self.shape)}")
         label = self.label.encode()
         fixed = FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], len(self.shape), 0, len(label),
                            self.payload_length)
@@ -91,7 +92,7 @@ class RecordHeader:
             raise corrupt(label, "not a DejaVu block (bad magic)")
         if version != FORMAT_VERSION:
             raise corrupt(label, f"format version {version}, this SDK reads version {FORMAT_VERSION}")
-        if code not in DTYPE_NAMES or ndim > _MAX_NDIM or label_length > 4096:
+        if code not in DTYPE_NAMES or ndim > MAX_NDIM or label_length > MAX_LABEL_BYTES:
             raise corrupt(label, f"unknown dtype code {code}, {ndim} dimensions or a {label_length}-byte label")
         return _header_length(ndim, label_length)
 
@@ -128,6 +129,10 @@ def _parse_header(packed: bytes) -> RecordHeader | None:
 def _header_length(ndim: int, label_length: int) -> int:
     unpadded = FIXED.size + 8 * ndim + label_length
     return -(-unpadded // _ALIGN) * _ALIGN
+
+
+#: The longest header any valid record has: receivers refuse longer ones before allocating.
+MAX_HEADER_BYTES = _header_length(MAX_NDIM, MAX_LABEL_BYTES)
 
 
 def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray], None], np.ndarray | None]:

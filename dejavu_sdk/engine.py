@@ -3,8 +3,9 @@
 Who calls what:
 - users call `generate` (like `model.generate`, greedy), `resume` in a new process after a crash,
   `cache` for custom loops, `forget` to drop a stream, and `close`;
-- `generate` runs `model.generate` with a `StreamingCache`; its `CacheManager` streams blocks through the
-  transport into the store and, after each durable block, the manifest is rewritten with the tokens so far;
+- `generate` runs `model.generate` with a `StreamingCache`; its `CacheManager` streams each block to the
+  engine's replica (`dejavu_sdk.replica`, picked once at construction) together with the stream's
+  manifest as it will be once that block is durable (the tokens so far);
 - `resume` reads the manifest, checks the model's geometry, rebuilds the durable cache with `gather`, and
   lets `model.generate` recompute only the positions after the last durable one.
 """
@@ -19,13 +20,15 @@ import attrs
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from .backends import open_store
 from .blocks import BlockKey, KVSpec, check_stream_id, dtype_name
 from .cache import CacheManager, StreamingCache
 from .errors import BlockNotFound, ConfigError
 from .manifest import Manifest
-from .stores import Store, open_store
+from .replica import OneStoreReplica, SplitReplica, open_replica
+from .store import Store
 from .stream import check_tiling, gather
-from .transports import Transport, open_transport
+from .transports.base import Transport
 
 
 class DejaVuEngine:
@@ -40,13 +43,10 @@ class DejaVuEngine:
                  keep_finished: bool = False) -> None:
         self.model = model
         self.config = model.config.get_text_config(decoder=True)
-        if store is None and not (isinstance(transport, str) and transport == "local"):
+        if store is None and transport != "local":
             raise ConfigError("a transport needs a store for the stream's manifest; pass store=... as well")
         self.store = open_store(store) if store is not None else None
-        self.transport = None
-        if self.store is not None:
-            self.transport = open_transport(transport, store=self.store) if transport == "local" \
-                else open_transport(transport)
+        self.replica = open_replica(self.store, transport) if self.store is not None else None
         self.options = {"replicate_every": replicate_every, "queue_size": queue_size,
                         "on_replica_error": on_replica_error}
         self.keep_finished = keep_finished
@@ -86,22 +86,17 @@ class DejaVuEngine:
     def cache(self, stream_id: str) -> StreamingCache:
         """A streaming transformers cache for custom loops: `model(ids, cache=cache)`, then
         `cache.manager.finish()` to wait until every block is durable."""
-        manager = CacheManager(self._require_transport(), check_stream_id(stream_id), self.config.num_hidden_layers,
-                               **self.options)
+        manager = CacheManager(self._require_replica().blocks, check_stream_id(stream_id),
+                               self.config.num_hidden_layers, **self.options)
         return StreamingCache(manager, config=self.model.config)
 
     def forget(self, stream_id: str) -> int:
         """Delete a stream's blocks and manifest; returns how many blocks were deleted."""
-        deleted = self._require_store().delete(check_stream_id(stream_id))
-        if not self._blocks_in_own_store:  # blocks live behind another transport
-            names = self.transport.names(f"{stream_id}/")
-            self.transport.remove(names)
-            deleted += sum(1 for name in names if not name.endswith("/manifest"))
-        return deleted
+        return self._require_replica().delete(check_stream_id(stream_id))
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        if self.replica is not None:
+            self.replica.close()
         if self.store is not None:
             self.store.close()
 
@@ -123,13 +118,10 @@ class DejaVuEngine:
             self._complete(manifest)
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
-        recorder = _TokenRecorder(manifest, self.store, restored_keys)
-        together = self._blocks_in_own_store  # each block goes with its manifest, in one write
-        manager = CacheManager(self.transport, manifest.stream_id, self.config.num_hidden_layers,
-                               durable=restored_keys, durable_positions=restored,
-                               on_durable=recorder.note_durable if together else recorder.block_durable,
-                               manifest_for=recorder.manifest_after if together else None, **self.options)
-        recorder.manager = manager
+        recorder = _TokenRecorder(manifest, restored_keys)
+        manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
+                               durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
+                               manifest_for=recorder.manifest_after, **self.options)
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
@@ -166,7 +158,7 @@ class DejaVuEngine:
         spec = KVSpec(layers=geometry["layers"], kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
                       dtype=geometry["dtype"], batch=geometry["batch"])
         try:
-            return gather(self.transport, keys, spec, positions)
+            return gather(self._require_replica().blocks, keys, spec, positions)
         except BlockNotFound as error:
             raise BlockNotFound(f"stream {manifest.stream_id} cannot be resumed: {error}") from error
 
@@ -205,19 +197,15 @@ class DejaVuEngine:
             raise ConfigError(f"max_new_tokens must be a positive integer, got {value!r}")
         return value
 
-    @property
-    def _blocks_in_own_store(self) -> bool:
-        """Blocks reach the engine's own store (the local transport): each can go with its manifest."""
-        return getattr(self.transport, "store", None) is self.store
-
     def _require_store(self) -> Store:
         if self.store is None:
             raise ConfigError("this engine has no store; create it with DejaVuEngine(model, store='lmdb:///path')")
         return self.store
 
-    def _require_transport(self) -> Transport:
-        self._require_store()
-        return self.transport
+    def _require_replica(self) -> OneStoreReplica | SplitReplica:
+        if self.replica is None:
+            raise ConfigError("this engine has no store; create it with DejaVuEngine(model, store='lmdb:///path')")
+        return self.replica
 
 
 def _refuse_sampling(kwargs: dict[str, Any]) -> None:
@@ -234,12 +222,11 @@ def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
 
 
 class _TokenRecorder:
-    """A `generate` streamer: keeps the tokens of each step and rewrites the manifest as blocks become durable."""
+    """A `generate` streamer: keeps the tokens of each step and gives the manifest that goes with each block."""
 
-    def __init__(self, manifest: Manifest, store: Store, restored: list[BlockKey]) -> None:
-        self.manifest, self.store = manifest, store
+    def __init__(self, manifest: Manifest, restored: list[BlockKey]) -> None:
+        self.manifest = manifest
         self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
-        self.manager: CacheManager | None = None
         self._names = [str(key) for key in restored]
         self._encode = manifest.progress_writer()
         self._prompt_seen = False
@@ -265,14 +252,8 @@ class _TokenRecorder:
         return self._encode(self._tokens(), [*self._names, str(key)], durable_positions)
 
     def note_durable(self, key: BlockKey) -> None:
-        """Called on the streamer thread after each accepted block whose manifest went with it."""
+        """Called on the streamer thread after each accepted block, whose manifest went with it."""
         self._names.append(str(key))
-
-    def block_durable(self, key: BlockKey) -> None:
-        """Called on the streamer thread after each accepted block: make the new position resumable."""
-        self.note_durable(key)
-        self.store.write_manifest(self.manifest.stream_id,
-                                  self._encode(self._tokens(), self._names, self.manager.durable_positions))
 
     def final(self, positions: int) -> Manifest:
         return attrs.evolve(self.manifest, generated=self._tokens(), blocks=list(self._names),

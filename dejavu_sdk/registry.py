@@ -11,11 +11,13 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 from .errors import BackendUnavailable, ConfigError
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -49,8 +51,9 @@ class Registry:
     def find(self, scheme: str) -> Backend | None:
         return self.builtins.get(scheme) or self._entry_points().get(scheme)
 
-    def load(self, scheme: str, backend: Backend) -> type:
-        """Import the class `backend` names; BackendUnavailable with an install hint if a dependency is missing."""
+    def load(self, scheme: str, backend: Backend, kind: type[T]) -> type[T]:
+        """Import the class `backend` names, which must be a subclass of `kind`; BackendUnavailable with an
+        install hint if a dependency is missing."""
         module_name, _, attribute = backend.target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -60,10 +63,12 @@ class Registry:
                 f"the {scheme}:// {self.kind} needs the package {missing!r}, which is not installed",
                 hint=backend.install_hint or f"pip install {missing}",
             ) from error
-        try:
-            return getattr(module, attribute)
-        except AttributeError:
-            raise ConfigError(f"{self.kind} backend {backend.target!r} for {scheme}:// does not exist") from None
+        found = getattr(module, attribute, None)
+        if found is None:
+            raise ConfigError(f"{self.kind} backend {backend.target!r} for {scheme}:// does not exist")
+        if not (isinstance(found, type) and issubclass(found, kind)):
+            raise ConfigError(f"{self.kind} backend {backend.target!r} for {scheme}:// is not a {kind.__name__}")
+        return found
 
 
 def call_with_options(factory: Callable[..., Any], what: str, options: dict[str, Any], *args: Any) -> Any:

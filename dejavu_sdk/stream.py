@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -25,11 +25,26 @@ from .errors import ConfigError
 
 
 class BlockSink(Protocol):
+    """Takes blocks: a Store, a Transport."""
+
     def flush(self, key: BlockKey, block: Any) -> None: ...
 
 
 class BlockSource(Protocol):
+    """Gives blocks back: a Store, a Transport."""
+
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class BlockIO(BlockSink, BlockSource, Protocol):
+    """Takes blocks and gives them back."""
+
+
+@runtime_checkable
+class ManifestSink(Protocol):
+    """Takes each block together with its stream's manifest: a Store, the local transport, a replica."""
+
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None: ...
 
 
 def _check_boundaries(_instance: object, _attribute: object, value: tuple[int, ...]) -> None:
@@ -74,8 +89,7 @@ class StagingBuffer:
                  device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.layers = layers
-        self.buffer = torch.empty((layers[1] - layers[0], 2, spec.batch, spec.kv_heads, tokens, spec.head_dim),
-                                  dtype=spec.torch_dtype, device=device)
+        self.buffer = torch.empty(spec.shape(layers[1] - layers[0], tokens), dtype=spec.torch_dtype, device=device)
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int],
              slot: int = 0) -> torch.Tensor:
@@ -153,7 +167,7 @@ def gather(source: BlockSource, keys: Iterable[BlockKey], spec: KVSpec, tokens: 
     """
     layers = layers or (0, spec.layers)
     keys = check_tiling(keys, layers, (0, tokens))
-    shape = (layers[1] - layers[0], 2, spec.batch, spec.kv_heads, tokens, spec.head_dim)
+    shape = spec.shape(layers[1] - layers[0], tokens)
     if out is None:
         out = torch.empty(shape, dtype=spec.torch_dtype)
     elif tuple(out.shape) != shape or out.dtype != spec.torch_dtype:

@@ -65,6 +65,11 @@ def parse_url(text: object) -> ParsedURL:
     return ParsedURL(text, scheme, path=rest)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets (`[::1]:7000`), as URLs write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
     parts = urllib.parse.urlsplit("//" + rest)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -18,19 +18,20 @@ import numpy as np
 from fsspec.registry import known_implementations
 
 from ..errors import BackendUnavailable, BlockNotFound, StoreError
+from ..records import NamedRecord, RecordStore, record_array
+from ..store import Store
 from ..urls import ParsedURL
-from .base import Store
 
 _INSTALL_HINTS = {"s3": "pip install 'dejavu-sdk[s3]'", "s3a": "pip install 'dejavu-sdk[s3]'"}
 
 
-class FsspecStore(Store):
-    """Blocks as objects (or files) under an fsspec URL; thread-safe as fsspec filesystems are."""
+class FsspecRecords(RecordStore):
+    """Records as objects (or files) under an fsspec URL; thread-safe as fsspec filesystems are."""
 
     shared = True
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
-        super().__init__(url)
+        self.url = url
         protocol = url.partition("://")[0] if "://" in url else "file"
         try:
             self._fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -47,11 +48,16 @@ class FsspecStore(Store):
             self._fs.makedirs(self._root, exist_ok=True)
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, storage_options: dict[str, Any] | None = None) -> FsspecStore:
+    def from_url(cls, url: ParsedURL, *, storage_options: dict[str, Any] | None = None) -> FsspecRecords:
         return cls(f"{url.protocol}://{url.path}", storage_options=storage_options)
 
     def _path(self, name: str) -> str:
         return f"{self._root}/{name}"
+
+    def put_records(self, records: Sequence[NamedRecord]) -> None:
+        arrays = [(name, record_array(record)) for name, record in records]
+        for name, record in arrays:  # in order: a block before the manifest that names it
+            self._put(name, record)
 
     def _put(self, name: str, record: np.ndarray) -> None:
         path = self._path(name)
@@ -69,7 +75,7 @@ class FsspecStore(Store):
             os.replace(temporary, path)
 
     @contextlib.contextmanager
-    def _get(self, name: str) -> Iterator[bytes | np.ndarray]:
+    def get_record(self, name: str) -> Iterator[bytes | np.ndarray]:
         with _translated(self.url):
             try:
                 record = self._read_local(name) if self._local else self._fs.cat_file(self._path(name))
@@ -83,7 +89,7 @@ class FsspecStore(Store):
             record = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
             return record[:file.readinto(memoryview(record))]
 
-    def _names(self, prefix: str) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
         directory = self._path(prefix.rstrip("/")) if prefix else self._root
         with _translated(self.url):
             self._fs.invalidate_cache(directory)
@@ -91,7 +97,7 @@ class FsspecStore(Store):
         start = len(self._root) + 1
         return [path[start:] for path in found if path[start:].startswith(prefix)]
 
-    def _remove(self, names: list[str]) -> None:
+    def remove(self, names: Sequence[str]) -> None:
         with _translated(self.url):
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
@@ -101,6 +107,19 @@ class FsspecStore(Store):
                     with contextlib.suppress(OSError):
                         os.rmdir(directory)  # only succeeds once the stream's directory is empty
                     self._made_dirs.discard(directory)
+
+
+    def close(self) -> None:
+        """Nothing to release: fsspec filesystems are cached and shared by fsspec itself."""
+
+
+class FsspecStore(Store):
+    """A `Store` over `FsspecRecords`: `FsspecStore(url)` is `open_store(url)` for an fsspec URL."""
+
+    records: FsspecRecords
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(FsspecRecords(url, storage_options=storage_options))
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
-"""`lmdb:///path`: blocks in an LMDB environment on local disk (the paper's SSD tier).
+"""`lmdb:///path`: records in an LMDB environment on local disk (the paper's SSD tier).
 
-Each flush is one LMDB write transaction, so a block is either wholly committed or absent, even if the
+Each `put_records` is one LMDB write transaction, so its records are wholly committed or absent, even if the
 process is killed mid-write. `sync=True` (the default) makes every committed block survive power loss;
 `sync=False` skips the fsync: committed blocks still survive a crash or SIGKILL of the process, but the
 last ones may be lost if the machine itself goes down. Other processes opening the same path see every
@@ -12,15 +12,18 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import lmdb
-import numpy as np
 
 from ..errors import BlockNotFound, ConfigError, StoreError
+from ..records import NamedRecord, RecordStore, record_array
+from ..store import Store
 from ..urls import ParsedURL
-from .base import Store
 
+DEFAULT_MAP_SIZE = 1 << 30  # the memory map's first size; it doubles whenever it fills
+DEFAULT_MAX_READERS = 126  # LMDB's own default number of reader slots
+MIN_MAP_SIZE = 1 << 16
 _MAX_RESIZES = 48
 
 
@@ -98,26 +101,29 @@ class _Environment:
                     self.env.close()
 
 
-class LmdbStore(Store):
-    """Blocks in an LMDB environment at `path` (a directory, created if missing); thread- and process-safe."""
+class LmdbRecords(RecordStore):
+    """Records in an LMDB environment at `path` (a directory, created if missing); thread- and process-safe."""
 
+    atomic_batches = True
     persistent = True
     shared = True
 
-    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True, map_size: int = 1 << 30,
-                 max_readers: int = 126) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True, map_size: int = DEFAULT_MAP_SIZE,
+                 max_readers: int = DEFAULT_MAX_READERS) -> None:
         path = os.fspath(path)
-        super().__init__(f"lmdb://{os.path.abspath(path)}")
-        if not isinstance(map_size, int) or map_size < 1 << 16:
-            raise ConfigError(f"map_size must be at least 65536 bytes, got {map_size!r}")
+        self.url = f"lmdb://{os.path.abspath(path)}"
+        if not isinstance(map_size, int) or map_size < MIN_MAP_SIZE:
+            raise ConfigError(f"map_size must be at least {MIN_MAP_SIZE} bytes, got {map_size!r}")
         self.path = path
         self.sync = bool(sync)
         self._shared = _Environment.acquire(path, self.sync, map_size, max_readers)
         self._env, self._gate, self._write_lock = self._shared.env, self._shared.gate, self._shared.write_lock
+        self._closed = False
+        self._close_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, sync: bool = True, map_size: int = 1 << 30,
-                 max_readers: int = 126) -> LmdbStore:
+    def from_url(cls, url: ParsedURL, *, sync: bool = True, map_size: int = DEFAULT_MAP_SIZE,
+                 max_readers: int = DEFAULT_MAX_READERS) -> LmdbRecords:
         return cls(url.path, sync=sync, map_size=map_size, max_readers=max_readers)
 
     @property
@@ -161,26 +167,25 @@ class LmdbStore(Store):
                     self._resize(grow=True, needed=needed)
             raise StoreError(f"LMDB store at {self.path!r} could not grow its map enough")
 
-    # ---- backend hooks ------------------------------------------------------------------------
-    def _put(self, name: str, record: np.ndarray) -> None:
-        self._put_many([(name, record)])
+    # ---- the record interface -----------------------------------------------------------------
+    def put_records(self, records: Sequence[NamedRecord]) -> None:
+        arrays = [(name, record_array(record)) for name, record in records]
 
-    def _put_many(self, records: list[tuple[str, np.ndarray]]) -> None:
         def put_all(txn: lmdb.Transaction) -> None:
-            for name, record in records:
+            for name, record in arrays:
                 txn.put(name.encode(), record)
 
-        self._write(put_all, needed=sum(record.nbytes for _, record in records))
+        self._write(put_all, needed=sum(record.nbytes for _, record in arrays))
 
     @contextlib.contextmanager
-    def _get(self, name: str) -> Iterator[memoryview]:
+    def get_record(self, name: str) -> Iterator[memoryview]:
         with self._transaction(write=False) as txn:
             record = txn.get(name.encode())
             if record is None:
                 raise BlockNotFound(f"no block {name} in {self.url}")
             yield record
 
-    def _names(self, prefix: str) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
         encoded = prefix.encode()
         with self._transaction(write=False) as txn:
             cursor = txn.cursor()
@@ -194,15 +199,28 @@ class LmdbStore(Store):
                 names.append(key.decode())
             return names
 
-    def _remove(self, names: list[str]) -> None:
+    def remove(self, names: Sequence[str]) -> None:
         def delete_all(txn: lmdb.Transaction) -> None:
             for name in names:
                 txn.delete(name.encode())
 
         self._write(delete_all)
 
-    def _close(self) -> None:
-        self._shared.release()
+    def close(self) -> None:
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._shared.release()
+
+
+class LmdbStore(Store):
+    """A `Store` over `LmdbRecords`: `LmdbStore(path)` is `open_store("lmdb://" + path)`."""
+
+    records: LmdbRecords
+
+    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True, map_size: int = DEFAULT_MAP_SIZE,
+                 max_readers: int = DEFAULT_MAX_READERS) -> None:
+        super().__init__(LmdbRecords(path, sync=sync, map_size=map_size, max_readers=max_readers))
 
 
 @contextlib.contextmanager

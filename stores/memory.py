@@ -1,4 +1,4 @@
-"""`memory://`: blocks in this process's CPU memory (page-locked when CUDA is present).
+"""`memory://`: records in this process's CPU memory (page-locked when CUDA is present).
 
 The fastest tier and the default for tests and single-process use: nothing survives the process.
 Pinned (page-locked) records let device<->host copies run at full PCIe speed and asynchronously.
@@ -16,18 +16,23 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from collections.abc import Sequence
+
 from ..errors import BlockNotFound, ConfigError
+from ..records import NamedRecord, RecordStore, record_array
+from ..store import Store
 from ..urls import ParsedURL
-from .base import Store
 
 _SPARE_PER_SIZE = 4
 
 
-class MemoryStore(Store):
-    """Blocks kept in a dict of encoded records in this process; thread-safe."""
+class MemoryRecords(RecordStore):
+    """Encoded records in a dict in this process; thread-safe. A batch is put under one lock: atomically."""
+
+    atomic_batches = True
 
     def __init__(self, *, pin_memory: bool | None = None) -> None:
-        super().__init__("memory://")
+        self.url = "memory://"
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
             raise ConfigError("pin_memory=True needs CUDA, which is not available; omit it")
@@ -37,12 +42,12 @@ class MemoryStore(Store):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, pin_memory: bool | None = None) -> MemoryStore:
+    def from_url(cls, url: ParsedURL, *, pin_memory: bool | None = None) -> MemoryRecords:
         if url.path:
             raise ConfigError(f"memory:// takes no path, got {url.text!r}; use 'memory://'")
         return cls(pin_memory=pin_memory)
 
-    def _allocate(self, nbytes: int) -> np.ndarray:
+    def allocate(self, nbytes: int) -> np.ndarray:
         with self._lock:
             if self._spare[nbytes]:
                 return self._spare[nbytes].pop()
@@ -50,12 +55,14 @@ class MemoryStore(Store):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
         return np.empty(nbytes, dtype=np.uint8)
 
-    def _put(self, name: str, record: np.ndarray) -> None:
+    def put_records(self, records: Sequence[NamedRecord]) -> None:
+        arrays = [(name, record_array(record)) for name, record in records]  # refuse a bad one before storing any
         with self._lock:
-            self._keep_spare(self._records.get(name))
-            self._records[name] = record
+            for name, record in arrays:
+                self._keep_spare(self._records.get(name))
+                self._records[name] = record
 
-    def _get(self, name: str) -> contextlib.nullcontext[np.ndarray]:
+    def get_record(self, name: str) -> contextlib.nullcontext[np.ndarray]:
         # A plain context, not a generator: for small blocks the per-fetch overhead shows.
         with self._lock:
             record = self._records.get(name)
@@ -63,11 +70,11 @@ class MemoryStore(Store):
             raise BlockNotFound(f"no block {name} in memory://")
         return contextlib.nullcontext(record)
 
-    def _names(self, prefix: str) -> list[str]:
+    def names(self, prefix: str) -> list[str]:
         with self._lock:
             return [name for name in self._records if name.startswith(prefix)]
 
-    def _remove(self, names: list[str]) -> None:
+    def remove(self, names: Sequence[str]) -> None:
         with self._lock:
             for name in names:
                 self._keep_spare(self._records.pop(name, None))
@@ -78,7 +85,16 @@ class MemoryStore(Store):
         if record is not None and sys.getrefcount(record) <= 3 and len(self._spare[record.size]) < _SPARE_PER_SIZE:
             self._spare[record.size].append(record)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         with self._lock:
             self._records.clear()
             self._spare.clear()
+
+
+class MemoryStore(Store):
+    """A `Store` over `MemoryRecords`: `MemoryStore()` is `open_store("memory://")`."""
+
+    records: MemoryRecords
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        super().__init__(MemoryRecords(pin_memory=pin_memory))

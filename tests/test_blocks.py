@@ -44,13 +44,15 @@ def test_parse_refuses_what_is_not_a_key(text: str) -> None:
 def test_keys_are_frozen_ordered_and_hashable() -> None:
     a = dv.BlockKey("s", layers=(0, 1), tokens=(0, 4))
     b = dv.BlockKey("s", layers=(1, 2), tokens=(0, 4))
-    assert sorted([b, a]) == [a, b] and len({a, b, dv.BlockKey("s", layers=[0, 1], tokens=[0, 4])}) == 2
+    assert sorted([b, a]) == [a, b]
+    assert len({a, b, dv.BlockKey("s", layers=[0, 1], tokens=[0, 4])}) == 2
     with pytest.raises(AttributeError):
         a.stream_id = "t"  # type: ignore[misc]
 
 
 def test_named_constructors() -> None:
-    assert dv.BlockKey.for_prompt_layer("s", 3, 512) == dv.BlockKey("s", layers=(3, 4), tokens=(0, 512))
+    assert dv.BlockKey.for_layer("s", 3, 0, 512) == dv.BlockKey("s", layers=(3, 4), tokens=(0, 512))
+    assert dv.BlockKey.for_layer("s", 3, 40, 2) == dv.BlockKey("s", layers=(3, 4), tokens=(40, 42))
     assert dv.BlockKey.for_decode_steps("s", (0, 30), 512, 4) == dv.BlockKey("s", layers=(0, 30), tokens=(512, 516))
 
 
@@ -59,13 +61,12 @@ def test_kvspec_gives_block_shapes_and_sizes() -> None:
     key = dv.BlockKey("s", layers=(4, 6), tokens=(10, 17))
     assert spec.dtype == "bfloat16"
     assert spec.block_shape(key) == (2, 2, 2, 3, 7, 64)
-    assert spec.block_nbytes(key) == 2 * 2 * 2 * 3 * 7 * 64 * 2
-    assert spec.bytes_per_token() == 30 * 2 * 2 * 3 * 64 * 2
+    assert spec.shape(30, 5) == (30, 2, 2, 3, 5, 64)
     with pytest.raises(dv.ConfigError, match="30 layers"):
         spec.block_shape(dv.BlockKey("s", layers=(29, 31), tokens=(0, 1)))
 
 
-@pytest.mark.parametrize("field,value", [("layers", 0), ("kv_heads", -1), ("head_dim", 1.5), ("batch", True)])
+@pytest.mark.parametrize(("field", "value"), [("layers", 0), ("kv_heads", -1), ("head_dim", 1.5), ("batch", True)])
 def test_kvspec_refuses_bad_geometry(field: str, value: object) -> None:
     arguments = {"layers": 2, "kv_heads": 2, "head_dim": 8, field: value}
     with pytest.raises(dv.ConfigError, match=field):

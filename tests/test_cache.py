@@ -130,5 +130,5 @@ def test_manifests_for_a_sink_that_cannot_take_them_are_refused() -> None:
         def flush(self, key, block) -> None:
             pass
 
-    with pytest.raises(dv.ConfigError, match="manifest_for needs a sink with flush_with_manifest"):
+    with pytest.raises(dv.ConfigError, match="manifest_for needs a ManifestSink"):
         CacheManager(BlocksOnly(), "s", 2, manifest_for=lambda key, positions: b"{}")

@@ -103,7 +103,7 @@ def test_missing_or_corrupt_replicas_are_errors(model, inputs) -> None:
     rewrite_record(store, victim, lambda data: data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(dv.CorruptBlock):
         engine.resume("r")
-    store._remove([str(victim)])
+    store.records.remove([str(victim)])
     with pytest.raises(dv.BlockNotFound, match="cannot be resumed"):
         engine.resume("r")
     with pytest.raises(dv.BlockNotFound):
@@ -127,7 +127,7 @@ def test_sampling_is_refused(model, inputs, option) -> None:
 
 
 def test_blocks_can_go_to_a_remote_cpu_replica_while_the_manifest_stays_local(model, inputs) -> None:
-    from dejavu_sdk.transports import open_transport, serve
+    from dejavu_sdk import open_transport, serve
 
     ids, mask = inputs
     manifests = MemoryStore()

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 
 import dejavu_sdk as dv
-from dejavu_sdk.stores import STORES, LmdbStore, MemoryStore
+from dejavu_sdk.backends import STORES
+from dejavu_sdk.stores import FsspecRecords, LmdbRecords, MemoryRecords, MemoryStore
 from dejavu_sdk.urls import parse_url
 
 
@@ -64,10 +65,12 @@ def test_malformed_urls_say_what_to_write(text: object, message: str) -> None:
 
 
 def test_open_store_picks_the_backend_by_scheme(tmp_path) -> None:
-    assert isinstance(dv.open_store("memory://"), MemoryStore)
+    assert isinstance(dv.open_store("memory://").records, MemoryRecords)
     store = dv.open_store(f"lmdb://{tmp_path}")
-    assert isinstance(store, LmdbStore) and store.path == str(tmp_path)
-    assert type(dv.open_store(f"file://{tmp_path / 'f'}")).__name__ == "FsspecStore"
+    assert isinstance(store, dv.Store)
+    assert isinstance(store.records, LmdbRecords)
+    assert store.records.path == str(tmp_path)
+    assert isinstance(dv.open_store(f"file://{tmp_path / 'f'}").records, FsspecRecords)
 
 
 def test_relative_paths_are_relative_to_the_working_directory(tmp_path, monkeypatch) -> None:
@@ -143,22 +146,31 @@ def test_third_party_stores_register_through_entry_points(tmp_path, monkeypatch)
     package = tmp_path / "kvplugin"
     package.mkdir()
     (package / "__init__.py").write_text(textwrap.dedent("""
-        from dejavu_sdk.stores.memory import MemoryStore
+        from dejavu_sdk.stores.memory import MemoryRecords
 
-        class PluginStore(MemoryStore):
+        class PluginRecords(MemoryRecords):
             @classmethod
             def from_url(cls, url, *, tag="none"):
-                store = cls()
-                store.tag = (url.path, tag)
-                return store
+                records = cls()
+                records.tag = (url.path, tag)
+                return records
+
+        class NotRecords:
+            @classmethod
+            def from_url(cls, url):
+                return cls()
     """))
     info = tmp_path / "kvplugin-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvplugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[dejavu_sdk.stores]\nplugin = kvplugin:PluginStore\n")
+    (info / "entry_points.txt").write_text("[dejavu_sdk.stores]\nplugin = kvplugin:PluginRecords\n"
+                                           "odd = kvplugin:NotRecords\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "plugin" in STORES.names()
     store = dv.open_store("plugin://shelf", tag="x")
-    assert type(store).__name__ == "PluginStore" and store.tag == ("shelf", "x")
+    assert type(store.records).__name__ == "PluginRecords"
+    assert store.records.tag == ("shelf", "x")
     with pytest.raises(dv.ConfigError, match="it accepts: tag"):
         dv.open_store("plugin://shelf", colour="red")
+    with pytest.raises(dv.ConfigError, match="is not a RecordStore"):
+        dv.open_store("odd://shelf")

@@ -41,14 +41,14 @@ def test_the_map_grows_when_full(tmp_path) -> None:
     blocks = {step: random_tensor((256, 1024), torch.float32, seed=step) for step in range(8)}  # 1 MiB each
     for step, block in blocks.items():
         store.flush(_key(step), block)
-    assert store.map_size >= 8 << 20
+    assert store.records.map_size >= 8 << 20
     for step, block in blocks.items():
         assert same_bits(store.fetch(_key(step)), block)
 
 
 def test_sync_defaults_on_and_is_an_option(tmp_path) -> None:
-    assert LmdbStore(tmp_path / "a").sync is True
-    assert dv.open_store(f"lmdb://{tmp_path / 'b'}", sync=False).sync is False
+    assert LmdbStore(tmp_path / "a").records.sync is True
+    assert dv.open_store(f"lmdb://{tmp_path / 'b'}", sync=False).records.sync is False
 
 
 def test_a_path_that_is_a_file_raises_store_error(tmp_path) -> None:
@@ -129,12 +129,12 @@ def test_one_directory_can_be_opened_twice_in_a_process(tmp_path) -> None:
 
 def test_a_block_and_its_manifest_commit_in_one_transaction(tmp_path) -> None:
     store = LmdbStore(tmp_path)
-    before = store._env.info()["last_txnid"]
+    before = store.records._env.info()["last_txnid"]
     store.flush_with_manifest(_key(0), _block(0), b'{"step": 0}')
-    assert store._env.info()["last_txnid"] == before + 1
+    assert store.records._env.info()["last_txnid"] == before + 1
     store.flush(_key(1), _block(1))
     store.write_manifest("req-1", b'{"step": 1}')
-    assert store._env.info()["last_txnid"] == before + 3
+    assert store.records._env.info()["last_txnid"] == before + 3
 
 
 def test_the_engine_commits_each_block_with_its_manifest(tmp_path) -> None:
@@ -143,9 +143,9 @@ def test_the_engine_commits_each_block_with_its_manifest(tmp_path) -> None:
     model = tiny_llama(layers=4)
     ids, mask = prompt()
     with dv.DejaVuEngine(model, store=f"lmdb://{tmp_path}/kv", keep_finished=True) as engine:
-        before = engine.store._env.info()["last_txnid"]
+        before = engine.store.records._env.info()["last_txnid"]
         engine.generate(ids, attention_mask=mask, max_new_tokens=12, stream_id="one-commit")
-        commits = engine.store._env.info()["last_txnid"] - before
+        commits = engine.store.records._env.info()["last_txnid"] - before
         blocks = len(engine.store.keys("one-commit"))
     assert blocks == 4 + 11  # the prompt's 4 layer blocks, then one block per decode step
     assert commits == blocks + 2  # plus the first manifest and the finished one

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dejavu_sdk import open_transport, serve
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
-from dejavu_sdk.transports import open_transport, serve
 
 
 class TestGlooTransport(TransportTests):

@@ -11,7 +11,7 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
-from dejavu_sdk.transports import open_transport, serve
+from dejavu_sdk import open_transport, serve
 from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
 
 

@@ -1,9 +1,12 @@
 """The transport interface: how KV blocks and activations move between live workers.
 
-A `Transport` is one worker's connection to a peer. It flushes blocks into, and fetches them from, the
-store that peer serves, and it sends tensors (activations) into the peer's inbox. A `Server` is the
-serving side: it holds a store, answers its peers, and hands received tensors to `recv_tensor`.
-`RemoteStore` (`open_store("tcp://host:port")`) is a `Store` on top of a transport's record operations.
+A `Transport` is one worker's connection to a peer's store. It is a `RecordStore` (records are put, got,
+listed and removed at the peer), it streams whole blocks straight from and into tensors
+(`BlockStreaming`), and it sends tensors (activations) into the peer's inbox. So a store in another
+process is simply `Store(transport)`.
+
+A `ServingTransport` can also serve: `serve(url, store)` answers its peers against `store` until the
+returned `Server` is closed. Transports that only connect within one process (`local`) do not serve.
 All calls block; the cache manager's streamer is where concurrency lives.
 """
 
@@ -12,47 +15,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..blocks import BlockKey
 from ..errors import ConfigError
-from ..stores import Store
+from ..records import BlockStreaming, RecordStore
+from ..store import Store
+from ..urls import ParsedURL
+
+#: Seconds a client waits for each step of a request before the link counts as broken.
+CLIENT_TIMEOUT = 30.0
+#: Seconds a client waits to reach its peer.
+CONNECT_TIMEOUT = 10.0
+#: Seconds a server waits for the rest of a request it has started to receive.
+SERVER_TIMEOUT = 60.0
 
 
-class Transport(ABC):
+class Transport(RecordStore, BlockStreaming):
     """A connection to one peer that serves a store. Safe to share between threads."""
-
-    url: str
-
-    @abstractmethod
-    def flush(self, key: BlockKey, block: Any) -> None:
-        """Store `block` under `key` in the peer's store."""
-
-    @abstractmethod
-    def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The block stored under `key` at the peer, verified, in `out` when given.
-
-        If the block turns out corrupt, CorruptBlock is raised; a host `out` may then hold partial data.
-        """
 
     @abstractmethod
     def send_tensor(self, tensor: torch.Tensor) -> None:
-        """Put `tensor` into the peer's inbox (its `Server.recv_tensor`); returns once the peer has it."""
-
-    # Record-level operations, for RemoteStore: names and encoded records, passed through untouched.
-    @abstractmethod
-    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
-        """Store (name, record) pairs in order, in one request; in one transaction where the store allows."""
-
-    @abstractmethod
-    def get_record(self, name: str) -> np.ndarray: ...
-
-    @abstractmethod
-    def names(self, prefix: str) -> list[str]: ...
-
-    @abstractmethod
-    def remove(self, names: list[str]) -> None: ...
+        """Put `tensor` into the peer's inbox; returns once the peer has it."""
 
     @abstractmethod
     def close(self) -> None:
@@ -64,8 +47,15 @@ class Transport(ABC):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
+
+class ServingTransport(Transport):
+    """A transport whose peers are servers: `serve` starts one, `from_url` connects to one."""
+
+    @classmethod
+    @abstractmethod
+    def serve(cls, url: ParsedURL, store: Store, *args: Any, **options: Any) -> Server:
+        """Serve `store` at the URL's address (port 0: any free port) until the Server is closed; `options`
+        are keyword-only, declared by each backend."""
 
 
 class Server(ABC):

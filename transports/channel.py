@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,12 +20,20 @@ import torch
 
 from .._version import __version__
 from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
-from ..codec import TRAILER, check_out, corrupt, host_view
+from ..codec import TRAILER, RecordHeader, check_out, corrupt, host_view
 from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError, TransportError
-from ..stores import Store
-from ..stores.base import manifest_name
-from ..urls import ParsedURL
-from .base import Server, Transport, check_timeout
+from ..records import NamedRecord, record_array
+from ..store import Store, manifest_name
+from ..urls import ParsedURL, join_host_port
+from .base import (
+    CLIENT_TIMEOUT,
+    CONNECT_TIMEOUT,
+    SERVER_TIMEOUT,
+    Server,
+    ServingTransport,
+    Transport,
+    check_timeout,
+)
 from .wire import (
     MAX_RECORD_BYTES,
     Channel,
@@ -48,7 +56,7 @@ _STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
 }
 
 
-class ChannelTransport(Transport):
+class ChannelTransport(ServingTransport):
     """A Transport over one channel, opened by `_connect` on first use and after any failure."""
 
     def __init__(self, url: str, limits: Limits | None = None) -> None:
@@ -75,7 +83,7 @@ class ChannelTransport(Transport):
                 reply = recv_message(channel, self.limits)
                 if reply.has_record and receive is None:
                     raise ProtocolError(f"{self.url} answered {op.name} with an unexpected record")
-                received = receive(channel, reply) if reply.has_record else None
+                received = receive(channel, reply) if receive is not None and reply.has_record else None
             except BaseException:
                 self._drop()  # the channel's state is unknown: reopen it next time
                 raise
@@ -102,71 +110,47 @@ class ChannelTransport(Transport):
             self._channel.close()
             self._channel = None
 
-    # ---- the Transport interface ---------------------------------------------------------
+    # ---- blocks and tensors --------------------------------------------------------------
     def flush(self, key: BlockKey, block: Any) -> None:
         name = str(check_key(key))
         self._exchange(Op.PUT, name.encode(), OutgoingRecord.from_block(name, block))
 
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
         name = str(check_key(key))
-        landed: dict[str, Any] = {}
-
-        def receive(channel: Channel, reply: Message) -> bool:
-            header = reply.header
-            if header is None:
-                raise ProtocolError(f"{self.url} answered GET with bytes that are not a block record")
-            try:
-                landed["out"] = check_out(name, header, out)
-                target = host_view(landed["out"])
-            except ConfigError as error:  # still read the record, so the channel stays in step
-                landed["error"], target = error, None
-            if target is None:
-                pinned = "out" in landed and landed["out"].device.type == "cuda"
-                landed["staging"] = torch.empty(header.payload_length, dtype=torch.uint8, pin_memory=pinned)
-                target = landed["staging"].numpy()
-            return recv_payload(channel, reply, target)[0]
-
-        reply, intact = self._exchange(Op.GET, name.encode(), receive=receive)
-        if "error" in landed:
-            raise landed["error"]
-        if reply.header.label != name:
-            raise corrupt(name, f"the record holds block {reply.header.label!r}")
-        if not intact:
-            raise corrupt(name, "checksum mismatch")
-        result = landed["out"]
-        if "staging" in landed:
-            result.copy_(landed["staging"].view(result.dtype).view(reply.header.shape))
-        return result
+        landing = _Landing(name, out)
+        reply, intact = self._exchange(Op.GET, name.encode(), receive=landing.receive)
+        return landing.result(reply, intact)
 
     def send_tensor(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"send_tensor takes a torch.Tensor, got {type(tensor).__name__}")
         self._exchange(Op.TENSOR, record=OutgoingRecord.from_block(TENSOR_LABEL, tensor))
 
-    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
+    # ---- the record interface ------------------------------------------------------------
+    def put_records(self, records: Sequence[NamedRecord]) -> None:
         if not records:
             return
-        meta = "\n".join(f"{record.size} {name}" for name, record in records).encode()
-        payload = records[0][1] if len(records) == 1 else np.concatenate([record for _, record in records])
+        arrays = [(name, record_array(record)) for name, record in records]
+        meta = "\n".join(f"{record.size} {name}" for name, record in arrays).encode()
+        payload = arrays[0][1] if len(arrays) == 1 else np.concatenate([record for _, record in arrays])
         self._exchange(Op.PUT_RECORDS, meta, OutgoingRecord.opaque(payload))
 
-    def get_record(self, name: str) -> np.ndarray:
+    def get_record(self, name: str) -> contextlib.nullcontext[np.ndarray]:
         def receive(channel: Channel, reply: Message) -> np.ndarray:
-            if reply.header is None:
-                raise ProtocolError(f"{self.url} answered GET with bytes that are not a block record")
-            record = np.empty(reply.header.record_length, np.uint8)
-            record[:reply.header.length] = reply.header_bytes
-            _, trailer = recv_payload(channel, reply, record[reply.header.length:])
+            header = _record_header(self.url, reply)
+            record = np.empty(header.record_length, np.uint8)
+            record[:header.length] = reply.header_bytes
+            _, trailer = recv_payload(channel, reply, record[header.length:])
             record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
             return record  # verified later, by whoever decodes it
 
-        return self._exchange(Op.GET, name.encode(), receive=receive)[1]
+        return contextlib.nullcontext(self._exchange(Op.GET, name.encode(), receive=receive)[1])
 
     def names(self, prefix: str) -> list[str]:
         reply, _ = self._exchange(Op.LIST, prefix.encode())
         return reply.text.split("\n") if reply.meta else []
 
-    def remove(self, names: list[str]) -> None:
+    def remove(self, names: Sequence[str]) -> None:
         if names:
             self._exchange(Op.REMOVE, "\n".join(names).encode())
 
@@ -176,42 +160,92 @@ class ChannelTransport(Transport):
             self._drop()
 
 
+class _Landing:
+    """Where a fetched block lands: the caller's `out` (or a new tensor), through staging when `out` is not
+    contiguous host memory. A wrong `out` is reported only after the record was read off the channel."""
+
+    def __init__(self, name: str, out: torch.Tensor | None) -> None:
+        self.name, self.out = name, out
+        self.target: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        self.error: ConfigError | None = None
+
+    def receive(self, channel: Channel, reply: Message) -> bool:
+        header = _record_header(channel.peer, reply)
+        view = None
+        try:
+            self.target = check_out(self.name, header, self.out)
+            view = host_view(self.target)
+        except ConfigError as error:  # still read the record, so the channel stays in step
+            self.error = error
+        if view is None:
+            pinned = self.target is not None and self.target.device.type == "cuda"
+            self.staging = torch.empty(header.payload_length, dtype=torch.uint8, pin_memory=pinned)
+            view = self.staging.numpy()
+        return recv_payload(channel, reply, view)[0]
+
+    def result(self, reply: Message, intact: bool) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        header = reply.header
+        if header is None or self.target is None:
+            raise ProtocolError(f"the reply to GET {self.name} carried no block")
+        if header.label != self.name:
+            raise corrupt(self.name, f"the record holds block {header.label!r}")
+        if not intact:
+            raise corrupt(self.name, "checksum mismatch")
+        if self.staging is not None:
+            self.target.copy_(self.staging.view(self.target.dtype).view(header.shape))
+        return self.target
+
+
+def _record_header(peer: str, reply: Message) -> RecordHeader:
+    if reply.header is None:
+        raise ProtocolError(f"{peer} answered GET with bytes that are not a block record")
+    return reply.header
+
+
 class AddressedTransport(ChannelTransport):
     """A ChannelTransport to `scheme://host:port`, with the options every networked backend takes."""
 
     server_class: ClassVar[type[ChannelServer]]
 
-    def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = 30.0,
-                 connect_timeout: float = 10.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+    def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = CLIENT_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         super().__init__(f"{scheme}://{join_host_port(host, port)}", Limits(max_record_bytes=max_record_bytes))
         self.scheme, self.host, self.port = scheme, host, port
         self.timeout = check_timeout(timeout, "timeout")
-        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout")
+        self.connect_timeout = check_timeout(connect_timeout, "connect_timeout") or CONNECT_TIMEOUT
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, timeout: float | None = 30.0, connect_timeout: float = 10.0,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> AddressedTransport:
-        return cls(url.scheme, url.host, url.port, timeout=timeout, connect_timeout=connect_timeout,
+    def from_url(cls, url: ParsedURL, *, timeout: float | None = CLIENT_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> Transport:
+        host, port = _address(url)
+        return cls(url.scheme, host, port, timeout=timeout, connect_timeout=connect_timeout,
                    max_record_bytes=max_record_bytes)
 
     @classmethod
-    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = 60.0,
-              max_record_bytes: int = MAX_RECORD_BYTES) -> ChannelServer:
+    def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = SERVER_TIMEOUT,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> Server:
         """Serve `store` at the URL's host and port (0: any free port), with `timeout` for each request."""
-        return cls.server_class(store, url.host, url.port, scheme=url.scheme, timeout=timeout,
+        host, port = _address(url)
+        return cls.server_class(store, host, port, scheme=url.scheme, timeout=timeout,
                                 max_record_bytes=max_record_bytes)
 
 
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def _address(url: ParsedURL) -> tuple[str, int]:
+    if url.host is None or url.port is None:
+        raise ConfigError(f"{url.text!r} must be '{url.scheme}://host:port'")
+    return url.host, url.port
 
 
 class ChannelServer(Server):
     """Answers requests on channels against `store`; backends accept channels and call `serve_channel`."""
 
-    def __init__(self, store: Store, *, timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES,
-                 inbox_size: int = 64) -> None:
+    def __init__(self, store: Store, *, timeout: float | None = SERVER_TIMEOUT,
+                 max_record_bytes: int = MAX_RECORD_BYTES, inbox_size: int = 64) -> None:
         self.store = store
+        self.records = store.records
         self.timeout = check_timeout(timeout, "timeout")
         self.limits = Limits(max_record_bytes=max_record_bytes)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
@@ -251,28 +285,22 @@ class ChannelServer(Server):
         elif request.op == Op.GET:
             try:
                 name = _block_name(request.text)
-                with self.store._get(name) as stored:
+                with self.records.get_record(name) as stored:
                     record = OutgoingRecord.from_record(stored, name)
                     send_message(channel, Op.REPLY, record=record)  # inside: LMDB buffers live as long as this
                     return
             except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
                 status, meta = _error_reply(error)
-        elif request.op in (Op.HELLO, Op.LIST, Op.REMOVE):
-            status, meta = self._small(request)
+        elif request.op == Op.HELLO:
+            status, meta = Status.OK, f"dejavu-sdk {__version__}".encode()
+        elif request.op == Op.LIST:
+            status, meta = _replied(lambda: "\n".join(self.records.names(_listing_prefix(request.text))).encode())
+        elif request.op == Op.REMOVE:
+            status, meta = _replied(lambda: self.records.remove([_block_name(name)
+                                                                 for name in request.text.split("\n")]))
         else:
             raise ProtocolError(f"{request.op.name} is not a request")
         send_message(channel, Op.REPLY, status=status, meta=meta)
-
-    def _small(self, request: Message) -> tuple[Status, bytes]:
-        try:
-            if request.op == Op.HELLO:
-                return Status.OK, f"dejavu-sdk {__version__}".encode()
-            if request.op == Op.LIST:
-                return Status.OK, "\n".join(self.store._names(_listing_prefix(request.text))).encode()
-            self.store._remove([_block_name(name) for name in request.text.split("\n")])
-            return Status.OK, b""
-        except (ConfigError, StoreError) as error:
-            return _error_reply(error)
 
     def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
         """Receive records whole and verified, then store or queue them; never store half a record."""
@@ -280,10 +308,10 @@ class ChannelServer(Server):
         if (request.op == Op.PUT_RECORDS) != (header is None):
             raise ProtocolError(f"{request.op.name} with{'out' if header is None else ''} a record header")
         if header is None:
-            record = self.store._allocate(request.payload_length)
+            record = self.records.allocate(request.payload_length)
             intact, _ = recv_payload(channel, request, record)
         else:
-            record = self.store._allocate(header.record_length)
+            record = self.records.allocate(header.record_length)
             record[:header.length] = request.header_bytes
             intact, trailer = recv_payload(channel, request, record[header.length:])
             record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
@@ -293,20 +321,28 @@ class ChannelServer(Server):
             payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
             self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
             return Status.OK, b""
-        try:
-            if header is None:
-                self.store._put_many(_split_records(request.text, record))
-            else:
-                name = _block_name(request.text)
-                if header.label != name:
-                    raise corrupt(name, f"the record holds block {header.label!r}")
-                self.store._put(name, record)
-        except (ConfigError, CorruptBlock, StoreError) as error:
-            return _error_reply(error)
-        return Status.OK, b""
+        if header is None:
+            return _replied(lambda: self.records.put_records(_split_records(request.text, record)))
+        return _replied(lambda: self.records.put_records([(_checked_label(request.text, header), record)]))
 
 
-def _split_records(meta: str, payload: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def _replied(action: Callable[[], bytes | None]) -> tuple[Status, bytes]:
+    """Run a request's store operation: OK with what it returns, or the error reply its failure deserves."""
+    try:
+        return Status.OK, action() or b""
+    except (BlockNotFound, ConfigError, CorruptBlock, StoreError) as error:
+        return _error_reply(error)
+
+
+def _checked_label(name: str, header: RecordHeader) -> str:
+    """The block name a PUT names, if the record it carries was encoded under that name."""
+    name = _block_name(name)
+    if header.label != name:
+        raise corrupt(name, f"the record holds block {header.label!r}")
+    return name
+
+
+def _split_records(meta: str, payload: np.ndarray) -> list[NamedRecord]:
     """PUT_RECORDS' payload cut into its records, as its "size name" lines say; ConfigError if they lie."""
     lines = [line.partition(" ") for line in meta.split("\n")]
     try:

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TransportError
-from ..stores import Store
+from ..store import Store
+from ..urls import join_host_port
+from .base import SERVER_TIMEOUT
 from .channel import AddressedTransport, ChannelServer
 from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
 from .wire import one_array as _one_array
@@ -101,15 +103,15 @@ class DistServer(ChannelServer):
     """Hosts the TCPStore peers rendezvous through and serves each link on its own thread."""
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "gloo",
-                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
         self.scheme, self.host = scheme, host
         try:
             self._rendezvous = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                              timeout=datetime.timedelta(seconds=30))
         except RuntimeError as error:
-            raise TransportError(f"cannot listen on {scheme}://{host}:{port}: {error}") from error
-        self.url = f"{scheme}://{host}:{self._rendezvous.port}"
+            raise TransportError(f"cannot listen on {scheme}://{join_host_port(host, port)}: {error}") from error
+        self.url = f"{scheme}://{join_host_port(host, self._rendezvous.port)}"
         self._stopping = threading.Event()
         self._channels: set[DistChannel] = set()
         self._acceptor = threading.Thread(target=self._accept_links, name=f"dejavu-serve {self.url}", daemon=True)

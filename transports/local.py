@@ -4,11 +4,14 @@ With CUDA, device->host copies run on a side stream into page-locked buffers, or
 already queued on the caller's stream, so they overlap compute that the caller queues next; host->device
 copies of fetched blocks are queued the same way and the caller's stream waits for them on the device,
 not on the host. Without CUDA the same calls are plain copies into and out of the store.
+Records go to the store's own record store unchanged; the local transport serves no peers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,44 +19,42 @@ import torch
 
 from ..blocks import BlockKey, check_key
 from ..errors import ConfigError, StoreClosed, TransportError
-from ..stores import Store, open_store
+from ..records import NamedRecord
+from ..store import Store
 from ..urls import ParsedURL
 from .base import Transport
 
 
 class LocalTransport(Transport):
-    """Copies blocks into and out of `store` (a Store or URL, default memory://) in this process."""
+    """Copies blocks between any device and `store`, a Store in this process."""
 
-    def __init__(self, store: str | Store = "memory://") -> None:
-        self.store = open_store(store)
-        self.url = f"local+{self.store.url}"
+    def __init__(self, store: Store) -> None:
+        if not isinstance(store, Store):
+            raise ConfigError(f"the local transport copies into a Store in this process (store=dejavu_sdk.open_store"
+                              f"(url), or a URL through open_transport), got {store!r}")
+        self.store = store
+        self.url = f"local+{store.url}"
         self._side_streams: dict[torch.device, Any] = {}
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue()
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, store: str | Store = "memory://") -> LocalTransport:
+    def from_url(cls, url: ParsedURL, *, store: Store | None = None) -> LocalTransport:
         if url.path:
             raise ConfigError(f"the local transport takes no address, got {url.text!r}; pass store=... instead")
+        if store is None:
+            raise ConfigError("the local transport copies into a store in this process: pass store=URL or a Store")
         return cls(store)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"{self!r} is closed")
-
-    def _side_stream(self, device: torch.device) -> Any:
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device=device)
-        return self._side_streams[device]
-
+    # ---- blocks ----------------------------------------------------------------------------
     def flush(self, key: BlockKey, block: Any) -> None:
-        self.store.flush(key, self._on_host(key, block))
+        self.store.flush(key, self.on_host(key, block))
 
     def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
         """`flush`, with the stream's manifest written together with the block (see `Store.flush_with_manifest`)."""
-        self.store.flush_with_manifest(key, self._on_host(key, block), manifest)
+        self.store.flush_with_manifest(key, self.on_host(key, block), manifest)
 
-    def _on_host(self, key: BlockKey, block: Any) -> Any:
+    def on_host(self, key: BlockKey, block: Any) -> Any:
         """`block` as the store can take it: a device tensor is copied to pinned host memory first."""
         self._check_open()
         check_key(key)
@@ -89,6 +90,12 @@ class LocalTransport(Transport):
         torch.cuda.current_stream(out.device).wait_stream(side)  # later work on the caller's stream sees it
         return out
 
+    def _side_stream(self, device: torch.device) -> Any:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
+
+    # ---- tensors ---------------------------------------------------------------------------
     def send_tensor(self, tensor: torch.Tensor) -> None:
         self._check_open()
         if not isinstance(tensor, torch.Tensor):
@@ -102,23 +109,30 @@ class LocalTransport(Transport):
         except queue.Empty:
             raise TransportError(f"no tensor arrived within {timeout} s") from None
 
-    def put_records(self, records: list[tuple[str, np.ndarray]]) -> None:
+    # ---- the record interface: the store's own records ------------------------------------
+    def put_records(self, records: Sequence[NamedRecord]) -> None:
         self._check_open()
-        self.store._put_many(records)
+        self.store.records.put_records(records)
 
-    def get_record(self, name: str) -> np.ndarray:
+    def get_record(self, name: str) -> contextlib.AbstractContextManager[Any]:
         self._check_open()
-        with self.store._get(name) as record:
-            return np.array(record, dtype=np.uint8, copy=True)
+        return self.store.records.get_record(name)
 
     def names(self, prefix: str) -> list[str]:
         self._check_open()
-        return list(self.store._names(prefix))
+        return self.store.records.names(prefix)
 
-    def remove(self, names: list[str]) -> None:
+    def remove(self, names: Sequence[str]) -> None:
         self._check_open()
-        self.store._remove(names)
+        self.store.records.remove(names)
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        return self.store.records.allocate(nbytes)
 
     def close(self) -> None:
         """Close the transport; the store stays open, as it may be shared."""
         self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed")

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransportError
-from ..stores import Store
-from .channel import AddressedTransport, ChannelServer, join_host_port
+from ..store import Store
+from ..urls import join_host_port
+from .base import SERVER_TIMEOUT
+from .channel import AddressedTransport, ChannelServer
 from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
 
 
@@ -86,7 +88,7 @@ class TcpServer(ChannelServer):
     """Serves a store on a TCP port, one thread per connection. Port 0 picks a free port (see `url`)."""
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "tcp",
-                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
         timeout = self.timeout
         channels: set[SocketChannel] = set()

@@ -21,8 +21,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets variables so
 import ucxx
 
 from ..errors import TransportError
-from ..stores import Store
-from .channel import AddressedTransport, ChannelServer, join_host_port
+from ..store import Store
+from ..urls import join_host_port
+from .base import SERVER_TIMEOUT
+from .channel import AddressedTransport, ChannelServer
 from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
 from .wire import one_array as _one_array
 
@@ -99,15 +101,15 @@ class UcxServer(ChannelServer):
     """Listens for UCX endpoints and serves each on a thread of its own."""
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "ucx",
-                 timeout: float | None = 60.0, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
         self._loop = _EventLoop.get()
         self._channels: set[UcxChannel] = set()
         try:
             self._listener = self._loop.run(_call(ucxx.create_listener, self._accept, port or None), 30,
-                                            f"listening on {scheme}://{host}:{port}")
+                                            f"listening on {scheme}://{join_host_port(host, port)}")
         except TransportError as error:
-            raise TransportError(f"cannot listen on {scheme}://{host}:{port}: {error}") from error
+            raise TransportError(f"cannot listen on {scheme}://{join_host_port(host, port)}: {error}") from error
         self.url = f"{scheme}://{join_host_port(host, self._listener.port)}"
 
     async def _accept(self, endpoint: Any) -> None:

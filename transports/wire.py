@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..codec import TRAILER, RecordHeader, corrupt, flat_bytes, new_checksum
+from ..codec import MAX_HEADER_BYTES, TRAILER, RecordHeader, corrupt, flat_bytes, new_checksum
 from ..errors import TransportError
 
 MAGIC = b"DJVT"
@@ -210,9 +210,11 @@ def recv_message(channel: Channel, limits: Limits, idle: bool = False) -> Messag
         raise ProtocolError(f"{channel.peer} sent a frame that does not start with {MAGIC!r}")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"{channel.peer} speaks protocol version {version}, this SDK {PROTOCOL_VERSION}")
-    if meta_length > limits.max_meta_bytes or header_length > 4096 or payload_length > limits.max_record_bytes:
+    if meta_length > limits.max_meta_bytes or header_length > MAX_HEADER_BYTES \
+            or payload_length > limits.max_record_bytes:
         raise ProtocolError(f"{channel.peer} sent a frame of {meta_length} + {header_length} + {payload_length} "
-                            f"bytes, over the limit of {limits.max_meta_bytes} + 4096 + {limits.max_record_bytes}")
+                            f"bytes, over the limit of {limits.max_meta_bytes} + {MAX_HEADER_BYTES} + "
+                            f"{limits.max_record_bytes}")
     head = np.empty(meta_length + header_length, dtype=np.uint8)
     if head.size:
         channel.recv_into(head)

@@ -21,8 +21,10 @@ from tqdm import tqdm
 
 from ..blocks import BlockKey
 from ..errors import ConfigError
-from ..stores import Store, open_store
-from .common import Throughputs, format_size, machine_description, markdown_table, plot_operations, seconds
+from ..report import format_size, markdown_table
+from ..backends import open_store
+from ..store import Store
+from .common import Throughputs, machine_description, plot_operations, seconds
 
 CEILINGS = ("memcpy", "xxh3 checksum", "file write", "file write+fsync", "file read")
 

@@ -25,10 +25,13 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from ..blocks import KVSpec
 from ..cache import CacheManager, StreamingCache
 from ..engine import DejaVuEngine
-from ..stores import MemoryStore, Store, open_store
+from ..report import markdown_table
+from ..backends import open_store
+from ..store import Store
+from ..stores.memory import MemoryStore
 from ..stream import StagingBuffer, scatter
-from ..transports.child import ServedStoreProcess
-from .common import machine_description, markdown_table, median
+from ..testing.peers import ServedStoreProcess
+from .common import machine_description, median
 
 TARGETS = ("memory", "lmdb", "lmdb-nosync", "tcp")
 

@@ -21,9 +21,11 @@ from tqdm import tqdm
 
 from ..blocks import BlockKey
 from ..errors import BackendUnavailable, ConfigError
-from ..transports import TRANSPORTS, Transport, open_transport
-from ..transports.child import ServedStoreProcess
-from .common import Throughputs, format_size, machine_description, markdown_table, plot_operations, seconds
+from ..report import format_size, markdown_table
+from ..backends import TRANSPORTS, open_store, open_transport
+from ..testing.peers import ServedStoreProcess
+from ..transports.base import Transport
+from .common import Throughputs, machine_description, plot_operations, seconds
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
@@ -63,7 +65,7 @@ def available(targets: list[str]) -> tuple[list[str], list[str]]:
         if backend is None:
             raise ConfigError(f"unknown bench target {target!r}; choose from {', '.join((*NETWORKED, 'local'))}")
         try:
-            TRANSPORTS.load(target, backend)
+            TRANSPORTS.load(target, backend, Transport)
             usable.append(target)
         except BackendUnavailable as error:
             notes.append(f"{target}: skipped, {error}")
@@ -103,7 +105,7 @@ def run_transport_bench(sizes: list[int], targets: list[str], repeats: int = 5, 
 @contextlib.contextmanager
 def _connected(target: str) -> Iterator[Transport]:
     if target == "local":
-        with open_transport("local") as transport:
+        with open_transport("local", store=open_store("memory://")) as transport:
             yield transport
         return
     with ServedStoreProcess(target, quiet=True) as served, open_transport(served.url, timeout=120) as transport:

@@ -1,4 +1,4 @@
-"""Run `dejavu serve-store` in a child process: for tests and benchmarks that need a peer to kill or time."""
+"""A `dejavu serve-store` child process: a peer that tests and benchmarks can kill, freeze or time."""
 
 from __future__ import annotations
 

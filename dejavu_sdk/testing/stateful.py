@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from ..blocks import BlockKey
 from ..errors import BlockNotFound
-from ..stores import Store
+from ..store import Store
 from ..tensors import random_tensor, same_bits
 
 STREAMS = st.sampled_from(["a", "b", "a.b", "a-1"])

@@ -7,8 +7,8 @@ Use it from a pytest module:
         def store_factory(self, tmp_path):
             return lambda: MyStore(tmp_path / uuid.uuid4().hex)   # each call: a new, empty store
 
-Corruption tests reach under the interface through the backend hooks `_get` and `_put`, which every
-`Store` has.
+Corruption tests reach under the codec through the store's record interface (`store.records`), and the
+declared capabilities of the record store (`atomic_batches`) are checked too.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
-from ..errors import BlockNotFound, ConfigError, CorruptBlock, StoreClosed
-from ..stores import Store
+from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed
+from ..store import Store
 from ..tensors import random_tensor, same_bits
 from .stateful import run_store_state_machine
 
@@ -32,9 +32,9 @@ SHAPES = [(), (0,), (1,), (3, 5), (2, 2, 1, 3, 7, 16), (1, 2, 1, 4, 512, 64), (5
 
 def rewrite_record(store: Store, key: BlockKey, edit: Callable[[bytearray], bytes | bytearray]) -> None:
     """Replace the stored record of `key` with `edit(record)`, bypassing encoding (to simulate damage)."""
-    with store._get(str(key)) as record:
+    with store.records.get_record(str(key)) as record:
         data = bytearray(bytes(record))
-    store._put(str(key), np.frombuffer(bytes(edit(data)), dtype=np.uint8))
+    store.records.put_records([(str(key), np.frombuffer(bytes(edit(data)), dtype=np.uint8))])
 
 
 class StoreTests:
@@ -134,6 +134,33 @@ class StoreTests:
         with pytest.raises(ConfigError):
             store.flush_with_manifest("not a key", block, b"{}")
 
+    # ---- the record interface and its declared capabilities --------------------------------
+    def test_records_are_put_listed_and_removed_by_name(self, store: Store) -> None:
+        store.flush(KEY, torch.ones(3))
+        records = store.records
+        with records.get_record(str(KEY)) as record:
+            copy = np.frombuffer(bytes(record), dtype=np.uint8)
+        names = ["req-2/L0-1.T0-8", "req-2/manifest"]
+        records.put_records([(names[0], copy), (names[1], copy)])
+        assert sorted(records.names("req-2/")) == names
+        assert sorted(records.names("")) == sorted([str(KEY), *names])
+        records.remove([names[0], "req-3/L0-1.T0-8"])  # a name never stored is ignored
+        assert records.names("req-2/") == [names[1]]
+        assert records.allocate(10).nbytes == 10
+        for flag in ("atomic_batches", "persistent", "shared"):
+            assert isinstance(getattr(records, flag), bool), flag
+
+    def test_a_batch_that_fails_midway_stores_nothing_if_batches_are_atomic(self, store: Store) -> None:
+        records = store.records
+        with pytest.raises(DejaVuError):
+            records.put_records([("req-1/manifest", np.zeros(8, np.uint8)), ("req-1/L0-1.T0-8", None)])
+        if records.atomic_batches:  # declared: all of a batch or none of it
+            assert records.names("req-1/") == []
+
+    def test_a_record_that_is_not_a_buffer_is_refused(self, store: Store) -> None:
+        with pytest.raises(ConfigError, match="buffer"):
+            store.records.put_records([("req-1/manifest", 42)])
+
     # ---- errors ---------------------------------------------------------------------------
     def test_missing_block_raises_block_not_found_which_is_a_key_error(self, store: Store) -> None:
         with pytest.raises(BlockNotFound, match="req-1/L0-1.T0-8"):
@@ -167,9 +194,9 @@ class StoreTests:
     def test_a_record_stored_under_another_key_is_corrupt(self, store: Store) -> None:
         other = BlockKey("req-1", layers=(1, 2), tokens=(0, 8))
         store.flush(other, torch.ones(4))
-        with store._get(str(other)) as record:
+        with store.records.get_record(str(other)) as record:
             moved = np.frombuffer(bytes(record), dtype=np.uint8)
-        store._put(str(KEY), moved)
+        store.records.put_records([(str(KEY), moved)])
         with pytest.raises(CorruptBlock, match="holds block"):
             store.fetch(KEY)
 

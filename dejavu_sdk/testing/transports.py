@@ -1,10 +1,16 @@
-"""`TransportTests`: the conformance suite every networked transport passes (tcp, ucx, nccl/gloo).
+"""Conformance suites for transports, in two halves:
+
+    TransportContractTests   what every transport does: blocks, records, tensors, bad arguments, closing,
+                             threads, and whether it serves (as it declares); `local` passes it too
+    TransportFailureTests    what a networked transport does when its peer dies, hangs or stops
+    TransportTests           both, for networked transports:
 
     class TestTcp(TransportTests):
         scheme = "tcp"
 
-Servers run in this process for the functional tests, and in a `dejavu serve-store` child process for
-the peer-death and timeout tests, which kill or freeze that child.
+A networked transport's server runs in this process for the contract, and in a `dejavu serve-store`
+child process for the failure tests, which kill or freeze that child. A transport that is not reached by
+URL (like `local`) subclasses the contract and overrides the `transport_factory` and `inbox` fixtures.
 """
 
 from __future__ import annotations
@@ -13,18 +19,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import pytest
 import torch
 
 from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
+from ..backends import open_store, open_transport, serve
 from ..errors import BlockNotFound, ConfigError, StoreClosed, TransportError
-from ..stores import MemoryStore
 from ..tensors import random_tensor, same_bits
-from ..transports import Server, Transport, open_transport, serve
-from ..transports.child import ServedStoreProcess
+from ..transports.base import Server, ServingTransport, Transport
+from ..store import Store
+from .peers import ServedStoreProcess
 
 KEY = BlockKey("req-1", layers=(0, 2), tokens=(0, 16))
 BIG = 64 << 20
@@ -45,26 +52,37 @@ def _in_background(action: Callable[[], Any]) -> tuple[threading.Thread, dict[st
     return thread, outcome
 
 
-class TransportTests:
-    """Behaviour every networked transport must have. Subclasses set `scheme` (and `options`)."""
+class Inbox(Protocol):
+    """Where tensors sent through a transport arrive: its peer's Server (or the local transport itself)."""
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor: ...
+
+
+class TransportContractTests:
+    """Behaviour every transport must have. Networked ones set `scheme` (and `options`); others override
+    the `transport_factory` and `inbox` fixtures."""
 
     scheme: ClassVar[str]
     options: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture
     def server(self) -> Iterator[Server]:
-        with serve(f"{self.scheme}://127.0.0.1:0", MemoryStore()) as server:
+        with serve(f"{self.scheme}://127.0.0.1:0", open_store("memory://")) as server:
             yield server
 
     @pytest.fixture
-    def transport(self, server: Server) -> Iterator[Transport]:
-        with open_transport(server.url, **self.options) as transport:
-            yield transport
+    def transport_factory(self, server: Server) -> Callable[[], Transport]:
+        """Each call: a new connection to the same peer store."""
+        return lambda: open_transport(server.url, **self.options)
 
     @pytest.fixture
-    def peer(self) -> Iterator[ServedStoreProcess]:
-        with ServedStoreProcess(self.scheme) as peer:
-            yield peer
+    def inbox(self, server: Server) -> Inbox:
+        return server
+
+    @pytest.fixture
+    def transport(self, transport_factory: Callable[[], Transport]) -> Iterator[Transport]:
+        with transport_factory() as transport:
+            yield transport
 
     # ---- blocks ----------------------------------------------------------------------------
     @pytest.mark.parametrize("dtype_name", sorted(DTYPE_CODES))
@@ -100,39 +118,63 @@ class TransportTests:
         transport.flush(KEY, torch.ones(2))  # the link survives the error reply
         assert transport.fetch(KEY).tolist() == [1.0, 1.0]
 
-    def test_record_operations(self, transport: Transport, server: Server) -> None:
+    # ---- records ---------------------------------------------------------------------------
+    def test_record_operations(self, transport: Transport) -> None:
         transport.flush(KEY, torch.ones(3))
         assert transport.names("") == [str(KEY)]
-        record = transport.get_record(str(KEY))
+        with transport.get_record(str(KEY)) as stored:
+            record = np.frombuffer(bytes(stored), dtype=np.uint8)
         other = BlockKey("req-2", layers=(0, 2), tokens=(0, 16))
         third = BlockKey("req-2", layers=(2, 4), tokens=(0, 16))
         transport.put_records([(str(other), record), (str(third), record[:-1])])  # one request, both stored
         assert sorted(transport.names("")) == [str(KEY), str(other), str(third)]
-        assert np.array_equal(transport.get_record(str(other)), record)
+        with transport.get_record(str(other)) as copied:
+            assert np.array_equal(np.frombuffer(bytes(copied), dtype=np.uint8), record)
         transport.remove([str(KEY)])
         assert transport.names("req-1/") == []
+        assert transport.allocate(16).nbytes == 16
+
+    def test_a_store_over_the_transport_is_a_store_like_any_other(self, transport_factory: Callable[[],
+                                                                                               Transport]) -> None:
+        with Store(transport_factory()) as store:
+            block = random_tensor((2, 2, 1, 2, 4, 8), torch.float16, seed=5)
+            store.flush_with_manifest(KEY, block, b'{"step": 1}')
+            assert same_bits(store.fetch(KEY), block)
+            assert store.read_manifest(KEY.stream_id) == b'{"step": 1}'
+            assert store.keys() == [KEY]
+            assert store.delete(KEY.stream_id) == 1
+            assert store.keys() == []
 
     # ---- tensors ---------------------------------------------------------------------------
-    def test_tensors_reach_the_inbox_in_order(self, transport: Transport, server: Server) -> None:
+    def test_tensors_reach_the_inbox_in_order(self, transport: Transport, inbox: Inbox) -> None:
         sent = [random_tensor((3, 5), torch.bfloat16, seed=s) for s in range(3)] + [torch.arange(7)]
         for tensor in sent:
             transport.send_tensor(tensor)
         for tensor in sent:
-            assert same_bits(server.recv_tensor(timeout=10), tensor)
+            assert same_bits(inbox.recv_tensor(timeout=10), tensor)
         with pytest.raises(TransportError, match="no tensor"):
-            server.recv_tensor(timeout=0.1)
+            inbox.recv_tensor(timeout=0.1)
 
-    # ---- arguments, closing, threads -------------------------------------------------------
+    # ---- declared capabilities, arguments, closing, threads --------------------------------
+    def test_serving_is_as_declared(self, transport: Transport) -> None:
+        if isinstance(transport, ServingTransport):
+            scheme = transport.url.partition("://")[0]
+            with serve(f"{scheme}://127.0.0.1:0", open_store("memory://")) as server:
+                assert server.url.startswith(f"{scheme}://127.0.0.1:")
+        else:
+            with pytest.raises(ConfigError, match="serve no peers"):
+                serve(f"{transport.url.partition('+')[0]}://", open_store("memory://"))
+
     def test_bad_arguments_raise_config_errors(self, transport: Transport) -> None:
         with pytest.raises(ConfigError, match="BlockKey"):
             transport.flush(str(KEY), torch.ones(2))  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="torch.Tensor"):
             transport.send_tensor([1, 2])  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="would not be used"):
-            open_transport(transport.url, colour="red")
+        with pytest.raises(ConfigError, match="buffer"):
+            transport.put_records([("req-1/manifest", 42)])
 
-    def test_use_after_close_raises_store_closed(self, server: Server) -> None:
-        transport = open_transport(server.url, **self.options)
+    def test_use_after_close_raises_store_closed(self, transport_factory: Callable[[], Transport]) -> None:
+        transport = transport_factory()
         transport.close()
         with pytest.raises(StoreClosed):
             transport.fetch(KEY)
@@ -151,6 +193,22 @@ class TransportTests:
             thread.join(timeout=120)
             assert "error" not in outcome, outcome.get("error")
         assert len(transport.names("")) == 40
+
+
+class TransportFailureTests:
+    """What a networked transport does when its peer fails. Subclasses set `scheme` (and `options`)."""
+
+    scheme: ClassVar[str]
+    options: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture
+    def peer(self) -> Iterator[ServedStoreProcess]:
+        with ServedStoreProcess(self.scheme) as peer:
+            yield peer
+
+    def test_unknown_options_are_refused(self, peer: ServedStoreProcess) -> None:
+        with pytest.raises(ConfigError, match="would not be used"):
+            open_transport(peer.url, colour="red")
 
     # ---- failures of the peer --------------------------------------------------------------
     def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedStoreProcess) -> None:
@@ -187,3 +245,7 @@ class TransportTests:
             transport.flush(KEY, torch.ones(4))
         peer.signal(signal.SIGTERM)
         assert peer.process.wait(timeout=20) == 0
+
+
+class TransportTests(TransportContractTests, TransportFailureTests):
+    """The whole conformance suite of a networked transport: the contract and the failure behaviour."""

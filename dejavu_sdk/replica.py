@@ -1,0 +1,64 @@
+"""Where a replicated stream lives: its blocks, its manifest, and how each block's manifest goes with it.
+
+The engine picks one replica at construction, from its store and transport:
+- `OneStoreReplica`: blocks and manifests in the engine's own store, through the local transport (device
+  copies on side streams). Each block and the manifest naming it are one write (one LMDB transaction).
+- `SplitReplica`: blocks in another store (a peer's, through a network transport), manifests in the
+  engine's own store, each written right after the block it names is accepted.
+Both give the cache manager `flush_with_manifest`, and the engine `blocks` to fetch from and `delete`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import open_transport
+from .blocks import BlockKey
+from .store import Store
+from .stream import BlockIO
+from .transports.base import Transport
+from .transports.local import LocalTransport
+
+
+class OneStoreReplica:
+    """Blocks and manifests in `transport.store`; device blocks reach it through the local transport."""
+
+    def __init__(self, transport: LocalTransport) -> None:
+        self.transport = transport
+        self.manifests: Store = transport.store
+        self.blocks: BlockIO = transport  # device copies on the way, both ways
+
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+        self.transport.flush_with_manifest(key, block, manifest)
+
+    def delete(self, stream_id: str) -> int:
+        return self.manifests.delete(stream_id)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class SplitReplica:
+    """Blocks in `blocks` (another store), manifests in `manifests`; a manifest follows its block."""
+
+    def __init__(self, blocks: Store, manifests: Store) -> None:
+        self.blocks, self.manifests = blocks, manifests
+
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+        self.blocks.flush(key, block)
+        self.manifests.write_manifest(key.stream_id, manifest)
+
+    def delete(self, stream_id: str) -> int:
+        self.manifests.delete(stream_id)
+        return self.blocks.delete(stream_id)
+
+    def close(self) -> None:
+        self.blocks.close()
+
+
+def open_replica(store: Store, transport: str | Transport) -> OneStoreReplica | SplitReplica:
+    """The replica for an engine whose manifests live in `store` and whose blocks travel by `transport`."""
+    link = open_transport(transport, store=store) if transport == "local" else open_transport(transport)
+    if isinstance(link, LocalTransport) and link.store is store:
+        return OneStoreReplica(link)
+    return SplitReplica(Store(link), store)

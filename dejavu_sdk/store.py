@@ -1,0 +1,144 @@
+"""`Store`: KV blocks and stream manifests by key, on top of any record store.
+
+Callers (the cache manager, the engine, the CLI, users) flush and fetch blocks by `BlockKey`. The store
+encodes each block into a checksummed record (`dejavu_sdk.codec`), names it `str(key)`, and keeps it in
+its `records` (a `RecordStore`: a store backend, or a transport reaching a store in another process).
+Encoding, checksums, `out` handling, closed-state checks and argument validation live here once, so every
+backend behaves the same and wrappers stay complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .blocks import BlockKey, check_key, check_stream_id
+from .codec import decode_block, encode_block
+from .errors import ConfigError, StoreClosed
+from .records import BlockStreaming, RecordStore
+
+
+class Store:
+    """A place where KV blocks live: `flush(key, block)`, `fetch(key, out=None)`, `keys`, `delete`.
+
+    `records` holds the encoded blocks; its capability flags say what the store promises:
+    `persistent`: blocks outlive this process; `shared`: other processes can read what this one flushes.
+    """
+
+    def __init__(self, records: RecordStore) -> None:
+        if not isinstance(records, RecordStore):
+            raise ConfigError(f"a Store needs a RecordStore (a store backend or a transport), got {records!r}")
+        self.records = records
+        self.url = records.url
+        # Chosen once: blocks go straight through a transport, or are encoded into records here.
+        self._streaming = records if isinstance(records, BlockStreaming) else None
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def persistent(self) -> bool:
+        return self.records.persistent
+
+    @property
+    def shared(self) -> bool:
+        return self.records.shared
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def flush(self, key: BlockKey, block: Any) -> None:
+        """Store `block` (a tensor on any device, a numpy array or a buffer) under `key`, replacing any."""
+        self._check_open()
+        check_key(key)
+        if self._streaming is not None:
+            self._streaming.flush(key, block)
+        else:
+            self.records.put_records([(str(key), encode_block(key, block, self.records.allocate))])
+
+    def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the block stored under `key`, verified, copied into `out` when given (any device)."""
+        self._check_open()
+        check_key(key)
+        if self._streaming is not None:
+            return self._streaming.fetch(key, out)
+        with self.records.get_record(str(key)) as record:
+            return decode_block(key, record, out)
+
+    def keys(self, stream_id: str | None = None) -> list[BlockKey]:
+        """The keys of every stored block of `stream_id` (of all streams when None), sorted."""
+        self._check_open()
+        prefix = "" if stream_id is None else check_stream_id(stream_id) + "/"
+        parsed = (block_key_or_none(name) for name in self.records.names(prefix))
+        return sorted(key for key in parsed if key is not None)
+
+    def delete(self, stream_id: str) -> int:
+        """Delete every block of `stream_id` and its manifest; return how many blocks were deleted."""
+        self._check_open()
+        names = self.records.names(check_stream_id(stream_id) + "/")
+        self.records.remove(names)
+        return sum(1 for name in names if block_key_or_none(name) is not None)
+
+    # ---- manifests -----------------------------------------------------------------------------
+    def write_manifest(self, stream_id: str, manifest: bytes) -> None:
+        """Store a stream's manifest (small, checksummed like a block), replacing any; `delete` removes it."""
+        self._check_open()
+        name = manifest_name(stream_id)
+        self.records.put_records([(name, encode_block(name, manifest, self.records.allocate))])
+
+    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+        """Store `block` under `key` and replace its stream's manifest, in one request, in that order.
+
+        Record stores with atomic batches (LMDB) commit both at once; the others write the block first,
+        so a manifest never names a block that is not stored.
+        """
+        self._check_open()
+        name, manifest_record_name = str(check_key(key)), manifest_name(key.stream_id)
+        self.records.put_records([
+            (name, encode_block(key, block, self.records.allocate)),
+            (manifest_record_name, encode_block(manifest_record_name, manifest, self.records.allocate)),
+        ])
+
+    def read_manifest(self, stream_id: str) -> bytes:
+        """The stream's manifest; BlockNotFound if it has none, CorruptBlock if it is damaged."""
+        self._check_open()
+        name = manifest_name(stream_id)
+        with self.records.get_record(name) as record:
+            return decode_block(name, record).numpy().tobytes()
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the record store; later calls raise `StoreClosed`. Closing twice is harmless."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self.records.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}{', closed' if self._closed else ''})"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed; open a new store with dejavu_sdk.open_store({self.url!r})")
+
+
+def manifest_name(stream_id: str) -> str:
+    """The record name of a stream's manifest, beside its blocks."""
+    return check_stream_id(stream_id) + "/manifest"
+
+
+def block_key_or_none(name: str) -> BlockKey | None:
+    """The key a record name stands for, or None for records that are not blocks (manifests)."""
+    try:
+        return BlockKey.parse(name)
+    except ConfigError:
+        return None
