@@ -1,0 +1,281 @@
+"""The package's import rules, checked by reading its source with `ast` (nothing here imports it).
+
+- Backends depend on the core data model only: a module under stores/ or transports/ may import its own subpackage
+  and `CORE`, nothing else of ours (not the engine, the cache, the CLI, the benchmarks, the registry...).
+- stores/ never imports transports/: a remote store is a Store over a record interface that a transport implements,
+  so transports depend on that interface and no store depends on a transport.
+- No import circles, lazy ones included: an import inside a function closes a circle as surely as one at the top,
+  it only waits longer to fail.
+- No package reaches into another package's private names, neither by importing `_name` nor by `obj._name`.
+
+Every import counts, at any depth (module top, function bodies, `if TYPE_CHECKING:` blocks, which are type-only:
+they count for layering but not for circles), and so does a backend registered lazily as a string
+("dejavu_sdk.stores.memory:MemoryStore"): it is imported the first time someone asks for it. A module run in a
+subprocess (`python -m dejavu_sdk.x`) is not imported, and neither is a name built at run time (f-strings).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections import deque
+from collections.abc import Collection
+from functools import cache
+from itertools import pairwise
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "dejavu_sdk"
+BACKENDS = ("dejavu_sdk.stores", "dejavu_sdk.transports")
+CORE = frozenset({
+    "dejavu_sdk.errors", "dejavu_sdk.blocks", "dejavu_sdk.codec", "dejavu_sdk.records",
+    "dejavu_sdk.store", "dejavu_sdk.urls", "dejavu_sdk._version", "dejavu_sdk.tensors",
+})
+PUBLIC_UNDERSCORED = frozenset({"dejavu_sdk._version"})  # a module named with an underscore, public all the same
+MODULE_STRING = re.compile(r"(dejavu_sdk(?:\.\w+)+)(?::\w+)?")
+
+
+class Edge(NamedTuple):
+    source: str
+    target: str
+    path: Path
+    line: int
+    type_only: bool = False
+    name: str = ""  # for `from X import name`: the name imported
+
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def package_dirs(root: Path) -> dict[str, Path]:
+    """Our packages and subpackages mapped to their directories, as pyproject's package-dir says."""
+    text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        table = tomllib.loads(text)["tool"]["setuptools"].get("package-dir", {})
+    else:  # no tomllib: read the one flat table by hand
+        section = text.split("[tool.setuptools.package-dir]", 1)[-1].split("\n[", 1)[0]
+        table = dict(re.findall(r'^"([\w.]+)"\s*=\s*"([^"]+)"', section, re.MULTILINE))
+    ours = {name: root / folder for name, folder in table.items() if name.split(".")[0] == PACKAGE}
+    return {PACKAGE: root / PACKAGE, **ours}
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package, folder in package_dirs(root).items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if all(part.isidentifier() for part in parts):
+                modules[".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return modules
+
+
+@cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def package_of(module: str, path: Path) -> str:
+    """The package whose namespace the module's code lives in: a package's `__init__` is its package itself."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def imports_of(module: str, path: Path, known: Collection[str]) -> list[Edge]:
+    """Every edge from `module` to another of the `known` modules, lazy, type-only and registry strings included."""
+    tree, edges = parse(path), []
+    after_dash_m = {id(b) for n in ast.walk(tree) if isinstance(n, (ast.List, ast.Tuple))
+                    for a, b in pairwise(n.elts) if isinstance(a, ast.Constant) and a.value == "-m"}
+
+    def add(target: str, line: int, type_only: bool, name: str = "") -> None:
+        if target in known and target != module:
+            edges.append(Edge(module, target, path, line, type_only, name))
+            parents = (target.rsplit(".", n)[0] for n in range(1, target.count(".") + 1))
+            edges.extend(Edge(module, parent, path, line, type_only)  # Python runs the package's __init__ first
+                         for parent in parents if parent in known and not under(module, parent))
+
+    def visit(node: ast.AST, type_only: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno, type_only)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package_of(module, path).split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                add(submodule if submodule in known else base, node.lineno, type_only, alias.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in after_dash_m:
+            if match := MODULE_STRING.fullmatch(node.value):  # a lazy registration; `python -m x` is not an import
+                add(match[1], node.lineno, type_only)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in {getattr(node.test, "id", ""),
+                                                               getattr(node.test, "attr", "")}:
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, type_only)
+        elif not isinstance(node, ast.JoinedStr):  # f"dejavu_sdk.{x}" names no module we can know
+            for child in ast.iter_child_nodes(node):
+                visit(child, type_only)
+
+    visit(tree, False)
+    return edges
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return components
+
+
+def shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The shortest path from `start` back to itself, by breadth-first search."""
+    queue, seen = deque([[start]]), {start}
+    while queue:
+        path = queue.popleft()
+        for other in sorted(graph.get(path[-1], ())):
+            if other == start:
+                return [*path, start]
+            if other not in seen:
+                seen.add(other)
+                queue.append([*path, other])
+    return []
+
+
+def graph_of(edges: list[Edge]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for edge in edges:
+        graph.setdefault(edge.source, set()).add(edge.target)
+    return graph
+
+
+@cache
+def project() -> tuple[dict[str, Path], list[Edge]]:
+    modules = module_files(ROOT)
+    return modules, [edge for module, path in modules.items() for edge in imports_of(module, path, modules)]
+
+
+def under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_import_cycles() -> None:
+    edges = [edge for edge in project()[1] if not edge.type_only]
+    graph, first = graph_of(edges), {(edge.source, edge.target): edge for edge in reversed(edges)}
+    report = []
+    for component in find_cycles(graph):
+        cycle = shortest_cycle({m: graph[m] & set(component) for m in component}, component[0])
+        steps = [f"{a} ({first[a, b].where()}) -> {b}" for a, b in pairwise(cycle)]
+        report.append(f"{', '.join(component)}\n    e.g. " + "\n         ".join(steps))
+    assert not report, "import circles (lazy imports and registry strings included):\n  " + "\n  ".join(report)
+
+
+def test_stores_never_import_transports() -> None:
+    offenders = [f"{e.where()}: {e.source} imports {e.target}" for e in project()[1]
+                 if under(e.source, "dejavu_sdk.stores") and under(e.target, "dejavu_sdk.transports")]
+    assert not offenders, "stores/ must not import transports/:\n  " + "\n  ".join(dict.fromkeys(offenders))
+
+
+def test_backends_depend_only_on_the_core() -> None:
+    offenders = [f"{e.where()}: {e.source} imports {e.target}" for e in project()[1]
+                 for own in BACKENDS if under(e.source, own) and not under(e.target, own) and e.target not in CORE]
+    assert not offenders, f"backends may import only their own subpackage and {sorted(CORE)}:\n  " + "\n  ".join(
+        dict.fromkeys(offenders))
+
+
+def test_nothing_reaches_into_another_package_private_names() -> None:
+    modules, edges = project()
+    offenders: list[tuple[Path, int, str]] = []
+    for e in edges:  # from X import _name, X in another package
+        origin = e.target.rpartition(".")[0] if e.target.endswith("." + e.name) else e.target
+        if (is_private(e.name) and f"{origin}.{e.name}" not in PUBLIC_UNDERSCORED and origin in modules
+                and package_of(origin, modules[origin]) != package_of(e.source, modules[e.source])):
+            offenders.append((e.path, e.line, f"{e.source} imports {e.name} from {origin}"))
+    defined: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        defined.setdefault(package_of(module, path), set()).update(private_definitions(parse(path)))
+    for module, path in modules.items():  # obj._name, _name defined only in other packages
+        package = package_of(module, path)
+        foreign = set().union(*(names for other, names in defined.items() if other != package)) - defined[package]
+        offenders.extend((path, node.lineno, f"{module} uses {ast.unparse(node)}, private to "
+                          + ", ".join(sorted(other for other, names in defined.items() if node.attr in names)))
+                         for node in ast.walk(parse(path))
+                         if isinstance(node, ast.Attribute) and node.attr in foreign and not is_self(node.value))
+    lines = dict.fromkeys(f"{path.relative_to(ROOT)}:{line}: {text}" for path, line, text in sorted(offenders))
+    assert not lines, "private names used across packages:\n  " + "\n  ".join(lines)
+
+
+def is_self(node: ast.expr) -> bool:
+    if isinstance(node, ast.Call):  # super() and type(self)
+        return isinstance(node.func, ast.Name) and node.func.id in {"super", "type"} and all(map(is_self, node.args))
+    return isinstance(node, ast.Name) and node.id in {"self", "cls"}
+
+
+def private_definitions(tree: ast.Module) -> set[str]:
+    """The underscored names a module defines: functions, classes, self._name = ..., module and class variables."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, (ast.Module, ast.ClassDef)):
+            for statement in node.body:
+                targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", 0)]
+                names.update(target.id for target in targets if isinstance(target, ast.Name))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and is_self(node.value):
+            names.add(node.attr)
+    return {name for name in names if is_private(name)}
+
+
+def test_the_walk_sees_lazy_imports(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"dejavu_sdk.stores" = "stores"\n')
+    for name, text in {
+        "dejavu_sdk/__init__.py": "",
+        "dejavu_sdk/a.py": "def f():\n    from . import b\n",
+        "dejavu_sdk/b.py": "def g():\n    import dejavu_sdk.a\n",
+        "dejavu_sdk/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "stores/__init__.py": 'BACKENDS = {"m": "dejavu_sdk.stores.memory:MemoryStore"}\n',
+        "stores/memory.py": 'from .. import a\nRUN = ["python", "-m", "dejavu_sdk.b"]  # a subprocess\n',
+    }.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    modules = module_files(tmp_path)
+    assert sorted(modules) == ["dejavu_sdk", "dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.stores",
+                               "dejavu_sdk.stores.memory", "dejavu_sdk.typed"]
+    edges = {m: imports_of(m, path, modules) for m, path in modules.items()}
+    assert [(e.target, e.line) for e in edges["dejavu_sdk.a"]] == [("dejavu_sdk.b", 2)]
+    assert [(e.target, e.line) for e in edges["dejavu_sdk.stores"]] == [("dejavu_sdk.stores.memory", 1)]
+    assert [e.target for e in edges["dejavu_sdk.stores.memory"]] == ["dejavu_sdk.a"]
+    assert [(e.target, e.type_only) for e in edges["dejavu_sdk.typed"]] == [("dejavu_sdk.a", True)]
+    all_edges = [e for module_edges in edges.values() for e in module_edges if not e.type_only]
+    assert find_cycles(graph_of(all_edges)) == [["dejavu_sdk.a", "dejavu_sdk.b"]]
+    assert shortest_cycle(graph_of(all_edges), "dejavu_sdk.a") == ["dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.a"]
