@@ -14,6 +14,7 @@
 """
 
 from ._version import __version__
+from .backends import open_store, open_transport, serve
 from .blocks import BlockKey, KVSpec
 from .errors import (
     BackendUnavailable,
@@ -26,7 +27,6 @@ from .errors import (
     StoreError,
     TransportError,
 )
-from .backends import open_store, open_transport, serve
 from .planner import Plan, plan
 from .records import RecordStore
 from .store import Store

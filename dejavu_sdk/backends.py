@@ -55,7 +55,7 @@ def open_store(store: str | Store, **options: Any) -> Store:
             raise ConfigError(f"options {sorted(options)} apply only when the store is given as a URL, not {store!r}")
         return store
     url = parse_url(store)
-    records_class = STORES.load(url.scheme, _store_backend(url), RecordStore)
+    records_class: type[RecordStore] = STORES.load(url.scheme, _store_backend(url), RecordStore)
     return Store(call_with_options(records_class.from_url, f"{url.scheme}:// stores", options, url))
 
 
@@ -68,7 +68,7 @@ def open_transport(transport: str | Transport, **options: Any) -> Transport:
         return transport
     if not isinstance(transport, str):
         raise ConfigError(f"expected a transport URL or name, got {transport!r}")
-    url, transport_class = _transport_class(transport, Transport)
+    url, transport_class = _transport_class(transport)
     if options.get("store") is not None:
         options["store"] = open_store(options["store"])
     return call_with_options(transport_class.from_url, f"{url.scheme} transports", options, url)
@@ -76,7 +76,7 @@ def open_transport(transport: str | Transport, **options: Any) -> Transport:
 
 def serve(url: str, store: str | Store = "memory://", **options: Any) -> Server:
     """Serve `store` (a URL or a Store) to peers at `url` until the returned Server is closed."""
-    parsed, transport_class = _transport_class(url, Transport)
+    parsed, transport_class = _transport_class(url)
     if not issubclass(transport_class, ServingTransport):
         raise ConfigError(f"{parsed.scheme} transports connect within one process and serve no peers")
     return call_with_options(transport_class.serve, f"{parsed.scheme} servers", options, parsed, open_store(store))
@@ -98,10 +98,10 @@ def _store_backend(url: ParsedURL) -> Backend:
     )
 
 
-def _transport_class(text: str, kind: type[Transport]) -> tuple[ParsedURL, type[Transport]]:
+def _transport_class(text: str) -> tuple[ParsedURL, type[Transport]]:
     url = parse_url(text if "://" in text else f"{text}://")
     backend = TRANSPORTS.find(url.scheme)
     if backend is None:
         raise ConfigError(f"unknown transport {url.scheme!r} in {text!r}; use one of "
                           f"{', '.join(TRANSPORTS.names())}")
-    return url, TRANSPORTS.load(url.scheme, backend, kind)
+    return url, TRANSPORTS.load(url.scheme, backend, Transport)

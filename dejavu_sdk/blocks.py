@@ -8,6 +8,8 @@ named by a `BlockKey`. Stores, transports and the cache manager all speak in the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import cast
 
 import attrs
 import torch
@@ -58,13 +60,13 @@ def check_key(key: object) -> BlockKey:
 
 def _range(value: object, what: str) -> tuple[int, int]:
     try:
-        pair = tuple(value)  # type: ignore[call-overload]
+        pair = tuple(cast("Iterable[object]", value))  # TypeError if it is not iterable
     except TypeError:
         pair = ()
     if len(pair) != 2:
         raise ConfigError(f"{what} must be a (start, stop) pair, got {value!r}")
     start, stop = pair
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, stop)):
+    if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) or not isinstance(stop, int):
         raise ConfigError(f"{what} must hold integers, got {value!r}")
     if not 0 <= start < stop:
         raise ConfigError(f"{what} range {value!r} is empty or inverted: need 0 <= start < stop")

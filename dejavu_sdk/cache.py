@@ -113,6 +113,7 @@ class CacheManager:
 
     def _hand_off_staging(self) -> None:
         staging, filled = self._staging, self._filled
+        assert staging is not None  # set whenever _filled > 0, the only time this is called
         self._staging, self._filled = None, 0
         key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled)
         block = staging.buffer if filled == self.replicate_every else staging.buffer[:, :, :, :, :filled]

@@ -184,7 +184,7 @@ def encode_block(label: Any, block: Any, allocate: Allocator = lambda n: np.empt
     payload = record[len(packed):len(packed) + header.payload_length]
     write_payload(payload)
     checksum.update(payload)
-    TRAILER.pack_into(record, header.record_length - TRAILER.size, checksum.intdigest())
+    TRAILER.pack_into(record.data, header.record_length - TRAILER.size, checksum.intdigest())
     return record
 
 
@@ -259,7 +259,7 @@ def decode_block(label: Any, record: Any, out: torch.Tensor | None = None) -> to
         raise corrupt(label, f"the record holds block {header.label!r}")
     out = check_out(label, header, out)
     body = data[:header.record_length - TRAILER.size]
-    if xxhash.xxh3_64_intdigest(body) != TRAILER.unpack_from(data, body.size)[0]:
+    if xxhash.xxh3_64_intdigest(body.data) != TRAILER.unpack_from(data.data, body.size)[0]:
         raise corrupt(label, "checksum mismatch")
     copy_payload(body[header.length:], out)
     return out

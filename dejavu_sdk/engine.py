@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 import torch
@@ -29,6 +29,14 @@ from .replica import OneStoreReplica, SplitReplica, open_replica
 from .store import Store
 from .stream import check_tiling, gather
 from .transports.base import Transport
+
+
+class _ManagerOptions(TypedDict):
+    """The CacheManager options an engine passes to every stream's manager."""
+
+    replicate_every: int
+    queue_size: int
+    on_replica_error: str
 
 
 class DejaVuEngine:
@@ -47,7 +55,7 @@ class DejaVuEngine:
             raise ConfigError("a transport needs a store for the stream's manifest; pass store=... as well")
         self.store = open_store(store) if store is not None else None
         self.replica = open_replica(self.store, transport) if self.store is not None else None
-        self.options = {"replicate_every": replicate_every, "queue_size": queue_size,
+        self.options: _ManagerOptions = {"replicate_every": replicate_every, "queue_size": queue_size,
                         "on_replica_error": on_replica_error}
         self.keep_finished = keep_finished
         self._refuse_non_kv_layers()
@@ -164,7 +172,8 @@ class DejaVuEngine:
 
     def _complete(self, manifest: Manifest) -> None:
         if self.keep_finished:
-            self.store.write_manifest(manifest.stream_id, attrs.evolve(manifest, finished=True).to_bytes())
+            self._require_store().write_manifest(manifest.stream_id,
+                                                 attrs.evolve(manifest, finished=True).to_bytes())
         else:
             self.forget(manifest.stream_id)
 

@@ -2,7 +2,8 @@
 
 Each axis (stores, transports) has one `Registry` of built-in backends, named by URL scheme, with the
 extra to install when a backend's dependency is missing; third-party packages add backends through an
-entry-point group (`[project.entry-points."dejavu_sdk.stores"] myscheme = "mypkg.mod:MyStore"`).
+entry-point group: `[project.entry-points."dejavu_sdk.stores"] myscheme = "mypkg.mod:MyRecords"` names a
+`RecordStore`, and the `dejavu_sdk.transports` group names a `Transport`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 
 from .errors import BackendUnavailable, ConfigError
-
-T = TypeVar("T")
 
 
 @attrs.frozen
@@ -51,9 +50,12 @@ class Registry:
     def find(self, scheme: str) -> Backend | None:
         return self.builtins.get(scheme) or self._entry_points().get(scheme)
 
-    def load(self, scheme: str, backend: Backend, kind: type[T]) -> type[T]:
+    def load(self, scheme: str, backend: Backend, kind: type[Any]) -> type[Any]:
         """Import the class `backend` names, which must be a subclass of `kind`; BackendUnavailable with an
-        install hint if a dependency is missing."""
+        install hint if a dependency is missing.
+
+        `kind` is typed `type[Any]`, not `type[T]`, because it is usually an abstract base (RecordStore,
+        Transport), which mypy refuses where `type[T]` is expected; callers annotate what they get back."""
         module_name, _, attribute = backend.target.partition(":")
         try:
             module = importlib.import_module(module_name)

@@ -13,6 +13,7 @@ token pipeline that cut the model differently use `stream_out` and `stream_in` b
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -48,15 +49,19 @@ class ManifestSink(Protocol):
 
 
 def _check_boundaries(_instance: object, _attribute: object, value: tuple[int, ...]) -> None:
-    if len(value) < 2 or value[0] != 0 or any(b <= a for a, b in zip(value, value[1:], strict=False)):
+    if len(value) < 2 or value[0] != 0 or any(b <= a for a, b in itertools.pairwise(value)):
         raise ConfigError(f"stage boundaries must rise strictly from 0, like (0, 15, 30); got {value!r}")
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
 
 
 @attrs.frozen
 class LayerPartition:
     """How a pipeline cuts a model's layers into stages: stage i holds layers [boundaries[i], boundaries[i+1])."""
 
-    boundaries: tuple[int, ...] = attrs.field(converter=tuple, validator=_check_boundaries)
+    boundaries: tuple[int, ...] = attrs.field(converter=_int_tuple, validator=_check_boundaries)
 
     @classmethod
     def even(cls, layers: int, stages: int) -> LayerPartition:

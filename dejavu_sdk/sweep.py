@@ -48,6 +48,9 @@ def sweep_markdown(sweep: Sweep) -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
+    def hours(outcome: Outcome | None) -> str:
+        return "-" if outcome is None else f"{outcome.cost / 3600:.2f}"
+
     makespans = markdown_table(
         ["machines", *STRATEGIES, "vs pipeline", "vs pipeline+dp"],
         [[machines, *(cell(outcomes[name]) for name in STRATEGIES), ratio(versus_pipeline), ratio(versus_dp)]
@@ -55,7 +58,7 @@ def sweep_markdown(sweep: Sweep) -> str:
          zip(sweep.rows, sweep.speedups("pipeline"), sweep.speedups("pipeline+dp"), strict=True)])
     costs = markdown_table(
         ["machines", *(f"{name} cost (machine-hours)" for name in STRATEGIES)],
-        [[machines, *("-" if outcomes[name] is None else f"{outcomes[name].cost / 3600:.2f}" for name in STRATEGIES)]
+        [[machines, *(hours(outcomes[name]) for name in STRATEGIES)]
          for machines, outcomes in sweep.rows])
     return (f"{sweep.title}\n\nMakespan (layout), and the disaggregated system's speed-up:\n\n{makespans}"
             f"\n\nCost, makespan x machines:\n\n{costs}\n")
@@ -69,7 +72,7 @@ def plot_sweep(sweep: Sweep, path: str) -> None:
 
     figure, (makespan_axis, cost_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, marker in zip(STRATEGIES, "osD", strict=True):
-        points = [(machines, outcomes[name]) for machines, outcomes in sweep.rows if outcomes[name] is not None]
+        points = [(machines, outcome) for machines, outcomes in sweep.rows if (outcome := outcomes[name]) is not None]
         machines = [m for m, _ in points]
         makespan_axis.plot(machines, [o.makespan for _, o in points], marker=marker, label=name)
         cost_axis.plot(machines, [o.cost / 3600 for _, o in points], marker=marker, label=name)

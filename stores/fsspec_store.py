@@ -71,7 +71,7 @@ class FsspecRecords(RecordStore):
                 self._made_dirs.add(directory)
             temporary = f"{path}.tmp-{uuid.uuid4().hex}"
             with open(temporary, "wb") as file:
-                file.write(memoryview(record))
+                file.write(record.data)
             os.replace(temporary, path)
 
     @contextlib.contextmanager
@@ -87,7 +87,7 @@ class FsspecRecords(RecordStore):
         """Read a local file straight into one buffer (fsspec's cat_file would copy it twice)."""
         with open(self._path(name), "rb") as file:
             record = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
-            return record[:file.readinto(memoryview(record))]
+            return record[:file.readinto(record.data)]
 
     def names(self, prefix: str) -> list[str]:
         directory = self._path(prefix.rstrip("/")) if prefix else self._root

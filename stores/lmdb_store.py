@@ -13,6 +13,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar
 
 import lmdb
 
@@ -64,8 +65,8 @@ class _Environment:
     """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by every
     LmdbStore on that directory and closed with the last of them."""
 
-    _open: dict[str, _Environment] = {}
-    _registry_lock = threading.Lock()
+    _open: ClassVar[dict[str, _Environment]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, real_path: str, sync: bool, map_size: int, max_readers: int) -> None:
         self.real_path, self.sync, self.users = real_path, sync, 0
@@ -132,7 +133,7 @@ class LmdbRecords(RecordStore):
 
     # ---- transactions -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def _transaction(self, write: bool) -> Iterator[lmdb.Transaction]:
+    def _transaction(self, write: bool) -> Iterator[lmdb.Transaction[memoryview]]:
         """A transaction that adopts a map grown by another process; commits a write when the block ends."""
         for _ in range(_MAX_RESIZES):
             with self._gate.shared():
@@ -156,14 +157,14 @@ class LmdbRecords(RecordStore):
             else:
                 self._env.set_mapsize(0)  # adopt the size another process chose
 
-    def _write(self, action: Callable[[lmdb.Transaction], object], needed: int = 0) -> None:
+    def _write(self, action: Callable[[lmdb.Transaction[memoryview]], object], needed: int = 0) -> None:
         with self._write_lock:  # LMDB allows one writer; queue here rather than inside the C library
             for _ in range(_MAX_RESIZES):
                 try:
                     with self._transaction(write=True) as txn:
                         action(txn)
                     return
-                except lmdb.MapFullError:
+                except lmdb.MapFullError:  # noqa: PERF203 - a full map is the signal to grow it and retry
                     self._resize(grow=True, needed=needed)
             raise StoreError(f"LMDB store at {self.path!r} could not grow its map enough")
 
@@ -171,9 +172,9 @@ class LmdbRecords(RecordStore):
     def put_records(self, records: Sequence[NamedRecord]) -> None:
         arrays = [(name, record_array(record)) for name, record in records]
 
-        def put_all(txn: lmdb.Transaction) -> None:
+        def put_all(txn: lmdb.Transaction[memoryview]) -> None:
             for name, record in arrays:
-                txn.put(name.encode(), record)
+                txn.put(name.encode(), record.data)
 
         self._write(put_all, needed=sum(record.nbytes for _, record in arrays))
 
@@ -193,14 +194,14 @@ class LmdbRecords(RecordStore):
                 return []
             names = []
             for key in cursor.iternext(values=False):
-                key = bytes(key)
-                if not key.startswith(encoded):
+                name = bytes(key)
+                if not name.startswith(encoded):
                     break
-                names.append(key.decode())
+                names.append(name.decode())
             return names
 
     def remove(self, names: Sequence[str]) -> None:
-        def delete_all(txn: lmdb.Transaction) -> None:
+        def delete_all(txn: lmdb.Transaction[memoryview]) -> None:
             for name in names:
                 txn.delete(name.encode())
 

@@ -12,11 +12,10 @@ import contextlib
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-from collections.abc import Sequence
 
 from ..errors import BlockNotFound, ConfigError
 from ..records import NamedRecord, RecordStore, record_array

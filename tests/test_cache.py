@@ -6,10 +6,11 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import dejavu_sdk as dv
 from dejavu_sdk.cache import CacheManager, StreamingCache
+from dejavu_sdk.models import random_llama
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.stream import gather
 from dejavu_sdk.testing import same_bits
@@ -19,11 +20,7 @@ PROMPT, NEW = 7, 6
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-                         max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
+    return random_llama(layers=3, vocab_size=128, max_positions=256, pad_token_id=None)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +37,11 @@ def _generate(model, sink, **options):
     cache = StreamingCache(manager, config=model.config)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=cache)
     return out, cache, manager
+
+
+def _generate_and_finish(model, sink, **options):
+    out, _, manager = _generate(model, sink, **options)
+    return out, manager.finish()
 
 
 def _cache_tensor(cache: StreamingCache) -> torch.Tensor:
@@ -75,7 +77,7 @@ class SlowSink:
 
 def test_a_slow_sink_with_a_tiny_queue_still_gets_every_block(model) -> None:
     sink = SlowSink()
-    out, cache, manager = _generate(model, sink, queue_size=1)
+    _out, cache, manager = _generate(model, sink, queue_size=1)
     manager.finish()
     spec = dv.KVSpec(layers=3, kv_heads=2, head_dim=16, dtype="float32", batch=2)
     assert same_bits(gather(sink.store, sink.store.keys("req-1"), spec, PROMPT + NEW - 1), _cache_tensor(cache))
@@ -92,23 +94,21 @@ class FailingSink:
 
 
 def test_a_failing_replica_is_an_error_not_a_silent_gap(model) -> None:
-    with pytest.raises(dv.ReplicationError, match="disk full"):
-        _, _, manager = _generate(model, FailingSink(fail_after=2))
-        manager.finish()
+    with pytest.raises(dv.ReplicationError, match="disk full"):  # from generate, or at the latest from finish
+        _generate_and_finish(model, FailingSink(fail_after=2))
 
 
 def test_on_replica_error_warn_lets_generation_finish(model) -> None:
     ids, mask = _inputs()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     with pytest.warns(UserWarning, match="disk full"):
-        out, _, manager = _generate(model, FailingSink(fail_after=1), on_replica_error="warn")
-        durable = manager.finish()
+        out, durable = _generate_and_finish(model, FailingSink(fail_after=1), on_replica_error="warn")
     assert torch.equal(out, expected)
     assert len(durable) == 1
 
 
 def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
-    ids, mask = _inputs()
+    ids, _mask = _inputs()
     store = MemoryStore()
     manager = CacheManager(store, "loop", model.config.num_hidden_layers)
     cache = StreamingCache(manager, config=model.config)
@@ -119,7 +119,7 @@ def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
     assert [key.tokens for key in manager.finish()][-2:] == [(PROMPT, PROMPT + 1), (PROMPT + 1, PROMPT + 2)]
 
 
-@pytest.mark.parametrize("option,value", [("replicate_every", 0), ("on_replica_error", "ignore")])
+@pytest.mark.parametrize(("option", "value"), [("replicate_every", 0), ("on_replica_error", "ignore")])
 def test_bad_options_are_refused(option: str, value) -> None:
     with pytest.raises(dv.ConfigError, match=option):
         CacheManager(MemoryStore(), "s", 2, **{option: value})

@@ -62,7 +62,7 @@ def test_generate_equals_model_generate_and_leaves_nothing_behind(model, inputs,
         store.read_manifest("req-1")
 
 
-@pytest.mark.parametrize("replicate_every,crash_after", [(1, 4), (3, 5), (1, 1)])
+@pytest.mark.parametrize(("replicate_every", "crash_after"), [(1, 4), (3, 5), (1, 1)])
 def test_an_interrupted_stream_resumes_to_the_same_tokens(model, inputs, replicate_every, crash_after) -> None:
     store = MemoryStore()
     ids, mask = inputs
@@ -71,7 +71,8 @@ def test_an_interrupted_stream_resumes_to_the_same_tokens(model, inputs, replica
         first.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="req-1",
                        logits_processor=LogitsProcessorList([Crash(crash_after)]))
     manifest = Manifest.from_bytes(store.read_manifest("req-1"), "req-1")
-    assert manifest.durable_positions >= ids.shape[1] and len(manifest.generated[0]) == crash_after
+    assert manifest.durable_positions >= ids.shape[1]
+    assert len(manifest.generated[0]) == crash_after
     second = DejaVuEngine(model, store=store, replicate_every=replicate_every)
     assert torch.equal(second.resume("req-1"), _reference(model, inputs))
     assert store.keys() == []
@@ -117,7 +118,8 @@ def test_forget_and_keep_finished(model, inputs) -> None:
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="kept")
     assert Manifest.from_bytes(store.read_manifest("kept"), "kept").finished
     assert torch.equal(engine.resume("kept"), out)  # a finished stream answers from its manifest
-    assert engine.forget("kept") > 0 and store.keys() == []
+    assert engine.forget("kept") > 0
+    assert store.keys() == []
 
 
 @pytest.mark.parametrize("option", [{"do_sample": True}, {"num_beams": 2}])
@@ -136,7 +138,8 @@ def test_blocks_can_go_to_a_remote_cpu_replica_while_the_manifest_stays_local(mo
             DejaVuEngine(model, store=manifests, transport=open_transport(replica.url)).generate(
                 ids, attention_mask=mask, max_new_tokens=NEW, stream_id="r",
                 logits_processor=LogitsProcessorList([Crash(4)]))
-        assert replica.store.keys("r") and manifests.keys("r") == []
+        assert replica.store.keys("r")
+        assert manifests.keys("r") == []
         resumed = DejaVuEngine(model, store=manifests, transport=open_transport(replica.url)).resume("r")
         assert replica.store.keys("r") == []  # a finished stream is deleted from the replica too
     assert torch.equal(resumed, _reference(model, inputs))

@@ -29,5 +29,6 @@ def test_errors_form_one_tree() -> None:
     suffixes = ("Error", "Unavailable", "NotFound", "Block", "Closed")
     errors = [getattr(dejavu_sdk, name) for name in dejavu_sdk.__all__ if name.endswith(suffixes)]
     assert all(issubclass(error, dejavu_sdk.DejaVuError) for error in errors)
-    assert issubclass(dejavu_sdk.BlockNotFound, KeyError) and issubclass(dejavu_sdk.ConfigError, ValueError)
+    assert issubclass(dejavu_sdk.BlockNotFound, KeyError)
+    assert issubclass(dejavu_sdk.ConfigError, ValueError)
     assert issubclass(dejavu_sdk.BackendUnavailable, ImportError)

@@ -14,7 +14,7 @@ from dejavu_sdk.urls import parse_url
 
 
 @pytest.mark.parametrize(
-    "text,scheme,path",
+    ("text", "scheme", "path"),
     [
         ("lmdb:///var/kv", "lmdb", "/var/kv"),
         ("lmdb://kv/store", "lmdb", "kv/store"),
@@ -36,7 +36,7 @@ def test_home_is_expanded_in_local_paths() -> None:
 
 
 @pytest.mark.parametrize(
-    "text,host,port",
+    ("text", "host", "port"),
     [("tcp://127.0.0.1:7000", "127.0.0.1", 7000), ("ucx://[::1]:9", "::1", 9), ("gloo://localhost:0", "localhost", 0)],
 )
 def test_network_urls_give_host_and_port(text: str, host: str, port: int) -> None:
@@ -45,7 +45,7 @@ def test_network_urls_give_host_and_port(text: str, host: str, port: int) -> Non
 
 
 @pytest.mark.parametrize(
-    "text,message",
+    ("text", "message"),
     [
         ("", "expected a URL"),
         (None, "expected a URL"),
@@ -80,7 +80,7 @@ def test_relative_paths_are_relative_to_the_working_directory(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize(
-    "url,options,message",
+    ("url", "options", "message"),
     [
         ("memory://", {"sync": False}, "sync would not be used by memory:// stores; it accepts: pin_memory"),
         ("lmdb:///tmp/x", {"storage_options": {}}, "storage_options would not be used"),

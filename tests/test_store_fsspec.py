@@ -15,11 +15,19 @@ class TestFileStore(StoreTests):
     def store_factory(self, tmp_path):
         return lambda: dv.open_store(f"file://{tmp_path / uuid.uuid4().hex}")
 
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(store.url)
+
 
 class TestFsspecMemoryStore(StoreTests):
     @pytest.fixture
     def store_factory(self):
         return lambda: dv.open_store(f"fsspec+memory://{uuid.uuid4().hex}")
+
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(f"fsspec+{store.url}")
 
 
 @pytest.mark.slow
@@ -27,6 +35,10 @@ class TestS3Store(StoreTests):
     @pytest.fixture
     def store_factory(self, s3_options):
         return lambda: dv.open_store(f"s3://dejavu-tests/{uuid.uuid4().hex}", storage_options=s3_options)
+
+    @pytest.fixture
+    def reopen(self, s3_options):
+        return lambda store: dv.open_store(store.url, storage_options=s3_options)
 
 
 def test_s3_blocks_are_visible_to_a_second_client(s3_options) -> None:

@@ -21,11 +21,19 @@ class TestLmdbStore(StoreTests):
     def store_factory(self, tmp_path):
         return lambda: dv.open_store(f"lmdb://{tmp_path / uuid.uuid4().hex}")
 
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(store.url)
+
 
 class TestLmdbStoreWithoutSync(StoreTests):
     @pytest.fixture
     def store_factory(self, tmp_path):
         return lambda: dv.open_store(f"lmdb://{tmp_path / uuid.uuid4().hex}", sync=False, map_size=1 << 16)
+
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(store.url, sync=False)
 
 
 def _key(step: int) -> dv.BlockKey:
@@ -120,9 +128,8 @@ def test_one_directory_can_be_opened_twice_in_a_process(tmp_path) -> None:
     first.close()
     assert same_bits(second.fetch(_key(0)), _block(0))  # still open for the other handle
     second.close()
-    with pytest.raises(dv.ConfigError, match="sync=True"):
-        with LmdbStore(tmp_path):
-            LmdbStore(tmp_path, sync=False)
+    with pytest.raises(dv.ConfigError, match="sync=True"), LmdbStore(tmp_path):
+        LmdbStore(tmp_path, sync=False)
     third = LmdbStore(tmp_path, sync=False)  # every handle closed: any setting again
     assert same_bits(third.fetch(_key(0)), _block(0))
 

@@ -29,11 +29,19 @@ class TestTcpRemoteStore(StoreTests):
     def store_factory(self, remote_store_factory):
         return lambda: remote_store_factory("tcp", timeout=30)
 
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(store.url, timeout=30)  # another connection to the same server
+
 
 class TestUcxRemoteStore(StoreTests):
     @pytest.fixture
     def store_factory(self, remote_store_factory):
         return lambda: remote_store_factory("ucx", timeout=30)
+
+    @pytest.fixture
+    def reopen(self):
+        return lambda store: dv.open_store(store.url, timeout=30)
 
 
 def test_a_remote_store_is_a_store_over_the_transport_itself(remote_store_factory) -> None:

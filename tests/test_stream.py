@@ -62,7 +62,7 @@ def test_gather_of_a_layer_range_and_a_prefix_of_positions() -> None:
     assert same_bits(out, cache[2:4, :, :, :, :PROMPT])
 
 
-@pytest.mark.parametrize("keys,problem", [
+@pytest.mark.parametrize(("keys", "problem"), [
     ([((0, 2), (0, 4))], "stop at position 4"),
     ([((0, 2), (0, 3)), ((0, 2), (4, 5))], "gap at position 3"),
     ([((0, 2), (0, 3)), ((0, 1), (2, 5)), ((1, 2), (3, 5))], "overlap at position 2"),
@@ -101,7 +101,8 @@ def test_staging_copies_kv_that_requires_grad_off_the_graph() -> None:
     pairs = [(keys.clone().requires_grad_(), values.clone().requires_grad_())
              for keys, values in _layer_kv(_cache(), range(2))]
     filled = staging.fill(pairs, (3, 4))
-    assert not filled.requires_grad and filled.grad_fn is None
+    assert not filled.requires_grad
+    assert filled.grad_fn is None
     expected = torch.stack([part[:, :, 3:4].detach() for pair in pairs for part in pair])
     assert same_bits(filled.reshape(expected.shape), expected)
 

@@ -39,7 +39,7 @@ def test_blocks_and_records_reach_the_store_itself(tmp_path, store: str) -> None
     assert same_bits(backing.fetch(KEY), block)
     with transport.get_record(str(KEY)) as record:
         transport.put_records([("req-2/L0-2.T0-16", bytes(record))])
-    assert [k.stream_id for k in backing.keys()] == ["req-1", "req-2"]
+    assert [k.stream_id for k in backing.keys()] == ["req-1", "req-2"]  # noqa: SIM118 - Store.keys(), not a dict
     transport.close()
     assert not backing.closed  # the store belongs to the caller
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
+from dejavu_sdk import open_transport, serve
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.transports import KEY, TransportTests
-from dejavu_sdk import open_transport, serve
 from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
 
 
@@ -75,10 +76,12 @@ def _assert_still_serving(server) -> None:
 ])
 def test_garbage_and_oversized_frames_are_refused_and_logged(server, caplog, garbage: bytes) -> None:
     caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
-    with _raw_socket(server) as sock:
+    reply = b""
+    with _raw_socket(server) as sock, contextlib.suppress(ConnectionResetError):
         sock.sendall(garbage)
-        sock.shutdown(socket.SHUT_WR)
-        reply = b""
+        # The server may drop us before all of the garbage is read; the kernel then resets the connection.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
         while chunk := sock.recv(4096):  # the server answers (or not) and closes
             reply += chunk
     assert not reply or reply.startswith(MAGIC)
@@ -96,7 +99,7 @@ def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -
     with _raw_socket(server) as sock:
         sock.sendall(bytes(recording.sent[: len(recording.sent) // 3]))  # then vanish
     _assert_still_serving(server)
-    assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]
+    assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]  # noqa: SIM118 - Store.keys()
     assert server.store.fetch(KEY).tolist() == list(range(10))  # written later, whole, by the good client
     _wait_for_log(caplog, "mid-request")  # the server's connection thread logs it on its own time
 

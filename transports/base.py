@@ -31,7 +31,13 @@ SERVER_TIMEOUT = 60.0
 
 
 class Transport(RecordStore, BlockStreaming):
-    """A connection to one peer that serves a store. Safe to share between threads."""
+    """A connection to one peer that serves a store. Safe to share between threads.
+
+    `shared`: what this transport puts, other processes reach through the same peer. Whether the peer's
+    store persists or commits batches atomically is the peer's to say, so neither is promised here.
+    """
+
+    shared = True
 
     @abstractmethod
     def send_tensor(self, tensor: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import queue
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -205,10 +205,18 @@ def _record_header(peer: str, reply: Message) -> RecordHeader:
     return reply.header
 
 
+class AddressedServerFactory(Protocol):
+    """How `AddressedTransport.serve` starts its backend's server: every addressed backend's server class
+    (TcpServer, UcxServer, DistServer) takes these arguments."""
+
+    def __call__(self, store: Store, host: str, port: int, *, scheme: str, timeout: float | None,
+                 max_record_bytes: int) -> Server: ...
+
+
 class AddressedTransport(ChannelTransport):
     """A ChannelTransport to `scheme://host:port`, with the options every networked backend takes."""
 
-    server_class: ClassVar[type[ChannelServer]]
+    server_class: ClassVar[AddressedServerFactory]
 
     def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = CLIENT_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
@@ -317,12 +325,12 @@ class ChannelServer(Server):
             record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
         if not intact:
             return Status.BAD_REQUEST, f"a record from {channel.peer} was damaged in transit".encode()
+        if header is None:  # PUT_RECORDS, as checked above
+            return _replied(lambda: self.records.put_records(_split_records(request.text, record)))
         if request.op == Op.TENSOR:
             payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
             self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
             return Status.OK, b""
-        if header is None:
-            return _replied(lambda: self.records.put_records(_split_records(request.text, record)))
         return _replied(lambda: self.records.put_records([(_checked_label(request.text, header), record)]))
 
 

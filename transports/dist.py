@@ -11,6 +11,7 @@ through the timeout, and any timeout closes the link for good; the next call ope
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -48,7 +49,8 @@ def _link_group(scheme: str, store: Any, rank: int, host: str, timeout: datetime
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
+    # torch's stubs omit ProcessGroupGloo._Options, which exists at runtime (and is what gloo needs here)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, 2, options)
@@ -93,10 +95,8 @@ class DistChannel(Channel):
             target.copy_(landing)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):
             self._group.abort()
-        except RuntimeError:
-            pass
 
 
 class DistServer(ChannelServer):

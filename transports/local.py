@@ -34,6 +34,9 @@ class LocalTransport(Transport):
                               f"(url), or a URL through open_transport), got {store!r}")
         self.store = store
         self.url = f"local+{store.url}"
+        # The records are the store's own: so are its promises.
+        self.atomic_batches = store.records.atomic_batches
+        self.persistent, self.shared = store.records.persistent, store.records.shared
         self._side_streams: dict[torch.device, Any] = {}
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue()
         self._closed = False

@@ -59,7 +59,7 @@ class SocketChannel(Channel):
             raise TransportError(f"sending to {self.peer} failed: {error}") from error
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
-        view = memoryview(buffer).cast("B")
+        view = buffer.data.cast("B")
         received = 0
         self._sock.settimeout(None if idle else self._timeout)
         while received < view.nbytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -91,10 +92,8 @@ class UcxChannel(Channel):
             raise
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(TransportError):
             self._loop.run(self._endpoint.close(), 5.0, f"closing {self.peer}")
-        except TransportError:
-            pass
 
 
 class UcxServer(ChannelServer):

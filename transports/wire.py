@@ -151,7 +151,7 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
         checksum.update(part)
     control = unchecked[:_UNCHECKED] + struct.pack("<Q", checksum.intdigest())
     if channel.byte_stream and payload.size <= MERGED_PAYLOAD_BYTES:  # one system call, one segment
-        parts = [control, meta, header]
+        parts: list[bytes | np.ndarray] = [control, meta, header]
         if record is not None:
             parts += [payload, bytes(record.trailer) if record.trailer is not None else _trailer(header, payload)]
         channel.send(*(part for part in parts if len(part)))
@@ -161,7 +161,8 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
         channel.send(meta, header)
     if record is None:
         return
-    payload_checksum = new_checksum() if record.trailer is None else None
+    trailer = bytes(record.trailer) if record.trailer is not None else None  # None: hashed as the payload goes
+    payload_checksum = new_checksum() if trailer is None else None
     if payload_checksum is not None and header:
         payload_checksum.update(header)
     step = channel.chunk_size
@@ -170,7 +171,9 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
         channel.send(piece)
         if payload_checksum is not None:
             payload_checksum.update(piece)  # after the send, which left the piece in cache
-    channel.send(bytes(record.trailer) if payload_checksum is None else TRAILER.pack(payload_checksum.intdigest()))
+    if payload_checksum is not None:
+        trailer = TRAILER.pack(payload_checksum.intdigest())
+    channel.send(trailer)
 
 
 def _trailer(header: bytes, payload: np.ndarray) -> bytes:

@@ -6,7 +6,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 import torch
@@ -14,11 +15,21 @@ import torch
 from .._version import __version__
 from ..report import format_size
 
+T = TypeVar("T")
+
 
 def seconds(action: Callable[[], object]) -> float:
     """Wall-clock seconds one call of `action` takes."""
     start = time.perf_counter()
     action()
+    return time.perf_counter() - start
+
+
+def seconds_each(action: Callable[[T], object], items: Iterable[T]) -> float:
+    """Wall-clock seconds `action(item)` takes for every item, one after another."""
+    start = time.perf_counter()
+    for item in items:
+        action(item)
     return time.perf_counter() - start
 
 

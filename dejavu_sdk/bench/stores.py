@@ -19,12 +19,12 @@ import torch
 import xxhash
 from tqdm import tqdm
 
+from ..backends import open_store
 from ..blocks import BlockKey
 from ..errors import ConfigError
 from ..report import format_size, markdown_table
-from ..backends import open_store
 from ..store import Store
-from .common import Throughputs, machine_description, plot_operations, seconds
+from .common import Throughputs, machine_description, plot_operations, seconds, seconds_each
 
 CEILINGS = ("memcpy", "xxh3 checksum", "file write", "file write+fsync", "file read")
 
@@ -75,15 +75,15 @@ def _ceilings(size: int, count: int, source: np.ndarray, directory: str) -> Iter
     sources = [source.copy() for _ in range(count)]
     destination = np.empty_like(source)
     np.copyto(destination, source)  # touch the pages first
-    yield "memcpy", seconds(lambda: [np.copyto(destination, each) for each in sources])
-    yield "xxh3 checksum", seconds(lambda: [xxhash.xxh3_64_intdigest(each) for each in sources])
+    yield "memcpy", seconds_each(lambda each: np.copyto(destination, each), sources)
+    yield "xxh3 checksum", seconds_each(lambda each: xxhash.xxh3_64_intdigest(each.data), sources)
     sources.clear()  # free them before the file ceilings
     paths = [os.path.join(directory, f"plain-{i}") for i in range(count)]
 
     def write(sync: bool) -> None:
         for path in paths:
             with open(path, "wb") as file:
-                file.write(memoryview(source))
+                file.write(source.data)
                 if sync:
                     file.flush()
                     os.fsync(file.fileno())
@@ -91,7 +91,7 @@ def _ceilings(size: int, count: int, source: np.ndarray, directory: str) -> Iter
     def read() -> None:
         for path in paths:
             with open(path, "rb") as file:
-                file.readinto(memoryview(destination))
+                file.readinto(destination.data)
 
     yield "file write", seconds(lambda: write(sync=False))
     yield "file write+fsync", seconds(lambda: write(sync=True))
@@ -107,8 +107,8 @@ def _store(target: Target, count: int, block: torch.Tensor, directory: str) -> I
     out.zero_()
     store_dir = os.path.join(directory, target.name)
     with target.open(store_dir) as store:
-        yield "flush", seconds(lambda: [store.flush(key, block) for key in keys])
-        yield "fetch", seconds(lambda: [store.fetch(key, out=out) for key in keys])
+        yield "flush", seconds_each(lambda key: store.flush(key, block), keys)
+        yield "fetch", seconds_each(lambda key: store.fetch(key, out=out), keys)
         if not torch.equal(out.view(torch.uint8), block.view(torch.uint8)):
             raise AssertionError(f"{target.name} returned different bytes")
     shutil.rmtree(store_dir, ignore_errors=True)

@@ -21,12 +21,14 @@ import attrs
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import CacheLayerMixin
 
+from ..backends import open_store
 from ..blocks import KVSpec
 from ..cache import CacheManager, StreamingCache
 from ..engine import DejaVuEngine
+from ..errors import ConfigError
 from ..report import markdown_table
-from ..backends import open_store
 from ..store import Store
 from ..stores.memory import MemoryStore
 from ..stream import StagingBuffer, scatter
@@ -89,16 +91,13 @@ class _StepClock(LogitsProcessor):
 
 
 def _model(random_model: bool) -> tuple[Any, str]:
-    from ..models import load_smollm2, smollm2_available
+    from ..models import load_smollm2, random_llama, smollm2_available
 
     if not random_model and smollm2_available():
         return load_smollm2()[0], "SmolLM2-135M-Instruct (float32)"
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval(), "random weights in SmolLM2-135M's shape"
+    model = random_llama(layers=30, hidden_size=576, intermediate_size=1536, heads=9, kv_heads=3, vocab_size=49152,
+                         max_positions=2048, initializer_range=0.02, pad_token_id=None, tie_embeddings=True)
+    return model, "random weights in SmolLM2-135M's shape"
 
 
 @contextlib.contextmanager
@@ -131,11 +130,21 @@ def _layer_kv(model: Any, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, t
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, cache=cache)
-    pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    pairs = _kv_pairs(cache)
     keys = pairs[0][0]
     spec = KVSpec(layers=len(pairs), kv_heads=keys.shape[1], head_dim=keys.shape[-1], dtype=keys.dtype,
                   batch=keys.shape[0])
     return pairs, spec
+
+
+def _kv_pairs(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) in a cache a forward has filled."""
+    pairs = []
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise ConfigError(f"layer {index} of the model's cache holds no keys and values to stream")
+        pairs.append((layer.keys, layer.values))
+    return pairs
 
 
 def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], spec: KVSpec, position: int) -> dict[str, float]:
@@ -171,8 +180,8 @@ def _prefill(model: Any, ids: torch.Tensor, store: Store) -> dict[str, float]:
         model(ids, cache=cache)
         middle = time.perf_counter()
         manager = CacheManager(store, "after", layers, queue_size=layers)
-        for layer, kv in enumerate(cache.layers):
-            manager.observe(layer, kv.keys, kv.values, 0)
+        for layer, (keys, values) in enumerate(_kv_pairs(cache)):
+            manager.observe(layer, keys, values, 0)
         manager.finish()
         end = time.perf_counter()
     return {"prefill forward, plain": middle - begin, "prefill forward, layer-wise": forward_end - start,

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..backends import TRANSPORTS, open_store, open_transport
 from ..blocks import BlockKey
 from ..errors import BackendUnavailable, ConfigError
 from ..report import format_size, markdown_table
-from ..backends import TRANSPORTS, open_store, open_transport
 from ..testing.peers import ServedStoreProcess
 from ..transports.base import Transport
-from .common import Throughputs, machine_description, plot_operations, seconds
+from .common import Throughputs, machine_description, plot_operations, seconds_each
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
@@ -41,18 +41,18 @@ def ceiling_of(target: str, operation: str) -> str:
 
 def _ceilings(peer: PlainSocketPeer, block: np.ndarray, count: int) -> Iterator[tuple[str, float]]:
     out = np.zeros_like(block)  # touched: a fetch into `out` finds its pages mapped too
-    yield "socket send", seconds(lambda: [peer.send(block) for _ in range(count)])
-    yield "socket send + checksums", seconds(lambda: [peer.send(block, checksums=True) for _ in range(count)])
-    yield "socket receive", seconds(lambda: [peer.receive(out) for _ in range(count)])
+    yield "socket send", seconds_each(lambda _: peer.send(block), range(count))
+    yield "socket send + checksums", seconds_each(lambda _: peer.send(block, checksums=True), range(count))
+    yield "socket receive", seconds_each(lambda _: peer.receive(out), range(count))
     sources = [block.copy() for _ in range(count)]
-    yield "memcpy", seconds(lambda: [np.copyto(out, source) for source in sources])
+    yield "memcpy", seconds_each(lambda source: np.copyto(out, source), sources)
 
 
 def _transport(transport: Transport, block: torch.Tensor, count: int) -> Iterator[tuple[str, float]]:
     keys = [BlockKey("bench", layers=(0, 1), tokens=(i, i + 1)) for i in range(count)]
     out = torch.zeros_like(block)
-    yield "flush", seconds(lambda: [transport.flush(key, block) for key in keys])
-    yield "fetch", seconds(lambda: [transport.fetch(key, out=out) for key in keys])
+    yield "flush", seconds_each(lambda key: transport.flush(key, block), keys)
+    yield "fetch", seconds_each(lambda key: transport.fetch(key, out=out), keys)
     if not torch.equal(out, block):
         raise AssertionError(f"{transport.url} returned different bytes")
 

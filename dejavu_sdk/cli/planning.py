@@ -62,6 +62,7 @@ def resolve_inputs(args: argparse.Namespace, new_tokens: float) -> Inputs:
 
         prompt_time, token_time = measure_times(load_causal_lm(args.measure), args.microbatch, args.prompt_tokens)
         return Inputs(prompt_time, token_time, f"measured here on {args.measure}", memory)
+    assert roofline is not None  # neither given nor measured, so --model was (checked above)
     context = args.prompt_tokens + round(new_tokens / 2)
     return Inputs(roofline.prompt_time(args.microbatch, args.prompt_tokens),
                   roofline.token_time(args.microbatch, context),

@@ -1,8 +1,8 @@
 """`dejavu serve-store`: hold a store in this process and serve it to peers until SIGTERM or Ctrl-C.
 
-This is the remote CPU tier that `tcp://`, `ucx://` and `nccl://` store URLs reach; `dejavu_sdk.testing.peers` starts
-it in a child process for tests and benchmarks. The store and the server come from the package's public
-`open_store` and `serve`.
+This is the remote CPU tier that `tcp://` and `ucx://` store URLs reach (and `nccl://` transports);
+`dejavu_sdk.testing.peers` starts it in a child process for tests and benchmarks. The store and the server
+come from the package's public `open_store` and `serve`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 
 class ServedStoreProcess:
@@ -15,6 +17,7 @@ class ServedStoreProcess:
                    "--store", store]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
                                         stderr=subprocess.DEVNULL if quiet else None)
+        assert self.process.stdout is not None  # stdout=PIPE above
         line = self.process.stdout.readline()
         if " at " not in line:
             self.stop()
@@ -23,6 +26,27 @@ class ServedStoreProcess:
 
     def signal(self, signum: int) -> None:
         os.kill(self.process.pid, signum)
+
+    def freeze(self, timeout: float = 10.0) -> None:
+        """Stop the process (SIGSTOP) and return once it is stopped: a peer that hangs, sockets still open."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while self._state() not in ("T", "t"):  # the signal is delivered asynchronously
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.url} did not stop within {timeout} s")
+            time.sleep(0.005)
+
+    def thaw(self) -> None:
+        """Let a frozen process run again (SIGCONT)."""
+        self.signal(signal.SIGCONT)
+
+    def _state(self) -> str:
+        """The process's scheduler state letter from /proc (T: stopped), or "" where /proc is not there."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as stat:
+                return stat.read().rpartition(")")[2].split()[0]
+        except OSError:
+            return "T"  # no /proc: trust that SIGSTOP took effect
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,6 +46,12 @@ class StoreTests:
         store = store_factory()
         yield store
         store.close()
+
+    @pytest.fixture
+    def reopen(self) -> Callable[[Store], Store] | None:
+        """A new store on the same location as the given one. Test classes of stores that declare `shared`
+        or `persistent` must override this: their promise is checked with it."""
+        return None
 
     # ---- round trips ----------------------------------------------------------------------
     @pytest.mark.parametrize("dtype_name", sorted(DTYPE_CODES))
@@ -83,7 +90,7 @@ class StoreTests:
     @pytest.mark.parametrize("wrong", ["shape", "dtype", "type"])
     def test_out_of_the_wrong_kind_is_refused_untouched(self, store: Store, wrong: str) -> None:
         store.flush(KEY, random_tensor((2, 3), torch.float32))
-        out = {
+        out: Any = {  # deliberately of the wrong kind: fetch must refuse it without writing into it
             "shape": torch.zeros(3, 2),
             "dtype": torch.zeros(2, 3, dtype=torch.float16),
             "type": np.zeros((2, 3), np.float32),
@@ -132,7 +139,7 @@ class StoreTests:
         assert store.read_manifest(KEY.stream_id) == b'{"step": 1}'
         assert store.keys(KEY.stream_id) == [KEY]
         with pytest.raises(ConfigError):
-            store.flush_with_manifest("not a key", block, b"{}")
+            store.flush_with_manifest("not a key", block, b"{}")  # type: ignore[arg-type]  # deliberately a str
 
     # ---- the record interface and its declared capabilities --------------------------------
     def test_records_are_put_listed_and_removed_by_name(self, store: Store) -> None:
@@ -157,13 +164,37 @@ class StoreTests:
         if records.atomic_batches:  # declared: all of a batch or none of it
             assert records.names("req-1/") == []
 
+    def test_declared_sharing_and_persistence_hold(self, store_factory: Callable[[], Store],
+                                                   reopen: Callable[[Store], Store] | None) -> None:
+        store = store_factory()
+        records = store.records
+        if not (records.shared or records.persistent):
+            store.close()
+            return  # nothing promised beyond this store object
+        assert reopen is not None, (f"{type(records).__name__} declares shared or persistent records: give the "
+                                    "test class a `reopen` fixture that opens the same location again")
+        block, other_key = random_tensor((3, 7), torch.bfloat16, seed=11), BlockKey("req-1", layers=(1, 2),
+                                                                                    tokens=(0, 8))
+        store.flush(KEY, block)
+        store.write_manifest(KEY.stream_id, b'{"step": 1}')
+        if records.shared:  # a second store on the same location sees this one's writes, and the other way
+            with reopen(store) as second:
+                assert same_bits(second.fetch(KEY), block)
+                second.flush(other_key, block)
+            assert same_bits(store.fetch(other_key), block)
+        store.close()
+        if records.persistent:  # what was written outlives the store that wrote it
+            with reopen(store) as again:
+                assert same_bits(again.fetch(KEY), block)
+                assert again.read_manifest(KEY.stream_id) == b'{"step": 1}'
+
     def test_a_record_that_is_not_a_buffer_is_refused(self, store: Store) -> None:
         with pytest.raises(ConfigError, match="buffer"):
             store.records.put_records([("req-1/manifest", 42)])
 
     # ---- errors ---------------------------------------------------------------------------
     def test_missing_block_raises_block_not_found_which_is_a_key_error(self, store: Store) -> None:
-        with pytest.raises(BlockNotFound, match="req-1/L0-1.T0-8"):
+        with pytest.raises(BlockNotFound, match=r"req-1/L0-1\.T0-8"):
             store.fetch(KEY)
         with pytest.raises(KeyError):
             store.fetch(KEY)

@@ -15,6 +15,7 @@ URL (like `local`) subclasses the contract and overrides the `transport_factory`
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -25,12 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
 from ..backends import open_store, open_transport, serve
+from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
 from ..errors import BlockNotFound, ConfigError, StoreClosed, TransportError
+from ..store import Store
 from ..tensors import random_tensor, same_bits
 from ..transports.base import Server, ServingTransport, Transport
-from ..store import Store
 from .peers import ServedStoreProcess
 
 KEY = BlockKey("req-1", layers=(0, 2), tokens=(0, 16))
@@ -168,7 +169,7 @@ class TransportContractTests:
     def test_bad_arguments_raise_config_errors(self, transport: Transport) -> None:
         with pytest.raises(ConfigError, match="BlockKey"):
             transport.flush(str(KEY), torch.ones(2))  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="torch.Tensor"):
+        with pytest.raises(ConfigError, match=r"torch\.Tensor"):
             transport.send_tensor([1, 2])  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="buffer"):
             transport.put_records([("req-1/manifest", 42)])
@@ -188,7 +189,7 @@ class TransportContractTests:
                 transport.flush(key, block)
                 assert same_bits(transport.fetch(key), block)
 
-        threads = [_in_background(lambda t=t: worker(t)) for t in range(4)]
+        threads = [_in_background(functools.partial(worker, t)) for t in range(4)]
         for thread, outcome in threads:
             thread.join(timeout=120)
             assert "error" not in outcome, outcome.get("error")
@@ -214,7 +215,7 @@ class TransportFailureTests:
     def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedStoreProcess) -> None:
         transport = open_transport(peer.url, timeout=20, connect_timeout=3, **self.options)
         transport.flush(KEY, torch.ones(4))  # connected
-        peer.signal(signal.SIGSTOP)  # the transfer below stalls half way, then the peer dies
+        peer.freeze()  # the transfer below stalls half way, then the peer dies
         thread, outcome = _in_background(lambda: transport.flush(KEY, torch.empty(4 * BIG, dtype=torch.uint8)))
         time.sleep(1.0)
         assert thread.is_alive(), "the transfer should be stalled mid-way"
@@ -223,7 +224,7 @@ class TransportFailureTests:
         thread.join(timeout=20)
         assert isinstance(outcome.get("error"), TransportError), outcome
         assert outcome["at"] - killed_at < 5.0
-        with pytest.raises(TransportError, match="connect|refused|reach|closed|reset|failed"):
+        with pytest.raises(TransportError, match=r"connect|refused|reach|closed|reset|failed"):
             transport.fetch(KEY)
         transport.close()
 
@@ -231,12 +232,12 @@ class TransportFailureTests:
             self, peer: ServedStoreProcess) -> None:
         transport = open_transport(peer.url, timeout=1.0, **self.options)
         transport.flush(KEY, torch.ones(4))
-        peer.signal(signal.SIGSTOP)
+        peer.freeze()
         started = time.monotonic()
         with pytest.raises(TransportError):
             transport.fetch(KEY)
         assert time.monotonic() - started < 10.0
-        peer.signal(signal.SIGCONT)
+        peer.thaw()
         assert transport.fetch(KEY).tolist() == [1.0] * 4  # reconnected
         transport.close()
 
