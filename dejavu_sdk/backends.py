@@ -69,17 +69,23 @@ def open_transport(transport: str | Transport, **options: Any) -> Transport:
     if not isinstance(transport, str):
         raise ConfigError(f"expected a transport URL or name, got {transport!r}")
     url, transport_class = _transport_class(transport)
-    if options.get("store") is not None:
+    if isinstance(options.get("store"), str):  # opened here, so closed with the transport
         options["store"] = open_store(options["store"])
+        options.setdefault("close_store", True)
     return call_with_options(transport_class.from_url, f"{url.scheme} transports", options, url)
 
 
 def serve(url: str, store: str | Store = "memory://", **options: Any) -> Server:
-    """Serve `store` (a URL or a Store) to peers at `url` until the returned Server is closed."""
+    """Serve `store` (a URL or a Store) to peers at `url` until the returned Server is closed.
+
+    A store given as a URL is closed with the server; a Store the caller passed stays open."""
     parsed, transport_class = _transport_class(url)
     if not issubclass(transport_class, ServingTransport):
         raise ConfigError(f"{parsed.scheme} transports connect within one process and serve no peers")
-    return call_with_options(transport_class.serve, f"{parsed.scheme} servers", options, parsed, open_store(store))
+    server: Server = call_with_options(transport_class.serve, f"{parsed.scheme} servers", options, parsed,
+                                       open_store(store))
+    server.close_store = isinstance(store, str)  # a store opened here from a URL belongs to the server
+    return server
 
 
 def _store_backend(url: ParsedURL) -> Backend:

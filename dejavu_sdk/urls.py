@@ -70,6 +70,16 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def network_address(url: ParsedURL) -> tuple[str, int]:
+    """The host and port of a peer's URL. Schemes this module does not know as network schemes (a
+    third-party transport's) carry `host:port` in their path, which is parsed here; ConfigError if it is
+    not one."""
+    if url.host is None or url.port is None:
+        url = _parse_network(url.text, url.scheme, url.path)
+    assert url.host is not None and url.port is not None  # _parse_network refuses anything else
+    return url.host, url.port
+
+
 def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
     parts = urllib.parse.urlsplit("//" + rest)
     try:

@@ -65,18 +65,29 @@ class ServingTransport(Transport):
 
 
 class Server(ABC):
-    """Serves `store` to peers at `url` until closed; tensors peers send wait in an inbox."""
+    """Serves `store` to peers at `url` until closed; tensors peers send wait in an inbox.
+
+    `close_store`: closing the server closes the store too. `dejavu_sdk.serve` sets it when it opened the
+    store from a URL, since nobody else holds that store; a store the caller passed stays the caller's.
+    """
 
     url: str
     store: Store
+    close_store: bool = False
 
     @abstractmethod
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
         """The next tensor a peer sent; TransportError if none arrives within `timeout` seconds."""
 
-    @abstractmethod
     def close(self) -> None:
-        """Stop serving and close every connection. The store stays open: it belongs to the caller."""
+        """Stop serving and close every connection, then the store if the server owns it."""
+        self._stop()
+        if self.close_store:
+            self.store.close()
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop accepting peers and close every connection."""
 
     def __enter__(self) -> Server:
         return self

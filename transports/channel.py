@@ -24,7 +24,7 @@ from ..codec import TRAILER, RecordHeader, check_out, corrupt, host_view
 from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError, TransportError
 from ..records import NamedRecord, record_array
 from ..store import Store, manifest_name
-from ..urls import ParsedURL, join_host_port
+from ..urls import ParsedURL, join_host_port, network_address
 from .base import (
     CLIENT_TIMEOUT,
     CONNECT_TIMEOUT,
@@ -228,7 +228,7 @@ class AddressedTransport(ChannelTransport):
     @classmethod
     def from_url(cls, url: ParsedURL, *, timeout: float | None = CLIENT_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> Transport:
-        host, port = _address(url)
+        host, port = network_address(url)
         return cls(url.scheme, host, port, timeout=timeout, connect_timeout=connect_timeout,
                    max_record_bytes=max_record_bytes)
 
@@ -236,15 +236,9 @@ class AddressedTransport(ChannelTransport):
     def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = SERVER_TIMEOUT,
               max_record_bytes: int = MAX_RECORD_BYTES) -> Server:
         """Serve `store` at the URL's host and port (0: any free port), with `timeout` for each request."""
-        host, port = _address(url)
+        host, port = network_address(url)
         return cls.server_class(store, host, port, scheme=url.scheme, timeout=timeout,
                                 max_record_bytes=max_record_bytes)
-
-
-def _address(url: ParsedURL) -> tuple[str, int]:
-    if url.host is None or url.port is None:
-        raise ConfigError(f"{url.text!r} must be '{url.scheme}://host:port'")
-    return url.host, url.port
 
 
 class ChannelServer(Server):

@@ -145,7 +145,7 @@ class DistServer(ChannelServer):
         finally:
             self._channels.discard(channel)
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self._stopping.set()
         self._acceptor.join(timeout=10)
         for channel in list(self._channels):

@@ -26,13 +26,17 @@ from .base import Transport
 
 
 class LocalTransport(Transport):
-    """Copies blocks between any device and `store`, a Store in this process."""
+    """Copies blocks between any device and `store`, a Store in this process.
 
-    def __init__(self, store: Store) -> None:
+    `close_store`: closing the transport closes the store too (`open_transport` sets it when it opened
+    the store from a URL); by default the store stays open, as it may be shared.
+    """
+
+    def __init__(self, store: Store, *, close_store: bool = False) -> None:
         if not isinstance(store, Store):
             raise ConfigError(f"the local transport copies into a Store in this process (store=dejavu_sdk.open_store"
                               f"(url), or a URL through open_transport), got {store!r}")
-        self.store = store
+        self.store, self.close_store = store, close_store
         self.url = f"local+{store.url}"
         # The records are the store's own: so are its promises.
         self.atomic_batches = store.records.atomic_batches
@@ -42,12 +46,12 @@ class LocalTransport(Transport):
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: ParsedURL, *, store: Store | None = None) -> LocalTransport:
+    def from_url(cls, url: ParsedURL, *, store: Store | None = None, close_store: bool = False) -> LocalTransport:
         if url.path:
             raise ConfigError(f"the local transport takes no address, got {url.text!r}; pass store=... instead")
         if store is None:
             raise ConfigError("the local transport copies into a store in this process: pass store=URL or a Store")
-        return cls(store)
+        return cls(store, close_store=close_store)
 
     # ---- blocks ----------------------------------------------------------------------------
     def flush(self, key: BlockKey, block: Any) -> None:
@@ -133,8 +137,11 @@ class LocalTransport(Transport):
         return self.store.records.allocate(nbytes)
 
     def close(self) -> None:
-        """Close the transport; the store stays open, as it may be shared."""
-        self._closed = True
+        """Close the transport, and its store if `close_store` says so."""
+        if not self._closed:
+            self._closed = True
+            if self.close_store:
+                self.store.close()
 
     def _check_open(self) -> None:
         if self._closed:

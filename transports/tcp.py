@@ -114,7 +114,7 @@ class TcpServer(ChannelServer):
                                         name=f"dejavu-serve {self.url}", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         for channel in list(self._channels):

@@ -126,7 +126,7 @@ class UcxServer(ChannelServer):
         threading.Thread(target=serve, name=f"dejavu-serve {channel.peer}", daemon=True).start()
         await finished
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         self._loop.run(_call(self._listener.close), 10, f"closing {self.url}")
         for channel in list(self._channels):
             channel.close()
