@@ -74,13 +74,17 @@ def network_address(url: ParsedURL) -> tuple[str, int]:
     """The host and port of a peer's URL. Schemes this module does not know as network schemes (a
     third-party transport's) carry `host:port` in their path, which is parsed here; ConfigError if it is
     not one."""
-    if url.host is None or url.port is None:
-        url = _parse_network(url.text, url.scheme, url.path)
-    assert url.host is not None and url.port is not None  # _parse_network refuses anything else
-    return url.host, url.port
+    if url.host is not None and url.port is not None:
+        return url.host, url.port
+    return _host_and_port(url.text, url.scheme, url.path)
 
 
 def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
+    host, port = _host_and_port(text, scheme, rest)
+    return ParsedURL(text, scheme, host=host, port=port)
+
+
+def _host_and_port(text: str, scheme: str, rest: str) -> tuple[str, int]:
     parts = urllib.parse.urlsplit("//" + rest)
     try:
         port = parts.port
@@ -89,4 +93,4 @@ def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
     if not parts.hostname or port is None or parts.path not in ("", "/"):
         raise ConfigError(f"{text!r} must be '{scheme}://host:port' with a port from 0 to 65535 (0: any free "
                           "port, when serving) and no path")
-    return ParsedURL(text, scheme, host=parts.hostname, port=port)
+    return parts.hostname, port
