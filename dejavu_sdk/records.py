@@ -49,12 +49,16 @@ class RecordStore(ABC):
 
     Capabilities, declared by each backend and checked by the conformance suites:
     `atomic_batches`: `put_records` commits all of its records or none of them (LMDB: one transaction);
-    `persistent`: records outlive this process; `shared`: other processes see what this one puts.
+    `persistent`: records outlive this process; `shared`: other processes see what this one puts;
+    `lends_buffers`: `get_record` yields memory that is valid only inside the `with` block and holds a
+    resource meanwhile (LMDB: a read transaction): callers that keep the record past a quick copy must copy
+    it out first.
     """
 
     atomic_batches: bool = False
     persistent: bool = False
     shared: bool = False
+    lends_buffers: bool = False
     url: str
 
     @classmethod

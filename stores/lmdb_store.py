@@ -5,6 +5,10 @@ process is killed mid-write. `sync=True` (the default) makes every committed blo
 `sync=False` skips the fsync: committed blocks still survive a crash or SIGKILL of the process, but the
 last ones may be lost if the machine itself goes down. Other processes opening the same path see every
 committed block. The memory map starts at `map_size` and doubles whenever it fills.
+
+Records are lent straight from the memory map (`lends_buffers`): a record got with `get_record` is valid
+only inside its `with` block, which holds a read transaction and one of the `max_readers` reader slots
+meanwhile. Every LMDB error becomes a `StoreError` naming the directory and what to do.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..urls import ParsedURL
 DEFAULT_MAP_SIZE = 1 << 30  # the memory map's first size; it doubles whenever it fills
 DEFAULT_MAX_READERS = 126  # LMDB's own default number of reader slots
 MIN_MAP_SIZE = 1 << 16
+MAX_READERS = (1 << 31) - 1  # the reader table is sized by an unsigned int; LMDB refuses 0
 _MAX_RESIZES = 48
 
 
@@ -72,7 +77,12 @@ class _Environment:
         self.real_path, self.sync, self.users = real_path, sync, 0
         self.env = lmdb.open(real_path, map_size=map_size, sync=sync, metasync=sync, readahead=False,
                              max_readers=max_readers, max_dbs=0)
-        self.env.reader_check()  # free reader slots left behind by killed processes
+        try:
+            _check_data_file(self.env, real_path)
+            self.env.reader_check()  # free reader slots left behind by killed processes
+        except BaseException:
+            self.env.close()
+            raise
         self.gate = _SharedExclusiveLock()
         self.write_lock = threading.Lock()
 
@@ -85,6 +95,8 @@ class _Environment:
                 shared = cls._open.get(real_path)
                 if shared is None:
                     shared = cls._open[real_path] = cls(real_path, sync, map_size, max_readers)
+            except lmdb.ReadersFullError as error:
+                raise StoreError(f"cannot open LMDB store at {path!r}: {error}; {_READERS_FULL_ADVICE}") from error
             except (lmdb.Error, OSError) as error:
                 raise StoreError(f"cannot open LMDB store at {path!r}: {error}") from error
             if shared.sync != sync:
@@ -108,13 +120,16 @@ class LmdbRecords(RecordStore):
     atomic_batches = True
     persistent = True
     shared = True
+    lends_buffers = True  # records are views of the memory map, valid while their read transaction lasts
 
     def __init__(self, path: str | os.PathLike[str], *, sync: bool = True, map_size: int = DEFAULT_MAP_SIZE,
                  max_readers: int = DEFAULT_MAX_READERS) -> None:
         path = os.fspath(path)
         self.url = f"lmdb://{os.path.abspath(path)}"
-        if not isinstance(map_size, int) or map_size < MIN_MAP_SIZE:
-            raise ConfigError(f"map_size must be at least {MIN_MAP_SIZE} bytes, got {map_size!r}")
+        if not _is_int(map_size) or map_size < MIN_MAP_SIZE:
+            raise ConfigError(f"map_size must be an int of at least {MIN_MAP_SIZE} bytes, got {map_size!r}")
+        if not _is_int(max_readers) or not 1 <= max_readers <= MAX_READERS:
+            raise ConfigError(f"max_readers must be a positive int (at most {MAX_READERS}), got {max_readers!r}")
         self.path = path
         self.sync = bool(sync)
         self._shared = _Environment.acquire(path, self.sync, map_size, max_readers)
@@ -129,23 +144,29 @@ class LmdbRecords(RecordStore):
 
     @property
     def map_size(self) -> int:
-        return self._env.info()["map_size"]
+        with _translated(self.path):
+            return int(self._env.info()["map_size"])
 
     # ---- transactions -----------------------------------------------------------------------
     @contextlib.contextmanager
     def _transaction(self, write: bool) -> Iterator[lmdb.Transaction[memoryview]]:
         """A transaction that adopts a map grown by another process; commits a write when the block ends."""
+        passing = (lmdb.MapFullError,) if write else ()  # `_write` grows the map and tries again
         for _ in range(_MAX_RESIZES):
             with self._gate.shared():
+                txn: lmdb.Transaction[memoryview] | None = None
                 try:
-                    txn = self._env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    txn = None
+                    with _translated(self.path, passing=(lmdb.MapResizedError,)):
+                        txn = self._env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size and begin again
+                    pass
                 if txn is not None:
-                    with _translated(self.path):
-                        with txn:  # commits on success, aborts on error
+                    try:
+                        with _translated(self.path, passing=passing), txn:  # txn: commits, or aborts on error
                             yield txn
                         return
+                    finally:
+                        txn = None  # free its reader slot now, not when a traceback that holds this frame dies
             self._resize(grow=False)
         raise StoreError(f"LMDB store at {self.path!r} kept being resized by other processes")
 
@@ -224,12 +245,46 @@ class LmdbStore(Store):
         super().__init__(LmdbRecords(path, sync=sync, map_size=map_size, max_readers=max_readers))
 
 
+_READERS_FULL_ADVICE = ("too many concurrent readers: every reader slot is held by an open read transaction; "
+                        "raise max_readers (open_store(url, max_readers=...)), or read from fewer threads "
+                        "and processes at once")
+_DAMAGED_ADVICE = "the store is damaged: restore it from a copy, or delete the directory"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_data_file(env: lmdb.Environment, real_path: str) -> None:
+    """StoreError if data.mdb is shorter than its pages: reading past its end would kill the process
+    with SIGBUS. The size is read after LMDB's, since the file only ever grows."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    data_file = os.path.join(real_path, "data.mdb")
+    size = os.stat(data_file).st_size
+    if size < needed:
+        raise StoreError(f"cannot open LMDB store at {real_path!r}: data.mdb is shorter than LMDB says it must "
+                         f"be ({size} bytes, not {needed}): truncated or damaged; restore it or delete the "
+                         "directory")
+
+
 @contextlib.contextmanager
-def _translated(path: str) -> Iterator[None]:
-    """Turn LMDB's errors (other than map resizing, handled by the caller) into StoreError."""
+def _translated(path: str, passing: tuple[type[lmdb.Error], ...] = ()) -> Iterator[None]:
+    """Turn every LMDB error, except those in `passing` (which the caller handles), into StoreError with
+    advice on what to do."""
     try:
         yield
-    except (lmdb.MapFullError, lmdb.MapResizedError):
-        raise
     except lmdb.Error as error:
-        raise StoreError(f"LMDB store at {path!r} failed: {error}") from error
+        if isinstance(error, passing):
+            raise
+        if isinstance(error, lmdb.ReadersFullError):
+            advice = _READERS_FULL_ADVICE
+        elif isinstance(error, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
+                                lmdb.VersionMismatchError)):
+            advice = _DAMAGED_ADVICE
+        elif isinstance(error, lmdb.MapFullError):
+            advice = "the memory map is full: open the store with a larger map_size"
+        elif isinstance(error, lmdb.DiskError):
+            advice = "check the disk: free space, I/O errors"
+        else:
+            advice = "check the directory (free space, permissions) and that no other program changes it"
+        raise StoreError(f"LMDB store at {path!r} failed: {error}; {advice}") from error

@@ -1,19 +1,24 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
+import lmdb
 import pytest
 import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.stores import LmdbStore
 from dejavu_sdk.testing import StoreTests, random_tensor, same_bits
+from dejavu_sdk.transports.wire import CONTROL, Channel, Op, send_message
 
 
 class TestLmdbStore(StoreTests):
@@ -156,3 +161,149 @@ def test_the_engine_commits_each_block_with_its_manifest(tmp_path) -> None:
         blocks = len(engine.store.keys("one-commit"))
     assert blocks == 4 + 11  # the prompt's 4 layer blocks, then one block per decode step
     assert commits == blocks + 2  # plus the first manifest and the finished one
+
+
+@pytest.mark.parametrize("max_readers", [0, -1, 1.5, "8", True, 1 << 40])
+def test_max_readers_must_be_a_positive_int(tmp_path, max_readers) -> None:
+    with pytest.raises(dv.ConfigError, match="max_readers"):
+        LmdbStore(tmp_path, max_readers=max_readers)
+    with pytest.raises(dv.ConfigError, match="max_readers"):
+        dv.open_store(f"lmdb://{tmp_path}", max_readers=max_readers)
+
+
+@pytest.mark.parametrize("map_size", [0, 1 << 10, 1.5 * (1 << 30), "1GiB", True])
+def test_map_size_must_be_an_int_of_at_least_64_kib(tmp_path, map_size) -> None:
+    with pytest.raises(dv.ConfigError, match="map_size"):
+        LmdbStore(tmp_path, map_size=map_size)
+
+
+def test_running_out_of_reader_slots_raises_store_error_until_readers_are_released(tmp_path) -> None:
+    store = LmdbStore(tmp_path, max_readers=2)
+    store.flush(_key(0), _block(0))
+
+    def hold_readers(held: contextlib.ExitStack) -> None:
+        for _ in range(10):  # each open record holds a read transaction, and with it a reader slot
+            held.enter_context(store.records.get_record(str(_key(0))))
+
+    with contextlib.ExitStack() as held:
+        with pytest.raises(dv.StoreError, match="max_readers") as raised:
+            hold_readers(held)
+        assert not isinstance(raised.value, lmdb.Error)
+        assert isinstance(raised.value.__cause__, lmdb.ReadersFullError)
+        assert str(tmp_path) in str(raised.value)
+        assert "too many concurrent readers" in str(raised.value)
+        with pytest.raises(dv.StoreError, match="max_readers"):
+            store.keys("req-1")
+        store.flush(_key(1), _block(1))  # a writer needs no reader slot
+    assert same_bits(store.fetch(_key(0)), _block(0))  # the readers are gone: reading works again
+    assert store.keys("req-1") == [_key(0), _key(1)]
+
+
+def test_a_truncated_data_file_is_refused_at_open_instead_of_crashing_on_read(tmp_path) -> None:
+    with LmdbStore(tmp_path, sync=False) as store:
+        for step in range(16):
+            store.flush(_key(step), random_tensor((64, 1024), torch.float32, seed=step))  # 256 KiB each
+    data = tmp_path / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    reader = _HELPERS + f"""
+    try:
+        store = dv.open_store("lmdb://{tmp_path}")
+        for step in range(16):
+            store.fetch(key(step))
+    except dv.StoreError as error:
+        print("StoreError:", error)
+    else:
+        print("read everything")
+    """
+    result = subprocess.run(_python(reader), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"the reader died with {result.returncode}: {result.stderr}"
+    assert result.stdout.startswith("StoreError:"), result.stdout + result.stderr
+    assert "data.mdb is shorter than LMDB says it must be" in result.stdout
+
+
+class _Recording(Channel):
+    """Keeps what would be sent, to send a well-formed message over a plain socket."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+
+    def send(self, *buffers) -> None:
+        for buffer in buffers:
+            self.sent += bytes(buffer)
+
+    def recv_into(self, buffer, idle=False) -> None:
+        raise AssertionError("not used")
+
+    def close(self) -> None:
+        pass
+
+
+def _frame(op: Op, meta: bytes) -> bytes:
+    recording = _Recording()
+    send_message(recording, op, meta=meta)
+    return bytes(recording.sent)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    received = b""
+    while len(received) < size:
+        part = sock.recv(size - len(received))
+        assert part, "the server closed the connection"
+        received += part
+    return received
+
+
+def _stalled_get(url: str, name: str) -> socket.socket:
+    """A client that asks for a record and reads none of the reply, on a socket with a tiny receive buffer."""
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+    sock.settimeout(10)
+    sock.connect((host, int(port)))
+    sock.sendall(_frame(Op.HELLO, f"dejavu-sdk {dv.__version__}".encode()))
+    reply = CONTROL.unpack(_recv_exactly(sock, CONTROL.size))
+    _recv_exactly(sock, reply[4] + reply[5])  # the HELLO reply's meta and header, if any
+    assert reply[3] == 0, "the server refused the HELLO"
+    sock.sendall(_frame(Op.GET, name.encode()))
+    sock.recv(1, socket.MSG_PEEK)  # the reply has begun: the server is sending, and stuck on this client
+    return sock
+
+
+def _active_readers(store: LmdbStore) -> list[str]:
+    rows = store.records._env.readers().splitlines()[1:]
+    return [row for row in rows if row.split() and row.split()[0].isdigit()]
+
+
+def test_a_client_that_reads_slowly_holds_no_lmdb_reader_and_stalls_nobody(tmp_path) -> None:
+    store = LmdbStore(tmp_path, sync=False, map_size=1 << 16)
+    big = random_tensor((4096, 1024), torch.float32, seed=1)  # 16 MiB: far more than the socket buffers hold
+    store.flush(_key(0), big)
+    with dv.serve("tcp://127.0.0.1:0", store) as server, dv.open_store(server.url, timeout=10) as other:
+        slow, writer = _stalled_get(server.url, str(_key(0))), None
+        try:
+            assert _active_readers(store) == []  # the server sends a copy, outside any read transaction
+
+            info, psize = store.records._env.info(), store.records._env.stat()["psize"]
+            free = info["map_size"] - (info["last_pgno"] + 1) * psize
+            grows = torch.zeros((free + (1 << 20)) // 4, dtype=torch.float32)  # more than the map has left
+            done = threading.Event()
+            errors: list[BaseException] = []
+
+            def flush() -> None:
+                try:
+                    other.flush(_key(1), grows)
+                except BaseException as error:  # reported by the test below
+                    errors.append(error)
+                done.set()
+
+            writer = threading.Thread(target=flush, daemon=True)
+            writer.start()
+            assert done.wait(1.0), "another client's flush (which grows the map) waited on the slow client"
+            assert errors == []
+            assert store.records.map_size > info["map_size"]
+        finally:
+            slow.close()
+            if writer is not None:
+                writer.join(timeout=120)
+        assert same_bits(other.fetch(_key(0)), big)
+        assert same_bits(store.fetch(_key(1)), grows)
