@@ -25,7 +25,19 @@ DTYPE_CODES: dict[str, int] = {
 DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
 
 _STREAM_ID = re.compile(r"[A-Za-z0-9_.:@+=,~-]{1,200}")
-_KEY_TEXT = re.compile(r"(?P<stream>[^/]+)/L(?P<a>\d+)-(?P<b>\d+)\.T(?P<t0>\d+)-(?P<t1>\d+)")
+_RUN_ID = re.compile(r"[0-9a-f]{1,32}")  # a run id: uuid4().hex[:16] in the engine
+#: Layer and position numbers in a key stay below 10**12, so their text is at most 12 ASCII digits. That is
+#: far beyond any model (10**12 positions of KV would be petabytes per layer), and it keeps parsing cheap
+#: and total: a record name read from a store or a peer can never make `int()` hit Python's digit limit.
+MAX_INDEX_DIGITS = 12
+INDEX_LIMIT = 10**MAX_INDEX_DIGITS
+_NUMBER = rf"[0-9]{{1,{MAX_INDEX_DIGITS}}}"  # ASCII only: `\d` would also match other scripts' digits
+_KEY_TEXT = re.compile(
+    rf"(?P<stream>[^/]+)/(?:r(?P<run>[0-9a-f]{{1,32}})\.)?L(?P<a>{_NUMBER})-(?P<b>{_NUMBER})\.T(?P<t0>{_NUMBER})-(?P<t1>{_NUMBER})"
+)
+_CANONICAL = ("the canonical spelling is 'stream/La-b.Tt0-t1' or 'stream/r<run>.La-b.Tt0-t1', exactly as str(key) "
+              f"writes it: ASCII digits without leading zeros, numbers below 10**{MAX_INDEX_DIGITS}, "
+              "a run of 1-32 lowercase hex digits")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -51,11 +63,25 @@ def check_stream_id(stream_id: object) -> str:
     return stream_id
 
 
+def check_run(run: object) -> str:
+    """Return `run` if it is a valid run id ("" for none, else 1-32 lowercase hex digits); ConfigError otherwise."""
+    if not isinstance(run, str) or (run and not _RUN_ID.fullmatch(run)):
+        raise ConfigError(f"invalid run {_shown(run)}: use '' (no run) or 1-32 lowercase hex digits, "
+                          "e.g. uuid4().hex[:16]")
+    return run
+
+
 def check_key(key: object) -> BlockKey:
     """Return `key` if it is a BlockKey; ConfigError otherwise."""
     if not isinstance(key, BlockKey):
         raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {key!r}")
     return key
+
+
+def _shown(text: object, limit: int = 120) -> str:
+    """`text` for an error message, cut short: names come from stores and peers and may be huge."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
 def _range(value: object, what: str) -> tuple[int, int]:
@@ -70,6 +96,8 @@ def _range(value: object, what: str) -> tuple[int, int]:
         raise ConfigError(f"{what} must hold integers, got {value!r}")
     if not 0 <= start < stop:
         raise ConfigError(f"{what} range {value!r} is empty or inverted: need 0 <= start < stop")
+    if stop >= INDEX_LIMIT:
+        raise ConfigError(f"{what} range {value!r} reaches past 10**{MAX_INDEX_DIGITS}, the largest index a key names")
     return (start, stop)
 
 
@@ -77,34 +105,47 @@ def _range(value: object, what: str) -> tuple[int, int]:
 class BlockKey:
     """Names one block: layers `[a, b)` x token positions `[t0, t1)` of stream `stream_id`.
 
-    `str(key)` is a stable name (`"req-1/L0-1.T0-512"`) that `BlockKey.parse` turns back into the key.
+    `run` ("" by default) names the one generation of the stream that wrote the block: the engine gives each
+    `generate` its own run id, so two runs of one stream id never share a block name.
+    `str(key)` is a stable name (`"req-1/L0-1.T0-512"`, or `"req-1/r3f9a.L0-1.T0-512"` with a run) that
+    `BlockKey.parse` turns back into the key; it is also the label every stored record is verified against.
     """
 
     stream_id: str = attrs.field(converter=check_stream_id)
     layers: tuple[int, int] = attrs.field(converter=lambda v: _range(v, "layers"))
     tokens: tuple[int, int] = attrs.field(converter=lambda v: _range(v, "tokens"))
+    run: str = attrs.field(default="", kw_only=True, converter=check_run)
 
     @classmethod
-    def for_layer(cls, stream_id: str, layer: int, first: int, count: int) -> BlockKey:
+    def for_layer(cls, stream_id: str, layer: int, first: int, count: int, run: str = "") -> BlockKey:
         """The block prefill streams once `layer` has processed `count` positions from `first` on."""
-        return cls(stream_id, layers=(layer, layer + 1), tokens=(first, first + count))
+        return cls(stream_id, layers=(layer, layer + 1), tokens=(first, first + count), run=run)
 
     @classmethod
-    def for_decode_steps(cls, stream_id: str, layers: tuple[int, int], first: int, count: int = 1) -> BlockKey:
+    def for_decode_steps(cls, stream_id: str, layers: tuple[int, int], first: int, count: int = 1,
+                         run: str = "") -> BlockKey:
         """The block decode streams for `count` steps starting at position `first`, over `layers`."""
-        return cls(stream_id, layers=layers, tokens=(first, first + count))
+        return cls(stream_id, layers=layers, tokens=(first, first + count), run=run)
 
     @classmethod
     def parse(cls, text: str) -> BlockKey:
-        """The key whose `str()` is `text`; ConfigError for anything else."""
+        """The key whose `str()` is exactly `text`; ConfigError for anything else, other spellings included.
+
+        Only the canonical spelling parses, so one block has one name in every store (no `L01`, no
+        non-ASCII digits), and no name, however long, costs more than a bounded `int()`.
+        """
         match = _KEY_TEXT.fullmatch(text) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"{text!r} is not a block key (expected 'stream/La-b.Tt0-t1')")
-        return cls(
+            raise ConfigError(f"{_shown(text)} is not a block key: {_CANONICAL}")
+        key = cls(
             match["stream"],
             layers=(int(match["a"]), int(match["b"])),
             tokens=(int(match["t0"]), int(match["t1"])),
+            run=match["run"] or "",
         )
+        if str(key) != text:
+            raise ConfigError(f"{_shown(text)} is not the canonical name of block {key}: {_CANONICAL}")
+        return key
 
     @property
     def num_layers(self) -> int:
@@ -116,7 +157,8 @@ class BlockKey:
 
     def __str__(self) -> str:
         (a, b), (t0, t1) = self.layers, self.tokens
-        return f"{self.stream_id}/L{a}-{b}.T{t0}-{t1}"
+        run = f"r{self.run}." if self.run else ""
+        return f"{self.stream_id}/{run}L{a}-{b}.T{t0}-{t1}"
 
 
 def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .blocks import BlockKey, KVSpec
+from .blocks import BlockKey, KVSpec, check_run
 from .errors import ConfigError, ReplicationError
 from .stream import BlockSink, ManifestSink, StagingBuffer
 
@@ -43,17 +43,20 @@ class CacheManager:
     the sink must be a `ManifestSink` (a store, the local transport, an engine's replica): it gets each block
     together with the stream's manifest as it will be once that block is durable,
     `manifest_for(key, durable_positions)`. LMDB then commits both in one transaction.
+    `run` goes into every block key (`BlockKey.run`): the engine names each generation's blocks apart.
     """
 
     def __init__(self, sink: BlockSink | ManifestSink, stream_id: str, layers: int, *, replicate_every: int = 1,
                  queue_size: int = 8, on_replica_error: str = "raise",
                  on_durable: Callable[[BlockKey], None] | None = None, durable: Sequence[BlockKey] = (),
-                 durable_positions: int = 0, manifest_for: Callable[[BlockKey, int], bytes] | None = None) -> None:
+                 durable_positions: int = 0, manifest_for: Callable[[BlockKey, int], bytes] | None = None,
+                 run: str = "") -> None:
         if not isinstance(replicate_every, int) or replicate_every < 1:
             raise ConfigError(f"replicate_every must be a positive integer, got {replicate_every!r}")
         if on_replica_error not in ("raise", "warn"):
             raise ConfigError(f"on_replica_error must be 'raise' or 'warn', got {on_replica_error!r}")
         self.sink, self.stream_id, self.layers = sink, stream_id, layers
+        self.run = check_run(run)
         self.replicate_every, self.on_replica_error = replicate_every, on_replica_error
         self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
         self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
@@ -82,7 +85,7 @@ class CacheManager:
             return
         if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, while the next layer computes
             block = torch.stack((keys.detach(), values.detach())).unsqueeze(0)  # a copy, off the graph
-            key = BlockKey.for_layer(self.stream_id, layer, first_position, keys.shape[-2])
+            key = BlockKey.for_layer(self.stream_id, layer, first_position, keys.shape[-2], self.run)
             self._hand_off(key, block)
             return
         if layer == 0:
@@ -115,7 +118,7 @@ class CacheManager:
         staging, filled = self._staging, self._filled
         assert staging is not None  # set whenever _filled > 0, the only time this is called
         self._staging, self._filled = None, 0
-        key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled)
+        key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled, self.run)
         block = staging.buffer if filled == self.replicate_every else staging.buffer[:, :, :, :, :filled]
         self._hand_off(key, block, lambda: self._free.put(staging))
 

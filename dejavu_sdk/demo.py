@@ -71,6 +71,7 @@ def _generate_child(store: str, new_tokens: int, random_model: bool) -> None:
     print(f"model {name}", flush=True)
     ids, mask = _prompt(tokenizer)
     DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=new_tokens, stream_id=STREAM,
+                                              replace=True,  # a demo left behind in a --store starts over
                                               logits_processor=LogitsProcessorList([Progress()]))
     print("finished", flush=True)
 

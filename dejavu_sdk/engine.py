@@ -5,9 +5,12 @@ Who calls what:
   `cache` for custom loops, `forget` to drop a stream, and `close`;
 - `generate` runs `model.generate` with a `StreamingCache`; its `CacheManager` streams each block to the
   engine's replica (`dejavu_sdk.replica`, picked once at construction) together with the stream's
-  manifest as it will be once that block is durable (the tokens so far);
-- `resume` reads the manifest, checks the model's geometry, rebuilds the durable cache with `gather`, and
-  lets `model.generate` recompute only the positions after the last durable one.
+  manifest as it will be once that block is durable (the tokens so far). Each `generate` is one *run*
+  with its own run id, written into its manifest and into the name of every block it streams, so the
+  blocks of two generations under one stream id never share a name and are never mixed;
+- `resume` reads the manifest (checked whole: it names only blocks of its own stream and run), checks the
+  model's geometry, rebuilds the durable cache with `gather`, and lets `model.generate` recompute only
+  the positions after the last durable one; it continues the manifest's run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from .backends import open_store
 from .blocks import BlockKey, KVSpec, check_stream_id, dtype_name
 from .cache import CacheManager, StreamingCache
-from .errors import BlockNotFound, ConfigError
+from .errors import BlockNotFound, ConfigError, CorruptBlock
 from .manifest import Manifest
 from .replica import OneStoreReplica, SplitReplica, open_replica
 from .store import Store
@@ -62,19 +65,33 @@ class DejaVuEngine:
 
     # ---- public API --------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 max_new_tokens: int | None = None, stream_id: str | None = None, **kwargs: Any) -> torch.Tensor:
-        """`model.generate(input_ids, ..., do_sample=False)`, with the KV cache replicated as it is produced."""
+                 max_new_tokens: int | None = None, stream_id: str | None = None, replace: bool = False,
+                 **kwargs: Any) -> torch.Tensor:
+        """`model.generate(input_ids, ..., do_sample=False)`, with the KV cache replicated as it is produced.
+
+        A stream id names one generation at a time. If `stream_id` already has a manifest in the store (an
+        unfinished generation, or a finished one kept with `keep_finished=True`), this raises ConfigError
+        rather than destroy it: `resume` it, `forget` it, or pass `replace=True` to delete it and start over.
+        """
         _refuse_sampling(kwargs)
         if self.store is None:
             return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                        do_sample=False, **kwargs)
         stream_id = check_stream_id(stream_id or f"stream-{uuid.uuid4().hex[:12]}")
+        if not isinstance(replace, bool):
+            raise ConfigError(f"replace must be True or False, got {replace!r}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         eos, pad = self._special_tokens(kwargs)
-        manifest = Manifest(stream_id, self._geometry(input_ids.shape[0]), input_ids.tolist(),
-                            attention_mask.tolist(), self._max_new_tokens(max_new_tokens), eos, pad,
-                            self.options["replicate_every"])
+        rows = input_ids.shape[0]
+        manifest = Manifest(stream_id=stream_id, run=uuid.uuid4().hex[:16], geometry=self._geometry(rows),
+                            input_ids=input_ids.tolist(), attention_mask=attention_mask.to(torch.long).tolist(),
+                            max_new_tokens=self._max_new_tokens(max_new_tokens), eos_token_id=eos, pad_token_id=pad,
+                            replicate_every=self.options["replicate_every"])
+        if replace:
+            self.forget(stream_id)
+        else:
+            self._refuse_taken(stream_id)
         self.store.write_manifest(stream_id, manifest.to_bytes())
         return self._run(manifest, kwargs)
 
@@ -129,7 +146,7 @@ class DejaVuEngine:
         recorder = _TokenRecorder(manifest, restored_keys)
         manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
-                               manifest_for=recorder.manifest_after, **self.options)
+                               manifest_for=recorder.manifest_after, run=manifest.run, **self.options)
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
@@ -174,8 +191,30 @@ class DejaVuEngine:
         if self.keep_finished:
             self._require_store().write_manifest(manifest.stream_id,
                                                  attrs.evolve(manifest, finished=True).to_bytes())
+        else:  # only this run's own: a run started under the same id meanwhile keeps its blocks and manifest
+            self._require_replica().delete_run(manifest.stream_id, manifest.run)
+
+    def _refuse_taken(self, stream_id: str) -> None:
+        """ConfigError if `stream_id` already has a manifest: generate must not silently destroy a stream."""
+        store = self._require_store()
+        try:
+            finished: bool | None = Manifest.from_bytes(store.read_manifest(stream_id), stream_id).finished
+        except BlockNotFound:
+            return
+        except (ConfigError, CorruptBlock):
+            finished = None
+        options = (f"delete it with engine.forget({stream_id!r}), or pass replace=True to generate to delete it and "
+                   "start over")
+        if finished is None:
+            state = (f"a manifest this SDK cannot resume (damaged or of another format; engine.resume({stream_id!r}) "
+                     "says why)")
+        elif finished:
+            state = (f"a finished generation kept with keep_finished=True (engine.resume({stream_id!r}) returns "
+                     "its tokens)")
         else:
-            self.forget(manifest.stream_id)
+            state = f"an unfinished generation (continue it with engine.resume({stream_id!r}))"
+        raise ConfigError(f"stream {stream_id} already holds {state} in {store.url}; {options}. A stream id names "
+                          "one generation at a time")
 
     # ---- the model --------------------------------------------------------------------------
     def _geometry(self, batch: int) -> dict[str, Any]:

@@ -3,26 +3,37 @@
 It records the model's KV geometry (to refuse a different model), the prompt and its mask, the generation
 settings, the tokens generated so far, and which blocks are durable. The streamer rewrites it after each
 block the store has accepted, so it never claims a position whose KV is not durable.
+
+A manifest belongs to one *run*: one `generate` call, named by a run id that is also written into the name
+of every block the run streams (`BlockKey.run`). A manifest names only blocks of its own stream and run,
+and `Manifest.from_bytes` checks that together with the rest of the schema (`check_manifest`), so a resume
+never mixes the blocks of two generations.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
-from .blocks import BlockKey
+from .blocks import DTYPE_CODES, BlockKey, check_run
 from .errors import ConfigError, CorruptBlock
 
-FORMAT = 1
+#: Format 2 added `run` (and run ids in block names). Format 1 manifests are refused: their blocks carry no
+#: run, so nothing tells their blocks from another generation's under the same stream id.
+FORMAT = 2
 _PROGRESS = frozenset({"generated", "blocks", "durable_positions", "finished"})
+#: The geometry the engine records, by field, with the type each must have.
+GEOMETRY_FIELDS: dict[str, type] = {"architecture": str, "layers": int, "kv_heads": int, "head_dim": int,
+                                    "dtype": str, "batch": int}
 
 
 @attrs.frozen
 class Manifest:
     stream_id: str
+    run: str  # the run id of the generate call that wrote this manifest and every block it names
     geometry: dict[str, Any]  # layers, kv_heads, head_dim, dtype, batch, architecture
     input_ids: list[list[int]]
     attention_mask: list[list[int]]
@@ -30,7 +41,9 @@ class Manifest:
     eos_token_id: list[int]
     pad_token_id: int | None
     replicate_every: int
-    generated: list[list[int]] = attrs.field(factory=list)  # per row, the tokens after the prompt
+    # per row, the tokens after the prompt (one empty row per prompt row before the first token)
+    generated: list[list[int]] = attrs.field(
+        default=attrs.Factory(lambda self: [[] for _ in self.input_ids], takes_self=True))
     blocks: list[str] = attrs.field(factory=list)  # durable blocks, in the order they became durable
     durable_positions: int = 0  # positions [0, n) of every layer are durable
     finished: bool = False
@@ -48,7 +61,8 @@ class Manifest:
 
     def progress_writer(self) -> Callable[[list[list[int]], list[str], int], bytes]:
         """A fast serializer for this manifest as generation progresses: the fixed fields are encoded once,
-        and each call encodes only the tokens, the durable blocks and the durable positions."""
+        and each call encodes only the tokens, the durable blocks and the durable positions (unchecked: it
+        runs every decode step, and `from_bytes` checks what it wrote when the manifest is read back)."""
         fixed = {"format": FORMAT, **attrs.asdict(self, filter=lambda field, _: field.name not in _PROGRESS)}
         prefix = json.dumps(fixed, separators=(",", ":"))[:-1]
 
@@ -61,14 +75,12 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, stream_id: str) -> Manifest:
+        """The manifest `data` holds, checked against the whole schema (`check_manifest`)."""
         try:
             fields = json.loads(data)
-            version = fields.pop("format")
-        except (ValueError, KeyError, AttributeError) as error:
+        except (ValueError, RecursionError) as error:
             raise CorruptBlock(f"the manifest of stream {stream_id} cannot be read: {error}") from None
-        if version != FORMAT:
-            raise ConfigError(f"stream {stream_id} was written by manifest format {version}; this SDK reads {FORMAT}")
-        return cls(**fields)
+        return cls(**check_manifest(fields, stream_id))
 
     def check_geometry(self, geometry: dict[str, Any]) -> None:
         """ConfigError naming every difference between this stream's model and `geometry`."""
@@ -77,3 +89,164 @@ class Manifest:
         if differences:
             raise ConfigError(f"stream {self.stream_id} was produced by another model ({'; '.join(differences)}); "
                               "resume it with the model that started it")
+
+
+FIELDS = frozenset(field.name for field in attrs.fields(Manifest))
+
+
+def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
+    """The fields of a decoded manifest of `stream_id` (its JSON, `format` included) as `Manifest` takes them.
+
+    Checks every field's type and shape, and how fields agree with each other. ConfigError for a format
+    this SDK does not read; CorruptBlock, naming the field and what is wrong, for anything else.
+    """
+    schema = _Schema(stream_id)
+    if not isinstance(fields, dict):
+        raise schema.fail("", f"is a JSON {_json_type(fields)}, not an object")
+    if "format" not in fields:
+        raise schema.fail("format", "is missing")
+    version = fields["format"]
+    if not _is_int(version):
+        raise schema.fail("format", f"must be an integer, got {_shown(version)}")
+    if version != FORMAT:
+        raise ConfigError(f"stream {stream_id} was written by manifest format {version}; this SDK reads format "
+                          f"{FORMAT} only. Finish it with the SDK that started it, or delete it with "
+                          f"engine.forget({stream_id!r}) (or generate(..., replace=True))")
+    given = {name: value for name, value in fields.items() if name != "format"}
+    missing, extra = sorted(FIELDS - given.keys()), sorted(given.keys() - FIELDS)
+    if missing:
+        raise schema.fail(missing[0], f"is missing (missing: {', '.join(missing)})")
+    if extra:
+        raise schema.fail(extra[0], f"is not a field of manifest format {FORMAT} (unknown: {', '.join(extra)})")
+
+    if given["stream_id"] != stream_id:
+        raise schema.fail("stream_id", f"is {_shown(given['stream_id'])}: the manifest belongs to another stream")
+    run = given["run"]
+    if not isinstance(run, str) or not run:
+        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {_shown(run)}")
+    try:
+        check_run(run)
+    except ConfigError:
+        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {_shown(run)}") from None
+
+    rows, prompt = schema.rows("input_ids", given["input_ids"])
+    schema.rows("attention_mask", given["attention_mask"], shape=(rows, prompt), values=(0, 1))
+    schema.geometry(given["geometry"], rows)
+    max_new_tokens = schema.integer("max_new_tokens", given["max_new_tokens"], minimum=1)
+    schema.integer("replicate_every", given["replicate_every"], minimum=1)
+    eos = given["eos_token_id"]
+    if not isinstance(eos, list):
+        raise schema.fail("eos_token_id", f"must be a list of token ids, got {_shown(eos)}")
+    for index, token in enumerate(eos):
+        schema.integer(f"eos_token_id[{index}]", token)
+    if given["pad_token_id"] is not None:
+        schema.integer("pad_token_id", given["pad_token_id"])
+    _, generated = schema.rows("generated", given["generated"], shape=(rows, None), empty_rows=True)
+    if generated > max_new_tokens:
+        raise schema.fail("generated", f"holds {generated} tokens per row, more than max_new_tokens={max_new_tokens}")
+    length = prompt + generated
+    durable = schema.integer("durable_positions", given["durable_positions"])
+    if durable > length:
+        raise schema.fail("durable_positions", f"is {durable}, past the {length} positions of prompt and tokens")
+    schema.blocks(given["blocks"], run, given["geometry"]["layers"], length)
+    if not isinstance(given["finished"], bool):
+        raise schema.fail("finished", f"must be true or false, got {_shown(given['finished'])}")
+    return given
+
+
+class _Schema:
+    """The checks of `check_manifest`; each failure is a CorruptBlock naming the field."""
+
+    def __init__(self, stream_id: str) -> None:
+        self.stream_id = stream_id
+
+    def fail(self, field: str, problem: str) -> CorruptBlock:
+        what = f"field {field!r} " if field else ""
+        return CorruptBlock(f"the manifest of stream {self.stream_id} is invalid: {what}{problem}; it must not be "
+                            f"used (delete the stream with engine.forget({self.stream_id!r}))")
+
+    def integer(self, field: str, value: object, minimum: int = 0) -> int:
+        if not _is_int(value):
+            raise self.fail(field, f"must be an integer, got {_shown(value)}")
+        if value < minimum:
+            raise self.fail(field, f"must be at least {minimum}, got {value}")
+        return value
+
+    def rows(self, field: str, value: object, shape: tuple[int, int | None] | None = None,
+             values: tuple[int, int] | None = None, empty_rows: bool = False) -> tuple[int, int]:
+        """(rows, width) of a list of equally long lists of ints >= 0 (within `values` when given)."""
+        if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
+            raise self.fail(field, f"must be a list of rows (lists of integers), got {_shown(value)}")
+        if not value:
+            raise self.fail(field, "has no rows")
+        width = len(value[0])
+        low, high = values if values is not None else (0, None)
+        for index, row in enumerate(value):
+            if len(row) != width:
+                raise self.fail(field, f"is ragged: row {index} has {len(row)} entries, row 0 has {width}")
+            if all(type(item) is int for item in row) and (not row or (min(row) >= low and  # the usual case, fast
+                                                                       (high is None or max(row) <= high))):
+                continue
+            for column, item in enumerate(row):  # find the entry that is wrong, and say what is wrong with it
+                self.integer(f"{field}[{index}][{column}]", item, minimum=low)
+                if high is not None and item > high:
+                    raise self.fail(f"{field}[{index}][{column}]", f"must be {low} or {high}, got {item}")
+        if width == 0 and not empty_rows:
+            raise self.fail(field, "has empty rows")
+        if shape is not None:
+            expected_rows, expected_width = shape
+            if len(value) != expected_rows:
+                raise self.fail(field, f"has {len(value)} rows, input_ids has {expected_rows}")
+            if expected_width is not None and width != expected_width:
+                raise self.fail(field, f"has rows of {width} entries, input_ids has {expected_width}")
+        return len(value), width
+
+    def geometry(self, value: object, rows: int) -> None:
+        if not isinstance(value, dict):
+            raise self.fail("geometry", f"must be an object, got {_shown(value)}")
+        missing, extra = sorted(GEOMETRY_FIELDS.keys() - value.keys()), sorted(value.keys() - GEOMETRY_FIELDS.keys())
+        if missing or extra:
+            raise self.fail("geometry", f"must hold exactly {', '.join(GEOMETRY_FIELDS)}; "
+                                        f"missing {missing or 'none'}, unknown {extra or 'none'}")
+        for name, kind in GEOMETRY_FIELDS.items():
+            if kind is int:
+                self.integer(f"geometry.{name}", value[name], minimum=1)
+            elif not isinstance(value[name], str) or not value[name]:
+                raise self.fail(f"geometry.{name}", f"must be a non-empty string, got {_shown(value[name])}")
+        if value["dtype"] not in DTYPE_CODES:
+            raise self.fail("geometry.dtype", f"{value['dtype']!r} is not a dtype blocks hold")
+        if value["batch"] != rows:
+            raise self.fail("geometry.batch", f"is {value['batch']}, but input_ids has {rows} rows")
+
+    def blocks(self, value: object, run: str, layers: int, length: int) -> None:
+        if not isinstance(value, list):
+            raise self.fail("blocks", f"must be a list of block names, got {_shown(value)}")
+        for index, name in enumerate(value):
+            field = f"blocks[{index}]"
+            if not isinstance(name, str):
+                raise self.fail(field, f"must be a block name, got {_shown(name)}")
+            try:
+                key = BlockKey.parse(name)
+            except ConfigError as error:
+                raise self.fail(field, f"is not a block name: {error}") from None
+            if key.stream_id != self.stream_id:
+                raise self.fail(field, f"names {name!r}, a block of stream {key.stream_id}, not of this stream")
+            if key.run != run:
+                raise self.fail(field, f"names {name!r}, a block of run {key.run or '(none)'}, not of this "
+                                       f"manifest's run {run}: blocks of two generations must never be mixed")
+            if key.layers[1] > layers or key.tokens[1] > length:
+                raise self.fail(field, f"names {name!r}, outside the stream's {layers} layers x {length} positions")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: object) -> str:
+    names = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}..."

@@ -5,16 +5,19 @@ The engine picks one replica at construction, from its store and transport:
   copies on side streams). Each block and the manifest naming it are one write (one LMDB transaction).
 - `SplitReplica`: blocks in another store (a peer's, through a network transport), manifests in the
   engine's own store, each written right after the block it names is accepted.
-Both give the cache manager `flush_with_manifest`, and the engine `blocks` to fetch from and `delete`.
+Both give the cache manager `flush_with_manifest`, and the engine `blocks` to fetch from, `delete` (a whole
+stream, every run) and `delete_run` (one run's blocks, and the manifest while it is still that run's).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .backends import open_transport
 from .blocks import BlockKey
-from .store import Store
+from .errors import BlockNotFound, CorruptBlock
+from .store import Store, manifest_name
 from .stream import BlockIO
 from .transports.base import Transport
 from .transports.local import LocalTransport
@@ -34,6 +37,10 @@ class OneStoreReplica:
     def delete(self, stream_id: str) -> int:
         return self.manifests.delete(stream_id)
 
+    def delete_run(self, stream_id: str, run: str) -> int:
+        _delete_manifest_of_run(self.manifests, stream_id, run)
+        return _delete_blocks_of_run(self.manifests, stream_id, run)
+
     def close(self) -> None:
         self.transport.close()
 
@@ -52,8 +59,31 @@ class SplitReplica:
         self.manifests.delete(stream_id)
         return self.blocks.delete(stream_id)
 
+    def delete_run(self, stream_id: str, run: str) -> int:
+        _delete_manifest_of_run(self.manifests, stream_id, run)
+        return _delete_blocks_of_run(self.blocks, stream_id, run)
+
     def close(self) -> None:
         self.blocks.close()
+
+
+def _delete_manifest_of_run(store: Store, stream_id: str, run: str) -> None:
+    """Delete the stream's manifest if run `run` wrote it (the manifest goes first: it must never name a block
+    that is gone). Another run's manifest stays. The check and the removal are two requests, so a run that
+    writes its manifest in between loses it until its next block rewrites it."""
+    try:
+        owner = json.loads(store.read_manifest(stream_id)).get("run")
+    except (BlockNotFound, CorruptBlock, ValueError, AttributeError, RecursionError):  # none, or not this run's
+        return
+    if owner == run:
+        store.records.remove([manifest_name(stream_id)])
+
+
+def _delete_blocks_of_run(store: Store, stream_id: str, run: str) -> int:
+    """Delete the blocks of run `run` of the stream; blocks of its other runs stay. Returns how many."""
+    names = [str(key) for key in store.keys(stream_id) if key.run == run]
+    store.records.remove(names)
+    return len(names)
 
 
 def open_replica(store: Store, transport: str | Transport) -> OneStoreReplica | SplitReplica:

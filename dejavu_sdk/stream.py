@@ -219,19 +219,19 @@ def stream_out(source: BlockSource, keys: Iterable[BlockKey],
         block = fetched[piece.key]
         offset = piece.layers[0] - piece.key.layers[0]
         part = block[offset:offset + piece.layers[1] - piece.layers[0]]
-        yield piece.stage, BlockKey(piece.key.stream_id, layers=piece.layers, tokens=piece.key.tokens), part
+        yield piece.stage, attrs.evolve(piece.key, layers=piece.layers), part  # same stream, run and positions
 
 
 def stream_in(pieces: Iterable[tuple[BlockKey, torch.Tensor]],
               stage_layers: tuple[int, int]) -> list[tuple[BlockKey, torch.Tensor]]:
     """Merge the pieces one stage received into one block per position range over all of its layers."""
-    by_tokens: dict[tuple[str, tuple[int, int]], list[tuple[BlockKey, torch.Tensor]]] = defaultdict(list)
+    by_block: dict[tuple[str, str, tuple[int, int]], list[tuple[BlockKey, torch.Tensor]]] = defaultdict(list)
     for key, tensor in pieces:
-        by_tokens[(key.stream_id, key.tokens)].append((key, tensor))
+        by_block[(key.stream_id, key.run, key.tokens)].append((key, tensor))
     merged = []
-    for (stream_id, tokens), parts in sorted(by_tokens.items()):
+    for (_, _, tokens), parts in sorted(by_block.items()):
         parts.sort(key=lambda part: part[0].layers)
         check_tiling([key for key, _ in parts], stage_layers, tokens)
-        key = BlockKey(stream_id, layers=stage_layers, tokens=tokens)
+        key = attrs.evolve(parts[0][0], layers=stage_layers)  # same stream, run and positions
         merged.append((key, torch.cat([tensor for _, tensor in parts], dim=0)))
     return merged

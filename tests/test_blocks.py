@@ -6,19 +6,71 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dejavu_sdk as dv
-from dejavu_sdk.blocks import DTYPE_CODES
+from dejavu_sdk.blocks import DTYPE_CODES, MAX_INDEX_DIGITS
 
 STREAM_IDS = st.text(alphabet="abcXYZ019_.:@+=,~-", min_size=1, max_size=40).filter(lambda s: s not in (".", ".."))
+RUNS = st.one_of(st.just(""), st.text(alphabet="0123456789abcdef", min_size=1, max_size=32))
+LIMIT = 10**MAX_INDEX_DIGITS
 
 
-@given(STREAM_IDS, st.integers(0, 10**6), st.integers(1, 10**4), st.integers(0, 10**7), st.integers(1, 10**5))
-def test_a_key_parses_back_from_its_string(stream_id: str, a: int, layers: int, t0: int, tokens: int) -> None:
-    key = dv.BlockKey(stream_id, layers=(a, a + layers), tokens=(t0, t0 + tokens))
+@given(STREAM_IDS, st.integers(0, LIMIT - 2), st.integers(1, 10**4), st.integers(0, LIMIT - 2), st.integers(1, 10**5),
+       RUNS)
+def test_a_key_parses_back_from_its_string(stream_id: str, a: int, layers: int, t0: int, tokens: int,
+                                           run: str) -> None:
+    key = dv.BlockKey(stream_id, layers=(a, min(a + layers, LIMIT - 1)), tokens=(t0, min(t0 + tokens, LIMIT - 1)),
+                      run=run)
     assert dv.BlockKey.parse(str(key)) == key
+    assert str(dv.BlockKey.parse(str(key))) == str(key)
 
 
 def test_string_form_is_stable() -> None:
     assert str(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 512))) == "req-1/L0-1.T0-512"
+    assert str(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 512), run="3f9a")) == "req-1/r3f9a.L0-1.T0-512"
+    assert dv.BlockKey.parse("req-1/r3f9a.L0-1.T0-512") == dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 512),
+                                                                       run="3f9a")
+
+
+@pytest.mark.parametrize("text", [
+    "req/L01-2.T0-5",  # leading zeros: a second spelling of req/L1-2.T0-5
+    "req/L1-2.T00-5",
+    "req/L1-2.T0-05",
+    "req/L00-1.T0-5",
+    "req/L1-2.T0-\u0665",  # Arabic-Indic five: int() reads it, str(key) never writes it
+    "req/L\u0661-2.T0-5",
+    "req/L1-2.T0-\uff15",  # fullwidth five
+    "req/L1-2.T0-" + "9" * 5000,  # past Python's int-string limit: a ConfigError, not a raw ValueError
+    "req/L0-1.T0-" + "9" * 13,  # past the 12-digit bound
+    "req/L0-1.T+0-5",
+    "req/L0-1.T 0-5",
+    "req/L0-1.T0-5\n",
+    "req/r.L0-1.T0-5",  # an empty run is written without the r. part
+    "req/rABC.L0-1.T0-5",  # runs are lowercase hex
+    "req/rxyz.L0-1.T0-5",
+    "req/r" + "a" * 33 + ".L0-1.T0-5",
+    "req/r0a.r0a.L0-1.T0-5",
+])
+def test_parse_accepts_only_the_canonical_spelling(text: str) -> None:
+    with pytest.raises(dv.ConfigError, match="canonical spelling"):
+        dv.BlockKey.parse(text)
+
+
+def test_a_huge_name_gets_a_short_error() -> None:
+    with pytest.raises(dv.ConfigError) as raised:
+        dv.BlockKey.parse("req/L1-2.T0-" + "9" * 5000)
+    assert len(str(raised.value)) < 600
+
+
+@pytest.mark.parametrize("run", ["ABC", "xyz", "a" * 33, 7, None, "a.b"])
+def test_bad_runs_are_refused(run: object) -> None:
+    with pytest.raises(dv.ConfigError, match="run"):
+        dv.BlockKey("s", layers=(0, 1), tokens=(0, 1), run=run)  # type: ignore[arg-type]
+
+
+def test_indices_are_bounded_so_every_key_has_a_name_parse_accepts() -> None:
+    top = dv.BlockKey("s", layers=(0, 1), tokens=(LIMIT - 2, LIMIT - 1))
+    assert dv.BlockKey.parse(str(top)) == top
+    with pytest.raises(dv.ConfigError, match="tokens"):
+        dv.BlockKey("s", layers=(0, 1), tokens=(0, LIMIT))
 
 
 @pytest.mark.parametrize("stream_id", ["", "a/b", "a b", "a\\b", ".", "..", "tab\t", "x" * 201, 7, None])
@@ -27,7 +79,7 @@ def test_unsafe_stream_ids_are_refused(stream_id: object) -> None:
         dv.BlockKey(stream_id, layers=(0, 1), tokens=(0, 1))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [(1, 1), (2, 1), (-1, 3), (0,), "01", (0.0, 1.0), (True, 2), None])
+@pytest.mark.parametrize("bad", [(1, 1), (2, 1), (-1, 3), (0,), "01", (0.0, 1.0), (True, 2), None, (0, 10**12)])
 def test_empty_inverted_or_malformed_ranges_are_refused(bad: object) -> None:
     with pytest.raises(dv.ConfigError, match="layers"):
         dv.BlockKey("s", layers=bad, tokens=(0, 1))  # type: ignore[arg-type]
@@ -54,6 +106,20 @@ def test_named_constructors() -> None:
     assert dv.BlockKey.for_layer("s", 3, 0, 512) == dv.BlockKey("s", layers=(3, 4), tokens=(0, 512))
     assert dv.BlockKey.for_layer("s", 3, 40, 2) == dv.BlockKey("s", layers=(3, 4), tokens=(40, 42))
     assert dv.BlockKey.for_decode_steps("s", (0, 30), 512, 4) == dv.BlockKey("s", layers=(0, 30), tokens=(512, 516))
+    assert dv.BlockKey.for_layer("s", 3, 0, 8, run="ab") == dv.BlockKey("s", layers=(3, 4), tokens=(0, 8), run="ab")
+    assert dv.BlockKey.for_decode_steps("s", (0, 2), 8, run="ab") == dv.BlockKey("s", layers=(0, 2), tokens=(8, 9),
+                                                                                 run="ab")
+
+
+def test_runs_keep_blocks_apart_under_one_stream() -> None:
+    store = dv.open_store("memory://")
+    one, two = (dv.BlockKey("s", layers=(0, 1), tokens=(0, 2), run=run) for run in ("a1", "b2"))
+    store.flush(one, torch.zeros(2))
+    store.flush(two, torch.ones(2))
+    assert str(one) != str(two)
+    assert torch.equal(store.fetch(one), torch.zeros(2))
+    assert store.keys("s") == [one, two]  # every run of the stream
+    assert store.delete("s") == 2
 
 
 def test_kvspec_gives_block_shapes_and_sizes() -> None:

@@ -73,9 +73,19 @@ def test_an_interrupted_stream_resumes_to_the_same_tokens(model, inputs, replica
     manifest = Manifest.from_bytes(store.read_manifest("req-1"), "req-1")
     assert manifest.durable_positions >= ids.shape[1]
     assert len(manifest.generated[0]) == crash_after
+    assert {key.run for key in store.keys("req-1")} == {manifest.run}  # every block is named by this run
+    assert all(name.startswith(f"req-1/r{manifest.run}.L") for name in manifest.blocks)
     second = DejaVuEngine(model, store=store, replicate_every=replicate_every)
     assert torch.equal(second.resume("req-1"), _reference(model, inputs))
     assert store.keys() == []
+
+
+def test_a_boolean_mask_is_recorded_as_integers_and_resumes(model, inputs) -> None:
+    ids, mask = inputs
+    store = MemoryStore()
+    _interrupted(model, store, (ids, mask.bool()), 3)
+    assert Manifest.from_bytes(store.read_manifest("r"), "r").attention_mask == mask.tolist()
+    assert torch.equal(DejaVuEngine(model, store=store).resume("r"), _reference(model, inputs))
 
 
 def test_rows_that_ended_before_the_crash_stay_padded(model, inputs) -> None:

@@ -134,3 +134,19 @@ def test_stream_in_refuses_an_incomplete_stage() -> None:
     piece = (dv.BlockKey("s", layers=(0, 1), tokens=(0, 1)), torch.zeros(1, 2, 1, 1, 1, 1))
     with pytest.raises(dv.ConfigError, match="layer 1"):
         stream_in([piece], (0, 2))
+
+
+def test_a_run_survives_streaming_between_cuts() -> None:
+    store = MemoryStore()
+    blocks = {layer: torch.full((1, 2, 1, 1, 3, 2), float(layer)) for layer in range(4)}
+    for layer, block in blocks.items():
+        store.flush(dv.BlockKey("s", layers=(layer, layer + 1), tokens=(0, 3), run="ab12"), block)
+    destination = LayerPartition.even(4, 2)
+    received: dict[int, list] = {stage: [] for stage in range(2)}
+    for stage, key, piece in stream_out(store, store.keys("s"), destination):
+        assert key.run == "ab12"
+        received[stage].append((key, piece))
+    for stage, (start, stop) in enumerate(destination.stages):
+        [(key, block)] = stream_in(received[stage], (start, stop))
+        assert key == dv.BlockKey("s", layers=(start, stop), tokens=(0, 3), run="ab12")
+        assert same_bits(block, torch.cat([blocks[layer] for layer in range(start, stop)]))

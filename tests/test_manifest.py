@@ -1,0 +1,158 @@
+"""The manifest schema: one check (`check_manifest`, used by `Manifest.from_bytes`) turns every structurally
+invalid manifest into a typed error naming the field, never a raw TypeError or ValueError."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+
+import dejavu_sdk as dv
+from dejavu_sdk.manifest import FORMAT, Manifest
+
+RUN = "0123456789abcdef"
+OTHER_RUN = "fedcba9876543210"
+
+
+def _valid() -> Manifest:
+    return Manifest(
+        stream_id="req-1", run=RUN,
+        geometry={"architecture": "LlamaForCausalLM", "layers": 2, "kv_heads": 1, "head_dim": 8,
+                  "dtype": "float32", "batch": 2},
+        input_ids=[[5, 6, 7], [0, 8, 9]], attention_mask=[[1, 1, 1], [0, 1, 1]], max_new_tokens=4,
+        eos_token_id=[2], pad_token_id=2, replicate_every=1, generated=[[10, 11], [12, 2]],
+        blocks=[f"req-1/r{RUN}.L0-1.T0-3", f"req-1/r{RUN}.L1-2.T0-3", f"req-1/r{RUN}.L0-2.T3-4"],
+        durable_positions=4,
+    )
+
+
+def _edited(edit: Callable[[dict[str, Any]], None]) -> bytes:
+    fields = json.loads(_valid().to_bytes())
+    edit(fields)
+    return json.dumps(fields).encode()
+
+
+def _set(name: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def edit(fields: dict[str, Any]) -> None:
+        target, _, leaf = name.rpartition(".")
+        (fields[target] if target else fields)[leaf] = value
+    return edit
+
+
+def _delete(name: str) -> Callable[[dict[str, Any]], None]:
+    def edit(fields: dict[str, Any]) -> None:
+        target, _, leaf = name.rpartition(".")
+        del (fields[target] if target else fields)[leaf]
+    return edit
+
+
+def test_a_valid_manifest_round_trips() -> None:
+    manifest = _valid()
+    assert Manifest.from_bytes(manifest.to_bytes(), "req-1") == manifest
+    writer = manifest.progress_writer()
+    progressed = Manifest.from_bytes(writer([[10, 11, 3], [12, 2, 2]], [*manifest.blocks], 5), "req-1")
+    assert progressed.generated == [[10, 11, 3], [12, 2, 2]]
+    assert progressed.durable_positions == 5
+
+
+def test_a_manifest_with_no_tokens_yet_is_valid() -> None:
+    settings = {name: value for name, value in attrs.asdict(_valid()).items()
+                if name not in ("generated", "blocks", "durable_positions")}
+    fresh = Manifest(**settings)
+    assert fresh.generated == [[], []]  # one empty row per prompt row
+    assert Manifest.from_bytes(fresh.to_bytes(), "req-1") == fresh
+
+
+BAD: list[tuple[Any, ...]] = [  # (test id, edit, the field the error names, what else it says)
+    ("no format", _delete("format"), "format"),
+    ("format as string", _set("format", "2"), "format"),
+    ("missing run", _delete("run"), "run"),
+    ("missing generated", _delete("generated"), "generated"),
+    ("extra field", _set("priority", 3), "priority"),
+    ("wrong stream id", _set("stream_id", "req-2"), "stream_id"),
+    ("stream id not a string", _set("stream_id", 7), "stream_id"),
+    ("empty run", _set("run", ""), "run"),
+    ("run not hex", _set("run", "XYZ"), "run"),
+    ("input_ids not rows", _set("input_ids", [1, 2, 3]), "input_ids"),
+    ("input_ids no rows", _set("input_ids", []), "input_ids"),
+    ("ragged input_ids", _set("input_ids", [[5, 6, 7], [8, 9]]), "input_ids"),
+    ("str token", _set("input_ids", [[5, "6", 7], [0, 8, 9]]), "input_ids[0][1]"),
+    ("float token", _set("input_ids", [[5, 6.0, 7], [0, 8, 9]]), "input_ids[0][1]"),
+    ("bool token", _set("input_ids", [[5, True, 7], [0, 8, 9]]), "input_ids[0][1]"),
+    ("negative token", _set("input_ids", [[5, -6, 7], [0, 8, 9]]), "input_ids[0][1]"),
+    ("mask of another shape", _set("attention_mask", [[1, 1], [1, 1]]), "attention_mask"),
+    ("mask with 2", _set("attention_mask", [[1, 2, 1], [0, 1, 1]]), "attention_mask[0][1]"),
+    ("ragged generated", _set("generated", [[10, 11], [12]]), "generated"),
+    ("generated rows", _set("generated", [[10, 11]]), "generated"),
+    ("generated past max", _set("generated", [[1] * 5, [1] * 5]), "generated"),
+    ("max_new_tokens str", _set("max_new_tokens", "4"), "max_new_tokens"),
+    ("max_new_tokens bool", _set("max_new_tokens", True), "max_new_tokens"),
+    ("max_new_tokens zero", _set("max_new_tokens", 0), "max_new_tokens"),
+    ("replicate_every negative", _set("replicate_every", -1), "replicate_every"),
+    ("eos not a list", _set("eos_token_id", 2), "eos_token_id"),
+    ("eos str", _set("eos_token_id", ["2"]), "eos_token_id[0]"),
+    ("pad str", _set("pad_token_id", "2"), "pad_token_id"),
+    ("pad negative", _set("pad_token_id", -1), "pad_token_id"),
+    ("durable str", _set("durable_positions", "4"), "durable_positions"),
+    ("durable bool", _set("durable_positions", False), "durable_positions"),
+    ("durable negative", _set("durable_positions", -1), "durable_positions"),
+    ("durable past the tokens", _set("durable_positions", 6), "durable_positions"),
+    ("finished int", _set("finished", 1), "finished"),
+    ("geometry list", _set("geometry", [2, 1, 8]), "geometry"),
+    ("geometry missing key", _delete("geometry.dtype"), "geometry"),
+    ("geometry extra key", _set("geometry.rope", 1), "geometry"),
+    ("geometry layers str", _set("geometry.layers", "2"), "geometry.layers"),
+    ("geometry layers bool", _set("geometry.layers", True), "geometry.layers"),
+    ("geometry dtype", _set("geometry.dtype", "complex64"), "geometry.dtype"),
+    ("geometry batch", _set("geometry.batch", 3), "geometry.batch"),
+    ("blocks not a list", _set("blocks", "req-1/L0-1.T0-3"), "blocks"),
+    ("block not a name", _set("blocks", [3]), "blocks[0]"),
+    ("block not a key", _set("blocks", ["../../etc/passwd"]), "blocks[0]"),
+    ("block of another stream", _set("blocks", [f"req-2/r{RUN}.L0-1.T0-3"]), "blocks[0]", "stream req-2"),
+    ("block of another run", _set("blocks", [f"req-1/r{OTHER_RUN}.L0-1.T0-3"]), "blocks[0]", "run"),
+    ("block of no run", _set("blocks", ["req-1/L0-1.T0-3"]), "blocks[0]", "run"),
+    ("block past the layers", _set("blocks", [f"req-1/r{RUN}.L0-3.T0-3"]), "blocks[0]", "outside"),
+    ("block past the tokens", _set("blocks", [f"req-1/r{RUN}.L0-2.T5-6"]), "blocks[0]", "outside"),
+]
+
+
+@pytest.mark.parametrize(("edit", "field", "detail"),
+                         [(edit, field, rest[0] if rest else "") for _, edit, field, *rest in BAD],
+                         ids=[case[0] for case in BAD])
+def test_structurally_invalid_manifests_are_corrupt_and_name_the_field(edit, field: str, detail: str) -> None:
+    with pytest.raises(dv.CorruptBlock, match=re.escape(f"field {field!r}") + (f".*{detail}" if detail else "")):
+        Manifest.from_bytes(_edited(edit), "req-1")
+
+
+@pytest.mark.parametrize(("data", "kind"), [(b"[1, 2]", "list"), (b'"manifest"', "string"), (b"null", "null"),
+                                            (b"3", "number"), (b"true", "boolean")])
+def test_json_that_is_not_an_object_is_corrupt(data: bytes, kind: str) -> None:
+    with pytest.raises(dv.CorruptBlock, match=f"req-1 is invalid: is a JSON {kind}, not an object"):
+        Manifest.from_bytes(data, "req-1")
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"[" * 100_000, b'{"format": ' + b"9" * 5000 + b"}"],
+                         ids=["empty", "truncated", "not utf-8", "deeply nested", "huge number"])
+def test_unreadable_bytes_are_corrupt(data: bytes) -> None:
+    with pytest.raises(dv.CorruptBlock, match="req-1"):
+        Manifest.from_bytes(data, "req-1")
+
+
+@pytest.mark.parametrize("version", [1, FORMAT + 1, 0])
+def test_other_formats_are_refused_with_a_config_error(version: int) -> None:
+    data = _edited(_set("format", version))
+    with pytest.raises(dv.ConfigError, match=f"format {version}; this SDK reads format {FORMAT}"):
+        Manifest.from_bytes(data, "req-1")
+
+
+def test_the_format_is_checked_before_the_fields() -> None:
+    """A format-1 manifest (no run, blocks without runs) is an old format, not a damaged new one."""
+    old = json.loads(_valid().to_bytes())
+    del old["run"]
+    old.update(format=1, blocks=["req-1/L0-1.T0-3"])
+    with pytest.raises(dv.ConfigError, match="forget"):
+        Manifest.from_bytes(json.dumps(old).encode(), "req-1")
