@@ -17,12 +17,14 @@ from ._version import __version__
 from .backends import open_store, open_transport, serve
 from .blocks import BlockKey, KVSpec
 from .errors import (
+    AccessDenied,
     BackendUnavailable,
     BlockNotFound,
     ConfigError,
     CorruptBlock,
     DejaVuError,
     ReplicationError,
+    ServerBusy,
     StoreClosed,
     StoreError,
     TransportError,
@@ -43,6 +45,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "AccessDenied",
     "BackendUnavailable",
     "BlockKey",
     "BlockNotFound",
@@ -54,6 +57,7 @@ __all__ = [
     "Plan",
     "RecordStore",
     "ReplicationError",
+    "ServerBusy",
     "Store",
     "StoreClosed",
     "StoreError",

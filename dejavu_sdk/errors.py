@@ -8,6 +8,8 @@
     ├── StoreError (OSError)              a replica store's backend failed
     │   └── StoreClosed                   the store was used after close()
     ├── TransportError (ConnectionError)  moving blocks between workers failed
+    │   └── ServerBusy                    the server refused the request for now (too many connections, inbox full)
+    ├── AccessDenied (PermissionError)    a server refused the token, or a stream outside the token's prefix
     └── ReplicationError                  streaming a live cache to its replica failed (a gap)
 """
 
@@ -51,6 +53,14 @@ class StoreClosed(StoreError):
 
 class TransportError(DejaVuError, ConnectionError):
     """Moving a block or tensor between workers failed or timed out."""
+
+
+class ServerBusy(TransportError):
+    """A server refused a request for now (too many connections, a full inbox); trying later may work."""
+
+
+class AccessDenied(DejaVuError, PermissionError):
+    """A server refused the client's token, or a request that reaches outside the streams its token allows."""
 
 
 class ReplicationError(DejaVuError):

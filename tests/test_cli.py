@@ -71,14 +71,15 @@ def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) ->
 def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, capsys) -> None:
     samples = tmp_path / "samples.json"
     arguments = ["bench", "transports", "--sizes", "256KiB", "--repeats", "2", "--volume", "1MiB",
-                 "--transports", "tcp,local", "--quiet", "--json", str(samples)]
+                 "--transports", "tcp,tcp+token,tcp+tls,local", "--quiet", "--json", str(samples)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    for expected in ("| 256 KiB | tcp |", "of socket send", "of socket receive", "| 256 KiB | local |", "of memcpy"):
+    for expected in ("| 256 KiB | tcp |", "of socket send", "of socket receive", "| 256 KiB | local |", "of memcpy",
+                     "What a token and TLS cost", "| 256 KiB | tcp+token |", "| 256 KiB | tcp+tls |"):
         assert expected in output
     recorded = {entry["what"]: entry["gbps"] for entry in json.loads(samples.read_text())["samples"]}
-    assert {"tcp flush", "tcp fetch", "tcp | socket send", "tcp | socket send + checksums", "local | memcpy"} <= set(
-        recorded)
+    assert {"tcp flush", "tcp fetch", "tcp | socket send", "tcp | socket send + checksums", "local | memcpy",
+            "tcp+token flush", "tcp+tls fetch"} <= set(recorded)
     assert main(["bench", "transports", "--transports", "pigeon", "--quiet"]) == 2
     assert "unknown bench target 'pigeon'" in capsys.readouterr().err
 

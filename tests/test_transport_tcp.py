@@ -93,10 +93,13 @@ def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -
     caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
     with open_transport(server.url) as good:
         good.flush(dv.BlockKey("other", layers=(0, 1), tokens=(0, 1)), torch.ones(1))
-    recording = RecordingChannel()
+    hello, recording = RecordingChannel(), RecordingChannel()
+    send_message(hello, Op.HELLO, meta=b"dejavu-sdk")
     send_message(recording, Op.PUT, meta=str(KEY).encode(),
                  record=OutgoingRecord.from_block(str(KEY), torch.ones(1 << 20)))
     with _raw_socket(server) as sock:
+        sock.sendall(bytes(hello.sent))
+        assert sock.recv(4096)  # greeted
         sock.sendall(bytes(recording.sent[: len(recording.sent) // 3]))  # then vanish
     _assert_still_serving(server)
     assert [k.stream_id for k in server.store.keys()] == ["other", KEY.stream_id]  # noqa: SIM118 - Store.keys()

@@ -28,6 +28,12 @@ CLIENT_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
 #: Seconds a server waits for the rest of a request it has started to receive.
 SERVER_TIMEOUT = 60.0
+#: Seconds a server keeps a connection that sends no request; clients reconnect on their next call.
+IDLE_TIMEOUT = 600.0
+#: Connections a server serves at once; one more is refused with ServerBusy.
+MAX_CONNECTIONS = 256
+#: Tensors a server's inbox holds before refusing more with ServerBusy.
+INBOX_SIZE = 64
 
 
 class Transport(RecordStore, BlockStreaming):

@@ -12,22 +12,37 @@ import logging
 import queue
 import threading
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
+import attrs
 import numpy as np
 import torch
 
 from .._version import __version__
 from ..blocks import BlockKey, check_key, check_stream_id, torch_dtype
 from ..codec import TRAILER, RecordHeader, check_out, corrupt, host_view
-from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed, StoreError, TransportError
+from ..errors import (
+    AccessDenied,
+    BlockNotFound,
+    ConfigError,
+    CorruptBlock,
+    DejaVuError,
+    ServerBusy,
+    StoreClosed,
+    StoreError,
+    TransportError,
+)
 from ..records import NamedRecord, record_array
 from ..store import Store, manifest_name
 from ..urls import ParsedURL, join_host_port, network_address
+from .access import AccessPolicy, Scope, client_token
 from .base import (
     CLIENT_TIMEOUT,
     CONNECT_TIMEOUT,
+    IDLE_TIMEOUT,
+    INBOX_SIZE,
+    MAX_CONNECTIONS,
     SERVER_TIMEOUT,
     Server,
     ServingTransport,
@@ -37,6 +52,7 @@ from .base import (
 from .wire import (
     MAX_RECORD_BYTES,
     Channel,
+    IdleTimeout,
     Limits,
     Message,
     Op,
@@ -44,6 +60,7 @@ from .wire import (
     PeerClosed,
     ProtocolError,
     Status,
+    discard_payload,
     recv_message,
     recv_payload,
     send_message,
@@ -52,16 +69,17 @@ from .wire import (
 TENSOR_LABEL = "tensor"
 _STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
     Status.NOT_FOUND: BlockNotFound, Status.CORRUPT: CorruptBlock, Status.BAD_REQUEST: TransportError,
-    Status.FAILED: StoreError,
+    Status.FAILED: StoreError, Status.DENIED: AccessDenied, Status.BUSY: ServerBusy,
 }
 
 
 class ChannelTransport(ServingTransport):
     """A Transport over one channel, opened by `_connect` on first use and after any failure."""
 
-    def __init__(self, url: str, limits: Limits | None = None) -> None:
+    def __init__(self, url: str, limits: Limits | None = None, token: str | None = None) -> None:
         self.url = url
         self.limits = limits or Limits()
+        self._token = client_token(token)
         self._channel: Channel | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -73,10 +91,15 @@ class ChannelTransport(ServingTransport):
     # ---- one request, one reply -----------------------------------------------------------
     def _exchange(self, op: Op, meta: bytes = b"", record: OutgoingRecord | None = None,
                   receive: Callable[[Channel, Message], Any] | None = None) -> tuple[Message, Any]:
-        """Send a request and read the reply; `receive` reads the reply's record, if it has one."""
+        """Send a request and read the reply; `receive` reads the reply's record, if it has one.
+
+        A channel the server closed while it sat idle is replaced before the request goes out.
+        """
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"{self!r} is closed")
+            if self._channel is not None and self._channel.closed_by_peer():
+                self._drop()
             channel = self._channel or self._open()
             try:
                 send_message(channel, op, meta=meta, record=record)
@@ -93,15 +116,17 @@ class ChannelTransport(ServingTransport):
 
     def _open(self) -> Channel:
         channel = self._connect()
+        hello = f"dejavu-sdk {__version__}" + (f"\n{self._token}" if self._token is not None else "")
         try:
-            send_message(channel, Op.HELLO, meta=f"dejavu-sdk {__version__}".encode())
+            send_message(channel, Op.HELLO, meta=hello.encode())
             reply = recv_message(channel, self.limits)
         except BaseException:
             channel.close()
             raise
         if reply.op != Op.REPLY or reply.status != Status.OK:
             channel.close()
-            raise TransportError(f"{self.url} refused the connection: {reply.text}")
+            error = _STATUS_ERRORS.get(reply.status, TransportError)
+            raise error(f"{self.url} refused the connection: {reply.text}")
         self._channel = channel
         return channel
 
@@ -205,53 +230,111 @@ def _record_header(peer: str, reply: Message) -> RecordHeader:
     return reply.header
 
 
+@attrs.frozen
+class ServerOptions:
+    """How a server treats its peers; `serve(url, store, **options)` builds one from its keyword options.
+
+    `timeout`: seconds a whole request may take to arrive once it has started (not per piece: a client
+    that trickles bytes is dropped). `idle_timeout`: seconds a connection may wait between requests (None:
+    forever). `max_connections`: connections served at once; more are refused politely (ServerBusy).
+    `access`: tokens and their streams. `tls_cert`/`tls_key`: PEM files; TLS for every connection.
+    `accept_tensors`: whether peers may send tensors (a store server nobody reads tensors from says no);
+    `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy).
+    """
+
+    timeout: float | None = SERVER_TIMEOUT
+    idle_timeout: float | None = IDLE_TIMEOUT
+    max_record_bytes: int = MAX_RECORD_BYTES
+    max_connections: int = MAX_CONNECTIONS
+    access: AccessPolicy = attrs.field(factory=AccessPolicy)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    accept_tensors: bool = True
+    inbox_size: int = INBOX_SIZE
+
+    def __attrs_post_init__(self) -> None:
+        check_timeout(self.timeout, "timeout")
+        check_timeout(self.idle_timeout, "idle_timeout")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ConfigError(f"max_connections must be a positive integer, got {self.max_connections!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both tls_cert and tls_key (PEM files)")
+
+
 class AddressedServerFactory(Protocol):
     """How `AddressedTransport.serve` starts its backend's server: every addressed backend's server class
     (TcpServer, UcxServer, DistServer) takes these arguments."""
 
-    def __call__(self, store: Store, host: str, port: int, *, scheme: str, timeout: float | None,
-                 max_record_bytes: int) -> Server: ...
+    def __call__(self, store: Store, host: str, port: int, *, scheme: str, options: ServerOptions) -> Server: ...
 
 
 class AddressedTransport(ChannelTransport):
-    """A ChannelTransport to `scheme://host:port`, with the options every networked backend takes."""
+    """A ChannelTransport to `scheme://host:port`, with the options every networked backend takes.
+
+    `token`: presented to the server when a connection opens (default: `DEJAVU_TOKEN` from the
+    environment). `tls`/`ca`: TLS, verifying the server against the system's CAs or the PEM file `ca`;
+    only backends with `supports_tls` take them.
+    """
 
     server_class: ClassVar[AddressedServerFactory]
+    supports_tls: ClassVar[bool] = False
 
     def __init__(self, scheme: str, host: str, port: int, *, timeout: float | None = CLIENT_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(f"{scheme}://{join_host_port(host, port)}", Limits(max_record_bytes=max_record_bytes))
+                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES,
+                 token: str | None = None, tls: bool = False, ca: str | None = None) -> None:
+        super().__init__(f"{scheme}://{join_host_port(host, port)}", Limits(max_record_bytes=max_record_bytes),
+                         token)
         self.scheme, self.host, self.port = scheme, host, port
         self.timeout = check_timeout(timeout, "timeout")
         self.connect_timeout = check_timeout(connect_timeout, "connect_timeout") or CONNECT_TIMEOUT
+        if (tls or ca is not None) and not self.supports_tls:
+            raise ConfigError(f"{scheme}:// connections have no TLS here; use tcp:// for tls=True and ca=")
+        self.tls, self.ca = bool(tls or ca is not None), ca
 
     @classmethod
     def from_url(cls, url: ParsedURL, *, timeout: float | None = CLIENT_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> Transport:
+                 connect_timeout: float = CONNECT_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES,
+                 token: str | None = None, tls: bool = False, ca: str | None = None) -> Transport:
         host, port = network_address(url)
         return cls(url.scheme, host, port, timeout=timeout, connect_timeout=connect_timeout,
-                   max_record_bytes=max_record_bytes)
+                   max_record_bytes=max_record_bytes, token=token, tls=tls, ca=ca)
 
     @classmethod
     def serve(cls, url: ParsedURL, store: Store, *, timeout: float | None = SERVER_TIMEOUT,
-              max_record_bytes: int = MAX_RECORD_BYTES) -> Server:
-        """Serve `store` at the URL's host and port (0: any free port), with `timeout` for each request."""
+              idle_timeout: float | None = IDLE_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES,
+              max_connections: int = MAX_CONNECTIONS, token: str | None = None,
+              tokens: Mapping[str, str] | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+              accept_tensors: bool = True, inbox_size: int = INBOX_SIZE) -> Server:
+        """Serve `store` at the URL's host and port (0: any free port); see `ServerOptions` for the options.
+        `token` lets its holders reach every stream; `tokens` maps more tokens to the stream-id prefix each
+        may reach. Without either, any client that reaches the port may use every stream."""
+        if tls_cert is not None and not cls.supports_tls:
+            raise ConfigError(f"{url.scheme}:// servers have no TLS here; serve tcp:// for tls_cert and tls_key")
+        options = ServerOptions(timeout=timeout, idle_timeout=idle_timeout, max_record_bytes=max_record_bytes,
+                                max_connections=max_connections, access=AccessPolicy.from_options(token, tokens),
+                                tls_cert=tls_cert, tls_key=tls_key, accept_tensors=accept_tensors,
+                                inbox_size=inbox_size)
         host, port = network_address(url)
-        return cls.server_class(store, host, port, scheme=url.scheme, timeout=timeout,
-                                max_record_bytes=max_record_bytes)
+        return cls.server_class(store, host, port, scheme=url.scheme, options=options)
 
 
 class ChannelServer(Server):
-    """Answers requests on channels against `store`; backends accept channels and call `serve_channel`."""
+    """Answers requests on channels against `store`; backends accept channels and call `serve_channel`.
 
-    def __init__(self, store: Store, *, timeout: float | None = SERVER_TIMEOUT,
-                 max_record_bytes: int = MAX_RECORD_BYTES, inbox_size: int = 64) -> None:
+    Every connection opens with a HELLO that carries the client's token, checked before anything else;
+    the connection is then held to the streams that token may reach (see `access.py`).
+    """
+
+    def __init__(self, store: Store, options: ServerOptions) -> None:
         self.store = store
         self.records = store.records
-        self.timeout = check_timeout(timeout, "timeout")
-        self.limits = Limits(max_record_bytes=max_record_bytes)
+        self.options = options
+        self.timeout = options.timeout
+        self.limits = Limits(max_record_bytes=options.max_record_bytes)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
-        self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=inbox_size)
+        self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=options.inbox_size)
+        self._connections = 0
+        self._connections_lock = threading.Lock()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
         try:
@@ -261,12 +344,21 @@ class ChannelServer(Server):
 
     def serve_channel(self, channel: Channel) -> None:
         """Answer requests on `channel` until the peer leaves or misbehaves; never raises."""
-        self.log.info("%s connected", channel.peer)
+        with self._connections_lock:
+            admitted = self._connections < self.options.max_connections
+            self._connections += admitted
         try:
+            scope = self._greet(channel, admitted)
+            if scope is None:
+                return
+            self.log.info("%s connected", channel.peer)
             while True:
-                self._answer(channel, recv_message(channel, self.limits, idle=True))
+                self._answer(channel, recv_message(channel, self.limits, idle=True), scope)
         except PeerClosed:
             self.log.info("%s disconnected", channel.peer)
+        except IdleTimeout:
+            self.log.info("%s sent no request for %s s: closing its connection", channel.peer,
+                          self.options.idle_timeout)
         except (ProtocolError, CorruptBlock) as error:
             self.log.warning("dropping %s: %s", channel.peer, error)
             with contextlib.suppress(TransportError):
@@ -276,10 +368,39 @@ class ChannelServer(Server):
         except Exception:
             self.log.exception("unexpected error serving %s", channel.peer)
         finally:
+            with self._connections_lock:
+                self._connections -= admitted
             channel.close()
 
-    def _answer(self, channel: Channel, request: Message) -> None:
+    def _greet(self, channel: Channel, admitted: bool) -> Scope | None:
+        """Read the HELLO that opens a connection and answer it: the token's scope, or None once refused."""
+        hello = recv_message(channel, self.limits, idle=True)
+        if hello.op != Op.HELLO or hello.has_record:
+            raise ProtocolError(f"{hello.op.name} before HELLO: a connection opens with HELLO")
+        _, _, token = hello.meta.partition(b"\n")
+        scope = self.options.access.scope_for(token)
+        refusal = None
+        if scope is None:
+            refusal = Status.DENIED, "a valid token is needed (token= or DEJAVU_TOKEN)"
+            self.log.warning("refused %s: %s", channel.peer, "no token" if not token else "a wrong token")
+        elif not admitted:
+            refusal = Status.BUSY, f"the server serves {self.options.max_connections} connections already"
+            self.log.warning("refused %s: %s", channel.peer, refusal[1])
+        if refusal is not None:
+            send_message(channel, Op.REPLY, status=refusal[0], meta=refusal[1].encode())
+            return None
+        send_message(channel, Op.REPLY, meta=f"dejavu-sdk {__version__}".encode())
+        return scope
+
+    def _answer(self, channel: Channel, request: Message, scope: Scope) -> None:
         """Carry out one request and reply. Store errors become error replies; channel errors propagate."""
+        outside = _outside(request, scope)
+        if outside is not None:
+            if request.has_record:
+                discard_payload(channel, request)  # read it all, so the channel stays in step
+            send_message(channel, Op.REPLY, status=Status.DENIED,
+                         meta=f"{outside} lies outside the streams this token may reach".encode())
+            return
         if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS):
             status, meta = self._receive(channel, request)
         elif request.has_record:
@@ -288,15 +409,22 @@ class ChannelServer(Server):
             try:
                 name = _block_name(request.text)
                 with self.records.get_record(name) as stored:
-                    record = OutgoingRecord.from_record(stored, name)
-                    send_message(channel, Op.REPLY, record=record)  # inside: LMDB buffers live as long as this
-                    return
+                    if not self.records.lends_buffers:  # memory, files: send the stored record, no copy
+                        send_message(channel, Op.REPLY, record=OutgoingRecord.from_record(stored, name))
+                        return
+                    # LMDB: copy out, so that a slow client holds no read transaction while it is sent
+                    copy = record_array(stored).copy()
+                record = OutgoingRecord.from_record(copy, name)
             except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
                 status, meta = _error_reply(error)
+            else:
+                send_message(channel, Op.REPLY, record=record)  # copying costs little next to the network
+                return
         elif request.op == Op.HELLO:
-            status, meta = Status.OK, f"dejavu-sdk {__version__}".encode()
+            raise ProtocolError("HELLO twice on one connection")
         elif request.op == Op.LIST:
-            status, meta = _replied(lambda: "\n".join(self.records.names(_listing_prefix(request.text))).encode())
+            status, meta = _replied(lambda: "\n".join(
+                name for name in self.records.names(_listing_prefix(request.text)) if scope.allows(name)).encode())
         elif request.op == Op.REMOVE:
             status, meta = _replied(lambda: self.records.remove([_block_name(name)
                                                                  for name in request.text.split("\n")]))
@@ -322,10 +450,19 @@ class ChannelServer(Server):
         if header is None:  # PUT_RECORDS, as checked above
             return _replied(lambda: self.records.put_records(_split_records(request.text, record)))
         if request.op == Op.TENSOR:
-            payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
-            self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape))
-            return Status.OK, b""
+            return self._take_tensor(record, header)
         return _replied(lambda: self.records.put_records([(_checked_label(request.text, header), record)]))
+
+    def _take_tensor(self, record: np.ndarray, header: RecordHeader) -> tuple[Status, bytes]:
+        """Queue a received tensor for `recv_tensor`, or say why not: refused here, or the inbox is full."""
+        if not self.options.accept_tensors:
+            return Status.BAD_REQUEST, b"this server takes no tensors (it serves a store)"
+        payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
+        try:
+            self._inbox.put_nowait(payload.view(torch_dtype(header.dtype)).view(header.shape))
+        except queue.Full:
+            return Status.BUSY, f"the inbox holds {self.options.inbox_size} tensors nobody took yet".encode()
+        return Status.OK, b""
 
 
 def _replied(action: Callable[[], bytes | None]) -> tuple[Status, bytes]:
@@ -342,6 +479,22 @@ def _checked_label(name: str, header: RecordHeader) -> str:
     if header.label != name:
         raise corrupt(name, f"the record holds block {header.label!r}")
     return name
+
+
+def _outside(request: Message, scope: Scope) -> str | None:
+    """The first name a request reaches that its connection's scope does not allow, if any."""
+    if not scope.prefix or request.op in (Op.TENSOR, Op.HELLO):
+        return None
+    if request.op == Op.LIST:
+        prefix = request.text
+        return None if not prefix or scope.allows(prefix) else prefix
+    if request.op == Op.PUT_RECORDS:
+        names = [line.partition(" ")[2] for line in request.text.split("\n")]
+    elif request.op == Op.REMOVE:
+        names = request.text.split("\n")
+    else:
+        names = [request.text]
+    return next((name for name in names if not scope.allows(name)), None)
 
 
 def _split_records(meta: str, payload: np.ndarray) -> list[NamedRecord]:

@@ -24,9 +24,8 @@ import torch.distributed as dist
 from ..errors import TransportError
 from ..store import Store
 from ..urls import join_host_port
-from .base import SERVER_TIMEOUT
-from .channel import AddressedTransport, ChannelServer
-from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
+from .channel import AddressedTransport, ChannelServer, ServerOptions
+from .wire import Channel, PeerClosed
 from .wire import one_array as _one_array
 
 _TAG = 0
@@ -103,8 +102,8 @@ class DistServer(ChannelServer):
     """Hosts the TCPStore peers rendezvous through and serves each link on its own thread."""
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "gloo",
-                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
+                 options: ServerOptions | None = None) -> None:
+        super().__init__(store, options or ServerOptions())
         self.scheme, self.host = scheme, host
         try:
             self._rendezvous = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,

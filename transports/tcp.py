@@ -1,26 +1,33 @@
-"""`tcp://host:port`: blocks over plain TCP sockets, received straight into their final buffers.
+"""`tcp://host:port`: blocks over TCP sockets (TLS optional), received straight into their final buffers.
 
 Sends go out from the tensor's own memory (`sendall` on memoryviews); receives land in preallocated
-buffers (`recv_into`), in 1 MiB pieces hashed while in cache. Every blocking call has a timeout: a peer
-that dies gives `TransportError` at once (connection reset or EOF), one that hangs when the timeout ends.
+buffers (`recv_into`), in 1 MiB pieces hashed while in cache. Every message has a deadline: a peer that
+dies gives `TransportError` at once (connection reset or EOF), one that hangs or trickles when the
+timeout ends. `tls=True` (client) and `tls_cert`/`tls_key` (server) use the standard library's `ssl`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import select
 import socket
 import socketserver
+import ssl
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError
+from ..errors import AccessDenied, ConfigError, TransportError
 from ..store import Store
 from ..urls import join_host_port
-from .base import SERVER_TIMEOUT
-from .channel import AddressedTransport, ChannelServer
-from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
+from .channel import AddressedTransport, ChannelServer, ServerOptions
+from .wire import Channel, IdleTimeout, PeerClosed
+
+#: Connections the kernel queues before the server accepts them.
+LISTEN_BACKLOG = 128
 
 
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -35,46 +42,86 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 class SocketChannel(Channel):
-    """A connected TCP socket; `timeout` bounds every send and receive (None: wait forever)."""
+    """A connected TCP (or TLS) socket. Each message must be sent or received whole within `timeout`
+    (None: no limit); a server waits `idle_timeout` for the next message to begin (None: forever)."""
 
     chunk_size = 1 << 20
     byte_stream = True
 
-    def __init__(self, sock: socket.socket, peer: str, timeout: float | None) -> None:
+    def __init__(self, sock: socket.socket, peer: str, timeout: float | None,
+                 idle_timeout: float | None = None) -> None:
         self._sock = sock
         self.peer = peer
-        self._timeout = timeout
+        self._timeout, self._idle_timeout = timeout, idle_timeout
+        self._deadline: float | None = None
+        self._tls = isinstance(sock, ssl.SSLSocket)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def start_deadline(self) -> None:
+        self._deadline = None if self._timeout is None else time.monotonic() + self._timeout
+
+    def _remaining(self) -> float | None:
+        """Seconds left of this message's deadline; TimeoutError once it has passed."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    def closed_by_peer(self) -> bool:
+        # Between requests the server sends nothing: readable means its close (or a protocol error), except
+        # on TLS, where the socket may hold protocol records (session tickets) that carry no data.
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return False
+            if not self._tls:
+                return True
+            self._sock.setblocking(False)
+            try:
+                self._sock.recv(1)
+            except ssl.SSLWantReadError:
+                return False
+            return True
+        except (OSError, ValueError):
+            return True
 
     def send(self, *buffers: Any) -> None:
         try:
-            self._sock.settimeout(self._timeout)
+            self._sock.settimeout(self._remaining())
             if len(buffers) == 1:
                 self._sock.sendall(buffers[0])
+            elif self._tls:  # TLS sockets have no sendmsg: one joined buffer (small parts only)
+                self._sock.sendall(b"".join(bytes(buffer) for buffer in buffers))
             else:  # small parts: one segment, one system call, no copy
                 _send_all(self._sock, [memoryview(buffer).cast("B") for buffer in buffers])
         except TimeoutError:
-            raise TransportError(f"sending to {self.peer} timed out after {self._timeout} s") from None
+            raise TransportError(f"sending to {self.peer} took longer than {self._timeout} s") from None
         except OSError as error:
             raise TransportError(f"sending to {self.peer} failed: {error}") from error
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         view = buffer.data.cast("B")
         received = 0
-        self._sock.settimeout(None if idle else self._timeout)
+        waiting = idle  # for the first byte of a message, with the idle timeout
         while received < view.nbytes:
             try:
+                self._sock.settimeout(self._idle_timeout if waiting else self._remaining())
                 count = self._sock.recv_into(view[received:])
             except TimeoutError:
-                raise TransportError(f"{self.peer} sent nothing for {self._timeout} s") from None
+                if waiting:
+                    raise IdleTimeout(f"{self.peer} sent nothing for {self._idle_timeout} s") from None
+                raise TransportError(f"{self.peer} took longer than {self._timeout} s to send a message") from None
             except OSError as error:
                 raise TransportError(f"receiving from {self.peer} failed: {error}") from error
             if count == 0:
-                if idle and received == 0:
+                if waiting:
                     raise PeerClosed(f"{self.peer} closed the connection")
                 raise TransportError(f"{self.peer} closed the connection mid-message")
-            if idle and received == 0:
-                self._sock.settimeout(self._timeout)  # the rest of a message must follow promptly
+            if waiting:
+                waiting = False
+                self.start_deadline()  # the rest of the message must follow within the timeout
             received += count
 
     def close(self) -> None:
@@ -84,20 +131,54 @@ class SocketChannel(Channel):
             self._sock.close()
 
 
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server-side TLS context for the PEM certificate chain `cert` and its private key `key`."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"cannot load the TLS certificate {cert!r} and key {key!r}: {error}") from error
+    return context
+
+
+def client_tls_context(ca: str | None) -> ssl.SSLContext:
+    """A client-side TLS context that verifies the server: against `ca` (a PEM file) or the system's CAs."""
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"cannot load the CA file {ca!r}: {error}") from error
+
+
 class TcpServer(ChannelServer):
-    """Serves a store on a TCP port, one thread per connection. Port 0 picks a free port (see `url`)."""
+    """Serves a store on a TCP port, one thread per connection. Port 0 picks a free port (see `url`).
+
+    With `options.tls_cert`, every connection is TLS; the handshake runs on the connection's own thread,
+    bounded by the timeout, so a client that never finishes it holds nobody else up.
+    """
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "tcp",
-                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
-        timeout = self.timeout
+                 options: ServerOptions | None = None) -> None:
+        settings = options or ServerOptions()
+        super().__init__(store, settings)
+        tls = None if settings.tls_cert is None or settings.tls_key is None else \
+            server_tls_context(settings.tls_cert, settings.tls_key)
         channels: set[SocketChannel] = set()
         self._channels = channels
-        serve_channel = self.serve_channel
+        serve_channel, log = self.serve_channel, self.log
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                channel = SocketChannel(self.request, "tcp://" + join_host_port(*self.client_address[:2]), timeout)
+                peer = "tcp://" + join_host_port(*self.client_address[:2])
+                sock = self.request
+                if tls is not None:
+                    try:
+                        sock.settimeout(settings.timeout)
+                        sock = tls.wrap_socket(sock, server_side=True)
+                    except (OSError, ssl.SSLError) as error:
+                        log.warning("TLS handshake with %s failed: %s", peer, error)
+                        return
+                channel = SocketChannel(sock, peer, settings.timeout, settings.idle_timeout)
                 channels.add(channel)
                 try:
                     serve_channel(channel)
@@ -125,6 +206,7 @@ class TcpServer(ChannelServer):
 class _Ipv4Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
 
 
 class _Ipv6Server(_Ipv4Server):
@@ -135,10 +217,24 @@ class TcpTransport(AddressedTransport):
     """A connection to a `TcpServer`, reopened on the next call after any failure."""
 
     server_class = TcpServer
+    supports_tls = True
 
     def _connect(self) -> Channel:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except OSError as error:
             raise TransportError(f"cannot connect to {self.url}: {error}") from error
+        if self.tls:
+            try:
+                sock = self._client_tls.wrap_socket(sock, server_hostname=self.host)
+            except ssl.SSLCertVerificationError as error:
+                sock.close()
+                raise AccessDenied(f"{self.url} did not prove who it is: {error.verify_message}") from error
+            except (OSError, ssl.SSLError) as error:
+                sock.close()
+                raise TransportError(f"TLS with {self.url} failed: {error}") from error
         return SocketChannel(sock, self.url, self.timeout)
+
+    @functools.cached_property
+    def _client_tls(self) -> ssl.SSLContext:
+        return client_tls_context(self.ca)

@@ -24,9 +24,8 @@ import ucxx
 from ..errors import TransportError
 from ..store import Store
 from ..urls import join_host_port
-from .base import SERVER_TIMEOUT
-from .channel import AddressedTransport, ChannelServer
-from .wire import MAX_RECORD_BYTES, Channel, PeerClosed
+from .channel import AddressedTransport, ChannelServer, ServerOptions
+from .wire import Channel, PeerClosed
 from .wire import one_array as _one_array
 
 
@@ -79,7 +78,7 @@ class UcxChannel(Channel):
         self._loop.run(self._endpoint.send(array), self._timeout, f"sending to {self.peer}")
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
-        if self._endpoint.closed:
+        if idle and self._endpoint.closed:  # a reply already sent may still be waiting to be read
             raise PeerClosed(f"{self.peer} closed the connection")
         try:
             self._loop.run(self._endpoint.recv(buffer), None if idle else self._timeout,
@@ -100,8 +99,8 @@ class UcxServer(ChannelServer):
     """Listens for UCX endpoints and serves each on a thread of its own."""
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "ucx",
-                 timeout: float | None = SERVER_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
-        super().__init__(store, timeout=timeout, max_record_bytes=max_record_bytes)
+                 options: ServerOptions | None = None) -> None:
+        super().__init__(store, options or ServerOptions())
         self._loop = _EventLoop.get()
         self._channels: set[UcxChannel] = set()
         try:

@@ -55,6 +55,8 @@ class Status(enum.IntEnum):
     CORRUPT = 2
     BAD_REQUEST = 3
     FAILED = 4
+    DENIED = 5  # no token, a wrong one, or a name outside the token's streams
+    BUSY = 6  # too many connections, or the inbox is full or closed to tensors
 
 
 class ProtocolError(TransportError):
@@ -63,6 +65,10 @@ class ProtocolError(TransportError):
 
 class PeerClosed(TransportError):
     """The peer closed the channel."""
+
+
+class IdleTimeout(TransportError):
+    """No message began within the channel's idle timeout."""
 
 
 @attrs.frozen
@@ -91,7 +97,16 @@ class Channel(ABC):
     @abstractmethod
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         """Fill `buffer`; PeerClosed on a clean close, TransportError on failure or timeout.
-        `idle=True` waits without the timeout (a server waiting for its next request)."""
+        `idle=True` waits for the first byte of a message with the idle timeout instead (a server waiting
+        for its next request), IdleTimeout when it passes; the message's deadline starts with that byte."""
+
+    def start_deadline(self) -> None:  # noqa: B027 - optional: channels whose every call is bounded need none
+        """Start the deadline of one message: the rest of it must be sent or received within the timeout."""
+
+    def closed_by_peer(self) -> bool:
+        """Whether the peer has already closed this channel, between requests (an idle timeout): a client
+        then opens a new one instead of sending into a dead one. Channels that cannot tell say False."""
+        return False
 
     @abstractmethod
     def close(self) -> None:
@@ -142,7 +157,9 @@ class OutgoingRecord:
 
 def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: bytes = b"",
                  record: OutgoingRecord | None = None) -> None:
-    """Send one message; a record's payload is streamed and hashed chunk by chunk."""
+    """Send one message, all of it within the channel's timeout; a record's payload is streamed and hashed
+    chunk by chunk."""
+    channel.start_deadline()
     header = bytes(record.header) if record is not None else b""
     payload = record.payload if record is not None else np.empty(0, np.uint8)
     unchecked = CONTROL.pack(MAGIC, PROTOCOL_VERSION, op, status, len(meta), len(header), payload.size, 0)
@@ -204,7 +221,10 @@ class Message:
 
 
 def recv_message(channel: Channel, limits: Limits, idle: bool = False) -> Message:
-    """Receive the control frame and head of the next message; ProtocolError if they are not valid."""
+    """Receive the control frame and head of the next message; ProtocolError if they are not valid.
+    The whole message must arrive within the channel's timeout, from its first byte (`idle`) or from now."""
+    if not idle:
+        channel.start_deadline()
     control = np.empty(CONTROL.size, dtype=np.uint8)
     channel.recv_into(control, idle=idle)
     magic, version, op, status, meta_length, header_length, payload_length, expected = CONTROL.unpack(
@@ -237,6 +257,15 @@ def recv_message(channel: Channel, limits: Limits, idle: bool = False) -> Messag
         if header.length != header_length or header.payload_length != payload_length:
             raise ProtocolError(f"{channel.peer} sent a record header that does not match its frame")
     return Message(kind, state, head[:meta_length].tobytes(), header, header_bytes, payload_length)
+
+
+def discard_payload(channel: Channel, message: Message) -> None:
+    """Read and drop the payload and trailer `message` announced, so the channel stays in step."""
+    step = channel.chunk_size
+    scratch = np.empty(min(step, message.payload_length), dtype=np.uint8)
+    for start in range(0, message.payload_length, step):
+        channel.recv_into(scratch[:min(step, message.payload_length - start)])
+    channel.recv_into(np.empty(TRAILER.size, dtype=np.uint8))
 
 
 def recv_payload(channel: Channel, message: Message, target: np.ndarray) -> tuple[bool, bytes]:

@@ -6,14 +6,17 @@ TCP socket to another child that does nothing but move bytes, measured in the sa
     socket send + checksums  the same, with the least checksum work a verified flush needs: we hash each
                     block before sending it, the child hashes it once received
     socket receive  the child sends from a buffer; we receive into a warm one, as fetch(out=) does
-`local` (same-process copies into memory://) is measured against memcpy.
+`local` (same-process copies into memory://) is measured against memcpy. `tcp+token` is tcp to a
+server that checks a token, and `tcp+tls` tcp over TLS with a token: the cost of each beside plain tcp.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,13 +26,18 @@ from ..backends import TRANSPORTS, open_store, open_transport
 from ..blocks import BlockKey
 from ..errors import BackendUnavailable, ConfigError
 from ..report import format_size, markdown_table
+from ..testing.certificates import self_signed_certificate
 from ..testing.peers import ServedStoreProcess
 from ..transports.base import Transport
 from .common import Throughputs, machine_description, plot_operations, seconds_each
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
+#: Variants of tcp: what a server that checks tokens, and one that speaks TLS, cost.
+SECURED = ("tcp+token", "tcp+tls")
+BENCH_TOKEN = "bench-token"
 CEILINGS = ("socket send", "socket send + checksums", "socket receive", "memcpy")
+OPERATIONS = ("flush", "fetch")
 
 
 def ceiling_of(target: str, operation: str) -> str:
@@ -61,11 +69,13 @@ def available(targets: list[str]) -> tuple[list[str], list[str]]:
     """Split targets into those whose backend loads here and notes on those that do not."""
     usable, notes = [], []
     for target in targets:
-        backend = TRANSPORTS.find(target)
+        scheme = target.partition("+")[0] if target in SECURED else target
+        backend = TRANSPORTS.find(scheme)
         if backend is None:
-            raise ConfigError(f"unknown bench target {target!r}; choose from {', '.join((*NETWORKED, 'local'))}")
+            raise ConfigError(f"unknown bench target {target!r}; choose from "
+                              f"{', '.join((*NETWORKED, *SECURED, 'local'))}")
         try:
-            TRANSPORTS.load(target, backend, Transport)
+            TRANSPORTS.load(scheme, backend, Transport)
             usable.append(target)
         except BackendUnavailable as error:
             notes.append(f"{target}: skipped, {error}")
@@ -108,8 +118,17 @@ def _connected(target: str) -> Iterator[Transport]:
         with open_transport("local", store=open_store("memory://")) as transport:
             yield transport
         return
-    with ServedStoreProcess(target, quiet=True) as served, open_transport(served.url, timeout=120) as transport:
-        yield transport
+    scheme, _, variant = target.partition("+")
+    with tempfile.TemporaryDirectory(prefix="dejavu-bench-tls-") as scratch:
+        options: list[str] = []
+        client: dict[str, Any] = {"token": BENCH_TOKEN} if variant else {}
+        if variant == "tls":
+            cert, key = self_signed_certificate(scratch)
+            options = ["--tls-cert", cert, "--tls-key", key]
+            client.update(tls=True, ca=cert)
+        with ServedStoreProcess(scheme, quiet=True, options=options, token=BENCH_TOKEN if variant else None) \
+                as served, open_transport(served.url, timeout=120, **client) as transport:
+            yield transport
 
 
 def transport_bench_markdown(results: Throughputs, targets: list[str]) -> str:
@@ -137,7 +156,24 @@ def transport_bench_markdown(results: Throughputs, targets: list[str]) -> str:
                             "flush vs socket send + checksums", "fetch vs ceiling"], rows)
     return (f"Machine: {results.machine}\nMedians of {results.repeats} repeats.\n\nCeilings (GB/s), measured in "
             f"the same repeats as each transport:\n\n{ceilings}\n\nTransports (two processes on 127.0.0.1):\n\n"
-            f"{table}\n")
+            f"{table}\n{_security_cost(results, targets)}")
+
+
+def _security_cost(results: Throughputs, targets: list[str]) -> str:
+    """Tokens and TLS beside plain tcp: each variant's share of the plain socket, relative to tcp's share."""
+    variants = [target for target in targets if target in SECURED]
+    if "tcp" not in targets or not variants:
+        return ""
+
+    def share(size: int, target: str, operation: str) -> float:
+        return results.gbps(size, f"{target} {operation}") / results.gbps(size, ceiling_of(target, operation))
+
+    rows = [[format_size(size), variant,
+             *(f"{share(size, variant, operation) / share(size, 'tcp', operation):.0%}" for operation in OPERATIONS)]
+            for size in results.sizes for variant in variants]
+    table = markdown_table(["block", "variant", "flush, relative to tcp", "fetch, relative to tcp"], rows)
+    return (f"\nWhat a token and TLS cost (each variant's share of its plain-socket ceiling, over tcp's share):"
+            f"\n\n{table}\n")
 
 
 def plot_transport_bench(results: Throughputs, targets: list[str], path: str) -> None:

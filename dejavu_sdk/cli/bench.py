@@ -71,7 +71,9 @@ def add_bench_commands(commands: Any) -> None:
     transports = benches.add_parser("transports", help="flush/fetch throughput between two processes per "
                                     "transport vs a plain socket")
     transports.add_argument("--sizes", default="1MiB,64MiB", help="comma-separated block sizes")
-    transports.add_argument("--transports", default="tcp,ucx,gloo,local", help="comma-separated transports")
+    transports.add_argument("--transports", default="tcp,tcp+token,tcp+tls,ucx,gloo,local",
+                            help="comma-separated transports; tcp+token and tcp+tls are tcp with a token, and "
+                                 "with TLS and a token")
     transports.add_argument("--repeats", type=int, default=5)
     transports.add_argument("--volume", default="256MiB", help="bytes moved per measurement")
     add_output_arguments(transports)

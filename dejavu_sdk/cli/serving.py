@@ -2,12 +2,16 @@
 
 This is the remote CPU tier that `tcp://` and `ucx://` store URLs reach (and `nccl://` transports);
 `dejavu_sdk.testing.peers` starts it in a child process for tests and benchmarks. The store and the server
-come from the package's public `open_store` and `serve`.
+come from the package's public `open_store` and `serve`. Peers need a token when the server has any
+(`--token-file`, or `DEJAVU_TOKEN`); listening beyond loopback without one is refused unless `--insecure`.
+Nobody reads a store server's inbox, so it refuses tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 from typing import Any
 
 
@@ -22,11 +26,42 @@ def _serve_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    with dejavu_sdk.open_store(args.store) as store, dejavu_sdk.serve(args.listen, store) as server:
+    options = _access_options(args)
+    with dejavu_sdk.open_store(args.store) as store, \
+            dejavu_sdk.serve(args.listen, store, accept_tensors=False, **options) as server:
         print(f"serving {store.url} at {server.url}", flush=True)
         stop.wait()
         logging.info("stopping")
     return 0
+
+
+def _access_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's token and TLS options; refuses an open server beyond loopback unless `--insecure`."""
+    from dejavu_sdk.errors import ConfigError
+    from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
+    from dejavu_sdk.urls import network_address, parse_url
+
+    tokens = read_token_file(args.token_file) if args.token_file else None
+    token = (os.environ.get(TOKEN_VARIABLE) or None) if tokens is None else None
+    host, _ = network_address(parse_url(args.listen))
+    if tokens is None and token is None and not _is_loopback(host) and not args.insecure:
+        raise ConfigError(f"{args.listen} is reachable from other machines, and without a token anyone who "
+                          "reaches it can read, overwrite and delete every stream: give --token-file (or "
+                          f"{TOKEN_VARIABLE}) and, across networks you do not trust, --tls-cert/--tls-key; "
+                          "or pass --insecure")
+    options: dict[str, Any] = {"token": token, "tokens": tokens}
+    if args.tls_cert or args.tls_key:
+        options.update(tls_cert=args.tls_cert, tls_key=args.tls_key)
+    return options
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def add_serving_commands(commands: Any) -> None:
@@ -36,4 +71,10 @@ def add_serving_commands(commands: Any) -> None:
     serve_store.add_argument("--listen", required=True, help="tcp://host:port, ucx://host:port or nccl://host:port "
                              "(port 0: any free port; the URL is printed)")
     serve_store.add_argument("--store", default="memory://", help="the store to serve (default: memory://)")
+    serve_store.add_argument("--token-file", help="tokens peers must present, one per line: TOKEN (every stream) "
+                             "or TOKEN PREFIX (only stream ids starting with PREFIX); default: the single token "
+                             "in DEJAVU_TOKEN, if set")
+    serve_store.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (tcp:// only)")
+    serve_store.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve_store.add_argument("--insecure", action="store_true", help="listen beyond loopback without a token")
     serve_store.set_defaults(run=_serve_store)

@@ -6,7 +6,9 @@
     transports.py   TransportContractTests (every transport, `local` too), TransportFailureTests (peers
                     that die or hang), and TransportTests, both together, for networked transports
     stateful.py     a Hypothesis state machine that checks a store against a plain dict
+    security.py     ServerSecurityTests: tokens, tenants, connection floods, full inboxes, malformed names
     peers.py        ServedStoreProcess: `dejavu serve-store` in a child process, to kill or to time
+    certificates.py self_signed_certificate: a throwaway TLS certificate for loopback
 
 The suites need pytest and hypothesis (extra: dev); `peers` and the tensor helpers need neither, so
 benchmarks can use them. Names are imported on first use.
@@ -22,12 +24,14 @@ _MODULES = {
     "TransportFailureTests": ".transports",
     "TransportTests": ".transports",
     "ServedStoreProcess": ".peers",
+    "ServerSecurityTests": ".security",
+    "self_signed_certificate": ".certificates",
     "random_tensor": "..tensors",
     "same_bits": "..tensors",
 }
 
-__all__ = ["ServedStoreProcess", "StoreTests", "TransportContractTests", "TransportFailureTests", "TransportTests",
-           "random_tensor", "same_bits"]
+__all__ = ["ServedStoreProcess", "ServerSecurityTests", "StoreTests", "TransportContractTests",
+           "TransportFailureTests", "TransportTests", "random_tensor", "same_bits", "self_signed_certificate"]
 
 
 def __getattr__(name: str) -> object:

@@ -7,15 +7,23 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+
+from ..transports.access import TOKEN_VARIABLE
 
 
 class ServedStoreProcess:
     """A child process serving `store` at `url` (`scheme://127.0.0.1:<free port>`) until `stop()`."""
 
-    def __init__(self, scheme: str, store: str = "memory://", quiet: bool = False) -> None:
+    def __init__(self, scheme: str, store: str = "memory://", quiet: bool = False, *,
+                 options: Sequence[str] = (), token: str | None = None) -> None:
+        """`options`: more `serve-store` arguments (`--tls-cert`, ...); `token`: the one token peers need."""
         command = [sys.executable, "-m", "dejavu_sdk.cli", "serve-store", "--listen", f"{scheme}://127.0.0.1:0",
-                   "--store", store]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                   "--store", store, *options]
+        environment = {key: value for key, value in os.environ.items() if key != TOKEN_VARIABLE}
+        if token is not None:
+            environment[TOKEN_VARIABLE] = token
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment,
                                         stderr=subprocess.DEVNULL if quiet else None)
         assert self.process.stdout is not None  # stdout=PIPE above
         line = self.process.stdout.readline()
