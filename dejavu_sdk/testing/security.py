@@ -13,6 +13,10 @@ forever; malformed or non-canonical names are bad requests that leave the connec
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -93,6 +97,35 @@ class ServerSecurityTests:
             assert same_bits(owner.fetch(OTHER), torch.arange(8) * 2)
 
     # ---- floods and careless clients --------------------------------------------------------
+    def test_a_client_frozen_mid_request_stalls_nobody(self) -> None:
+        """A client process stopped half way through sending a block must not hold up anyone else."""
+        with self._server(timeout=2.0) as server:
+            code = (f"import sys, torch, dejavu_sdk as dv\nlink = dv.open_transport({server.url!r}, timeout=60)\n"
+                    "block = torch.zeros(64 << 20, dtype=torch.uint8)\nprint('ready', flush=True)\n"
+                    "for step in range(1000):\n"
+                    "    link.flush(dv.BlockKey('slow', layers=(0, 1), tokens=(step, step + 1)), block)\n")
+            slow = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            try:
+                assert slow.stdout is not None
+                assert slow.stdout.readline().strip() == "ready"
+                time.sleep(0.5)  # well into its stream of 64 MiB flushes
+                slow.send_signal(signal.SIGSTOP)
+                with open_transport(server.url, timeout=10) as other:
+                    for _ in range(3):
+                        started = time.monotonic()
+                        other.flush(KEY, torch.arange(8))
+                        assert same_bits(other.fetch(KEY), torch.arange(8))
+                        assert time.monotonic() - started < 1.0
+                    time.sleep(2.5)  # past the server's deadline for the frozen request
+                    names = other.names("")
+                    assert str(KEY) in names
+                    for name in names:  # what the frozen client got stored is whole; its half block is not there
+                        other.fetch(BlockKey.parse(name))
+            finally:
+                slow.kill()
+                slow.wait(timeout=30)
+
+
     def test_connections_past_the_cap_are_refused_politely(self) -> None:
         with self._server(max_connections=2) as server:
             first, second = open_transport(server.url), open_transport(server.url)
