@@ -1,7 +1,26 @@
 from __future__ import annotations
 
+import logging
+import time
+
+import torch
+
+import dejavu_sdk as dv
 from dejavu_sdk.testing.transports import TransportTests
 
 
 class TestUcxTransport(TransportTests):
     scheme = "ucx"
+
+
+def test_an_idle_connection_is_closed_and_the_client_reopens_it(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dejavu_sdk.transports")
+    key = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4))
+    with dv.serve("ucx://127.0.0.1:0", "memory://", idle_timeout=0.5) as server, \
+            dv.open_transport(server.url, timeout=10) as link:
+        link.flush(key, torch.arange(4))
+        deadline = time.monotonic() + 10
+        while not any("sent no request" in record.message for record in caplog.records):
+            assert time.monotonic() < deadline, "the server never closed the idle connection"
+            time.sleep(0.05)
+        assert link.fetch(key).tolist() == [0, 1, 2, 3]  # reopened, no error

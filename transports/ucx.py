@@ -25,7 +25,7 @@ from ..errors import TransportError
 from ..store import Store
 from ..urls import join_host_port
 from .channel import AddressedTransport, ChannelServer, ServerOptions
-from .wire import Channel, PeerClosed
+from .wire import Channel, IdleTimeout, PeerClosed
 from .wire import one_array as _one_array
 
 
@@ -52,9 +52,13 @@ class _EventLoop:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise TransportError(f"{what} timed out after {timeout} s") from None
+            raise _TimedOut(f"{what} timed out after {timeout} s") from None
         except ucxx.exceptions.UCXError as error:
             raise TransportError(f"{what} failed: {error}") from error
+
+
+class _TimedOut(TransportError):
+    """A UCX call did not finish within its timeout."""
 
 
 async def _call(function: Any, *args: Any) -> Any:
@@ -67,11 +71,14 @@ class UcxChannel(Channel):
 
     chunk_size = 1 << 62  # UCX moves a whole payload in one rendezvous transfer
 
-    def __init__(self, endpoint: Any, peer: str, timeout: float | None) -> None:
+    def __init__(self, endpoint: Any, peer: str, timeout: float | None, idle_timeout: float | None = None) -> None:
         self._endpoint = endpoint
         self._loop = _EventLoop.get()
         self.peer = peer
-        self._timeout = timeout
+        self._timeout, self._idle_timeout = timeout, idle_timeout
+
+    def closed_by_peer(self) -> bool:
+        return bool(self._endpoint.closed)
 
     def send(self, *buffers: Any) -> None:
         array = _one_array(buffers)
@@ -81,8 +88,12 @@ class UcxChannel(Channel):
         if idle and self._endpoint.closed:  # a reply already sent may still be waiting to be read
             raise PeerClosed(f"{self.peer} closed the connection")
         try:
-            self._loop.run(self._endpoint.recv(buffer), None if idle else self._timeout,
+            self._loop.run(self._endpoint.recv(buffer), self._idle_timeout if idle else self._timeout,
                            f"receiving from {self.peer}")
+        except _TimedOut:
+            if idle:
+                raise IdleTimeout(f"{self.peer} sent nothing for {self._idle_timeout} s") from None
+            raise
         except TransportError as error:
             if idle and isinstance(error.__cause__, (ucxx.exceptions.UCXCanceledError,
                                                      ucxx.exceptions.UCXConnectionResetError,
@@ -111,7 +122,7 @@ class UcxServer(ChannelServer):
         self.url = f"{scheme}://{join_host_port(host, self._listener.port)}"
 
     async def _accept(self, endpoint: Any) -> None:
-        channel = UcxChannel(endpoint, f"{self.url} peer {endpoint.uid:x}", self.timeout)
+        channel = UcxChannel(endpoint, f"{self.url} peer {endpoint.uid:x}", self.timeout, self.options.idle_timeout)
         self._channels.add(channel)
         finished = asyncio.get_running_loop().create_future()
 
