@@ -52,7 +52,16 @@ def _text(tokenizer: Any, tokens: torch.Tensor, prompt_length: int) -> str:
     return tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else str(new.tolist())
 
 
-def _generate_child(store: str, new_tokens: int, random_model: bool) -> None:
+#: `dejavu demo --sample`: nucleus sampling with a fixed seed, so the uninterrupted run can be reproduced.
+SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
+SEED = 7
+
+
+def _decoding(sample: bool) -> dict[str, Any]:
+    return {**SAMPLING, "seed": SEED} if sample else {}
+
+
+def _generate_child(store: str, new_tokens: int, random_model: bool, sample: bool) -> None:
     """Generate with replication, printing each step so the parent knows when to kill us."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -72,11 +81,11 @@ def _generate_child(store: str, new_tokens: int, random_model: bool) -> None:
     ids, mask = _prompt(tokenizer)
     DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=new_tokens, stream_id=STREAM,
                                               replace=True,  # a demo left behind in a --store starts over
-                                              logits_processor=LogitsProcessorList([Progress()]))
+                                              logits_processor=LogitsProcessorList([Progress()]), **_decoding(sample))
     print("finished", flush=True)
 
 
-def _resume_child(store: str, new_tokens: int, random_model: bool) -> None:
+def _resume_child(store: str, new_tokens: int, random_model: bool, sample: bool) -> None:
     """Resume the stream, then generate the same answer from scratch; report both."""
     from .engine import DejaVuEngine
 
@@ -87,21 +96,27 @@ def _resume_child(store: str, new_tokens: int, random_model: bool) -> None:
     resumed = engine.resume(STREAM)
     resume_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    again = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    if sample:  # what the uninterrupted sampled run draws: the same seed, the same settings
+        torch.manual_seed(SEED)
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           **(SAMPLING if sample else {"do_sample": False}))
     restart_seconds = time.perf_counter() - start
     print(json.dumps({"identical": torch.equal(resumed, again), "text": _text(tokenizer, resumed, ids.shape[1]),
                       "resume_seconds": resume_seconds, "restart_seconds": restart_seconds}), flush=True)
 
 
-def _child(role: str, store: str, new_tokens: int, random_model: bool) -> subprocess.Popen:
+def _child(role: str, store: str, new_tokens: int, random_model: bool, sample: bool) -> subprocess.Popen:
     command = [sys.executable, "-m", "dejavu_sdk.demo", role, "--store", store, "--new-tokens", str(new_tokens)]
-    return subprocess.Popen(command + (["--random-model"] if random_model else []), stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    command += ["--random-model"] if random_model else []
+    command += ["--sample"] if sample else []
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
 
 
 def run_demo(store_url: str | None = None, new_tokens: int = 96, kill_at: int | None = None,
-             random_model: bool = False) -> bool:
-    """Run the demo and print a summary; True when the resumed text equals the uninterrupted one."""
+             random_model: bool = False, sample: bool = False) -> bool:
+    """Run the demo and print a summary; True when the resumed text equals the uninterrupted one.
+    `sample`: the generation samples (temperature 0.8, top-p 0.9, seed 7) instead of decoding greedily."""
     kill_at = kill_at or new_tokens // 2
     with tempfile.TemporaryDirectory(prefix="dejavu-demo-") as scratch:
         store = store_url or f"lmdb://{scratch}/kv"
@@ -109,8 +124,10 @@ def run_demo(store_url: str | None = None, new_tokens: int = 96, kill_at: int | 
             if not opened.shared:
                 raise ConfigError(f"{store} lives in one process; the demo resumes in another, so use a store other "
                                   "processes can read: lmdb://, file://, s3:// or tcp://")
-        print(f"1. Generating {new_tokens} tokens with the KV cache streaming to {store}; SIGKILL at step {kill_at}.")
-        writer = _child("generate", store, new_tokens, random_model)
+        how = f"sampling (seed {SEED}, temperature 0.8, top-p 0.9)" if sample else "greedily"
+        print(f"1. Generating {new_tokens} tokens {how} with the KV cache streaming to {store}; SIGKILL at step "
+              f"{kill_at}.")
+        writer = _child("generate", store, new_tokens, random_model, sample)
         assert writer.stdout is not None  # a pipe: stdout=PIPE
         name = writer.stdout.readline().removeprefix("model ").strip()
         print(f"   model: {name}")
@@ -128,7 +145,7 @@ def run_demo(store_url: str | None = None, new_tokens: int = 96, kill_at: int | 
             return False
         print("   killed (SIGKILL), mid-decode.")
         print("2. A new process resumes the stream from the replica, then generates it again from scratch.")
-        report = json.loads(_child("resume", store, new_tokens, random_model).communicate(timeout=600)[0])
+        report = json.loads(_child("resume", store, new_tokens, random_model, sample).communicate(timeout=600)[0])
     print(f"\nResumed text:\n  {report['text']}\n")
     verdict = "identical" if report["identical"] else "DIFFERENT"
     speedup = report["restart_seconds"] / report["resume_seconds"]
@@ -143,9 +160,10 @@ def main() -> None:
     parser.add_argument("--store", required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--random-model", action="store_true")
+    parser.add_argument("--sample", action="store_true")
     args = parser.parse_args()
     role = _generate_child if args.role == "generate" else _resume_child
-    role(args.store, args.new_tokens, args.random_model)
+    role(args.store, args.new_tokens, args.random_model, args.sample)
 
 
 if __name__ == "__main__":

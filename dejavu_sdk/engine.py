@@ -15,6 +15,8 @@ Who calls what:
 
 from __future__ import annotations
 
+import base64
+import secrets
 import threading
 import uuid
 from typing import Any, TypedDict
@@ -66,17 +68,26 @@ class DejaVuEngine:
     # ---- public API --------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int | None = None, stream_id: str | None = None, replace: bool = False,
-                 **kwargs: Any) -> torch.Tensor:
-        """`model.generate(input_ids, ..., do_sample=False)`, with the KV cache replicated as it is produced.
+                 seed: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """`model.generate(input_ids, ...)`, with the KV cache replicated as it is produced.
+
+        Greedy by default. With `do_sample=True` (and `temperature`, `top_k`, `top_p`, `min_p`,
+        `repetition_penalty`, ...), the result equals `torch.manual_seed(seed)` followed by
+        `model.generate(...)` with the same settings; without `seed` the engine draws one and records it.
+        A sampled stream resumes exactly too: its manifest carries the generator's state at each durable
+        step. Beam search, several sequences per prompt and assisted decoding are refused.
 
         A stream id names one generation at a time. If `stream_id` already has a manifest in the store (an
         unfinished generation, or a finished one kept with `keep_finished=True`), this raises ConfigError
         rather than destroy it: `resume` it, `forget` it, or pass `replace=True` to delete it and start over.
         """
-        _refuse_sampling(kwargs)
+        _refuse_unreplicable(kwargs)
+        sampling = self._sampling(kwargs, seed)
         if self.store is None:
+            if sampling is not None:
+                torch.manual_seed(sampling["seed"])
             return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                       do_sample=False, **kwargs)
+                                       do_sample=sampling is not None, **_settings(sampling), **kwargs)
         stream_id = check_stream_id(stream_id or f"stream-{uuid.uuid4().hex[:12]}")
         if not isinstance(replace, bool):
             raise ConfigError(f"replace must be True or False, got {replace!r}")
@@ -87,7 +98,10 @@ class DejaVuEngine:
         manifest = Manifest(stream_id=stream_id, run=uuid.uuid4().hex[:16], geometry=self._geometry(rows),
                             input_ids=input_ids.tolist(), attention_mask=attention_mask.to(torch.long).tolist(),
                             max_new_tokens=self._max_new_tokens(max_new_tokens), eos_token_id=eos, pad_token_id=pad,
-                            replicate_every=self.options["replicate_every"])
+                            replicate_every=self.options["replicate_every"], sampling=sampling)
+        if sampling is not None:  # as torch.manual_seed(seed) before model.generate; the state goes with each step
+            torch.manual_seed(sampling["seed"])
+            manifest = attrs.evolve(manifest, rng=_encode_state(_generator_state(self.model.device)))
         if replace:
             self.forget(stream_id)
         else:
@@ -96,8 +110,13 @@ class DejaVuEngine:
         return self._run(manifest, kwargs)
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:
-        """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed."""
-        _refuse_sampling(kwargs)
+        """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed.
+
+        A sampled stream continues from its recorded generator state, with its recorded settings; settings
+        given here must agree with them, and a stream recorded by other library versions or on another
+        kind of device is refused, since it could not be resumed exactly.
+        """
+        _refuse_unreplicable(kwargs)
         store = self._require_store()
         try:
             data = store.read_manifest(check_stream_id(stream_id))
@@ -106,6 +125,7 @@ class DejaVuEngine:
                                 "finished and was deleted (keep_finished=False)") from None
         manifest = Manifest.from_bytes(data, stream_id)
         manifest.check_geometry(self._geometry(len(manifest.input_ids)))
+        _check_resumable_sampling(manifest, kwargs, self.model.device)
         return self._run(manifest, kwargs)
 
     def cache(self, stream_id: str) -> StreamingCache:
@@ -143,7 +163,7 @@ class DejaVuEngine:
             self._complete(manifest)
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
-        recorder = _TokenRecorder(manifest, restored_keys)
+        recorder = _TokenRecorder(manifest, restored_keys, self.model.device)
         manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
                                manifest_for=recorder.manifest_after, run=manifest.run, **self.options)
@@ -151,8 +171,11 @@ class DejaVuEngine:
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
         extra = _keep_finished_rows_padded(finished, manifest.pad_token_id) if any(finished) else {}
+        if manifest.sampling is not None:  # continue from the state right after the last recorded token
+            _set_generator_state(self.model.device, _decode_state(manifest))
         try:
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=remaining, do_sample=False,
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=remaining,
+                                      do_sample=manifest.sampling is not None, **_settings(manifest.sampling),
                                       cache=cache, streamer=recorder, eos_token_id=manifest.eos_token_id,
                                       pad_token_id=manifest.pad_token_id, **extra, **kwargs)
         finally:
@@ -232,6 +255,30 @@ class DejaVuEngine:
             raise ConfigError(f"{type(self.model).__name__} has {', '.join(odd)} layers, which keep no KV cache "
                               "to stream; DejaVuEngine supports attention-only models")
 
+    def _sampling(self, kwargs: dict[str, Any], seed: int | None) -> dict[str, Any] | None:
+        """What a sampled generation records (seed, settings in effect, versions, device); None for greedy.
+
+        Takes `do_sample` and the sampling settings out of `kwargs`: they are passed on from the record,
+        so a fresh run and a resumed one use the very same values.
+        """
+        if not kwargs.pop("do_sample", False):  # greedy unless asked, whatever the model's generation config says
+            if seed is not None:
+                raise ConfigError("seed= applies to sampling: pass do_sample=True as well, or drop seed")
+            if any(name in kwargs for name in SAMPLING_SETTINGS):
+                raise ConfigError(f"{', '.join(sorted(set(kwargs) & set(SAMPLING_SETTINGS)))} apply to sampling: "
+                                  "pass do_sample=True as well")
+            return None
+        if seed is None:
+            seed = secrets.randbits(62)
+        elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ConfigError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+        config = self.model.generation_config
+        settings = {name: kwargs.pop(name, getattr(config, name, None)) for name in SAMPLING_SETTINGS}
+        for name, value in settings.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        return {"seed": seed, "settings": settings, "versions": _versions(), "device": self.model.device.type}
+
     def _special_tokens(self, kwargs: dict[str, Any]) -> tuple[list[int], int | None]:
         generation_config = self.model.generation_config
         eos = kwargs.pop("eos_token_id", generation_config.eos_token_id)
@@ -256,13 +303,88 @@ class DejaVuEngine:
         return self.replica
 
 
-def _refuse_sampling(kwargs: dict[str, Any]) -> None:
-    """Only greedy decoding resumes exactly: refuse sampling and beams, and drop a harmless do_sample=False."""
-    settings = {"do_sample": kwargs.pop("do_sample", False), "num_beams": kwargs.get("num_beams") or 1,
-                "num_return_sequences": kwargs.get("num_return_sequences") or 1}
-    for name, value in settings.items():
-        if (name == "do_sample" and value) or (name != "do_sample" and value > 1):
-            raise ConfigError(f"{name}={value!r}: DejaVuEngine replicates greedy decoding, whose resume is exact")
+#: Settings of `model.generate` that decide what a sampled token is; a sampled stream records each.
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                     "repetition_penalty", "no_repeat_ngram_size")
+
+
+def _refuse_unreplicable(kwargs: dict[str, Any]) -> None:
+    """Refuse decoding that changes the cache other than by appending, or makes several sequences a row."""
+    if (kwargs.get("num_beams") or 1) > 1:
+        raise ConfigError(f"num_beams={kwargs['num_beams']!r}: beam search reorders the cache's rows at every "
+                          "step, which DejaVuEngine does not replicate; use greedy decoding or do_sample=True")
+    if (kwargs.get("num_return_sequences") or 1) > 1:
+        raise ConfigError(f"num_return_sequences={kwargs['num_return_sequences']!r}: one stream replicates one "
+                          "sequence per prompt row; repeat the prompt rows instead")
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
+        if kwargs.get(name) is not None:
+            raise ConfigError(f"{name}: assisted and speculative decoding crop the cache when a guess is rejected, "
+                              "which DejaVuEngine does not replicate; decode without it")
+
+
+def _settings(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """The recorded sampling settings, as `model.generate` keyword arguments (none for greedy)."""
+    if sampling is None:
+        return {}
+    return {name: value for name, value in sampling["settings"].items() if value is not None}
+
+
+def _versions() -> dict[str, str]:
+    """The libraries whose sampling a sampled stream reproduces: exact resume needs the same ones."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator that samples on `device` (torch's default generator for it)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _encode_state(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode_state(manifest: Manifest) -> torch.Tensor:
+    state = torch.frombuffer(bytearray(base64.b64decode(manifest.rng)), dtype=torch.uint8)
+    device = torch.device(manifest.sampling["device"] if manifest.sampling else "cpu")
+    expected = _generator_state(device).numel()
+    if state.numel() != expected:
+        raise CorruptBlock(f"the manifest of stream {manifest.stream_id}: field 'rng' holds {state.numel()} bytes, "
+                           f"not the {expected} of a generator state")
+    return state
+
+
+def _check_resumable_sampling(manifest: Manifest, kwargs: dict[str, Any], device: torch.device) -> None:
+    """ConfigError unless this process can continue the stream's sampling exactly as it was recorded."""
+    sampling = manifest.sampling
+    do_sample = kwargs.pop("do_sample", None)
+    if do_sample is not None and bool(do_sample) != (sampling is not None):
+        raise ConfigError(f"stream {manifest.stream_id} was {'sampled' if sampling else 'greedy'}; resume it "
+                          "as it started (do_sample is recorded; leave it out)")
+    given = {name: kwargs.pop(name) for name in SAMPLING_SETTINGS if name in kwargs}
+    if sampling is None:
+        if given:
+            raise ConfigError(f"stream {manifest.stream_id} is greedy: {', '.join(sorted(given))} do not apply")
+        return
+    differing = {name: value for name, value in given.items() if sampling["settings"].get(name) != value}
+    if differing:
+        raise ConfigError(f"stream {manifest.stream_id} was sampled with {sampling['settings']}; resuming with "
+                          f"{differing} would not continue it exactly (the settings are recorded; leave them out)")
+    if sampling["versions"] != _versions():
+        raise ConfigError(f"stream {manifest.stream_id} was sampled with {sampling['versions']}, this process has "
+                          f"{_versions()}: its samples cannot be reproduced exactly here; resume it with the "
+                          "versions that started it, or generate it again")
+    if sampling["device"] != device.type:
+        raise ConfigError(f"stream {manifest.stream_id} was sampled on {sampling['device']}, the model is on "
+                          f"{device.type}: their generators differ, so the samples would too")
 
 
 def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
@@ -272,9 +394,13 @@ def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
 class _TokenRecorder:
     """A `generate` streamer: keeps the tokens of each step and gives the manifest that goes with each block."""
 
-    def __init__(self, manifest: Manifest, restored: list[BlockKey]) -> None:
+    def __init__(self, manifest: Manifest, restored: list[BlockKey], device: torch.device) -> None:
         self.manifest = manifest
         self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
+        # Sampled streams: the generator's state right after the last token in `tokens`, taken as each
+        # token arrives (a copy of a few kB), encoded only when a manifest is written.
+        self._device = device if manifest.sampling is not None else None
+        self._state: torch.Tensor | None = None
         self._names = [str(key) for key in restored]
         self._encode = manifest.progress_writer()
         self._prompt_seen = False
@@ -284,28 +410,34 @@ class _TokenRecorder:
         if not self._prompt_seen:  # generate first shows the whole input
             self._prompt_seen = True
             return
+        state = _generator_state(self._device) if self._device is not None else None
         with self._lock:
             for row, token in zip(self.tokens, value.reshape(-1).tolist(), strict=True):
                 row.append(token)
+            self._state = state
 
     def end(self) -> None:
         pass
 
-    def _tokens(self) -> list[list[int]]:
+    def _snapshot(self) -> tuple[list[list[int]], str]:
+        """The tokens so far and, for a sampled stream, the generator state that goes with them."""
         with self._lock:
-            return [list(row) for row in self.tokens]
+            tokens, state = [list(row) for row in self.tokens], self._state
+        return tokens, self.manifest.rng if state is None else _encode_state(state)
 
     def manifest_after(self, key: BlockKey, durable_positions: int) -> bytes:
         """The manifest as it will be once `key` is durable; written together with that block."""
-        return self._encode(self._tokens(), [*self._names, str(key)], durable_positions)
+        tokens, rng = self._snapshot()
+        return self._encode(tokens, [*self._names, str(key)], durable_positions, rng)
 
     def note_durable(self, key: BlockKey) -> None:
         """Called on the streamer thread after each accepted block, whose manifest went with it."""
         self._names.append(str(key))
 
     def final(self, positions: int) -> Manifest:
-        return attrs.evolve(self.manifest, generated=self._tokens(), blocks=list(self._names),
-                            durable_positions=positions)
+        tokens, rng = self._snapshot()
+        return attrs.evolve(self.manifest, generated=tokens, blocks=list(self._names), durable_positions=positions,
+                            rng=rng)
 
 
 class _PadFinishedRows(LogitsProcessor):

@@ -12,6 +12,7 @@ never mixes the blocks of two generations.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from typing import Any, TypeGuard
@@ -24,7 +25,10 @@ from .errors import ConfigError, CorruptBlock
 #: Format 2 added `run` (and run ids in block names). Format 1 manifests are refused: their blocks carry no
 #: run, so nothing tells their blocks from another generation's under the same stream id.
 FORMAT = 2
-_PROGRESS = frozenset({"generated", "blocks", "durable_positions", "finished"})
+_PROGRESS = frozenset({"generated", "blocks", "durable_positions", "finished", "rng"})
+#: What a sampled stream records to resume exactly: the seed, the sampling settings in effect, the library
+#: versions whose sampling it reproduces, and the device type whose generator drew the samples.
+SAMPLING_FIELDS: dict[str, type] = {"seed": int, "settings": dict, "versions": dict, "device": str}
 #: The geometry the engine records, by field, with the type each must have.
 GEOMETRY_FIELDS: dict[str, type] = {"architecture": str, "layers": int, "kv_heads": int, "head_dim": int,
                                     "dtype": str, "batch": int}
@@ -47,6 +51,8 @@ class Manifest:
     blocks: list[str] = attrs.field(factory=list)  # durable blocks, in the order they became durable
     durable_positions: int = 0  # positions [0, n) of every layer are durable
     finished: bool = False
+    sampling: dict[str, Any] | None = None  # None: greedy; else seed, settings, versions, device
+    rng: str = ""  # sampled streams: the generator's state right after the last token in `generated` (base64)
 
     @property
     def prompt_length(self) -> int:
@@ -59,16 +65,17 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT, **attrs.asdict(self)}, separators=(",", ":")).encode()
 
-    def progress_writer(self) -> Callable[[list[list[int]], list[str], int], bytes]:
+    def progress_writer(self) -> Callable[[list[list[int]], list[str], int, str], bytes]:
         """A fast serializer for this manifest as generation progresses: the fixed fields are encoded once,
-        and each call encodes only the tokens, the durable blocks and the durable positions (unchecked: it
-        runs every decode step, and `from_bytes` checks what it wrote when the manifest is read back)."""
+        and each call encodes only the tokens, the durable blocks, the durable positions and the generator
+        state (unchecked: it runs every decode step, and `from_bytes` checks what it wrote when the manifest
+        is read back)."""
         fixed = {"format": FORMAT, **attrs.asdict(self, filter=lambda field, _: field.name not in _PROGRESS)}
         prefix = json.dumps(fixed, separators=(",", ":"))[:-1]
 
-        def encode(generated: list[list[int]], blocks: list[str], durable_positions: int) -> bytes:
+        def encode(generated: list[list[int]], blocks: list[str], durable_positions: int, rng: str) -> bytes:
             progress = json.dumps({"generated": generated, "blocks": blocks, "durable_positions": durable_positions,
-                                   "finished": False}, separators=(",", ":"))
+                                   "finished": False, "rng": rng}, separators=(",", ":"))
             return f"{prefix},{progress[1:]}".encode()
 
         return encode
@@ -151,6 +158,7 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     schema.blocks(given["blocks"], run, given["geometry"]["layers"], length)
     if not isinstance(given["finished"], bool):
         raise schema.fail("finished", f"must be true or false, got {_shown(given['finished'])}")
+    schema.sampling(given["sampling"], given["rng"])
     return given
 
 
@@ -217,6 +225,33 @@ class _Schema:
             raise self.fail("geometry.dtype", f"{value['dtype']!r} is not a dtype blocks hold")
         if value["batch"] != rows:
             raise self.fail("geometry.batch", f"is {value['batch']}, but input_ids has {rows} rows")
+
+    def sampling(self, value: object, rng: object) -> None:
+        """`sampling` is null for greedy streams, with no generator state; else its fields, and a state."""
+        if not isinstance(rng, str):
+            raise self.fail("rng", f"must be a string, got {_shown(rng)}")
+        if value is None:
+            if rng:
+                raise self.fail("rng", "is set, but the stream is greedy (sampling is null)")
+            return
+        if not isinstance(value, dict) or value.keys() != SAMPLING_FIELDS.keys():
+            raise self.fail("sampling", f"must be null or hold exactly {', '.join(SAMPLING_FIELDS)}; got "
+                                        f"{_shown(value)}")
+        for name, kind in SAMPLING_FIELDS.items():
+            if not isinstance(value[name], kind) or isinstance(value[name], bool):
+                raise self.fail(f"sampling.{name}", f"must be a {kind.__name__}, got {_shown(value[name])}")
+        for name, setting in value["settings"].items():
+            if not isinstance(setting, (int, float, str)) and setting is not None:
+                raise self.fail(f"sampling.settings.{name}", f"must be a number, a string or null, got "
+                                                             f"{_shown(setting)}")
+        if not all(isinstance(version, str) for version in value["versions"].values()):
+            raise self.fail("sampling.versions", f"must map names to version strings, got {_shown(value['versions'])}")
+        try:
+            base64.b64decode(rng, validate=True)
+        except ValueError:
+            raise self.fail("rng", "is not base64") from None
+        if not rng:
+            raise self.fail("rng", "is empty, but the stream samples: its generator state is needed to resume")
 
     def blocks(self, value: object, run: str, layers: int, length: int) -> None:
         if not isinstance(value, list):

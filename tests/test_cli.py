@@ -37,6 +37,13 @@ def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> No
     assert "outputs are identical" in output
 
 
+def test_the_sampled_demo_kills_and_resumes_to_identical_text(capsys) -> None:
+    assert main(["demo", "--sample", "--random-model", "--new-tokens", "24"]) == 0
+    output = capsys.readouterr().out
+    assert "sampling (seed 7" in output
+    assert "outputs are identical" in output
+
+
 def test_demo_refuses_a_store_other_processes_cannot_read(capsys) -> None:
     assert main(["demo", "--store", "memory://", "--random-model"]) == 2
     assert "use a store other processes can read" in capsys.readouterr().err

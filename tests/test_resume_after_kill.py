@@ -1,10 +1,12 @@
 """A generation killed with SIGKILL mid-decode resumes in another process to identical tokens,
-without recomputing its prompt, from LMDB and from S3 (a loopback server)."""
+without recomputing its prompt, from LMDB and from S3 (a loopback server): greedy, and sampled, killed at a
+random step."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -44,16 +46,21 @@ CHILD = """
     ids, mask = prompt()
     progress = LogitsProcessorList([Progress()])
     DejaVuEngine(tiny_llama(), store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
-                                                     stream_id="victim", logits_processor=progress)
+                                                     stream_id="victim", logits_processor=progress,
+                                                     **json.loads({decoding!r}))
     print("finished", flush=True)
 """
 
 
-def _kill_mid_decode(url: str, options: dict) -> None:
-    code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW))
+SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 30, "top_p": 0.9, "seed": 1234}
+
+
+def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill_at: int = 15) -> None:
+    code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW,
+                                        decoding=json.dumps(decoding or {})))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     deadline, step = time.monotonic() + 120, 0
-    while step < 15 and time.monotonic() < deadline:
+    while step < kill_at and time.monotonic() < deadline:
         line = child.stdout.readline()
         assert line, "the child ended before it could be killed"
         assert line.strip() != "finished", "the child finished before it could be killed"
@@ -63,7 +70,7 @@ def _kill_mid_decode(url: str, options: dict) -> None:
     assert child.returncode == -signal.SIGKILL
 
 
-def _resume_and_check(store: dv.Store) -> None:
+def _resume_and_check(store: dv.Store, decoding: dict | None = None) -> None:
     from tiny_models import prompt, tiny_llama
 
     manifest = Manifest.from_bytes(store.read_manifest("victim"), "victim")
@@ -77,7 +84,9 @@ def _resume_and_check(store: dv.Store) -> None:
     resumed = DejaVuEngine(model, store=store).resume("victim")
     assert max(fed) <= 2, f"resume fed {max(fed)} positions at once: the prompt was recomputed"
     fed.clear()
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    settings = dict(decoding or {"do_sample": False})
+    torch.manual_seed(settings.pop("seed", 0))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **settings)
     assert torch.equal(resumed, expected)
 
 
@@ -87,6 +96,21 @@ def test_resume_from_lmdb_after_sigkill(tmp_path) -> None:
     url = f"lmdb://{tmp_path / 'kv'}"
     _kill_mid_decode(url, {})
     _resume_and_check(dv.open_store(url))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["lmdb", "s3"])
+def test_a_sampled_generation_resumes_exactly_after_sigkill_at_a_random_step(tmp_path, s3_options,
+                                                                            backend: str) -> None:
+    sys.path.insert(0, str(TESTS))
+    kill_at = random.Random().randint(3, NEW - 8)
+    if backend == "lmdb":
+        url, options = f"lmdb://{tmp_path / 'kv'}", {}
+    else:
+        url, options = f"s3://dejavu-resume/{uuid.uuid4().hex}", {"storage_options": s3_options}
+    print(f"killing the child at decode step {kill_at}")  # shown if the test fails
+    _kill_mid_decode(url, options, SAMPLED, kill_at)
+    _resume_and_check(dv.open_store(url, **options), SAMPLED)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from typing import Any
 def _demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
-    return 0 if run_demo(args.store, args.new_tokens, args.kill_at, args.random_model) else 1
+    return 0 if run_demo(args.store, args.new_tokens, args.kill_at, args.random_model, args.sample) else 1
 
 
 def add_demo_commands(commands: Any) -> None:
@@ -20,4 +20,6 @@ def add_demo_commands(commands: Any) -> None:
     demo.add_argument("--kill-at", type=int, help="decode step to kill at (default: half way)")
     demo.add_argument("--random-model", action="store_true", help="use a small random model even if SmolLM2 "
                       "weights are installed")
+    demo.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.9, seed 7) "
+                      "instead of decoding greedily: the resumed text is identical all the same")
     demo.set_defaults(run=_demo)
