@@ -17,11 +17,12 @@ Who calls what:
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from transformers import DynamicCache
@@ -196,7 +197,25 @@ def _advanced(layer_ends: list[int], key: BlockKey) -> list[int]:
 
 class StreamingCache(DynamicCache):
     """A `DynamicCache` whose every update is also streamed by `manager`. Use it like any transformers
-    cache (`model(ids, cache=cache)`, `model.generate(..., cache=cache)`), then call `manager.finish()`."""
+    cache (`model(ids, cache=cache)`, `model.generate(..., cache=cache)`), then call `manager.finish()`.
+
+    The replica only ever grows: it holds what `update` appended, position by position. So every other
+    operation that changes the cache's contents raises `ConfigError` before it changes anything, and the
+    cache stays usable (and its replica exact) afterwards:
+    - `crop` (assisted decoding, prompt lookup, speculative decoding: rejected draft tokens are dropped)
+      and `activate_past_recording`, which prepares those rollbacks; `crop(0)` removes no position and is
+      allowed, and `is_croppable` is False;
+    - `reorder_cache` and `batch_select_indices` (beam search), `batch_repeat_interleave`, `reset`;
+    - `update_conv_state`, `update_recurrent_state` and `update_indexer`: only attention KV is streamed.
+    Reading (`get_seq_length`, `get_mask_sizes`, iteration, ...), `early_initialization`, `offload` and
+    `prefetch` change no contents and work as in `DynamicCache`; `restore` fills the cache without streaming.
+
+    `copy.deepcopy(cache)` returns a plain, independent `DynamicCache` with the same contents and no
+    manager: transformers' prompt-reuse recipe (`generate(..., cache=copy.deepcopy(prompt_cache))`)
+    continues from the copy without touching this cache's replica. Use such a copy, too, for anything
+    refused here. `torch.export` cannot trace a streaming cache (its streamer thread and queue are not
+    part of any graph): `update` raises `ConfigError` under export; export with a `DynamicCache`.
+    """
 
     def __init__(self, manager: CacheManager, config: Any = None) -> None:
         super().__init__(config=config)
@@ -209,7 +228,82 @@ class StreamingCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if _exporting():
+            raise ConfigError(
+                "torch.export is tracing a StreamingCache: its streamer thread and queue cannot be traced, and the "
+                "blocks it would stream hold fake tensors; export the model with a plain DynamicCache (copy.deepcopy "
+                "of this cache is one, with the same contents) and stream outside the exported program")
         first_position = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
         result = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         self.manager.observe(layer_idx, key_states, value_states, first_position)
         return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DynamicCache:
+        """A plain `DynamicCache` with a copy of every layer, and no manager: using it streams nothing."""
+        clone = DynamicCache.__new__(DynamicCache)
+        memo[id(self)] = clone
+        for name, value in vars(self).items():
+            if name != "manager":
+                clone.__dict__[name] = copy.deepcopy(value, memo)
+        return clone
+
+    # ---- operations the replica cannot follow: refused before they change anything -----------------------
+    @property
+    def is_croppable(self) -> bool:
+        """False: positions already streamed cannot be taken back (transformers then never plans a rollback)."""
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:  # removes no position; transformers calls it to trim sliding-window layers
+            super().crop(tokens_to_remove)
+            return
+        self._refuse(f"crop({tokens_to_remove})", "it removes positions from the end of the cache (assisted decoding, "
+                     "prompt lookup and speculative decoding drop rejected draft tokens this way)", _NO_ROLLBACK)
+
+    def activate_past_recording(self) -> None:
+        self._refuse("activate_past_recording()", "it prepares the cache to be rolled back with crop (assisted "
+                     "decoding, prompt lookup, speculative decoding)", _NO_ROLLBACK)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse("reorder_cache()", "beam search reorders the cache's rows", "use greedy decoding (num_beams=1)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("batch_select_indices()", "it keeps only some of the cache's rows (beam search, dropping "
+                     "finished rows)", "keep every row to the end (finished rows generate padding), or give each "
+                     "sequence its own stream")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse(f"batch_repeat_interleave({repeats})", "it repeats the cache's rows",
+                     f"repeat the inputs before the prefill instead, or expand a copy ({_COPY})")
+
+    def reset(self) -> None:
+        self._refuse("reset()", "it empties the cache",
+                     "call cache.manager.finish() and take a new cache, under another stream id, for the next sequence")
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs: Any) -> torch.Tensor:
+        self._refuse("update_conv_state()", "it changes a linear-attention or Mamba-style state", _ATTENTION_ONLY)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        self._refuse("update_recurrent_state()", "it changes a linear-attention or Mamba-style state", _ATTENTION_ONLY)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self._refuse("update_indexer()", "it changes a sparse-attention indexer's keys", _ATTENTION_ONLY)
+
+    def _refuse(self, operation: str, what: str, instead: str) -> NoReturn:
+        raise ConfigError(f"{operation} on the streaming cache of stream {self.manager.stream_id}: {what}, which "
+                          f"DejaVu does not replicate, so the replica would no longer match the cache; {instead}. "
+                          "The cache is unchanged")
+
+
+_COPY = "copy.deepcopy(cache) is a plain DynamicCache that streams nothing"
+_NO_ROLLBACK = (f"generate without assistant_model, prompt_lookup_num_tokens or other drafting, or work on a copy "
+                f"({_COPY})")
+_ATTENTION_ONLY = "DejaVu streams attention keys and values only: use a model whose layers are all attention layers"
+
+
+def _exporting() -> bool:
+    """Whether torch.export is tracing (strict or not); False on a torch too old to tell."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting()) if is_exporting is not None else False

@@ -54,7 +54,7 @@ def test_a_valid_manifest_round_trips() -> None:
     manifest = _valid()
     assert Manifest.from_bytes(manifest.to_bytes(), "req-1") == manifest
     writer = manifest.progress_writer()
-    progressed = Manifest.from_bytes(writer([[10, 11, 3], [12, 2, 2]], [*manifest.blocks], 5), "req-1")
+    progressed = Manifest.from_bytes(writer([[10, 11, 3], [12, 2, 2]], [*manifest.blocks], 5, ""), "req-1")
     assert progressed.generated == [[10, 11, 3], [12, 2, 2]]
     assert progressed.durable_positions == 5
 
