@@ -104,9 +104,10 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
     assert main(arguments) == 0
     output = capsys.readouterr().out
     for expected in ("| none |", "| memory |", "| lmdb-nosync |", "buffered: staged, one block",
-                     "stream layer by layer"):
+                     "stream layer by layer", "The same, sampling", "| sampled, replica |"):
         assert expected in output
     recorded = json.loads(samples.read_text())["samples_seconds"]
-    assert all(len(recorded[f"decode {what}"]) == 2 for what in ("off", "memory", "lmdb-nosync"))
+    assert all(len(recorded[f"decode {what}"]) == 2
+               for what in ("off", "memory", "lmdb-nosync", "sampled off", "sampled memory"))
     assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2
     assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err

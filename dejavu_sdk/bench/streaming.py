@@ -59,6 +59,11 @@ class StreamingReport:
             step = self.value(f"decode {target}")
             rows.append([target, f"{step * 1e3:.2f}", f"{step / off:.3f}"])
         decode = markdown_table(["replica", "ms per decode step", "vs no replication"], rows)
+        sampled_off = self.value("decode sampled off")
+        sampled = markdown_table(["sampled, replica", "ms per decode step", "vs no replication"], [
+            ["none", f"{sampled_off * 1e3:.2f}", "1.000"],
+            *([self.prefill_store, f"{self.value(what) * 1e3:.2f}", f"{self.value(what) / sampled_off:.3f}"]
+              for what in (f"decode sampled {self.prefill_store}",))])
         naive, buffered = self.value("copy naive"), self.value("copy buffered")
         copies = markdown_table(["one decode step's KV", "microseconds", "speed-up"],
                                 [["naive: one block per layer", f"{naive * 1e6:.0f}", "1.0x"],
@@ -71,7 +76,9 @@ class StreamingReport:
             ["stream layer by layer", f"{self.value('prefill forward, layer-wise') * 1e3:.1f}",
              f"{tail_layerwise * 1e3:.1f}"]])
         return (f"Machine: {self.machine}\nModel: {self.model}\nMedians of {len(self.samples['decode off'])} "
-                f"repeats.\n\n(a) Decode with replication:\n\n{decode}\n\n(b) Buffered copies:\n\n{copies}\n\n"
+                f"repeats.\n\n(a) Decode with replication:\n\n{decode}\n\nThe same, sampling (temperature 0.8, "
+                f"top-p 0.9; the generator's state goes with every durable step):\n\n{sampled}\n\n"
+                f"(b) Buffered copies:\n\n{copies}\n\n"
                 f"(c) Prompt streaming to {self.prefill_store} ({hidden:.0%} of the streaming time hidden behind the "
                 f"forward):\n\n{prefill}\n")
 
@@ -116,13 +123,20 @@ def _stores(targets: tuple[str, ...], scratch: str) -> Iterator[dict[str, Store]
         yield stores
 
 
-def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None) -> float:
+#: The sampled variant of (a): nucleus sampling, whose generator state travels with every durable step.
+SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
+
+
+def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool = False) -> float:
     clock = _StepClock()
     processors = LogitsProcessorList([clock])
+    decoding = SAMPLED if sampled else {"do_sample": False}
     if store is None:
-        model.generate(ids, max_new_tokens=new_tokens, do_sample=False, logits_processor=processors)
+        torch.manual_seed(0)
+        model.generate(ids, max_new_tokens=new_tokens, logits_processor=processors, **decoding)
     else:
-        DejaVuEngine(model, store=store).generate(ids, max_new_tokens=new_tokens, logits_processor=processors)
+        DejaVuEngine(model, store=store).generate(ids, max_new_tokens=new_tokens, logits_processor=processors,
+                                                  seed=0 if sampled else None, **decoding)
     return clock.step_seconds()
 
 
@@ -195,14 +209,16 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
     samples: dict[str, list[float]] = defaultdict(list)
     pairs, spec = _layer_kv(model, ids)
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, _stores(targets, scratch) as stores, \
-            tqdm(total=repeats * (len(targets) + 3), desc="bench streaming", unit="run", disable=not progress) as bar:
+            tqdm(total=repeats * (len(targets) + 5), desc="bench streaming", unit="run", disable=not progress) as bar:
         prefill_target = "lmdb" if "lmdb" in stores else next(iter(stores), "memory")
         prefill_store = stores.get(prefill_target) or MemoryStore()
-        variants: list[tuple[str, Store | None]] = [("off", None), *stores.items()]
+        variants: list[tuple[str, Store | None, bool]] = [
+            ("off", None, False), *((target, store, False) for target, store in stores.items()),
+            ("sampled off", None, True), (f"sampled {prefill_target}", prefill_store, True)]
         for repeat in range(repeats):
             # Each repeat starts with another variant, so a drift in the machine's speed favours none.
-            for target, store in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
-                samples[f"decode {target}"].append(_decode_step(model, ids, new_tokens, store))
+            for target, store, sampled in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
+                samples[f"decode {target}"].append(_decode_step(model, ids, new_tokens, store, sampled))
                 bar.update()
             for what, seconds in _copies(pairs, spec, prompt_tokens - 1).items():
                 samples[what].append(seconds)
