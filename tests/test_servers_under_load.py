@@ -16,31 +16,10 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.stores import MemoryStore
-from dejavu_sdk.transports.wire import Op, send_message
+from dejavu_sdk.testing.frames import HELLO, frame
+from dejavu_sdk.transports.wire import Op
 
 KEY = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4))
-
-
-class _Recording:
-    """A channel that keeps what would be sent, to replay a well-formed message by hand."""
-
-    byte_stream, chunk_size, peer = True, 1 << 20, "recording"
-
-    def __init__(self) -> None:
-        self.sent = bytearray()
-
-    def send(self, *buffers: object) -> None:
-        for buffer in buffers:
-            self.sent += bytes(buffer)  # type: ignore[call-overload]
-
-    def start_deadline(self) -> None:
-        pass
-
-
-def _frame(op: Op, meta: bytes = b"") -> bytes:
-    recording = _Recording()
-    send_message(recording, op, meta=meta)  # type: ignore[arg-type]
-    return bytes(recording.sent)
 
 
 def _connect(server: dv.transports.Server) -> socket.socket:
@@ -63,13 +42,13 @@ def server() -> Iterator[dv.transports.Server]:
 
 
 def test_a_client_that_trickles_a_request_is_dropped_at_the_deadline_and_stalls_nobody(server) -> None:
-    request = _frame(Op.HELLO, b"dejavu-sdk") + _frame(Op.LIST, b"")
+    request = HELLO + frame(Op.LIST, b"")
     with _connect(server) as slow:
-        slow.sendall(request[:len(_frame(Op.HELLO, b"dejavu-sdk"))])
+        slow.sendall(request[:len(HELLO)])
         assert slow.recv(4096)  # greeted
         started = time.monotonic()
         dropped = False
-        for byte in request[len(_frame(Op.HELLO, b"dejavu-sdk")):]:  # one byte every 0.2 s: each piece is prompt
+        for byte in request[len(HELLO):]:  # one byte every 0.2 s: each piece is prompt
             try:
                 slow.sendall(bytes([byte]))
             except OSError:
@@ -89,7 +68,7 @@ def test_idle_connections_are_closed_and_cost_others_nothing(server) -> None:
     idle = [_connect(server) for _ in range(50)]
     try:
         for sock in idle:
-            sock.sendall(_frame(Op.HELLO, b"dejavu-sdk"))
+            sock.sendall(HELLO)
         assert _flush_seconds(server) < 1.0
         time.sleep(1.5)  # past the idle timeout
         for sock in idle:

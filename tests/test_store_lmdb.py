@@ -18,7 +18,8 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.stores import LmdbStore
 from dejavu_sdk.testing import StoreTests, random_tensor, same_bits
-from dejavu_sdk.transports.wire import CONTROL, Channel, Op, send_message
+from dejavu_sdk.testing.frames import frame
+from dejavu_sdk.transports.wire import CONTROL, Op
 
 
 class TestLmdbStore(StoreTests):
@@ -221,29 +222,6 @@ def test_a_truncated_data_file_is_refused_at_open_instead_of_crashing_on_read(tm
     assert "data.mdb is shorter than LMDB says it must be" in result.stdout
 
 
-class _Recording(Channel):
-    """Keeps what would be sent, to send a well-formed message over a plain socket."""
-
-    def __init__(self) -> None:
-        self.sent = bytearray()
-
-    def send(self, *buffers) -> None:
-        for buffer in buffers:
-            self.sent += bytes(buffer)
-
-    def recv_into(self, buffer, idle=False) -> None:
-        raise AssertionError("not used")
-
-    def close(self) -> None:
-        pass
-
-
-def _frame(op: Op, meta: bytes) -> bytes:
-    recording = _Recording()
-    send_message(recording, op, meta=meta)
-    return bytes(recording.sent)
-
-
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     received = b""
     while len(received) < size:
@@ -260,11 +238,11 @@ def _stalled_get(url: str, name: str) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
     sock.settimeout(10)
     sock.connect((host, int(port)))
-    sock.sendall(_frame(Op.HELLO, f"dejavu-sdk {dv.__version__}".encode()))
+    sock.sendall(frame(Op.HELLO, f"dejavu-sdk {dv.__version__}".encode()))
     reply = CONTROL.unpack(_recv_exactly(sock, CONTROL.size))
     _recv_exactly(sock, reply[4] + reply[5])  # the HELLO reply's meta and header, if any
     assert reply[3] == 0, "the server refused the HELLO"
-    sock.sendall(_frame(Op.GET, name.encode()))
+    sock.sendall(frame(Op.GET, name.encode()))
     sock.recv(1, socket.MSG_PEEK)  # the reply has begun: the server is sending, and stuck on this client
     return sock
 

@@ -12,8 +12,9 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk import open_transport, serve
 from dejavu_sdk.stores import MemoryStore
+from dejavu_sdk.testing.frames import HELLO, RecordingChannel
 from dejavu_sdk.testing.transports import KEY, TransportTests
-from dejavu_sdk.transports.wire import CONTROL, MAGIC, Channel, Op, OutgoingRecord, send_message
+from dejavu_sdk.transports.wire import CONTROL, MAGIC, Op, OutgoingRecord, send_message
 
 
 class TestTcpTransport(TransportTests):
@@ -34,23 +35,6 @@ def _raw_socket(server) -> socket.socket:
 def _control(op: int, meta_length: int, payload_length: int, version: int = 1) -> bytes:
     """A control frame with a checksum that does not match (enough to test what is refused first)."""
     return CONTROL.pack(MAGIC, version, op, 0, meta_length, 0, payload_length, 0)
-
-
-class RecordingChannel(Channel):
-    """Keeps what would be sent, to replay part of a well-formed message by hand."""
-
-    def __init__(self) -> None:
-        self.sent = bytearray()
-
-    def send(self, *buffers) -> None:
-        for buffer in buffers:
-            self.sent += bytes(buffer)
-
-    def recv_into(self, buffer, idle=False) -> None:
-        raise AssertionError("not used")
-
-    def close(self) -> None:
-        pass
 
 
 def _wait_for_log(caplog, text: str, timeout: float = 10.0) -> None:
@@ -93,12 +77,11 @@ def test_a_client_that_vanishes_mid_block_leaves_no_half_block(server, caplog) -
     caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
     with open_transport(server.url) as good:
         good.flush(dv.BlockKey("other", layers=(0, 1), tokens=(0, 1)), torch.ones(1))
-    hello, recording = RecordingChannel(), RecordingChannel()
-    send_message(hello, Op.HELLO, meta=b"dejavu-sdk")
+    recording = RecordingChannel()
     send_message(recording, Op.PUT, meta=str(KEY).encode(),
                  record=OutgoingRecord.from_block(str(KEY), torch.ones(1 << 20)))
     with _raw_socket(server) as sock:
-        sock.sendall(bytes(hello.sent))
+        sock.sendall(HELLO)
         assert sock.recv(4096)  # greeted
         sock.sendall(bytes(recording.sent[: len(recording.sent) // 3]))  # then vanish
     _assert_still_serving(server)

@@ -9,6 +9,7 @@
     security.py     ServerSecurityTests: tokens, tenants, connection floods, full inboxes, malformed names
     peers.py        ServedStoreProcess: `dejavu serve-store` in a child process, to kill or to time
     certificates.py self_signed_certificate: a throwaway TLS certificate for loopback
+    frames.py       wire messages as bytes, for tests that speak to a server over a plain socket
 
 The suites need pytest and hypothesis (extra: dev); `peers` and the tensor helpers need neither, so
 benchmarks can use them. Names are imported on first use.
