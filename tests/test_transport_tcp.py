@@ -144,3 +144,46 @@ def test_several_buffers_go_out_whole_even_when_the_kernel_takes_a_few_bytes_at_
     sock = Trickle()
     _send_all(sock, [memoryview(part).cast("B") for part in parts])
     assert sock.received == b"".join(bytes(part) for part in parts)
+
+
+def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_new_one(server) -> None:
+    from dejavu_sdk.errors import TransportError
+    from dejavu_sdk.transports.tcp import SocketChannel
+
+    with open_transport(server.url) as link:
+        link.flush(KEY, torch.arange(4))
+        stale = link._channel
+        failures: list[int] = []
+
+        def closed_while_idle(self, *buffers) -> None:  # the server's close crossed the request
+            failures.append(1)
+            raise TransportError("sending failed: connection reset by peer")
+
+        stale.send = closed_while_idle.__get__(stale, SocketChannel)
+        stale.closed_by_peer = lambda: False  # not noticed before sending
+        assert link.fetch(KEY).tolist() == [0, 1, 2, 3]  # no error: sent again on a new connection
+        assert failures == [1]
+        assert link._channel is not stale
+
+
+def test_a_failure_after_the_first_send_is_not_resent(server) -> None:
+    from dejavu_sdk.errors import TransportError
+    from dejavu_sdk.transports.tcp import SocketChannel
+
+    with open_transport(server.url) as link:
+        link.flush(KEY, torch.arange(4))
+        stale = link._channel
+        calls: list[int] = []
+        original = SocketChannel.send
+
+        def fails_mid_message(self, *buffers) -> None:
+            calls.append(1)
+            if len(calls) > 1:
+                raise TransportError("the peer died mid-message")
+            original(self, *buffers)
+
+        stale.send = fails_mid_message.__get__(stale, SocketChannel)
+        stale.closed_by_peer = lambda: False
+        with pytest.raises(TransportError, match="mid-message"):
+            link.flush(KEY, torch.zeros(4 << 20, dtype=torch.uint8))  # large: sent in several parts
+        assert len(calls) == 2  # the control frame went out, the next part failed, and nothing was resent

@@ -55,6 +55,7 @@ from .wire import (
     IdleTimeout,
     Limits,
     Message,
+    NotSent,
     Op,
     OutgoingRecord,
     PeerClosed,
@@ -93,16 +94,25 @@ class ChannelTransport(ServingTransport):
                   receive: Callable[[Channel, Message], Any] | None = None) -> tuple[Message, Any]:
         """Send a request and read the reply; `receive` reads the reply's record, if it has one.
 
-        A channel the server closed while it sat idle is replaced before the request goes out.
+        A channel the server closed while it sat idle is replaced before the request goes out, or, when
+        the close crossed the request, once its first send fails (the server never acted on it).
         """
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"{self!r} is closed")
             if self._channel is not None and self._channel.closed_by_peer():
                 self._drop()
+            reused = self._channel is not None
             channel = self._channel or self._open()
             try:
-                send_message(channel, op, meta=meta, record=record)
+                try:
+                    send_message(channel, op, meta=meta, record=record)
+                except NotSent:
+                    if not reused:
+                        raise
+                    self._drop()
+                    channel = self._open()
+                    send_message(channel, op, meta=meta, record=record)
                 reply = recv_message(channel, self.limits)
                 if reply.has_record and receive is None:
                     raise ProtocolError(f"{self.url} answered {op.name} with an unexpected record")

@@ -71,6 +71,10 @@ class IdleTimeout(TransportError):
     """No message began within the channel's idle timeout."""
 
 
+class NotSent(TransportError):
+    """A message's first send failed: the peer cannot have acted on it, since it never arrived whole."""
+
+
 @attrs.frozen
 class Limits:
     """The largest message parts a receiver accepts before allocating anything."""
@@ -171,9 +175,9 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
         parts: list[bytes | np.ndarray] = [control, meta, header]
         if record is not None:
             parts += [payload, bytes(record.trailer) if record.trailer is not None else _trailer(header, payload)]
-        channel.send(*(part for part in parts if len(part)))
+        _first_send(channel, *(part for part in parts if len(part)))
         return
-    channel.send(control)
+    _first_send(channel, control)
     if meta or header:
         channel.send(meta, header)
     if record is None:
@@ -191,6 +195,15 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
     if payload_checksum is not None:
         trailer = TRAILER.pack(payload_checksum.intdigest())
     channel.send(trailer)
+
+
+def _first_send(channel: Channel, *buffers: Any) -> None:
+    try:
+        channel.send(*buffers)
+    except NotSent:
+        raise
+    except TransportError as error:
+        raise NotSent(str(error)) from error
 
 
 def _trailer(header: bytes, payload: np.ndarray) -> bytes:
