@@ -147,8 +147,8 @@ def test_several_buffers_go_out_whole_even_when_the_kernel_takes_a_few_bytes_at_
 
 
 def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_new_one(server) -> None:
-    from dejavu_sdk.errors import TransportError
     from dejavu_sdk.transports.tcp import SocketChannel
+    from dejavu_sdk.transports.wire import PeerClosed
 
     with open_transport(server.url) as link:
         link.flush(KEY, torch.arange(4))
@@ -157,7 +157,7 @@ def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_
 
         def closed_while_idle(self, *buffers) -> None:  # the server's close crossed the request
             failures.append(1)
-            raise TransportError("sending failed: connection reset by peer")
+            raise PeerClosed("the server closed the connection: connection reset by peer")
 
         stale.send = closed_while_idle.__get__(stale, SocketChannel)
         stale.closed_by_peer = lambda: False  # not noticed before sending

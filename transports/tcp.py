@@ -98,6 +98,8 @@ class SocketChannel(Channel):
                 _send_all(self._sock, [memoryview(buffer).cast("B") for buffer in buffers])
         except TimeoutError:
             raise TransportError(f"sending to {self.peer} took longer than {self._timeout} s") from None
+        except (BrokenPipeError, ConnectionResetError) as error:
+            raise PeerClosed(f"{self.peer} closed the connection: {error}") from error
         except OSError as error:
             raise TransportError(f"sending to {self.peer} failed: {error}") from error
 

@@ -82,7 +82,12 @@ class UcxChannel(Channel):
 
     def send(self, *buffers: Any) -> None:
         array = _one_array(buffers)
-        self._loop.run(self._endpoint.send(array), self._timeout, f"sending to {self.peer}")
+        try:
+            self._loop.run(self._endpoint.send(array), self._timeout, f"sending to {self.peer}")
+        except TransportError as error:
+            if isinstance(error.__cause__, (ucxx.exceptions.UCXConnectionResetError, ucxx.exceptions.UCXCloseError)):
+                raise PeerClosed(f"{self.peer} closed the connection") from error
+            raise
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         if idle and self._endpoint.closed:  # a reply already sent may still be waiting to be read

@@ -72,7 +72,7 @@ class IdleTimeout(TransportError):
 
 
 class NotSent(TransportError):
-    """A message's first send failed: the peer cannot have acted on it, since it never arrived whole."""
+    """A message's first send found the channel closed by the peer: the peer cannot have acted on it."""
 
 
 @attrs.frozen
@@ -200,9 +200,7 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
 def _first_send(channel: Channel, *buffers: Any) -> None:
     try:
         channel.send(*buffers)
-    except NotSent:
-        raise
-    except TransportError as error:
+    except PeerClosed as error:  # closed, not slow: a peer that hangs is no reason to send again
         raise NotSent(str(error)) from error
 
 
