@@ -15,7 +15,7 @@
 
 from ._version import __version__
 from .backends import open_store, open_transport, serve
-from .blocks import BlockKey, KVSpec
+from .blocks import BlockKey, KVSpec, ProgressKey
 from .errors import (
     AccessDenied,
     BackendUnavailable,
@@ -55,6 +55,7 @@ __all__ = [
     "DejaVuError",
     "KVSpec",
     "Plan",
+    "ProgressKey",
     "RecordStore",
     "ReplicationError",
     "ServerBusy",

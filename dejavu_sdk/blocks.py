@@ -161,6 +161,52 @@ class BlockKey:
         return f"{self.stream_id}/{run}L{a}-{b}.T{t0}-{t1}"
 
 
+_PROGRESS_TEXT = re.compile(
+    rf"(?P<stream>[^/]+)/r(?P<run>[0-9a-f]{{1,32}})\.progress(?P<log>{_NUMBER})\.step(?P<step>{_NUMBER})"
+)
+
+
+@attrs.frozen(order=True)
+class ProgressKey:
+    """Names one progress record: step `step` of progress log `log` of run `run` of stream `stream_id`.
+
+    A generating stream writes one small record per durable block (the tokens and generator state since
+    the previous one) instead of rewriting its whole manifest; the manifest names the log that extends it.
+    `str(key)` (`"req-1/r3f9a.progress0.step42"`) lives beside the stream's blocks and never parses as a
+    `BlockKey`; `ProgressKey.parse` turns it back into the key, and only that canonical spelling parses.
+    """
+
+    stream_id: str = attrs.field(converter=check_stream_id)
+    run: str = attrs.field(converter=check_run)
+    log: int = attrs.field(converter=lambda value: _index(value, "log"))
+    step: int = attrs.field(converter=lambda value: _index(value, "step"))
+
+    def __attrs_post_init__(self) -> None:
+        if not self.run:
+            raise ConfigError("a progress record belongs to a run: pass a run id of 1-32 lowercase hex digits")
+
+    @classmethod
+    def parse(cls, text: str) -> ProgressKey:
+        """The key whose `str()` is exactly `text`; ConfigError for anything else."""
+        match = _PROGRESS_TEXT.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(f"{_shown(text)} is not a progress record name: the canonical spelling is "
+                              "'stream/r<run>.progress<log>.step<step>', as str(ProgressKey) writes it")
+        key = cls(match["stream"], match["run"], int(match["log"]), int(match["step"]))
+        if str(key) != text:
+            raise ConfigError(f"{_shown(text)} is not the canonical name of progress record {key}")
+        return key
+
+    def __str__(self) -> str:
+        return f"{self.stream_id}/r{self.run}.progress{self.log}.step{self.step}"
+
+
+def _index(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < INDEX_LIMIT:
+        raise ConfigError(f"{what} must be an integer from 0 to 10**{MAX_INDEX_DIGITS} - 1, got {_shown(value)}")
+    return value
+
+
 def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {value!r}")

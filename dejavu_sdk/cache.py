@@ -27,9 +27,9 @@ from typing import Any, NoReturn
 import torch
 from transformers import DynamicCache
 
-from .blocks import BlockKey, KVSpec, check_run
+from .blocks import BlockKey, KVSpec, ProgressKey, check_run
 from .errors import ConfigError, ReplicationError
-from .stream import BlockSink, ManifestSink, StagingBuffer
+from .stream import BlockSink, ProgressSink, StagingBuffer
 
 _STOP = object()
 
@@ -40,17 +40,18 @@ class CacheManager:
     `replicate_every`: decode steps per block (1: every step; more for slow tiers such as object storage).
     `on_replica_error`: "raise" (default) surfaces a failed flush from the next call and from `finish`;
     "warn" warns once and stops replicating this stream.
-    `on_durable(key)` runs on the streamer thread after each block the sink accepted. With `manifest_for`,
-    the sink must be a `ManifestSink` (a store, the local transport, an engine's replica): it gets each block
-    together with the stream's manifest as it will be once that block is durable,
-    `manifest_for(key, durable_positions)`. LMDB then commits both in one transaction.
+    `on_durable(key)` runs on the streamer thread after each block the sink accepted. With `progress_for`,
+    the sink must be a `ProgressSink` (a store, the local transport, an engine's replica): it gets each block
+    together with a small progress record, `progress_for(key, durable_positions)` (the record's key and
+    bytes, saying what is durable once that block is), and LMDB commits both in one transaction.
     `run` goes into every block key (`BlockKey.run`): the engine names each generation's blocks apart.
     """
 
-    def __init__(self, sink: BlockSink | ManifestSink, stream_id: str, layers: int, *, replicate_every: int = 1,
+    def __init__(self, sink: BlockSink | ProgressSink, stream_id: str, layers: int, *, replicate_every: int = 1,
                  queue_size: int = 8, on_replica_error: str = "raise",
                  on_durable: Callable[[BlockKey], None] | None = None, durable: Sequence[BlockKey] = (),
-                 durable_positions: int = 0, manifest_for: Callable[[BlockKey, int], bytes] | None = None,
+                 durable_positions: int = 0,
+                 progress_for: Callable[[BlockKey, int], tuple[ProgressKey, bytes]] | None = None,
                  run: str = "") -> None:
         if not isinstance(replicate_every, int) or replicate_every < 1:
             raise ConfigError(f"replicate_every must be a positive integer, got {replicate_every!r}")
@@ -62,10 +63,10 @@ class CacheManager:
         self.durable: list[BlockKey] = list(durable)  # blocks the sink has accepted, in hand-off order
         self._layer_ends = [durable_positions] * layers  # per layer, positions [0, end) are durable
         self._on_durable = on_durable
-        if manifest_for is not None and not isinstance(sink, ManifestSink):
-            raise ConfigError(f"manifest_for needs a ManifestSink (a store or the local transport); "
-                              f"{type(sink).__name__} is not one, so write the manifest from on_durable instead")
-        self._manifest_for = manifest_for
+        if progress_for is not None and not isinstance(sink, ProgressSink):
+            raise ConfigError(f"progress_for needs a ProgressSink (a store or the local transport); "
+                              f"{type(sink).__name__} is not one, so record progress from on_durable instead")
+        self._progress_for = progress_for
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._free: queue.Queue[StagingBuffer] = queue.Queue()
         self._staging: StagingBuffer | None = None
@@ -138,11 +139,11 @@ class CacheManager:
                 if self._error is None:
                     if ready is not None:
                         ready.synchronize()
-                    if self._manifest_for is None:
+                    if self._progress_for is None:
                         self.sink.flush(key, block)  # type: ignore[union-attr]
                     else:
-                        manifest = self._manifest_for(key, min(_advanced(self._layer_ends, key)))
-                        self.sink.flush_with_manifest(key, block, manifest)  # type: ignore[union-attr]
+                        progress, record = self._progress_for(key, min(_advanced(self._layer_ends, key)))
+                        self.sink.flush_with_progress(key, block, progress, record)  # type: ignore[union-attr]
                     self._record_durable(key)
             except BaseException as error:  # surfaced to the model's thread by _check and finish
                 self._error = ReplicationError(f"replicating {key} failed: {error}")

@@ -3,14 +3,16 @@
 Who calls what:
 - users call `generate` (like `model.generate`, greedy), `resume` in a new process after a crash,
   `cache` for custom loops, `forget` to drop a stream, and `close`;
-- `generate` runs `model.generate` with a `StreamingCache`; its `CacheManager` streams each block to the
-  engine's replica (`dejavu_sdk.replica`, picked once at construction) together with the stream's
-  manifest as it will be once that block is durable (the tokens so far). Each `generate` is one *run*
+- `generate` writes the stream's manifest, then runs `model.generate` with a `StreamingCache`; its
+  `CacheManager` streams each block to the engine's replica (`dejavu_sdk.replica`, picked once at
+  construction) together with a small progress record (the tokens since the previous one, what is durable
+  once that block is): a step's writes stay the same size however long the generation. Each `generate` is one *run*
   with its own run id, written into its manifest and into the name of every block it streams, so the
   blocks of two generations under one stream id never share a name and are never mixed;
-- `resume` reads the manifest (checked whole: it names only blocks of its own stream and run), checks the
-  model's geometry, rebuilds the durable cache with `gather`, and lets `model.generate` recompute only
-  the positions after the last durable one; it continues the manifest's run.
+- `resume` reads the manifest and its progress log (checked whole: they name only blocks of their own
+  stream and run), checks the model's geometry, rebuilds the durable cache with `gather`, rewrites the
+  manifest whole under a new progress log, and lets `model.generate` recompute only the positions after
+  the last durable one; it continues the manifest's run.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .backends import open_store
-from .blocks import BlockKey, KVSpec, check_stream_id, dtype_name
+from .blocks import BlockKey, KVSpec, ProgressKey, check_stream_id, dtype_name
 from .cache import CacheManager, StreamingCache
 from .errors import BlockNotFound, ConfigError, CorruptBlock
-from .manifest import Manifest
+from .manifest import Manifest, encode_progress, with_stored_progress
 from .replica import OneStoreReplica, SplitReplica, open_replica
 from .store import Store
 from .stream import check_tiling, gather
@@ -107,7 +109,7 @@ class DejaVuEngine:
         else:
             self._refuse_taken(stream_id)
         self.store.write_manifest(stream_id, manifest.to_bytes())
-        return self._run(manifest, kwargs)
+        return self._run(manifest, kwargs, resumed=False)
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:
         """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed.
@@ -123,10 +125,10 @@ class DejaVuEngine:
         except BlockNotFound:
             raise BlockNotFound(f"stream {stream_id} has no manifest in {store.url}: it never started there, or it "
                                 "finished and was deleted (keep_finished=False)") from None
-        manifest = Manifest.from_bytes(data, stream_id)
+        manifest = with_stored_progress(store, Manifest.from_bytes(data, stream_id))
         manifest.check_geometry(self._geometry(len(manifest.input_ids)))
         _check_resumable_sampling(manifest, kwargs, self.model.device)
-        return self._run(manifest, kwargs)
+        return self._run(manifest, kwargs, resumed=True)
 
     def cache(self, stream_id: str) -> StreamingCache:
         """A streaming transformers cache for custom loops: `model(ids, cache=cache)`, then
@@ -152,7 +154,7 @@ class DejaVuEngine:
         self.close()
 
     # ---- one run of model.generate, fresh or resumed ----------------------------------------------
-    def _run(self, manifest: Manifest, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _run(self, manifest: Manifest, kwargs: dict[str, Any], resumed: bool) -> torch.Tensor:
         prompt_ids = torch.tensor(manifest.input_ids)
         generated = torch.tensor(manifest.generated, dtype=prompt_ids.dtype).reshape(len(manifest.input_ids), -1)
         ids = torch.cat((prompt_ids, generated), dim=1).to(self.model.device)
@@ -163,10 +165,13 @@ class DejaVuEngine:
             self._complete(manifest)
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
-        recorder = _TokenRecorder(manifest, restored_keys, self.model.device)
+        if resumed:  # the blocks past the restored prefix are streamed again: the manifest must not name them
+            manifest = self._rewrite_manifest(attrs.evolve(manifest, blocks=[str(key) for key in restored_keys],
+                                                           durable_positions=restored))
+        recorder = _TokenRecorder(manifest, self.model.device)
         manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
-                               manifest_for=recorder.manifest_after, run=manifest.run, **self.options)
+                               progress_for=recorder.progress_after, run=manifest.run, **self.options)
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
@@ -210,10 +215,19 @@ class DejaVuEngine:
         except BlockNotFound as error:
             raise BlockNotFound(f"stream {manifest.stream_id} cannot be resumed: {error}") from error
 
+    def _rewrite_manifest(self, manifest: Manifest) -> Manifest:
+        """Write `manifest` whole, under a new progress log, then drop the records of the older logs (which
+        it already holds, or no longer wants; until they are gone, readers ignore them)."""
+        store = self._require_store()
+        manifest = attrs.evolve(manifest, log=manifest.log + 1)
+        store.write_manifest(manifest.stream_id, manifest.to_bytes())
+        store.records.remove([str(key) for key in store.progress_keys(manifest.stream_id)
+                              if key.run == manifest.run and key.log < manifest.log])
+        return manifest
+
     def _complete(self, manifest: Manifest) -> None:
         if self.keep_finished:
-            self._require_store().write_manifest(manifest.stream_id,
-                                                 attrs.evolve(manifest, finished=True).to_bytes())
+            self._rewrite_manifest(attrs.evolve(manifest, finished=True))
         else:  # only this run's own: a run started under the same id meanwhile keeps its blocks and manifest
             self._require_replica().delete_run(manifest.stream_id, manifest.run)
 
@@ -392,17 +406,19 @@ def _finished_rows(generated: list[list[int]], eos: list[int]) -> list[bool]:
 
 
 class _TokenRecorder:
-    """A `generate` streamer: keeps the tokens of each step and gives the manifest that goes with each block."""
+    """A `generate` streamer: keeps the tokens of each step, and gives the progress record of each block."""
 
-    def __init__(self, manifest: Manifest, restored: list[BlockKey], device: torch.device) -> None:
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
         self.manifest = manifest
-        self.tokens = [list(row) for row in manifest.generated] or [[] for _ in manifest.input_ids]
+        self.tokens = [list(row) for row in manifest.generated]
         # Sampled streams: the generator's state right after the last token in `tokens`, taken as each
-        # token arrives (a copy of a few kB), encoded only when a manifest is written.
+        # token arrives (a copy of a few kB), encoded only when a record carries it.
         self._device = device if manifest.sampling is not None else None
         self._state: torch.Tensor | None = None
-        self._names = [str(key) for key in restored]
-        self._encode = manifest.progress_writer()
+        self._names = list(manifest.blocks)
+        self._logged = len(self.tokens[0])  # tokens per row in the manifest and the records written so far
+        self._step = 0  # the next record of the manifest's progress log
+        self._pending = self._logged  # tokens per row once the record being written is durable
         self._prompt_seen = False
         self._lock = threading.Lock()
 
@@ -419,23 +435,26 @@ class _TokenRecorder:
     def end(self) -> None:
         pass
 
-    def _snapshot(self) -> tuple[list[list[int]], str]:
-        """The tokens so far and, for a sampled stream, the generator state that goes with them."""
+    def progress_after(self, key: BlockKey, durable_positions: int) -> tuple[ProgressKey, bytes]:
+        """The progress record that goes with `key`: the tokens since the last record, and the generator
+        state after them. Runs on the streamer thread; its size does not depend on how long the stream is."""
         with self._lock:
-            tokens, state = [list(row) for row in self.tokens], self._state
-        return tokens, self.manifest.rng if state is None else _encode_state(state)
-
-    def manifest_after(self, key: BlockKey, durable_positions: int) -> bytes:
-        """The manifest as it will be once `key` is durable; written together with that block."""
-        tokens, rng = self._snapshot()
-        return self._encode(tokens, [*self._names, str(key)], durable_positions, rng)
+            count, state = len(self.tokens[0]), self._state
+            tokens = [row[self._logged:count] for row in self.tokens]
+        rng = _encode_state(state) if state is not None and count > self._logged else ""
+        self._pending = count
+        return self.manifest.progress_key(self._step), encode_progress(str(key), durable_positions, tokens, rng)
 
     def note_durable(self, key: BlockKey) -> None:
-        """Called on the streamer thread after each accepted block, whose manifest went with it."""
+        """Called on the streamer thread after each accepted block, whose progress record went with it."""
         self._names.append(str(key))
+        self._logged = self._pending
+        self._step += 1
 
     def final(self, positions: int) -> Manifest:
-        tokens, rng = self._snapshot()
+        with self._lock:
+            tokens, state = [list(row) for row in self.tokens], self._state
+        rng = self.manifest.rng if state is None else _encode_state(state)
         return attrs.evolve(self.manifest, generated=tokens, blocks=list(self._names), durable_positions=positions,
                             rng=rng)
 

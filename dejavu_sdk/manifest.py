@@ -1,8 +1,14 @@
 """A stream's manifest: everything a fresh process needs to resume it, stored beside its blocks.
 
 It records the model's KV geometry (to refuse a different model), the prompt and its mask, the generation
-settings, the tokens generated so far, and which blocks are durable. The streamer rewrites it after each
-block the store has accepted, so it never claims a position whose KV is not durable.
+settings, the tokens generated so far, and which blocks are durable. While a stream generates, the
+manifest is written once and then extended by its *progress log*: with each block the store accepts, the
+streamer writes one small progress record (`ProgressKey`: the block's name, the positions now durable,
+the tokens and generator state since the previous record) in the same request as the block. So what a
+step writes does not grow with the generation, and nothing ever claims a position whose KV is not
+durable. `load_manifest` reads the manifest and folds its log in; a writer that rewrites the manifest
+whole (a resume, a finished stream) starts a new log (`Manifest.log`), and records of older logs are
+ignored, so a crash between the rewrite and their removal cannot apply them twice.
 
 A manifest belongs to one *run*: one `generate` call, named by a run id that is also written into the name
 of every block the run streams (`BlockKey.run`). A manifest names only blocks of its own stream and run,
@@ -14,18 +20,22 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import attrs
 
-from .blocks import DTYPE_CODES, BlockKey, check_run
+from .blocks import DTYPE_CODES, BlockKey, ProgressKey, check_run
 from .errors import ConfigError, CorruptBlock
+from .store import Store
 
-#: Format 2 added `run` (and run ids in block names). Format 1 manifests are refused: their blocks carry no
-#: run, so nothing tells their blocks from another generation's under the same stream id.
-FORMAT = 2
-_PROGRESS = frozenset({"generated", "blocks", "durable_positions", "finished", "rng"})
+#: Format 3 added the progress log (`log`, and progress records beside the blocks); format 2 added `run`
+#: (and run ids in block names). Older manifests are refused: a format 2 stream's progress is in its
+#: manifest alone, and a format 1 stream's blocks carry no run, so nothing tells them from another
+#: generation's under the same stream id.
+FORMAT = 3
+#: The fields of a progress record, with the type each must have.
+PROGRESS_FIELDS: dict[str, type] = {"block": str, "durable_positions": int, "tokens": list, "rng": str}
 #: What a sampled stream records to resume exactly: the seed, the sampling settings in effect, the library
 #: versions whose sampling it reproduces, and the device type whose generator drew the samples.
 SAMPLING_FIELDS: dict[str, type] = {"seed": int, "settings": dict, "versions": dict, "device": str}
@@ -53,6 +63,7 @@ class Manifest:
     finished: bool = False
     sampling: dict[str, Any] | None = None  # None: greedy; else seed, settings, versions, device
     rng: str = ""  # sampled streams: the generator's state right after the last token in `generated` (base64)
+    log: int = 0  # the progress log that extends this manifest (`progress_key`)
 
     @property
     def prompt_length(self) -> int:
@@ -65,20 +76,34 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT, **attrs.asdict(self)}, separators=(",", ":")).encode()
 
-    def progress_writer(self) -> Callable[[list[list[int]], list[str], int, str], bytes]:
-        """A fast serializer for this manifest as generation progresses: the fixed fields are encoded once,
-        and each call encodes only the tokens, the durable blocks, the durable positions and the generator
-        state (unchecked: it runs every decode step, and `from_bytes` checks what it wrote when the manifest
-        is read back)."""
-        fixed = {"format": FORMAT, **attrs.asdict(self, filter=lambda field, _: field.name not in _PROGRESS)}
-        prefix = json.dumps(fixed, separators=(",", ":"))[:-1]
+    def progress_key(self, step: int) -> ProgressKey:
+        """The name of record `step` of this manifest's progress log."""
+        return ProgressKey(self.stream_id, self.run, self.log, step)
 
-        def encode(generated: list[list[int]], blocks: list[str], durable_positions: int, rng: str) -> bytes:
-            progress = json.dumps({"generated": generated, "blocks": blocks, "durable_positions": durable_positions,
-                                   "finished": False, "rng": rng}, separators=(",", ":"))
-            return f"{prefix},{progress[1:]}".encode()
+    def with_progress(self, records: Sequence[bytes]) -> Manifest:
+        """This manifest extended by its progress log's records (steps 0, 1, ... in order), checked whole.
 
-        return encode
+        Each record appends its tokens to every row and its block to `blocks`, and moves `durable_positions`
+        (never back) and, when it carries one, the generator state. CorruptBlock for a damaged record or a
+        result that breaks the manifest's schema.
+        """
+        fields = attrs.asdict(self)
+        generated, blocks = fields["generated"], fields["blocks"]
+        schema = _Schema(self.stream_id)
+        for step, data in enumerate(records):
+            record = schema.progress(data, str(self.progress_key(step)), rows=len(generated))
+            for row, tokens in zip(generated, record["tokens"], strict=True):
+                row.extend(tokens)
+            blocks.append(record["block"])
+            if record["durable_positions"] < fields["durable_positions"]:
+                raise schema.fail(f"durable_positions of {self.progress_key(step)}",
+                                  f"goes back from {fields['durable_positions']} to {record['durable_positions']}")
+            fields["durable_positions"] = record["durable_positions"]
+            if bool(record["rng"]) != (self.sampling is not None and any(record["tokens"][0:1])):
+                raise schema.fail(f"rng of {self.progress_key(step)}", "must be given exactly when the record holds "
+                                  "tokens of a sampled stream (the generator's state after them)")
+            fields["rng"] = record["rng"] or fields["rng"]
+        return Manifest(**check_manifest({"format": FORMAT, **fields}, self.stream_id))
 
     @classmethod
     def from_bytes(cls, data: bytes, stream_id: str) -> Manifest:
@@ -159,6 +184,7 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     if not isinstance(given["finished"], bool):
         raise schema.fail("finished", f"must be true or false, got {_shown(given['finished'])}")
     schema.sampling(given["sampling"], given["rng"])
+    schema.integer("log", given["log"])
     return given
 
 
@@ -208,6 +234,20 @@ class _Schema:
             if expected_width is not None and width != expected_width:
                 raise self.fail(field, f"has rows of {width} entries, input_ids has {expected_width}")
         return len(value), width
+
+    def progress(self, data: bytes, name: str, rows: int) -> dict[str, Any]:
+        """The fields of progress record `name`, checked on their own (`check_manifest` checks the sum)."""
+        try:
+            record = json.loads(data)
+        except (ValueError, RecursionError) as error:
+            raise self.fail(name, f"cannot be read: {error}") from None
+        if not isinstance(record, dict) or record.keys() != PROGRESS_FIELDS.keys():
+            raise self.fail(name, f"must hold exactly {', '.join(PROGRESS_FIELDS)}; got {_shown(record)}")
+        for field, kind in PROGRESS_FIELDS.items():
+            if not isinstance(record[field], kind) or isinstance(record[field], bool):
+                raise self.fail(f"{field} of {name}", f"must be a {kind.__name__}, got {_shown(record[field])}")
+        self.rows(f"tokens of {name}", record["tokens"], shape=(rows, None), empty_rows=True)
+        return record
 
     def geometry(self, value: object, rows: int) -> None:
         if not isinstance(value, dict):
@@ -271,6 +311,37 @@ class _Schema:
                                        f"manifest's run {run}: blocks of two generations must never be mixed")
             if key.layers[1] > layers or key.tokens[1] > length:
                 raise self.fail(field, f"names {name!r}, outside the stream's {layers} layers x {length} positions")
+
+
+def load_manifest(store: Store, stream_id: str) -> Manifest:
+    """The stream's manifest with its progress log folded in: where the generation stands.
+
+    BlockNotFound if the stream has no manifest; otherwise as `with_stored_progress`.
+    """
+    return with_stored_progress(store, Manifest.from_bytes(store.read_manifest(stream_id), stream_id))
+
+
+def with_stored_progress(store: Store, manifest: Manifest) -> Manifest:
+    """`manifest` (as stored in `store`) extended by the records of its progress log stored there.
+
+    CorruptBlock if a record is damaged or missing (the log is written in order, so a gap is damage, not a
+    crash), or if the result breaks the manifest's schema.
+    """
+    steps = sorted(key.step for key in store.progress_keys(manifest.stream_id)
+                   if (key.run, key.log) == (manifest.run, manifest.log))
+    missing = next((step for step, found in enumerate(steps) if step != found), None)
+    if missing is not None:
+        raise _Schema(manifest.stream_id).fail(str(manifest.progress_key(missing)), "is missing, but later records "
+                                               "of its progress log are stored")
+    return manifest.with_progress([store.read_progress(manifest.progress_key(step)) for step in steps])
+
+
+def encode_progress(block: str, durable_positions: int, tokens: list[list[int]], rng: str) -> bytes:
+    """A progress record: `block` is durable, and so are positions [0, durable_positions) of every layer;
+    `tokens` (per row) follow the previous record's, and `rng` is the generator state after them ("" for
+    none: greedy, or no new token). Unchecked: it runs every decode step, and `with_progress` checks it."""
+    return json.dumps({"block": block, "durable_positions": durable_positions, "tokens": tokens, "rng": rng},
+                      separators=(",", ":")).encode()
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -1,12 +1,15 @@
 """Where a replicated stream lives: its blocks, its manifest, and how each block's manifest goes with it.
 
 The engine picks one replica at construction, from its store and transport:
-- `OneStoreReplica`: blocks and manifests in the engine's own store, through the local transport (device
-  copies on side streams). Each block and the manifest naming it are one write (one LMDB transaction).
-- `SplitReplica`: blocks in another store (a peer's, through a network transport), manifests in the
-  engine's own store, each written right after the block it names is accepted.
-Both give the cache manager `flush_with_manifest`, and the engine `blocks` to fetch from, `delete` (a whole
-stream, every run) and `delete_run` (one run's blocks, and the manifest while it is still that run's).
+- `OneStoreReplica`: blocks, manifests and progress records in the engine's own store, through the local
+  transport (device copies on side streams). Each block and the progress record naming it are one write
+  (one LMDB transaction).
+- `SplitReplica`: blocks in another store (a peer's, through a network transport), manifests and progress
+  records in the engine's own store, each progress record written right after the block it names is
+  accepted.
+Both give the cache manager `flush_with_progress`, and the engine `blocks` to fetch from, `delete` (a whole
+stream, every run) and `delete_run` (one run's blocks and progress records, and the manifest while it is
+still that run's).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 from typing import Any
 
 from .backends import open_transport
-from .blocks import BlockKey
+from .blocks import BlockKey, ProgressKey
 from .errors import BlockNotFound, CorruptBlock
 from .store import Store, manifest_name
 from .stream import BlockIO
@@ -24,15 +27,15 @@ from .transports.local import LocalTransport
 
 
 class OneStoreReplica:
-    """Blocks and manifests in `transport.store`; device blocks reach it through the local transport."""
+    """Blocks, manifests and progress in `transport.store`; device blocks reach it through the local transport."""
 
     def __init__(self, transport: LocalTransport) -> None:
         self.transport = transport
         self.manifests: Store = transport.store
         self.blocks: BlockIO = transport  # device copies on the way, both ways
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
-        self.transport.flush_with_manifest(key, block, manifest)
+    def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
+        self.transport.flush_with_progress(key, block, progress, record)
 
     def delete(self, stream_id: str) -> int:
         return self.manifests.delete(stream_id)
@@ -46,14 +49,14 @@ class OneStoreReplica:
 
 
 class SplitReplica:
-    """Blocks in `blocks` (another store), manifests in `manifests`; a manifest follows its block."""
+    """Blocks in `blocks` (another store), manifests and progress in `manifests`; progress follows its block."""
 
     def __init__(self, blocks: Store, manifests: Store) -> None:
         self.blocks, self.manifests = blocks, manifests
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
+    def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
         self.blocks.flush(key, block)
-        self.manifests.write_manifest(key.stream_id, manifest)
+        self.manifests.put_progress(progress, record)
 
     def delete(self, stream_id: str) -> int:
         self.manifests.delete(stream_id)
@@ -68,15 +71,16 @@ class SplitReplica:
 
 
 def _delete_manifest_of_run(store: Store, stream_id: str, run: str) -> None:
-    """Delete the stream's manifest if run `run` wrote it (the manifest goes first: it must never name a block
-    that is gone). Another run's manifest stays. The check and the removal are two requests, so a run that
-    writes its manifest in between loses it until its next block rewrites it."""
+    """Delete the stream's manifest if run `run` wrote it, then the run's progress records (the manifest
+    goes first: it must never name a block that is gone). Another run's manifest stays. The check and the
+    removal are two requests, so a run that rewrites its manifest in between (a resume) loses it."""
     try:
         owner = json.loads(store.read_manifest(stream_id)).get("run")
     except (BlockNotFound, CorruptBlock, ValueError, AttributeError, RecursionError):  # none, or not this run's
-        return
+        owner = None
     if owner == run:
         store.records.remove([manifest_name(stream_id)])
+    store.records.remove([str(key) for key in store.progress_keys(stream_id) if key.run == run])
 
 
 def _delete_blocks_of_run(store: Store, stream_id: str, run: str) -> int:

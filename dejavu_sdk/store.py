@@ -1,4 +1,4 @@
-"""`Store`: KV blocks and stream manifests by key, on top of any record store.
+"""`Store`: KV blocks, stream manifests and progress records by key, on top of any record store.
 
 Callers (the cache manager, the engine, the CLI, users) flush and fetch blocks by `BlockKey`. The store
 encodes each block into a checksummed record (`dejavu_sdk.codec`), names it `str(key)`, and keeps it in
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .blocks import BlockKey, check_key, check_stream_id
+from .blocks import BlockKey, ProgressKey, check_key, check_stream_id
 from .codec import decode_block, encode_block
 from .errors import ConfigError, StoreClosed
 from .records import BlockStreaming, RecordStore
@@ -72,7 +72,7 @@ class Store:
         return sorted(key for key in parsed if key is not None)
 
     def delete(self, stream_id: str) -> int:
-        """Delete every block of `stream_id` and its manifest; return how many blocks were deleted."""
+        """Delete every block of `stream_id`, its manifest and progress records; return how many blocks."""
         self._check_open()
         names = self.records.names(check_stream_id(stream_id) + "/")
         self.records.remove(names)
@@ -85,23 +85,47 @@ class Store:
         name = manifest_name(stream_id)
         self.records.put_records([(name, encode_block(name, manifest, self.records.allocate))])
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
-        """Store `block` under `key` and replace its stream's manifest, in one request, in that order.
-
-        Record stores with atomic batches (LMDB) commit both at once; the others write the block first,
-        so a manifest never names a block that is not stored.
-        """
-        self._check_open()
-        name, manifest_record_name = str(check_key(key)), manifest_name(key.stream_id)
-        self.records.put_records([
-            (name, encode_block(key, block, self.records.allocate)),
-            (manifest_record_name, encode_block(manifest_record_name, manifest, self.records.allocate)),
-        ])
-
     def read_manifest(self, stream_id: str) -> bytes:
         """The stream's manifest; BlockNotFound if it has none, CorruptBlock if it is damaged."""
         self._check_open()
-        name = manifest_name(stream_id)
+        return self._read_small(manifest_name(stream_id))
+
+    # ---- progress records: what a generating stream writes per durable block -----------------------
+    def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
+        """Store `block` under `key` and the progress record `record` under `progress`, in one request, in
+        that order.
+
+        Record stores with atomic batches (LMDB) commit both at once; the others write the block first,
+        so a progress record never names a block that is not stored.
+        """
+        self._check_open()
+        check_key(key)
+        if not isinstance(progress, ProgressKey) or (progress.stream_id, progress.run) != (key.stream_id, key.run):
+            raise ConfigError(f"the progress record {progress!r} does not belong to the stream and run of {key}")
+        name = str(progress)
+        self.records.put_records([(str(key), encode_block(key, block, self.records.allocate)),
+                                  (name, encode_block(name, record, self.records.allocate))])
+
+    def put_progress(self, progress: ProgressKey, record: bytes) -> None:
+        """Store one progress record, for a stream whose blocks live in another store."""
+        self._check_open()
+        if not isinstance(progress, ProgressKey):
+            raise ConfigError(f"expected a dejavu_sdk.ProgressKey, got {type(progress).__name__} {progress!r}")
+        name = str(progress)
+        self.records.put_records([(name, encode_block(name, record, self.records.allocate))])
+
+    def progress_keys(self, stream_id: str) -> list[ProgressKey]:
+        """The keys of every progress record of `stream_id` (all runs and logs), sorted."""
+        self._check_open()
+        parsed = (progress_key_or_none(name) for name in self.records.names(check_stream_id(stream_id) + "/"))
+        return sorted(key for key in parsed if key is not None)
+
+    def read_progress(self, progress: ProgressKey) -> bytes:
+        """One progress record; BlockNotFound if it is missing, CorruptBlock if it is damaged."""
+        self._check_open()
+        return self._read_small(str(progress))
+
+    def _read_small(self, name: str) -> bytes:
         with self.records.get_record(name) as record:
             return decode_block(name, record).numpy().tobytes()
 
@@ -137,8 +161,16 @@ def manifest_name(stream_id: str) -> str:
 
 
 def block_key_or_none(name: str) -> BlockKey | None:
-    """The key a record name stands for, or None for records that are not blocks (manifests)."""
+    """The key a record name stands for, or None for records that are not blocks (manifests, progress)."""
     try:
         return BlockKey.parse(name)
+    except ConfigError:
+        return None
+
+
+def progress_key_or_none(name: str) -> ProgressKey | None:
+    """The progress key a record name stands for, or None for records that are not progress records."""
+    try:
+        return ProgressKey.parse(name)
     except ConfigError:
         return None

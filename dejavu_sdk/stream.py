@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from .blocks import BlockKey, KVSpec
+from .blocks import BlockKey, KVSpec, ProgressKey
 from .errors import ConfigError
 
 
@@ -42,10 +42,10 @@ class BlockIO(BlockSink, BlockSource, Protocol):
 
 
 @runtime_checkable
-class ManifestSink(Protocol):
-    """Takes each block together with its stream's manifest: a Store, the local transport, a replica."""
+class ProgressSink(Protocol):
+    """Takes each block together with a progress record naming it: a Store, the local transport, a replica."""
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None: ...
+    def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None: ...
 
 
 def _check_boundaries(_instance: object, _attribute: object, value: tuple[int, ...]) -> None:

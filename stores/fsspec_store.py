@@ -56,7 +56,7 @@ class FsspecRecords(RecordStore):
 
     def put_records(self, records: Sequence[NamedRecord]) -> None:
         arrays = [(name, record_array(record)) for name, record in records]
-        for name, record in arrays:  # in order: a block before the manifest that names it
+        for name, record in arrays:  # in order: a block before the progress record that names it
             self._put(name, record)
 
     def _put(self, name: str, record: np.ndarray) -> None:

@@ -125,10 +125,10 @@ def test_bad_options_are_refused(option: str, value) -> None:
         CacheManager(MemoryStore(), "s", 2, **{option: value})
 
 
-def test_manifests_for_a_sink_that_cannot_take_them_are_refused() -> None:
+def test_progress_records_for_a_sink_that_cannot_take_them_are_refused() -> None:
     class BlocksOnly:
         def flush(self, key, block) -> None:
             pass
 
-    with pytest.raises(dv.ConfigError, match="manifest_for needs a ManifestSink"):
-        CacheManager(BlocksOnly(), "s", 2, manifest_for=lambda key, positions: b"{}")
+    with pytest.raises(dv.ConfigError, match="progress_for needs a ProgressSink"):
+        CacheManager(BlocksOnly(), "s", 2, progress_for=lambda key, positions: (None, b"{}"))

@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM, LogitsProcessorList
 
 import dejavu_sdk as dv
 from dejavu_sdk.engine import DejaVuEngine
-from dejavu_sdk.manifest import Manifest
+from dejavu_sdk.manifest import load_manifest
 from dejavu_sdk.stores import MemoryStore
 
 NEW = 10
@@ -57,7 +57,7 @@ def test_generate_equals_model_generate_and_leaves_nothing_behind(model, inputs,
     ids, mask = inputs
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="req-1")
     assert torch.equal(out, _reference(model, inputs))
-    assert store.keys() == []  # finished streams are not kept by default
+    assert store.records.names("") == []  # finished streams are not kept by default: no block, no record
     with pytest.raises(dv.BlockNotFound):
         store.read_manifest("req-1")
 
@@ -70,21 +70,21 @@ def test_an_interrupted_stream_resumes_to_the_same_tokens(model, inputs, replica
     with pytest.raises(KeyboardInterrupt):
         first.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="req-1",
                        logits_processor=LogitsProcessorList([Crash(crash_after)]))
-    manifest = Manifest.from_bytes(store.read_manifest("req-1"), "req-1")
+    manifest = load_manifest(store, "req-1")
     assert manifest.durable_positions >= ids.shape[1]
     assert len(manifest.generated[0]) == crash_after
     assert {key.run for key in store.keys("req-1")} == {manifest.run}  # every block is named by this run
     assert all(name.startswith(f"req-1/r{manifest.run}.L") for name in manifest.blocks)
     second = DejaVuEngine(model, store=store, replicate_every=replicate_every)
     assert torch.equal(second.resume("req-1"), _reference(model, inputs))
-    assert store.keys() == []
+    assert store.records.names("") == []
 
 
 def test_a_boolean_mask_is_recorded_as_integers_and_resumes(model, inputs) -> None:
     ids, mask = inputs
     store = MemoryStore()
     _interrupted(model, store, (ids, mask.bool()), 3)
-    assert Manifest.from_bytes(store.read_manifest("r"), "r").attention_mask == mask.tolist()
+    assert load_manifest(store, "r").attention_mask == mask.tolist()
     assert torch.equal(DejaVuEngine(model, store=store).resume("r"), _reference(model, inputs))
 
 
@@ -126,7 +126,7 @@ def test_forget_and_keep_finished(model, inputs) -> None:
     ids, mask = inputs
     engine = DejaVuEngine(model, store=store, keep_finished=True)
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id="kept")
-    assert Manifest.from_bytes(store.read_manifest("kept"), "kept").finished
+    assert load_manifest(store, "kept").finished
     assert torch.equal(engine.resume("kept"), out)  # a finished stream answers from its manifest
     assert engine.forget("kept") > 0
     assert store.keys() == []
@@ -151,4 +151,5 @@ def test_blocks_can_go_to_a_remote_cpu_replica_while_the_manifest_stays_local(mo
         assert manifests.keys("r") == []
         resumed = DejaVuEngine(model, store=manifests, transport=open_transport(replica.url)).resume("r")
         assert replica.store.keys("r") == []  # a finished stream is deleted from the replica too
+    assert manifests.records.names("") == []  # and its manifest and progress records from the engine's store
     assert torch.equal(resumed, _reference(model, inputs))

@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 import dejavu_sdk as dv
-from dejavu_sdk.manifest import FORMAT, Manifest
+from dejavu_sdk.manifest import FORMAT, Manifest, load_manifest
 
 RUN = "0123456789abcdef"
 OTHER_RUN = "fedcba9876543210"
@@ -53,10 +53,64 @@ def _delete(name: str) -> Callable[[dict[str, Any]], None]:
 def test_a_valid_manifest_round_trips() -> None:
     manifest = _valid()
     assert Manifest.from_bytes(manifest.to_bytes(), "req-1") == manifest
-    writer = manifest.progress_writer()
-    progressed = Manifest.from_bytes(writer([[10, 11, 3], [12, 2, 2]], [*manifest.blocks], 5, ""), "req-1")
-    assert progressed.generated == [[10, 11, 3], [12, 2, 2]]
-    assert progressed.durable_positions == 5
+
+
+def _record(block: str = f"req-1/r{RUN}.L0-2.T4-5", durable: int = 5, tokens: object = ([3], [2]),
+            rng: object = "") -> bytes:
+    return json.dumps({"block": block, "durable_positions": durable, "tokens": list(tokens), "rng": rng}).encode()
+
+
+def test_progress_records_extend_the_manifest_in_order() -> None:
+    manifest = _valid()
+    progressed = manifest.with_progress([_record(), _record(f"req-1/r{RUN}.L0-2.T5-6", 6, ([4], [2]))])
+    assert progressed.generated == [[10, 11, 3, 4], [12, 2, 2, 2]]
+    assert progressed.blocks == [*manifest.blocks, f"req-1/r{RUN}.L0-2.T4-5", f"req-1/r{RUN}.L0-2.T5-6"]
+    assert progressed.durable_positions == 6
+    assert manifest.with_progress([]) == manifest
+    assert manifest.generated == [[10, 11], [12, 2]]  # unchanged: a new manifest comes back
+
+
+BAD_RECORDS: list[tuple[Any, ...]] = [  # (test id, records, what the error says)
+    ("not json", [b"{"], "cannot be read"),
+    ("not an object", [b"[1]"], "must hold exactly"),
+    ("missing field", [json.dumps({"block": "x", "tokens": [[1], [2]], "rng": ""}).encode()], "must hold exactly"),
+    ("tokens of one row", [_record(tokens=([3],))], "tokens of"),
+    ("ragged tokens", [_record(tokens=([3, 4], [2]))], "tokens of"),
+    ("token not an int", [_record(tokens=(["3"], [2]))], "tokens of"),
+    ("rng not a string", [_record(rng=None)], "rng of"),
+    ("rng in a greedy stream", [_record(rng="AAAA")], "rng of"),
+    ("durable goes back", [_record(durable=3)], "goes back"),
+    ("block of another run", [_record(block=f"req-1/r{OTHER_RUN}.L0-2.T4-5")], "blocks[3]"),
+    ("past max_new_tokens", [_record(), _record(durable=5, tokens=([1, 1], [1, 1]))], "max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize(("records", "detail"), [case[1:] for case in BAD_RECORDS],
+                         ids=[case[0] for case in BAD_RECORDS])
+def test_a_damaged_progress_record_is_corrupt(records: list[bytes], detail: str) -> None:
+    with pytest.raises(dv.CorruptBlock, match=re.escape(detail)):
+        _valid().with_progress(records)
+
+
+def test_a_sampled_streams_record_with_tokens_must_carry_the_generator_state() -> None:
+    sampled = attrs.evolve(_valid(), sampling={"seed": 1, "settings": {}, "versions": {}, "device": "cpu"}, rng="AAAA")
+    assert sampled.with_progress([_record(rng="BBBB")]).rng == "BBBB"
+    assert sampled.with_progress([_record(tokens=([], []), durable=4)]).rng == "AAAA"  # no tokens, no new state
+    with pytest.raises(dv.CorruptBlock, match="rng of"):  # tokens without the state after them
+        sampled.with_progress([_record(rng="")])
+
+
+def test_load_manifest_reads_its_own_log_only_and_refuses_a_gap() -> None:
+    store = dv.open_store("memory://")
+    manifest = _valid()
+    store.write_manifest("req-1", manifest.to_bytes())
+    store.put_progress(manifest.progress_key(0), _record())
+    store.put_progress(attrs.evolve(manifest, log=1).progress_key(0), _record(durable=3))  # a newer log: ignored
+    store.put_progress(attrs.evolve(manifest, run=OTHER_RUN).progress_key(1), b"{")  # another run: ignored
+    assert load_manifest(store, "req-1").generated == [[10, 11, 3], [12, 2, 2]]
+    store.put_progress(manifest.progress_key(2), _record(f"req-1/r{RUN}.L0-2.T6-7", 7))
+    with pytest.raises(dv.CorruptBlock, match=re.escape(f"req-1/r{RUN}.progress0.step1") + ".* is missing"):
+        load_manifest(store, "req-1")
 
 
 def test_a_manifest_with_no_tokens_yet_is_valid() -> None:
@@ -102,6 +156,8 @@ BAD: list[tuple[Any, ...]] = [  # (test id, edit, the field the error names, wha
     ("durable negative", _set("durable_positions", -1), "durable_positions"),
     ("durable past the tokens", _set("durable_positions", 6), "durable_positions"),
     ("finished int", _set("finished", 1), "finished"),
+    ("log negative", _set("log", -1), "log"),
+    ("log str", _set("log", "0"), "log"),
     ("geometry list", _set("geometry", [2, 1, 8]), "geometry"),
     ("geometry missing key", _delete("geometry.dtype"), "geometry"),
     ("geometry extra key", _set("geometry.rope", 1), "geometry"),

@@ -20,7 +20,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.engine import DejaVuEngine
-from dejavu_sdk.manifest import Manifest
+from dejavu_sdk.manifest import load_manifest
 
 TESTS = Path(__file__).parent
 NEW = 40
@@ -73,7 +73,7 @@ def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill
 def _resume_and_check(store: dv.Store, decoding: dict | None = None) -> None:
     from tiny_models import prompt, tiny_llama
 
-    manifest = Manifest.from_bytes(store.read_manifest("victim"), "victim")
+    manifest = load_manifest(store, "victim")
     ids, mask = prompt()
     assert manifest.durable_positions > ids.shape[1]  # the prompt and some steps survived the kill
     assert len(manifest.generated[0]) < NEW

@@ -84,26 +84,37 @@ def test_rows_that_stop_at_different_steps_resume_exactly(inputs) -> None:
     assert torch.equal(DejaVuEngine(model, store=store).resume("s"), expected)
 
 
-def _tampered(store: MemoryStore, edit) -> None:
-    manifest = json.loads(store.read_manifest("s"))
-    edit(manifest)
-    store.write_manifest("s", json.dumps(manifest).encode())
+def _tampered(store: MemoryStore, edit, where: str) -> None:
+    """Edit the stream's manifest, or the progress record that holds the generator state to resume from."""
+    if where == "manifest":
+        manifest = json.loads(store.read_manifest("s"))
+        edit(manifest)
+        store.write_manifest("s", json.dumps(manifest).encode())
+        return
+    for key in reversed(store.progress_keys("s")):
+        record = json.loads(store.read_progress(key))
+        if record["rng"]:
+            edit(record)
+            store.put_progress(key, json.dumps(record).encode())
+            return
+    raise AssertionError("no progress record holds a generator state")
 
 
-@pytest.mark.parametrize(("edit", "error", "match"), [
-    (lambda m: m.update(rng=m["rng"][:-8]), dv.CorruptBlock, "rng"),
-    (lambda m: m.update(rng="not base64!"), dv.CorruptBlock, "rng"),
-    (lambda m: m.update(rng=""), dv.CorruptBlock, "rng"),
-    (lambda m: m.update(sampling=None), dv.CorruptBlock, "rng"),
-    (lambda m: m["sampling"].pop("seed"), dv.CorruptBlock, "sampling"),
-    (lambda m: m["sampling"]["settings"].update(top_k=[1]), dv.CorruptBlock, "top_k"),
-    (lambda m: m["sampling"]["versions"].update(torch="0.1"), dv.ConfigError, "versions|sampled with"),
-    (lambda m: m["sampling"].update(device="cuda"), dv.ConfigError, "cuda"),
+@pytest.mark.parametrize(("where", "edit", "error", "match"), [
+    ("record", lambda m: m.update(rng=m["rng"][:-8]), dv.CorruptBlock, "rng"),
+    ("record", lambda m: m.update(rng="not base64!"), dv.CorruptBlock, "rng"),
+    ("record", lambda m: m.update(rng=""), dv.CorruptBlock, "rng"),
+    ("record", lambda m: m.update(rng=None), dv.CorruptBlock, "rng"),
+    ("manifest", lambda m: m.update(sampling=None), dv.CorruptBlock, "rng"),
+    ("manifest", lambda m: m["sampling"].pop("seed"), dv.CorruptBlock, "sampling"),
+    ("manifest", lambda m: m["sampling"]["settings"].update(top_k=[1]), dv.CorruptBlock, "top_k"),
+    ("manifest", lambda m: m["sampling"]["versions"].update(torch="0.1"), dv.ConfigError, "versions|sampled with"),
+    ("manifest", lambda m: m["sampling"].update(device="cuda"), dv.ConfigError, "cuda"),
 ])
-def test_a_damaged_or_foreign_sampling_record_is_a_typed_error(model, inputs, edit, error, match) -> None:
+def test_a_damaged_or_foreign_sampling_record_is_a_typed_error(model, inputs, where, edit, error, match) -> None:
     store = MemoryStore()
     _crashed(model, store, inputs, 4)
-    _tampered(store, edit)
+    _tampered(store, edit, where)
     with pytest.raises(error, match=match):
         DejaVuEngine(model, store=store).resume("s")
 

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 
+import attrs
 import lmdb
 import pytest
 import torch
@@ -140,10 +141,11 @@ def test_one_directory_can_be_opened_twice_in_a_process(tmp_path) -> None:
     assert same_bits(third.fetch(_key(0)), _block(0))
 
 
-def test_a_block_and_its_manifest_commit_in_one_transaction(tmp_path) -> None:
+def test_a_block_and_its_progress_record_commit_in_one_transaction(tmp_path) -> None:
     store = LmdbStore(tmp_path)
     before = store.records._env.info()["last_txnid"]
-    store.flush_with_manifest(_key(0), _block(0), b'{"step": 0}')
+    key = attrs.evolve(_key(0), run="abc")
+    store.flush_with_progress(key, _block(0), dv.ProgressKey(key.stream_id, "abc", 0, 0), b'{"step": 0}')
     assert store.records._env.info()["last_txnid"] == before + 1
     store.flush(_key(1), _block(1))
     store.write_manifest("req-1", b'{"step": 1}')
@@ -161,7 +163,9 @@ def test_the_engine_commits_each_block_with_its_manifest(tmp_path) -> None:
         commits = engine.store.records._env.info()["last_txnid"] - before
         blocks = len(engine.store.keys("one-commit"))
     assert blocks == 4 + 11  # the prompt's 4 layer blocks, then one block per decode step
-    assert commits == blocks + 2  # plus the first manifest and the finished one
+    # Each block commits with its progress record; plus the first manifest, the finished one, and the removal
+    # of the progress records it holds.
+    assert commits == blocks + 3
 
 
 @pytest.mark.parametrize("max_readers", [0, -1, 1.5, "8", True, 1 << 40])

@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM, LogitsProcessorList
 
 import dejavu_sdk as dv
 from dejavu_sdk.engine import DejaVuEngine
-from dejavu_sdk.manifest import Manifest
+from dejavu_sdk.manifest import Manifest, load_manifest
 from dejavu_sdk.store import manifest_name
 from dejavu_sdk.stores import MemoryStore
 
@@ -55,7 +55,7 @@ def _crashed(model, store, prompt, after_steps: int, stream_id: str = STREAM, **
         DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW, stream_id=stream_id,
                                                   logits_processor=LogitsProcessorList([Crash(after_steps)]),
                                                   **options)
-    return Manifest.from_bytes(store.read_manifest(stream_id), stream_id)
+    return load_manifest(store, stream_id)
 
 
 def _drop_manifest(store, stream_id: str = STREAM) -> None:
@@ -105,11 +105,12 @@ def test_two_runs_interleaved_on_one_stream_resume_exactly_the_run_whose_manifes
     # Two processes start req-1 at once (different prompts) and both see no manifest. In this replay the
     # winner streams its blocks and dies; the other run's blocks land after them (its generate is replayed
     # with no manifest in the store, as it saw at its start) and it dies too; the winner's manifest is written
-    # last, as its streamer's last write.
+    # last (as if its generate had written it a moment after the other's).
     winner = _crashed(model, store, SECOND, winner_steps)
+    written = store.read_manifest(STREAM)
     _drop_manifest(store)
     other = _crashed(model, store, FIRST, other_steps)
-    store.write_manifest(STREAM, winner.to_bytes())
+    store.write_manifest(STREAM, written)
     assert winner.run != other.run
     assert not set(winner.blocks) & set(other.blocks)  # never one name for blocks of two runs
     resumed = DejaVuEngine(model, store=store).resume(STREAM)
@@ -162,18 +163,21 @@ def test_a_record_of_another_run_stored_under_our_name_fails_its_label_check(mod
 
 # (4) Before: format 1 was the format, read without a run; now a format-1 manifest (whose blocks carry no run)
 # is refused, as is any other format, with a ConfigError naming both formats and how to clear the stream.
-@pytest.mark.parametrize("version", [1, 3])
+# Format 2 (a manifest rewritten whole at every step, without a progress log) is refused the same way.
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_manifests_of_other_formats_are_refused(model, version) -> None:
     store = MemoryStore()
     manifest = _crashed(model, store, FIRST, 4)
     old = json.loads(manifest.to_bytes())
     old["format"] = version
+    if version <= 2:  # as the SDK before progress logs wrote it
+        del old["log"]
     if version == 1:  # as the SDK before runs wrote it
         del old["run"]
         old["blocks"] = [name.replace(f"/r{manifest.run}.", "/") for name in manifest.blocks]
     store.write_manifest(STREAM, json.dumps(old).encode())
     engine = DejaVuEngine(model, store=store)
-    with pytest.raises(dv.ConfigError, match=f"manifest format {version}; this SDK reads format 2") as refused:
+    with pytest.raises(dv.ConfigError, match=f"manifest format {version}; this SDK reads format 3") as refused:
         engine.resume(STREAM)
     assert "forget" in str(refused.value)
     with pytest.raises(dv.ConfigError, match="cannot resume"):  # generate does not silently overwrite it either

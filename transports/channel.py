@@ -34,7 +34,7 @@ from ..errors import (
     TransportError,
 )
 from ..records import NamedRecord, record_array
-from ..store import Store, manifest_name
+from ..store import Store, manifest_name, progress_key_or_none
 from ..urls import ParsedURL, join_host_port, network_address
 from .access import AccessPolicy, Scope, client_token
 from .base import (
@@ -525,11 +525,13 @@ def _split_records(meta: str, payload: np.ndarray) -> list[NamedRecord]:
 
 
 def _block_name(name: str) -> str:
-    """Accept only names of blocks and manifests, so a peer cannot reach outside the store (paths)."""
+    """Accept only names of blocks, manifests and progress records, so a peer cannot reach outside the
+    store (paths)."""
     stream_id, _, rest = name.partition("/")
     if rest == "manifest" and name == manifest_name(stream_id):
         return name
-    BlockKey.parse(name)
+    if progress_key_or_none(name) is None:
+        BlockKey.parse(name)
     return name
 
 

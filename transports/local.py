@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blocks import BlockKey, check_key
+from ..blocks import BlockKey, ProgressKey, check_key
 from ..errors import ConfigError, StoreClosed, TransportError
 from ..records import NamedRecord
 from ..store import Store
@@ -57,9 +57,9 @@ class LocalTransport(Transport):
     def flush(self, key: BlockKey, block: Any) -> None:
         self.store.flush(key, self.on_host(key, block))
 
-    def flush_with_manifest(self, key: BlockKey, block: Any, manifest: bytes) -> None:
-        """`flush`, with the stream's manifest written together with the block (see `Store.flush_with_manifest`)."""
-        self.store.flush_with_manifest(key, self.on_host(key, block), manifest)
+    def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
+        """`flush`, with a progress record written together with the block (see `Store.flush_with_progress`)."""
+        self.store.flush_with_progress(key, self.on_host(key, block), progress, record)
 
     def on_host(self, key: BlockKey, block: Any) -> Any:
         """`block` as the store can take it: a device tensor is copied to pinned host memory first."""

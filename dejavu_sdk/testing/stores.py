@@ -17,11 +17,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
-from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
+from ..blocks import DTYPE_CODES, BlockKey, ProgressKey, torch_dtype
 from ..errors import BlockNotFound, ConfigError, CorruptBlock, DejaVuError, StoreClosed
 from ..store import Store
 from ..tensors import random_tensor, same_bits
@@ -131,15 +132,26 @@ class StoreTests:
         with pytest.raises(BlockNotFound):
             store.read_manifest("req-1")
 
-    def test_a_block_and_its_manifest_are_flushed_together(self, store: Store) -> None:
+    def test_a_block_and_its_progress_record_are_flushed_together(self, store: Store) -> None:
         store.write_manifest(KEY.stream_id, b'{"step": 0}')
         block = random_tensor((3, 5), torch.float16, seed=7)
-        store.flush_with_manifest(KEY, block, b'{"step": 1}')
-        assert same_bits(store.fetch(KEY), block)
-        assert store.read_manifest(KEY.stream_id) == b'{"step": 1}'
-        assert store.keys(KEY.stream_id) == [KEY]
+        key, progress = attrs.evolve(KEY, run="abc"), ProgressKey(KEY.stream_id, "abc", 0, 0)
+        store.flush_with_progress(key, block, progress, b'{"step": 1}')
+        assert same_bits(store.fetch(key), block)
+        assert store.read_progress(progress) == b'{"step": 1}'
+        assert store.read_manifest(KEY.stream_id) == b'{"step": 0}'
+        assert store.keys(KEY.stream_id) == [key]  # a progress record is not a block
+        assert store.progress_keys(KEY.stream_id) == [progress]
         with pytest.raises(ConfigError):
-            store.flush_with_manifest("not a key", block, b"{}")  # type: ignore[arg-type]  # deliberately a str
+            store.flush_with_progress(str(key), block, progress, b"{}")  # type: ignore[arg-type]  # deliberately a str
+        with pytest.raises(ConfigError, match="does not belong"):  # a record of another run than its block
+            store.flush_with_progress(key, block, ProgressKey(KEY.stream_id, "abd", 0, 1), b"{}")
+        store.put_progress(ProgressKey(KEY.stream_id, "abc", 1, 0), b'{"step": 2}')
+        assert [found.log for found in store.progress_keys(KEY.stream_id)] == [0, 1]
+        assert store.delete(KEY.stream_id) == 1
+        assert store.progress_keys(KEY.stream_id) == []
+        with pytest.raises(BlockNotFound):
+            store.read_progress(progress)
 
     # ---- the record interface and its declared capabilities --------------------------------
     def test_records_are_put_listed_and_removed_by_name(self, store: Store) -> None:

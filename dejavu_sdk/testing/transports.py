@@ -22,12 +22,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
 from ..backends import open_store, open_transport, serve
-from ..blocks import DTYPE_CODES, BlockKey, torch_dtype
+from ..blocks import DTYPE_CODES, BlockKey, ProgressKey, torch_dtype
 from ..errors import BlockNotFound, ConfigError, StoreClosed, TransportError
 from ..store import Store
 from ..tensors import random_tensor, same_bits
@@ -139,12 +140,17 @@ class TransportContractTests:
                                                                                                Transport]) -> None:
         with Store(transport_factory()) as store:
             block = random_tensor((2, 2, 1, 2, 4, 8), torch.float16, seed=5)
-            store.flush_with_manifest(KEY, block, b'{"step": 1}')
-            assert same_bits(store.fetch(KEY), block)
-            assert store.read_manifest(KEY.stream_id) == b'{"step": 1}'
-            assert store.keys() == [KEY]
+            key, progress = attrs.evolve(KEY, run="abc"), ProgressKey(KEY.stream_id, "abc", 0, 0)
+            store.write_manifest(KEY.stream_id, b'{"step": 0}')
+            store.flush_with_progress(key, block, progress, b'{"step": 1}')
+            assert same_bits(store.fetch(key), block)
+            assert store.read_manifest(KEY.stream_id) == b'{"step": 0}'
+            assert store.read_progress(progress) == b'{"step": 1}'
+            assert store.keys() == [key]
+            assert store.progress_keys(KEY.stream_id) == [progress]
             assert store.delete(KEY.stream_id) == 1
             assert store.keys() == []
+            assert store.progress_keys(KEY.stream_id) == []
 
     # ---- tensors ---------------------------------------------------------------------------
     def test_tensors_reach_the_inbox_in_order(self, transport: Transport, inbox: Inbox) -> None:
