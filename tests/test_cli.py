@@ -99,15 +99,24 @@ def test_serve_store_refuses_a_bad_listen_url(capsys) -> None:
 @pytest.mark.slow
 def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, capsys) -> None:
     samples = tmp_path / "samples.json"
+    figure = tmp_path / "long.png"
     arguments = ["bench", "streaming", "--random-model", "--repeats", "2", "--prompt-tokens", "16",
-                 "--new-tokens", "5", "--stores", "memory,lmdb-nosync", "--quiet", "--json", str(samples)]
+                 "--new-tokens", "5", "--stores", "memory,lmdb-nosync", "--small-tokens", "4", "--long-tokens", "24",
+                 "--long-repeats", "2", "--long-store", "memory", "--quiet", "--json", str(samples),
+                 "--plot", str(figure)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
     for expected in ("| none |", "| memory |", "| lmdb-nosync |", "buffered: staged, one block",
-                     "stream layer by layer", "The same, sampling", "| sampled, replica |"):
+                     "stream layer by layer", "The same, sampling", "| sampled, replica |", "(a') a Llama of 6 layers",
+                     "(d) A long generation", "| steps 5-10 |", "| steps 18-23 |"):
         assert expected in output
-    recorded = json.loads(samples.read_text())["samples_seconds"]
-    assert all(len(recorded[f"decode {what}"]) == 2
-               for what in ("off", "memory", "lmdb-nosync", "sampled off", "sampled memory"))
+    recorded = json.loads(samples.read_text())
+    assert all(len(recorded["samples_seconds"][what]) == 2
+               for what in ("decode off", "decode memory", "decode lmdb-nosync", "decode sampled off",
+                            "decode sampled memory", "small off", "small memory", "small lmdb-nosync"))
+    assert [len(steps) for steps in recorded["long_step_seconds"]["on"]] == [23, 23]  # the steps after the first token
+    assert figure.stat().st_size > 0
     assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2
     assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err
+    assert main(["bench", "streaming", "--long-tokens", "-1", "--quiet"]) == 2
+    assert "--long-tokens must be a positive integer or 0" in capsys.readouterr().err

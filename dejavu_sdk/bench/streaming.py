@@ -1,11 +1,14 @@
 """`dejavu bench streaming`: what streaming the KV cache costs a real model, and what the optimisations buy.
 
-(a) decode: per-step latency with replication to each store, beside the same generation without it;
+(a) decode: per-step latency with replication to each store, beside the same generation without it, greedy
+    and sampled; (a') the same for a small model whose decode step takes about 10 ms, with a batch of 4;
 (b) copies: one decode step's KV leaving as one staged block (buffered) or as one block per layer (naive);
-(c) prefill: prompt blocks streamed layer by layer during the forward, or all after it.
-Every repeat measures every variant in turn, each repeat starting from the next variant; figures are
-medians. The model is SmolLM2-135M-Instruct
-when installed (a decode step takes tens of milliseconds on a small CPU), else a random model of its shape.
+(c) prefill: prompt blocks streamed layer by layer during the forward, or all after it;
+(d) a long generation (thousands of steps): what replication adds per step near the start and at the end.
+Every repeat measures every variant in turn, back to back, each repeat starting from the next variant;
+overheads are the medians of the per-repeat ratios, with their range. The model of (a)-(c) is
+SmolLM2-135M-Instruct when installed (a decode step takes tens of milliseconds on a small CPU), else a
+random model of its shape.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..blocks import KVSpec
 from ..cache import CacheManager, StreamingCache
 from ..engine import DejaVuEngine
 from ..errors import ConfigError
+from ..models import random_llama
 from ..report import markdown_table
 from ..store import Store
 from ..stores.memory import MemoryStore
@@ -38,32 +42,49 @@ from .common import machine_description, median
 TARGETS = ("memory", "lmdb", "lmdb-nosync", "tcp")
 
 
+#: The replica the long generation (d) streams to unless told otherwise: the cost that does not depend on
+#: the disk, so that a growth in what each step writes shows.
+LONG_STORE = "lmdb-nosync"
+#: (a'): a model whose decode step takes about 10 ms on a fast core, with a batch of 4.
+SMALL_MODEL = {"layers": 6, "hidden_size": 512, "intermediate_size": 1024, "heads": 8, "kv_heads": 8,
+               "vocab_size": 4096, "max_positions": 4096}
+#: (d): a 4-layer model with a batch of 4, generating thousands of tokens.
+LONG_MODEL = {"layers": 4, "hidden_size": 256, "intermediate_size": 512, "heads": 4, "kv_heads": 4,
+              "vocab_size": 4096, "max_positions": 8192}
+BATCH = 4
+
+
 @attrs.frozen
 class StreamingReport:
     machine: str
-    model: str
+    models: dict[str, str]  # "main", "small", "long": what each section ran
     prefill_store: str
-    samples: dict[str, list[float]]  # seconds
+    long_store: str
+    samples: dict[str, list[float]]  # seconds, one per repeat
+    long_steps: dict[str, list[list[float]]] = attrs.field(factory=dict)  # "off"/"on": per repeat, each step
 
     def value(self, what: str) -> float:
         return median(self.samples[what])
 
+    def ratios(self, what: str, base: str) -> list[float]:
+        """`what` over `base`, repeat by repeat (each repeat measured both, back to back)."""
+        return [a / b for a, b in zip(self.samples[what], self.samples[base], strict=True)]
+
     def to_json(self) -> dict:
-        return {"machine": self.machine, "model": self.model, "prefill_store": self.prefill_store,
-                "samples_seconds": self.samples}
+        return {"machine": self.machine, "models": self.models, "prefill_store": self.prefill_store,
+                "long_store": self.long_store, "samples_seconds": self.samples,
+                "long_step_seconds": self.long_steps}
 
     def to_markdown(self, targets: tuple[str, ...]) -> str:
-        off = self.value("decode off")
-        rows = [["none", f"{off * 1e3:.2f}", "1.000"]]
-        for target in targets:
-            step = self.value(f"decode {target}")
-            rows.append([target, f"{step * 1e3:.2f}", f"{step / off:.3f}"])
-        decode = markdown_table(["replica", "ms per decode step", "vs no replication"], rows)
-        sampled_off = self.value("decode sampled off")
-        sampled = markdown_table(["sampled, replica", "ms per decode step", "vs no replication"], [
-            ["none", f"{sampled_off * 1e3:.2f}", "1.000"],
-            *([self.prefill_store, f"{self.value(what) * 1e3:.2f}", f"{self.value(what) / sampled_off:.3f}"]
-              for what in (f"decode sampled {self.prefill_store}",))])
+        repeats = len(self.samples["decode off"])
+        parts = [f"Machine: {self.machine}\nModel: {self.models['main']}\n{repeats} repeats; each runs every variant "
+                 "back to back. Overheads are the median of the per-repeat ratios to no replication, with their "
+                 "range.\n",
+                 f"(a) Decode with replication:\n\n{self._decode_table('decode', targets)}\n",
+                 "The same, sampling (temperature 0.8, top-p 0.9; the generator's state goes with every durable "
+                 f"step):\n\n{self._decode_table('decode sampled', (self.prefill_store,), label='sampled, replica')}\n"]
+        if "small off" in self.samples:
+            parts.append(f"(a') {self.models['small']}:\n\n{self._decode_table('small', targets)}\n")
         naive, buffered = self.value("copy naive"), self.value("copy buffered")
         copies = markdown_table(["one decode step's KV", "microseconds", "speed-up"],
                                 [["naive: one block per layer", f"{naive * 1e6:.0f}", "1.0x"],
@@ -75,12 +96,82 @@ class StreamingReport:
              f"{tail_after * 1e3:.1f}"],
             ["stream layer by layer", f"{self.value('prefill forward, layer-wise') * 1e3:.1f}",
              f"{tail_layerwise * 1e3:.1f}"]])
-        return (f"Machine: {self.machine}\nModel: {self.model}\nMedians of {len(self.samples['decode off'])} "
-                f"repeats.\n\n(a) Decode with replication:\n\n{decode}\n\nThe same, sampling (temperature 0.8, "
-                f"top-p 0.9; the generator's state goes with every durable step):\n\n{sampled}\n\n"
-                f"(b) Buffered copies:\n\n{copies}\n\n"
-                f"(c) Prompt streaming to {self.prefill_store} ({hidden:.0%} of the streaming time hidden behind the "
-                f"forward):\n\n{prefill}\n")
+        parts += [f"(b) Buffered copies:\n\n{copies}\n",
+                  f"(c) Prompt streaming to {self.prefill_store} ({hidden:.0%} of the streaming time hidden behind "
+                  f"the forward):\n\n{prefill}\n"]
+        if self.long_steps:
+            parts.append(f"(d) A long generation, {self.models['long']}, replicating to {self.long_store}, "
+                         f"{len(self.long_steps['off'])} repeats:\n\n{self._long_table()}\n")
+        return "\n".join(parts)
+
+    def _decode_table(self, prefix: str, targets: tuple[str, ...], label: str = "replica") -> str:
+        off = f"{prefix} off"
+        rows = [["none", f"{self.value(off) * 1e3:.2f}", "", ""]]
+        for target in targets:
+            what = f"{prefix} {target}"
+            ratios = self.ratios(what, off)
+            rows.append([target, f"{self.value(what) * 1e3:.2f}", _percent(median(ratios) - 1),
+                         f"{_percent(min(ratios) - 1)} to {_percent(max(ratios) - 1)}"])
+        return markdown_table([label, "ms per decode step", "overhead", "range over repeats"], rows)
+
+    def long_windows(self) -> dict[str, tuple[int, int]]:
+        """The steps compared: near the start (after a few warm-up steps) and at the end."""
+        steps = len(self.long_steps["off"][0])
+        width = max(1, min(200, steps // 4))
+        warm = min(5, steps - width)
+        return {f"steps {warm}-{warm + width}": (warm, warm + width),
+                f"steps {steps - width}-{steps}": (steps - width, steps)}
+
+    def long_overheads(self) -> dict[str, tuple[list[float], list[float]]]:
+        """Per window: (on - off in seconds, on / off), one of each per repeat."""
+        result = {}
+        for window, (low, high) in self.long_windows().items():
+            pairs = [(median(on[low:high]), median(off[low:high]))
+                     for off, on in zip(self.long_steps["off"], self.long_steps["on"], strict=True)]
+            result[window] = ([on - off for on, off in pairs], [on / off for on, off in pairs])
+        return result
+
+    def _long_table(self) -> str:
+        rows = []
+        for window, (differences, ratios) in self.long_overheads().items():
+            low, high = self.long_windows()[window]
+            off = median([median(steps[low:high]) for steps in self.long_steps["off"]])
+            rows.append([window, f"{off * 1e3:.2f}", f"{median(differences) * 1e3:+.2f}",
+                         f"{min(differences) * 1e3:+.2f} to {max(differences) * 1e3:+.2f}",
+                         _percent(median(ratios) - 1)])
+        return markdown_table(["decode steps", "ms per step, no replication", "overhead ms per step",
+                               "range over repeats", "overhead"], rows)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:+.1f}%"
+
+
+def plot_long_generation(report: StreamingReport, path: str, bucket: int = 100) -> None:
+    """Per `bucket` steps of the long generation: the step time without replication, and what replication
+    adds (one line per repeat); a flat second panel is a per-step cost that does not grow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (times, overheads) = plt.subplots(1, 2, figsize=(12, 4))
+    for repeat, (off, on) in enumerate(zip(report.long_steps["off"], report.long_steps["on"], strict=True)):
+        starts = list(range(0, len(off) - bucket + 1, bucket))
+        offs = [median(off[start:start + bucket]) * 1e3 for start in starts]
+        ons = [median(on[start:start + bucket]) * 1e3 for start in starts]
+        times.plot(starts, offs, color="tab:blue", alpha=0.6, label="no replication" if repeat == 0 else None)
+        times.plot(starts, ons, color="tab:orange", alpha=0.6, label=report.long_store if repeat == 0 else None)
+        overheads.plot(starts, [b - a for a, b in zip(offs, ons, strict=True)], label=f"repeat {repeat + 1}")
+    times.set(xlabel="decode step", ylabel=f"ms per step (median of {bucket})", title="decode step time")
+    overheads.axhline(0, color="black", linewidth=0.5)
+    overheads.set(xlabel="decode step", ylabel="ms per step", title=f"replication to {report.long_store} adds")
+    times.legend()
+    overheads.legend()
+    figure.suptitle(f"{report.models['long']} ({report.machine.split(',')[0]})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 class _StepClock(LogitsProcessor):
@@ -93,12 +184,16 @@ class _StepClock(LogitsProcessor):
         self.stamps.append(time.perf_counter())
         return scores
 
+    def durations(self) -> list[float]:
+        """Seconds of each decode step (the first call comes after the prefill, so it starts the count)."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+
     def step_seconds(self) -> float:
-        return median([b - a for a, b in zip(self.stamps[1:], self.stamps[2:], strict=False)])
+        return median(self.durations()[1:])
 
 
 def _model(random_model: bool) -> tuple[Any, str]:
-    from ..models import load_smollm2, random_llama, smollm2_available
+    from ..models import load_smollm2, smollm2_available
 
     if not random_model and smollm2_available():
         return load_smollm2()[0], "SmolLM2-135M-Instruct (float32)"
@@ -127,17 +222,22 @@ def _stores(targets: tuple[str, ...], scratch: str) -> Iterator[dict[str, Store]
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
-def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool = False) -> float:
+def _decode_steps(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None,
+                  sampled: bool = False) -> list[float]:
+    """Seconds of each decode step of a generation of exactly `new_tokens` tokens, replicated to `store`."""
     clock = _StepClock()
-    processors = LogitsProcessorList([clock])
-    decoding = SAMPLED if sampled else {"do_sample": False}
+    options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+               "logits_processor": LogitsProcessorList([clock]), **(SAMPLED if sampled else {"do_sample": False})}
     if store is None:
         torch.manual_seed(0)
-        model.generate(ids, max_new_tokens=new_tokens, logits_processor=processors, **decoding)
+        model.generate(ids, **options)
     else:
-        DejaVuEngine(model, store=store).generate(ids, max_new_tokens=new_tokens, logits_processor=processors,
-                                                  seed=0 if sampled else None, **decoding)
-    return clock.step_seconds()
+        DejaVuEngine(model, store=store).generate(ids, seed=0 if sampled else None, **options)
+    return clock.durations()
+
+
+def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool = False) -> float:
+    return median(_decode_steps(model, ids, new_tokens, store, sampled)[1:])
 
 
 def _layer_kv(model: Any, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], KVSpec]:
@@ -203,22 +303,40 @@ def _prefill(model: Any, ids: torch.Tensor, store: Store) -> dict[str, float]:
 
 
 def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, prompt_tokens: int = 512,
-                        new_tokens: int = 48, random_model: bool = False, progress: bool = True) -> StreamingReport:
+                        new_tokens: int = 48, random_model: bool = False, small_tokens: int = 96,
+                        long_tokens: int = 2000, long_repeats: int = 3, long_store: str = LONG_STORE,
+                        progress: bool = True) -> StreamingReport:
+    """Sections (a)-(c) `repeats` times, (a') with `small_tokens` new tokens (0: skip), and (d) a generation
+    of `long_tokens` tokens (0: skip) `long_repeats` times."""
     model, name = _model(random_model)
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    small = random_llama(**SMALL_MODEL, initializer_range=0.02) if small_tokens else None
+    long = random_llama(**LONG_MODEL, initializer_range=0.02) if long_tokens else None
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator)
+    small_ids = torch.randint(0, SMALL_MODEL["vocab_size"], (BATCH, 64), generator=generator)
     samples: dict[str, list[float]] = defaultdict(list)
+    long_steps: dict[str, list[list[float]]] = defaultdict(list)
     pairs, spec = _layer_kv(model, ids)
-    with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, _stores(targets, scratch) as stores, \
-            tqdm(total=repeats * (len(targets) + 5), desc="bench streaming", unit="run", disable=not progress) as bar:
-        prefill_target = "lmdb" if "lmdb" in stores else next(iter(stores), "memory")
+    runs = repeats * (len(targets) + 5 + (len(targets) + 1 if small is not None else 0)) + 2 * long_repeats * bool(long)
+    with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, \
+            _stores(tuple(dict.fromkeys((*targets, long_store))), scratch) as stores, \
+            tqdm(total=runs, desc="bench streaming", unit="run", disable=not progress) as bar:
+        prefill_target = "lmdb" if "lmdb" in targets else (targets[0] if targets else "memory")
         prefill_store = stores.get(prefill_target) or MemoryStore()
-        variants: list[tuple[str, Store | None, bool]] = [
-            ("off", None, False), *((target, store, False) for target, store in stores.items()),
-            ("sampled off", None, True), (f"sampled {prefill_target}", prefill_store, True)]
+        variants: list[tuple[str, Any, torch.Tensor, int, Store | None, bool]] = [
+            ("decode off", model, ids, new_tokens, None, False),
+            *((f"decode {target}", model, ids, new_tokens, stores[target], False) for target in targets),
+            ("decode sampled off", model, ids, new_tokens, None, True),
+            (f"decode sampled {prefill_target}", model, ids, new_tokens, prefill_store, True)]
+        if small is not None:
+            variants += [("small off", small, small_ids, small_tokens, None, False),
+                         *((f"small {target}", small, small_ids, small_tokens, stores[target], False)
+                           for target in targets)]
         for repeat in range(repeats):
             # Each repeat starts with another variant, so a drift in the machine's speed favours none.
-            for target, store, sampled in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
-                samples[f"decode {target}"].append(_decode_step(model, ids, new_tokens, store, sampled))
+            shift = repeat % len(variants)
+            for what, which, inputs, count, store, sampled in variants[shift:] + variants[:shift]:
+                samples[what].append(_decode_step(which, inputs, count, store, sampled))
                 bar.update()
             for what, seconds in _copies(pairs, spec, prompt_tokens - 1).items():
                 samples[what].append(seconds)
@@ -226,4 +344,19 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
             for what, seconds in _prefill(model, ids, prefill_store).items():
                 samples[what].append(seconds)
             bar.update()
-    return StreamingReport(machine_description(), name, prefill_target, dict(samples))
+        if long is not None:
+            long_ids = torch.randint(0, LONG_MODEL["vocab_size"], (BATCH, 32), generator=generator)
+            for repeat in range(long_repeats):
+                order = [("off", None), ("on", stores[long_store])]
+                for what, store in order[repeat % 2:] + order[:repeat % 2]:
+                    long_steps[what].append(_decode_steps(long, long_ids, long_tokens, store))
+                    bar.update()
+    models = {"main": name, "small": _describe(SMALL_MODEL, "random weights"),
+              "long": _describe(LONG_MODEL, f"{long_tokens} new tokens")}
+    return StreamingReport(machine_description(), models, prefill_target, long_store, dict(samples),
+                           dict(long_steps))
+
+
+def _describe(shape: dict[str, int], note: str) -> str:
+    return (f"a Llama of {shape['layers']} layers, {shape['hidden_size']} wide, a batch of {BATCH} ({note}, "
+            "float32)")

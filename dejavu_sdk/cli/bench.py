@@ -41,16 +41,22 @@ def _bench_transports(args: argparse.Namespace) -> int:
 
 
 def _bench_streaming(args: argparse.Namespace) -> int:
-    from ..bench.streaming import TARGETS, run_streaming_bench
+    from ..bench.streaming import TARGETS, plot_long_generation, run_streaming_bench
 
     targets = tuple(args.stores.split(","))
-    unknown = sorted(set(targets) - set(TARGETS))
+    unknown = sorted(set((*targets, args.long_store)) - set(TARGETS))
     if unknown:
         raise ConfigError(f"unknown bench target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    for option in ("repeats", "new_tokens", "small_tokens", "long_tokens", "long_repeats"):
+        if getattr(args, option) < (1 if option in ("repeats", "new_tokens", "long_repeats") else 0):
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer"
+                              f"{'' if option in ('repeats', 'new_tokens', 'long_repeats') else ' or 0 to skip'}")
     report = run_streaming_bench(targets, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
-                                 new_tokens=args.new_tokens, random_model=args.random_model, progress=not args.quiet)
+                                 new_tokens=args.new_tokens, random_model=args.random_model,
+                                 small_tokens=args.small_tokens, long_tokens=args.long_tokens,
+                                 long_repeats=args.long_repeats, long_store=args.long_store, progress=not args.quiet)
     print(report.to_markdown(targets))
-    write_outputs(args, report)
+    write_outputs(args, report, (lambda path: plot_long_generation(report, path)) if report.long_steps else None)
     return 0
 
 
@@ -87,5 +93,11 @@ def add_bench_commands(commands: Any) -> None:
     streaming.add_argument("--prompt-tokens", type=int, default=512)
     streaming.add_argument("--new-tokens", type=int, default=48)
     streaming.add_argument("--random-model", action="store_true", help="random weights even if SmolLM2 is installed")
-    add_output_arguments(streaming, figures=None)
+    streaming.add_argument("--small-tokens", type=int, default=96,
+                           help="new tokens per run of the small, ~10 ms-step model (0: skip it)")
+    streaming.add_argument("--long-tokens", type=int, default=2000,
+                           help="new tokens of the long generation, start vs end (0: skip it)")
+    streaming.add_argument("--long-repeats", type=int, default=3)
+    streaming.add_argument("--long-store", default="lmdb-nosync", help="the replica of the long generation")
+    add_output_arguments(streaming, figures="the long generation's step times and overhead")
     streaming.set_defaults(run=_bench_streaming)
