@@ -32,6 +32,8 @@ from .errors import ConfigError, ReplicationError
 from .stream import BlockSink, ProgressSink, StagingBuffer
 
 _STOP = object()
+#: The name of every streamer thread starts so (the stream id follows): profilers and benchmarks find it by it.
+STREAMER = "dejavu-streamer"
 
 
 class CacheManager:
@@ -76,7 +78,7 @@ class CacheManager:
         self._error: BaseException | None = None
         self._warned = False
         self._finished = False
-        self._thread = threading.Thread(target=self._stream, name=f"dejavu-streamer {stream_id}", daemon=True)
+        self._thread = threading.Thread(target=self._stream, name=f"{STREAMER} {stream_id}", daemon=True)
         self._thread.start()
 
     # ---- called from the model's forward -------------------------------------------------

@@ -111,10 +111,13 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
                      "(d) A long generation", "| steps 5-10 |", "| steps 18-23 |"):
         assert expected in output
     recorded = json.loads(samples.read_text())
-    assert all(len(recorded["samples_seconds"][what]) == 2
-               for what in ("decode off", "decode memory", "decode lmdb-nosync", "decode sampled off",
-                            "decode sampled memory", "small off", "small memory", "small lmdb-nosync"))
+    assert all(len(recorded["samples_seconds"][what]) == 2  # each replica beside an unreplicated run, back to back
+               for what in ("decode memory", "decode memory, off", "decode lmdb-nosync", "decode lmdb-nosync, off",
+                            "decode sampled memory", "decode sampled memory, off", "small memory", "small memory, off",
+                            "small lmdb-nosync", "small lmdb-nosync, user cpu", "small lmdb-nosync, off, kernel cpu"))
     assert [len(steps) for steps in recorded["long_step_seconds"]["on"]] == [23, 23]  # the steps after the first token
+    assert [len(steps) for steps in recorded["long_step_seconds"]["streamer cpu"]] == [22, 22]
+    assert all(seconds >= 0 for steps in recorded["long_step_seconds"]["streamer cpu"] for seconds in steps)
     assert figure.stat().st_size > 0
     assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2
     assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err

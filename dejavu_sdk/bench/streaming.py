@@ -14,7 +14,9 @@ random model of its shape.
 from __future__ import annotations
 
 import contextlib
+import resource
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..backends import open_store
 from ..blocks import KVSpec
-from ..cache import CacheManager, StreamingCache
+from ..cache import STREAMER, CacheManager, StreamingCache
 from ..engine import DejaVuEngine
 from ..errors import ConfigError
 from ..models import random_llama
@@ -66,9 +68,9 @@ class StreamingReport:
     def value(self, what: str) -> float:
         return median(self.samples[what])
 
-    def ratios(self, what: str, base: str) -> list[float]:
-        """`what` over `base`, repeat by repeat (each repeat measured both, back to back)."""
-        return [a / b for a, b in zip(self.samples[what], self.samples[base], strict=True)]
+    def ratios(self, what: str) -> list[float]:
+        """`what` over the same generation unreplicated, repeat by repeat (each pair ran back to back)."""
+        return [a / b for a, b in zip(self.samples[what], self.samples[f"{what}, off"], strict=True)]
 
     def to_json(self) -> dict:
         return {"machine": self.machine, "models": self.models, "prefill_store": self.prefill_store,
@@ -76,14 +78,14 @@ class StreamingReport:
                 "long_step_seconds": self.long_steps}
 
     def to_markdown(self, targets: tuple[str, ...]) -> str:
-        repeats = len(self.samples["decode off"])
-        parts = [f"Machine: {self.machine}\nModel: {self.models['main']}\n{repeats} repeats; each runs every variant "
-                 "back to back. Overheads are the median of the per-repeat ratios to no replication, with their "
-                 "range.\n",
+        repeats = len(self.samples[f"decode sampled {self.prefill_store}"])
+        parts = [f"Machine: {self.machine}\nModel: {self.models['main']}\n{repeats} repeats; each runs every replica "
+                 "paired with the same generation unreplicated, back to back. Overheads are the median of the "
+                 "per-repeat ratios, with their range; CPU is the whole process's, beyond the unreplicated run's.\n",
                  f"(a) Decode with replication:\n\n{self._decode_table('decode', targets)}\n",
                  "The same, sampling (temperature 0.8, top-p 0.9; the generator's state goes with every durable "
                  f"step):\n\n{self._decode_table('decode sampled', (self.prefill_store,), label='sampled, replica')}\n"]
-        if "small off" in self.samples:
+        if any(what.startswith("small ") for what in self.samples):
             parts.append(f"(a') {self.models['small']}:\n\n{self._decode_table('small', targets)}\n")
         naive, buffered = self.value("copy naive"), self.value("copy buffered")
         copies = markdown_table(["one decode step's KV", "microseconds", "speed-up"],
@@ -105,14 +107,21 @@ class StreamingReport:
         return "\n".join(parts)
 
     def _decode_table(self, prefix: str, targets: tuple[str, ...], label: str = "replica") -> str:
-        off = f"{prefix} off"
-        rows = [["none", f"{self.value(off) * 1e3:.2f}", "", ""]]
+        """Step time and overhead per replica, and the CPU time the process spends per step beyond no
+        replication (all threads: the model's, the streamer's, the kernel's work for them)."""
+        offs = [seconds for target in targets for seconds in self.samples[f"{prefix} {target}, off"]]
+        rows = [["none", f"{median(offs) * 1e3:.2f}", "", "", "", ""]]
         for target in targets:
             what = f"{prefix} {target}"
-            ratios = self.ratios(what, off)
+            ratios = self.ratios(what)
+            user, kernel = (median([a - b for a, b in zip(self.samples[f"{what}, {kind} cpu"],
+                                                          self.samples[f"{what}, off, {kind} cpu"], strict=True)])
+                            for kind in ("user", "kernel"))
             rows.append([target, f"{self.value(what) * 1e3:.2f}", _percent(median(ratios) - 1),
-                         f"{_percent(min(ratios) - 1)} to {_percent(max(ratios) - 1)}"])
-        return markdown_table([label, "ms per decode step", "overhead", "range over repeats"], rows)
+                         f"{_percent(min(ratios) - 1)} to {_percent(max(ratios) - 1)}", f"{user * 1e3:+.2f}",
+                         f"{kernel * 1e3:+.2f}"])
+        return markdown_table([label, "ms per decode step", "overhead", "range over repeats",
+                               "CPU ms per step: user", "kernel"], rows)
 
     def long_windows(self) -> dict[str, tuple[int, int]]:
         """The steps compared: near the start (after a few warm-up steps) and at the end."""
@@ -122,25 +131,28 @@ class StreamingReport:
         return {f"steps {warm}-{warm + width}": (warm, warm + width),
                 f"steps {steps - width}-{steps}": (steps - width, steps)}
 
-    def long_overheads(self) -> dict[str, tuple[list[float], list[float]]]:
-        """Per window: (on - off in seconds, on / off), one of each per repeat."""
+    def long_overheads(self) -> dict[str, tuple[list[float], list[float], list[float]]]:
+        """Per window, one of each per repeat: on - off (seconds per step), on / off, and the CPU seconds the
+        streamer thread spent per step (measured inside the replicated run, so no pairing noise)."""
         result = {}
         for window, (low, high) in self.long_windows().items():
             pairs = [(median(on[low:high]), median(off[low:high]))
                      for off, on in zip(self.long_steps["off"], self.long_steps["on"], strict=True)]
-            result[window] = ([on - off for on, off in pairs], [on / off for on, off in pairs])
+            streamer = [sum(steps[low:high]) / (high - low) for steps in self.long_steps["streamer cpu"]]
+            result[window] = ([on - off for on, off in pairs], [on / off for on, off in pairs], streamer)
         return result
 
     def _long_table(self) -> str:
         rows = []
-        for window, (differences, ratios) in self.long_overheads().items():
+        for window, (differences, ratios, streamer) in self.long_overheads().items():
             low, high = self.long_windows()[window]
             off = median([median(steps[low:high]) for steps in self.long_steps["off"]])
-            rows.append([window, f"{off * 1e3:.2f}", f"{median(differences) * 1e3:+.2f}",
+            rows.append([window, f"{off * 1e3:.2f}", f"{median(streamer) * 1e6:.0f} ({min(streamer) * 1e6:.0f} to "
+                         f"{max(streamer) * 1e6:.0f})", f"{median(differences) * 1e3:+.2f}",
                          f"{min(differences) * 1e3:+.2f} to {max(differences) * 1e3:+.2f}",
                          _percent(median(ratios) - 1)])
-        return markdown_table(["decode steps", "ms per step, no replication", "overhead ms per step",
-                               "range over repeats", "overhead"], rows)
+        return markdown_table(["decode steps", "ms per step, no replication", "streamer CPU µs per step",
+                               "overhead ms per step", "range over repeats", "overhead"], rows)
 
 
 def _percent(fraction: float) -> str:
@@ -175,14 +187,34 @@ def plot_long_generation(report: StreamingReport, path: str, bucket: int = 100) 
 
 
 class _StepClock(LogitsProcessor):
-    """Timestamps every decode step."""
+    """Timestamps every decode step, and reads the process's CPU time (user, kernel) at each."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
+        self.cpu: list[tuple[float, float]] = []
+        self.streamer_cpu: list[float] = []  # the streamer thread's CPU clock at each step, while replicating
+        self._streamer_clock: int | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.stamps.append(time.perf_counter())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu.append((usage.ru_utime, usage.ru_stime))
+        if self._streamer_clock is None:
+            streamer = next((thread for thread in threading.enumerate() if thread.name.startswith(STREAMER)), None)
+            self._streamer_clock = time.pthread_getcpuclockid(streamer.ident) if streamer and streamer.ident else -1
+        if self._streamer_clock != -1:
+            self.streamer_cpu.append(time.clock_gettime(self._streamer_clock))
         return scores
+
+    def streamer_cpu_steps(self) -> list[float]:
+        """CPU seconds the stream's streamer thread spent between one decode step and the next."""
+        return [b - a for a, b in zip(self.streamer_cpu, self.streamer_cpu[1:], strict=False)]
+
+    def cpu_per_step(self) -> tuple[float, float]:
+        """Seconds of user and kernel CPU time the whole process spent per decode step (all its threads)."""
+        (user0, kernel0), (user1, kernel1) = self.cpu[0], self.cpu[-1]
+        steps = len(self.cpu) - 1
+        return (user1 - user0) / steps, (kernel1 - kernel0) / steps
 
     def durations(self) -> list[float]:
         """Seconds of each decode step (the first call comes after the prefill, so it starts the count)."""
@@ -222,9 +254,8 @@ def _stores(targets: tuple[str, ...], scratch: str) -> Iterator[dict[str, Store]
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 
 
-def _decode_steps(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None,
-                  sampled: bool = False) -> list[float]:
-    """Seconds of each decode step of a generation of exactly `new_tokens` tokens, replicated to `store`."""
+def _generate(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool) -> _StepClock:
+    """Generate exactly `new_tokens` tokens, replicated to `store` (None: plain `model.generate`), timed."""
     clock = _StepClock()
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
                "logits_processor": LogitsProcessorList([clock]), **(SAMPLED if sampled else {"do_sample": False})}
@@ -233,11 +264,7 @@ def _decode_steps(model: Any, ids: torch.Tensor, new_tokens: int, store: Store |
         model.generate(ids, **options)
     else:
         DejaVuEngine(model, store=store).generate(ids, seed=0 if sampled else None, **options)
-    return clock.durations()
-
-
-def _decode_step(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool = False) -> float:
-    return median(_decode_steps(model, ids, new_tokens, store, sampled)[1:])
+    return clock
 
 
 def _layer_kv(model: Any, ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], KVSpec]:
@@ -317,27 +344,33 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
     samples: dict[str, list[float]] = defaultdict(list)
     long_steps: dict[str, list[list[float]]] = defaultdict(list)
     pairs, spec = _layer_kv(model, ids)
-    runs = repeats * (len(targets) + 5 + (len(targets) + 1 if small is not None else 0)) + 2 * long_repeats * bool(long)
+    runs = repeats * (2 * (len(targets) + 1) + 2 + (2 * len(targets) if small is not None else 0)) \
+        + 2 * long_repeats * bool(long)
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, \
             _stores(tuple(dict.fromkeys((*targets, long_store))), scratch) as stores, \
             tqdm(total=runs, desc="bench streaming", unit="run", disable=not progress) as bar:
         prefill_target = "lmdb" if "lmdb" in targets else (targets[0] if targets else "memory")
         prefill_store = stores.get(prefill_target) or MemoryStore()
-        variants: list[tuple[str, Any, torch.Tensor, int, Store | None, bool]] = [
-            ("decode off", model, ids, new_tokens, None, False),
+        pairs_to_run: list[tuple[str, Any, torch.Tensor, int, Store, bool]] = [
             *((f"decode {target}", model, ids, new_tokens, stores[target], False) for target in targets),
-            ("decode sampled off", model, ids, new_tokens, None, True),
             (f"decode sampled {prefill_target}", model, ids, new_tokens, prefill_store, True)]
         if small is not None:
-            variants += [("small off", small, small_ids, small_tokens, None, False),
-                         *((f"small {target}", small, small_ids, small_tokens, stores[target], False)
-                           for target in targets)]
+            pairs_to_run += [(f"small {target}", small, small_ids, small_tokens, stores[target], False)
+                             for target in targets]
         for repeat in range(repeats):
-            # Each repeat starts with another variant, so a drift in the machine's speed favours none.
-            shift = repeat % len(variants)
-            for what, which, inputs, count, store, sampled in variants[shift:] + variants[:shift]:
-                samples[what].append(_decode_step(which, inputs, count, store, sampled))
-                bar.update()
+            # Each replica runs back to back with the same generation unreplicated ("..., off"), in turns
+            # first or second; each repeat starts with another pair, so a drift in the machine's speed
+            # favours none.
+            shift = repeat % len(pairs_to_run)
+            for what, which, inputs, count, store, sampled in pairs_to_run[shift:] + pairs_to_run[:shift]:
+                order: list[tuple[str, Store | None]] = [(what, store), (f"{what}, off", None)]
+                for name_of_run, sink in order[repeat % 2:] + order[:repeat % 2]:
+                    clock = _generate(which, inputs, count, sink, sampled)
+                    samples[name_of_run].append(clock.step_seconds())
+                    user, kernel = clock.cpu_per_step()
+                    samples[f"{name_of_run}, user cpu"].append(user)
+                    samples[f"{name_of_run}, kernel cpu"].append(kernel)
+                    bar.update()
             for what, seconds in _copies(pairs, spec, prompt_tokens - 1).items():
                 samples[what].append(seconds)
             bar.update()
@@ -347,9 +380,12 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
         if long is not None:
             long_ids = torch.randint(0, LONG_MODEL["vocab_size"], (BATCH, 32), generator=generator)
             for repeat in range(long_repeats):
-                order = [("off", None), ("on", stores[long_store])]
-                for what, store in order[repeat % 2:] + order[:repeat % 2]:
-                    long_steps[what].append(_decode_steps(long, long_ids, long_tokens, store))
+                runs_of_long: list[tuple[str, Store | None]] = [("off", None), ("on", stores[long_store])]
+                for what, store in runs_of_long[repeat % 2:] + runs_of_long[:repeat % 2]:
+                    clock = _generate(long, long_ids, long_tokens, store, sampled=False)
+                    long_steps[what].append(clock.durations())
+                    if store is not None:
+                        long_steps["streamer cpu"].append(clock.streamer_cpu_steps())
                     bar.update()
     models = {"main": name, "small": _describe(SMALL_MODEL, "random weights"),
               "long": _describe(LONG_MODEL, f"{long_tokens} new tokens")}
