@@ -48,10 +48,10 @@ TARGETS = ("memory", "lmdb", "lmdb-nosync", "tcp")
 #: the disk, so that a growth in what each step writes shows.
 LONG_STORE = "lmdb-nosync"
 #: (a'): a model whose decode step takes about 10 ms on a fast core, with a batch of 4.
-SMALL_MODEL = {"layers": 6, "hidden_size": 512, "intermediate_size": 1024, "heads": 8, "kv_heads": 8,
+SMALL_MODEL: dict[str, Any] = {"layers": 6, "hidden_size": 512, "intermediate_size": 1024, "heads": 8, "kv_heads": 8,
                "vocab_size": 4096, "max_positions": 4096}
 #: (d): a 4-layer model with a batch of 4, generating thousands of tokens.
-LONG_MODEL = {"layers": 4, "hidden_size": 256, "intermediate_size": 512, "heads": 4, "kv_heads": 4,
+LONG_MODEL: dict[str, Any] = {"layers": 4, "hidden_size": 256, "intermediate_size": 512, "heads": 4, "kv_heads": 4,
               "vocab_size": 4096, "max_positions": 8192}
 BATCH = 4
 
@@ -167,19 +167,24 @@ def plot_long_generation(report: StreamingReport, path: str, bucket: int = 100) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (times, overheads) = plt.subplots(1, 2, figsize=(12, 4))
-    for repeat, (off, on) in enumerate(zip(report.long_steps["off"], report.long_steps["on"], strict=True)):
+    figure, (times, overheads, streamer) = plt.subplots(1, 3, figsize=(16, 4))
+    for repeat, (off, on, cpu) in enumerate(zip(report.long_steps["off"], report.long_steps["on"],
+                                                report.long_steps["streamer cpu"], strict=True)):
         starts = list(range(0, len(off) - bucket + 1, bucket))
         offs = [median(off[start:start + bucket]) * 1e3 for start in starts]
         ons = [median(on[start:start + bucket]) * 1e3 for start in starts]
         times.plot(starts, offs, color="tab:blue", alpha=0.6, label="no replication" if repeat == 0 else None)
         times.plot(starts, ons, color="tab:orange", alpha=0.6, label=report.long_store if repeat == 0 else None)
         overheads.plot(starts, [b - a for a, b in zip(offs, ons, strict=True)], label=f"repeat {repeat + 1}")
+        streamer.plot(starts, [sum(cpu[start:start + bucket]) / bucket * 1e6 for start in starts],
+                      label=f"repeat {repeat + 1}")
     times.set(xlabel="decode step", ylabel=f"ms per step (median of {bucket})", title="decode step time")
     overheads.axhline(0, color="black", linewidth=0.5)
     overheads.set(xlabel="decode step", ylabel="ms per step", title=f"replication to {report.long_store} adds")
-    times.legend()
-    overheads.legend()
+    streamer.set(xlabel="decode step", ylabel=f"µs per step (mean of {bucket})", title="the streamer thread's CPU",
+                 ylim=(0, None))
+    for axis in (times, overheads, streamer):
+        axis.legend()
     figure.suptitle(f"{report.models['long']} ({report.machine.split(',')[0]})")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -257,7 +262,7 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
 def _generate(model: Any, ids: torch.Tensor, new_tokens: int, store: Store | None, sampled: bool) -> _StepClock:
     """Generate exactly `new_tokens` tokens, replicated to `store` (None: plain `model.generate`), timed."""
     clock = _StepClock()
-    options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
+    options: dict[str, Any] = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens,
                "logits_processor": LogitsProcessorList([clock]), **(SAMPLED if sampled else {"do_sample": False})}
     if store is None:
         torch.manual_seed(0)
@@ -381,10 +386,10 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
             long_ids = torch.randint(0, LONG_MODEL["vocab_size"], (BATCH, 32), generator=generator)
             for repeat in range(long_repeats):
                 runs_of_long: list[tuple[str, Store | None]] = [("off", None), ("on", stores[long_store])]
-                for what, store in runs_of_long[repeat % 2:] + runs_of_long[:repeat % 2]:
-                    clock = _generate(long, long_ids, long_tokens, store, sampled=False)
+                for what, sink in runs_of_long[repeat % 2:] + runs_of_long[:repeat % 2]:
+                    clock = _generate(long, long_ids, long_tokens, sink, sampled=False)
                     long_steps[what].append(clock.durations())
-                    if store is not None:
+                    if sink is not None:
                         long_steps["streamer cpu"].append(clock.streamer_cpu_steps())
                     bar.update()
     models = {"main": name, "small": _describe(SMALL_MODEL, "random weights"),
