@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -123,12 +124,14 @@ class CacheManager:
         assert staging is not None  # set whenever _filled > 0, the only time this is called
         self._staging, self._filled = None, 0
         key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled, self.run)
-        block = staging.buffer if filled == self.replicate_every else staging.buffer[:, :, :, :, :filled]
+        whole = staging.host_array if staging.host_array is not None else staging.buffer
+        block = whole if filled == self.replicate_every else whole[:, :, :, :, :filled]
         self._hand_off(key, block, lambda: self._free.put(staging))
 
-    def _hand_off(self, key: BlockKey, block: torch.Tensor, done: Callable[[], None] | None = None) -> None:
+    def _hand_off(self, key: BlockKey, block: torch.Tensor | np.ndarray,
+                  done: Callable[[], None] | None = None) -> None:
         ready = None
-        if block.device.type == "cuda":  # the streamer must not read the block before it is computed
+        if isinstance(block, torch.Tensor) and block.device.type == "cuda":  # not to be read before it is computed
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(block.device))
         self._queue.put((key, block, ready, done))  # blocks when the streamer is behind: back-pressure

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import numpy as np
 import torch
 
 from .blocks import BlockKey, KVSpec, ProgressKey
@@ -95,6 +96,12 @@ class StagingBuffer:
         self.spec = spec
         self.layers = layers
         self.buffer = torch.empty(spec.shape(layers[1] - layers[0], tokens), dtype=spec.torch_dtype, device=device)
+        # The same memory as a numpy array, made once, when numpy has the dtype (not bfloat16 or float8): a
+        # block handed off as an array reaches a store or transport without a torch call on the streamer's
+        # thread, each of which may trade the interpreter lock with the model's thread.
+        self.host_array: np.ndarray | None = None
+        if self.buffer.device.type == "cpu" and spec.dtype in _NUMPY_DTYPES:
+            self.host_array = self.buffer.numpy()
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int],
              slot: int = 0) -> torch.Tensor:
@@ -113,6 +120,11 @@ class StagingBuffer:
             else:
                 target.copy_(torch.stack(slices).view(target.shape))
         return self.buffer
+
+
+#: The block dtypes numpy has, so a host staging buffer can be handed off as a numpy array.
+_NUMPY_DTYPES = frozenset({"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+                           "uint16", "uint32", "uint64"})
 
 
 def scatter(sink: BlockSink, stream_id: str, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -48,8 +49,10 @@ def _cache_tensor(cache: StreamingCache) -> torch.Tensor:
     return torch.stack([torch.stack((layer.keys, layer.values)) for layer in cache.layers])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])  # bfloat16: a dtype numpy does not have
 @pytest.mark.parametrize("replicate_every", [1, 4])
-def test_generation_is_unchanged_and_the_replica_equals_the_cache(model, replicate_every: int) -> None:
+def test_generation_is_unchanged_and_the_replica_equals_the_cache(model, replicate_every: int, dtype: str) -> None:
+    model = copy.deepcopy(model).to(getattr(torch, dtype))
     ids, mask = _inputs()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     store = MemoryStore()
@@ -60,7 +63,7 @@ def test_generation_is_unchanged_and_the_replica_equals_the_cache(model, replica
     layers = model.config.num_hidden_layers
     decode_blocks = -(-(NEW - 1) // replicate_every)
     assert len(durable) == layers + decode_blocks  # one block per layer for the prompt, then per k steps
-    spec = dv.KVSpec(layers=layers, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    spec = dv.KVSpec(layers=layers, kv_heads=2, head_dim=16, dtype=dtype, batch=2)
     assert same_bits(gather(store, store.keys("req-1"), spec, positions), _cache_tensor(cache))
 
 
