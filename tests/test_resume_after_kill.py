@@ -43,9 +43,10 @@ CHILD = """
             return scores
 
     store = dv.open_store({url!r}, **json.loads({options!r}))
-    ids, mask = prompt()
+    ids, mask = (tensor.to({device!r}) for tensor in prompt())
     progress = LogitsProcessorList([Progress()])
-    DejaVuEngine(tiny_llama(), store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
+    model = tiny_llama().to({device!r})
+    DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
                                                      stream_id="victim", logits_processor=progress,
                                                      **json.loads({decoding!r}))
     print("finished", flush=True)
@@ -55,9 +56,10 @@ CHILD = """
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 30, "top_p": 0.9, "seed": 1234}
 
 
-def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill_at: int = 15) -> None:
+def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill_at: int = 15,
+                     device: str = "cpu") -> None:
     code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW,
-                                        decoding=json.dumps(decoding or {})))
+                                        decoding=json.dumps(decoding or {}), device=device))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     deadline, step = time.monotonic() + 120, 0
     while step < kill_at and time.monotonic() < deadline:
@@ -70,14 +72,14 @@ def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill
     assert child.returncode == -signal.SIGKILL
 
 
-def _resume_and_check(store: dv.Store, decoding: dict | None = None) -> None:
+def _resume_and_check(store: dv.Store, decoding: dict | None = None, device: str = "cpu") -> None:
     from tiny_models import prompt, tiny_llama
 
     manifest = load_manifest(store, "victim")
-    ids, mask = prompt()
+    ids, mask = (tensor.to(device) for tensor in prompt())
     assert manifest.durable_positions > ids.shape[1]  # the prompt and some steps survived the kill
     assert len(manifest.generated[0]) < NEW
-    model = tiny_llama()
+    model = tiny_llama().to(device)
     fed: list[int] = []
     model.register_forward_pre_hook(lambda _m, args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
                                     with_kwargs=True)
@@ -119,3 +121,15 @@ def test_resume_from_s3_after_sigkill(s3_options) -> None:
     url = f"s3://dejavu-resume/{uuid.uuid4().hex}"
     _kill_mid_decode(url, {"storage_options": s3_options})
     _resume_and_check(dv.open_store(url, storage_options=s3_options))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sampling on a GPU needs CUDA")
+def test_a_sampled_generation_on_cuda_resumes_exactly_after_sigkill(tmp_path) -> None:
+    """The CUDA generator's state (not the CPU one's) goes with every durable step and is put back."""
+    sys.path.insert(0, str(TESTS))
+    url = f"lmdb://{tmp_path / 'kv'}"
+    _kill_mid_decode(url, {}, SAMPLED, kill_at=random.Random().randint(3, NEW - 8), device="cuda")
+    store = dv.open_store(url)
+    assert load_manifest(store, "victim").sampling["device"] == "cuda"
+    _resume_and_check(store, SAMPLED, device="cuda")
