@@ -71,7 +71,7 @@ class CacheManager:
                               f"{type(sink).__name__} is not one, so record progress from on_durable instead")
         self._progress_for = progress_for
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self._free: queue.Queue[StagingBuffer] = queue.Queue()
+        self._free: queue.SimpleQueue[StagingBuffer] = queue.SimpleQueue()  # unbounded; put and get in C
         self._staging: StagingBuffer | None = None
         self._step_slices: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._first_position = 0
@@ -144,12 +144,13 @@ class CacheManager:
                 if self._error is None:
                     if ready is not None:
                         ready.synchronize()
+                    ends = _advanced(self._layer_ends, key)
                     if self._progress_for is None:
                         self.sink.flush(key, block)  # type: ignore[union-attr]
                     else:
-                        progress, record = self._progress_for(key, min(_advanced(self._layer_ends, key)))
+                        progress, record = self._progress_for(key, min(ends))
                         self.sink.flush_with_progress(key, block, progress, record)  # type: ignore[union-attr]
-                    self._record_durable(key)
+                    self._record_durable(key, ends)
             except BaseException as error:  # surfaced to the model's thread by _check and finish
                 self._error = ReplicationError(f"replicating {key} failed: {error}")
                 self._error.__cause__ = error
@@ -157,9 +158,10 @@ class CacheManager:
                 if done is not None:
                     done()
 
-    def _record_durable(self, key: BlockKey) -> None:
+    def _record_durable(self, key: BlockKey, ends: list[int]) -> None:
+        """`key` reached the sink; `ends` are the durable ends of every layer with it."""
         self.durable.append(key)
-        self._layer_ends = _advanced(self._layer_ends, key)
+        self._layer_ends = ends
         if self._on_durable is not None:
             self._on_durable(key)
 
