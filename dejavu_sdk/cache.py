@@ -236,7 +236,7 @@ class StreamingCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if _exporting():
+        if _is_exporting():
             raise ConfigError(
                 "torch.export is tracing a StreamingCache: its streamer thread and queue cannot be traced, and the "
                 "blocks it would stream hold fake tensors; export the model with a plain DynamicCache (copy.deepcopy "
@@ -311,7 +311,6 @@ _NO_ROLLBACK = (f"generate without assistant_model, prompt_lookup_num_tokens or 
 _ATTENTION_ONLY = "DejaVu streams attention keys and values only: use a model whose layers are all attention layers"
 
 
-def _exporting() -> bool:
-    """Whether torch.export is tracing (strict or not); False on a torch too old to tell."""
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
-    return bool(is_exporting()) if is_exporting is not None else False
+#: Whether torch.export is tracing (strict or not), looked up once: `update` asks at every layer of every
+#: step. Always False on a torch too old to tell.
+_is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)

@@ -76,8 +76,8 @@ class DejaVuEngine:
         Greedy by default. With `do_sample=True` (and `temperature`, `top_k`, `top_p`, `min_p`,
         `repetition_penalty`, ...), the result equals `torch.manual_seed(seed)` followed by
         `model.generate(...)` with the same settings; without `seed` the engine draws one and records it.
-        A sampled stream resumes exactly too: its manifest carries the generator's state at each durable
-        step. Beam search, several sequences per prompt and assisted decoding are refused.
+        A sampled stream resumes exactly too: the progress record of each durable step carries the
+        generator's state. Beam search, several sequences per prompt and assisted decoding are refused.
 
         A stream id names one generation at a time. If `stream_id` already has a manifest in the store (an
         unfinished generation, or a finished one kept with `keep_finished=True`), this raises ConfigError
@@ -221,8 +221,7 @@ class DejaVuEngine:
         store = self._require_store()
         manifest = attrs.evolve(manifest, log=manifest.log + 1)
         store.write_manifest(manifest.stream_id, manifest.to_bytes())
-        store.records.remove([str(key) for key in store.progress_keys(manifest.stream_id)
-                              if key.run == manifest.run and key.log < manifest.log])
+        store.remove_progress(manifest.stream_id, manifest.run, below_log=manifest.log)
         return manifest
 
     def _complete(self, manifest: Manifest) -> None:

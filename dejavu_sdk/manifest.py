@@ -99,7 +99,8 @@ class Manifest:
                 raise schema.fail(f"durable_positions of {self.progress_key(step)}",
                                   f"goes back from {fields['durable_positions']} to {record['durable_positions']}")
             fields["durable_positions"] = record["durable_positions"]
-            if bool(record["rng"]) != (self.sampling is not None and any(record["tokens"][0:1])):
+            has_tokens = bool(record["tokens"][0])  # rows are equally long (checked)
+            if bool(record["rng"]) != (self.sampling is not None and has_tokens):
                 raise schema.fail(f"rng of {self.progress_key(step)}", "must be given exactly when the record holds "
                                   "tokens of a sampled stream (the generator's state after them)")
             fields["rng"] = record["rng"] or fields["rng"]

@@ -80,7 +80,7 @@ def _delete_manifest_of_run(store: Store, stream_id: str, run: str) -> None:
         owner = None
     if owner == run:
         store.records.remove([manifest_name(stream_id)])
-    store.records.remove([str(key) for key in store.progress_keys(stream_id) if key.run == run])
+    store.remove_progress(stream_id, run)
 
 
 def _delete_blocks_of_run(store: Store, stream_id: str, run: str) -> int:

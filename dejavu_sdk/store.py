@@ -17,7 +17,7 @@ import torch
 from .blocks import BlockKey, ProgressKey, check_key, check_stream_id
 from .codec import decode_block, encode_block
 from .errors import ConfigError, StoreClosed
-from .records import BlockStreaming, RecordStore
+from .records import BlockStreaming, NamedRecord, RecordStore
 
 
 class Store:
@@ -82,8 +82,7 @@ class Store:
     def write_manifest(self, stream_id: str, manifest: bytes) -> None:
         """Store a stream's manifest (small, checksummed like a block), replacing any; `delete` removes it."""
         self._check_open()
-        name = manifest_name(stream_id)
-        self.records.put_records([(name, encode_block(name, manifest, self.records.allocate))])
+        self.records.put_records([self._small_record(manifest_name(stream_id), manifest)])
 
     def read_manifest(self, stream_id: str) -> bytes:
         """The stream's manifest; BlockNotFound if it has none, CorruptBlock if it is damaged."""
@@ -102,17 +101,15 @@ class Store:
         check_key(key)
         if not isinstance(progress, ProgressKey) or (progress.stream_id, progress.run) != (key.stream_id, key.run):
             raise ConfigError(f"the progress record {progress!r} does not belong to the stream and run of {key}")
-        name = str(progress)
         self.records.put_records([(str(key), encode_block(key, block, self.records.allocate)),
-                                  (name, encode_block(name, record, self.records.allocate))])
+                                  self._small_record(str(progress), record)])
 
     def put_progress(self, progress: ProgressKey, record: bytes) -> None:
         """Store one progress record, for a stream whose blocks live in another store."""
         self._check_open()
         if not isinstance(progress, ProgressKey):
             raise ConfigError(f"expected a dejavu_sdk.ProgressKey, got {type(progress).__name__} {progress!r}")
-        name = str(progress)
-        self.records.put_records([(name, encode_block(name, record, self.records.allocate))])
+        self.records.put_records([self._small_record(str(progress), record)])
 
     def progress_keys(self, stream_id: str) -> list[ProgressKey]:
         """The keys of every progress record of `stream_id` (all runs and logs), sorted."""
@@ -124,6 +121,16 @@ class Store:
         """One progress record; BlockNotFound if it is missing, CorruptBlock if it is damaged."""
         self._check_open()
         return self._read_small(str(progress))
+
+    def remove_progress(self, stream_id: str, run: str, below_log: int | None = None) -> None:
+        """Remove the progress records of run `run` of the stream: all of them, or those of logs before
+        `below_log` (what a manifest rewritten under log `below_log` already holds)."""
+        self.records.remove([str(key) for key in self.progress_keys(stream_id)
+                             if key.run == run and (below_log is None or key.log < below_log)])
+
+    def _small_record(self, name: str, data: bytes) -> NamedRecord:
+        """A manifest or progress record, checksummed like a block, ready for `put_records`."""
+        return name, encode_block(name, data, self.records.allocate)
 
     def _read_small(self, name: str) -> bytes:
         with self.records.get_record(name) as record:

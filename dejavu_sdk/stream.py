@@ -13,6 +13,7 @@ token pipeline that cut the model differently use `stream_out` and `stream_in` b
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -100,8 +101,9 @@ class StagingBuffer:
         # block handed off as an array reaches a store or transport without a torch call on the streamer's
         # thread, each of which may trade the interpreter lock with the model's thread.
         self.host_array: np.ndarray | None = None
-        if self.buffer.device.type == "cpu" and spec.dtype in _NUMPY_DTYPES:
-            self.host_array = self.buffer.numpy()
+        if self.buffer.device.type == "cpu":
+            with contextlib.suppress(TypeError):  # torch raises it for dtypes numpy lacks
+                self.host_array = self.buffer.numpy()
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int],
              slot: int = 0) -> torch.Tensor:
@@ -120,11 +122,6 @@ class StagingBuffer:
             else:
                 target.copy_(torch.stack(slices).view(target.shape))
         return self.buffer
-
-
-#: The block dtypes numpy has, so a host staging buffer can be handed off as a numpy array.
-_NUMPY_DTYPES = frozenset({"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-                           "uint16", "uint32", "uint64"})
 
 
 def scatter(sink: BlockSink, stream_id: str, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

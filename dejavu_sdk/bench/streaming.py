@@ -143,9 +143,9 @@ class StreamingReport:
         return result
 
     def _long_table(self) -> str:
-        rows = []
+        rows, windows = [], self.long_windows()
         for window, (differences, ratios, streamer) in self.long_overheads().items():
-            low, high = self.long_windows()[window]
+            low, high = windows[window]
             off = median([median(steps[low:high]) for steps in self.long_steps["off"]])
             rows.append([window, f"{off * 1e3:.2f}", f"{median(streamer) * 1e6:.0f} ({min(streamer) * 1e6:.0f} to "
                          f"{max(streamer) * 1e6:.0f})", f"{median(differences) * 1e3:+.2f}",
