@@ -24,11 +24,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
 from .blocks import BlockKey, KVSpec, ProgressKey, check_run
+from .codec import HostBlock
 from .errors import ConfigError, ReplicationError
 from .stream import BlockSink, ProgressSink, StagingBuffer
 
@@ -70,7 +70,15 @@ class CacheManager:
             raise ConfigError(f"progress_for needs a ProgressSink (a store or the local transport); "
                               f"{type(sink).__name__} is not one, so record progress from on_durable instead")
         self._progress_for = progress_for
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        if not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"queue_size must be a positive integer, got {queue_size!r}")
+        # Hand-off in C (SimpleQueue), bounded by tickets: a block goes in only with a ticket, and the streamer
+        # gives the ticket back once the block is written. queue.Queue would do the same in Python, and the
+        # streamer runs that Python on every wake-up, with cold caches, beside the model's threads.
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tickets: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(queue_size):
+            self._tickets.put(None)
         self._free: queue.SimpleQueue[StagingBuffer] = queue.SimpleQueue()  # unbounded; put and get in C
         self._staging: StagingBuffer | None = None
         self._step_slices: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -124,17 +132,20 @@ class CacheManager:
         assert staging is not None  # set whenever _filled > 0, the only time this is called
         self._staging, self._filled = None, 0
         key = BlockKey.for_decode_steps(self.stream_id, (0, self.layers), self._first_position, filled, self.run)
-        whole = staging.host_array if staging.host_array is not None else staging.buffer
-        block = whole if filled == self.replicate_every else whole[:, :, :, :, :filled]
+        if filled < self.replicate_every:  # the last block of a stream, part full
+            block: torch.Tensor | HostBlock = staging.buffer[:, :, :, :, :filled]
+        else:
+            block = staging.host_block if staging.host_block is not None else staging.buffer
         self._hand_off(key, block, lambda: self._free.put(staging))
 
-    def _hand_off(self, key: BlockKey, block: torch.Tensor | np.ndarray,
+    def _hand_off(self, key: BlockKey, block: torch.Tensor | HostBlock,
                   done: Callable[[], None] | None = None) -> None:
         ready = None
         if isinstance(block, torch.Tensor) and block.device.type == "cuda":  # not to be read before it is computed
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(block.device))
-        self._queue.put((key, block, ready, done))  # blocks when the streamer is behind: back-pressure
+        self._tickets.get()  # blocks when the streamer is `queue_size` blocks behind: back-pressure
+        self._queue.put((key, block, ready, done))
 
     # ---- the streamer thread ---------------------------------------------------------------
     def _stream(self) -> None:
@@ -157,6 +168,7 @@ class CacheManager:
             finally:
                 if done is not None:
                     done()
+                self._tickets.put(None)
 
     def _record_durable(self, key: BlockKey, ends: list[int]) -> None:
         """`key` reached the sink; `ends` are the durable ends of every layer with it."""

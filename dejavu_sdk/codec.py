@@ -76,13 +76,7 @@ class RecordHeader:
         return self.length + self.payload_length + TRAILER.size
 
     def pack(self) -> bytes:
-        if len(self.shape) > MAX_NDIM:
-            raise ConfigError(f"blocks have at most {MAX_NDIM} dimensions, got {len(self.shape)}")
-        label = self.label.encode()
-        fixed = FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], len(self.shape), 0, len(label),
-                           self.payload_length)
-        body = fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + label
-        return body + bytes(self.length - len(body))
+        return pack_header(self.label, self.dtype, self.shape)[0]
 
     @staticmethod
     def length_from_fixed(data: Any, label: str) -> int:
@@ -126,6 +120,26 @@ def _parse_header(packed: bytes) -> RecordHeader | None:
     return header if header.payload_length == payload_length else None
 
 
+def pack_header(label: str, dtype: str, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """The packed header of a record of `dtype` x `shape` under `label`, and its payload's length."""
+    encoded = label.encode()
+    start, payload_length, length = _header_layout(dtype, shape, len(encoded))
+    return start + encoded + bytes(length - len(start) - len(encoded)), payload_length
+
+
+@functools.lru_cache(maxsize=256)
+def _header_layout(dtype: str, shape: tuple[int, ...], label_length: int) -> tuple[bytes, int, int]:
+    """A header's fixed part and shape, packed, with the payload's and the whole header's lengths.
+
+    Cached: a stream's decode blocks share dtype, shape and label length, and a header is packed per block.
+    """
+    if len(shape) > MAX_NDIM:
+        raise ConfigError(f"blocks have at most {MAX_NDIM} dimensions, got {len(shape)}")
+    payload_length = math.prod(shape) * _ITEMSIZE[dtype]
+    start = FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), 0, label_length, payload_length)
+    return start + struct.pack(f"<{len(shape)}Q", *shape), payload_length, _header_length(len(shape), label_length)
+
+
 def _header_length(ndim: int, label_length: int) -> int:
     unpadded = FIXED.size + 8 * ndim + label_length
     return -(-unpadded // _ALIGN) * _ALIGN
@@ -135,12 +149,40 @@ def _header_length(ndim: int, label_length: int) -> int:
 MAX_HEADER_BYTES = _header_length(MAX_NDIM, MAX_LABEL_BYTES)
 
 
+@attrs.frozen
+class HostBlock:
+    """A block in contiguous CPU memory, described once so that it can be handed off again and again.
+
+    A decode step's staging buffer is one: each step, the streamer thread encodes it with plain buffer
+    copies and no numpy or torch call. That thread wakes once per step into caches the model just filled,
+    and code it shares with the model's thread (the interpreter's) is warm there, a library's is not.
+    `tensor` is the buffer itself, for sinks that want a tensor; `data` its bytes; `dtype` a header name.
+    """
+
+    tensor: torch.Tensor
+    data: memoryview
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> HostBlock:
+        """Describe a contiguous CPU tensor (any dtype blocks can hold); ConfigError for any other."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.layout != torch.strided:
+            raise ConfigError(f"a HostBlock is contiguous CPU memory, got a {tensor.layout} {tensor.device} tensor"
+                              f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+        data = tensor.detach().reshape(-1).view(torch.uint8).numpy().data
+        return cls(tensor, data, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
 def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray], None], np.ndarray | None]:
     """Normalise a tensor, numpy array or buffer to (dtype name, shape, copy-into-destination, flat view).
 
     The flat view is the payload as CPU uint8 without a copy, or None when the source is not contiguous
     host memory (a device tensor, a strided view); the copy function writes the payload in either case.
     """
+    if isinstance(block, HostBlock):
+        host = np.frombuffer(block.data, np.uint8)
+        return block.dtype, block.shape, lambda dst: np.copyto(dst, host), host
     if isinstance(block, torch.Tensor):
         if block.layout != torch.strided:
             raise ConfigError(f"cannot store a {block.layout} tensor; convert it to a dense tensor first")
@@ -173,18 +215,26 @@ def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray],
 
 
 def encode_block(label: Any, block: Any, allocate: Allocator = lambda n: np.empty(n, np.uint8)) -> np.ndarray:
-    """Encode `block` under `label` (a BlockKey or name) into one uint8 record from `allocate`."""
-    name, shape, write_payload, _flat = flat_bytes(block)
-    header = RecordHeader(str(label), name, tuple(shape))
-    packed = header.pack()
-    record = allocate(header.record_length)
-    record[:len(packed)] = np.frombuffer(packed, np.uint8)
-    checksum = new_checksum()
-    checksum.update(packed)
-    payload = record[len(packed):len(packed) + header.payload_length]
-    write_payload(payload)
-    checksum.update(payload)
-    TRAILER.pack_into(record.data, header.record_length - TRAILER.size, checksum.intdigest())
+    """Encode `block` under `label` (a BlockKey or name) into one uint8 record from `allocate`.
+
+    A `HostBlock` or `bytes` (a decode step, a progress record) is copied with buffer copies alone."""
+    source: Any = None
+    if isinstance(block, HostBlock):
+        name, shape, source = block.dtype, block.shape, block.data
+    elif isinstance(block, bytes):
+        name, shape, source = "uint8", (len(block),), block
+    else:
+        name, shape, write_payload, _flat = flat_bytes(block)
+    packed, payload_length = pack_header(str(label), name, tuple(shape))
+    body_length = len(packed) + payload_length
+    record = allocate(body_length + TRAILER.size)
+    view = record.data
+    view[:len(packed)] = packed
+    if source is not None:
+        view[len(packed):body_length] = source
+    else:
+        write_payload(record[len(packed):body_length])
+    TRAILER.pack_into(view, body_length, xxhash.xxh3_64_intdigest(view[:body_length]))
     return record
 
 

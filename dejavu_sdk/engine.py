@@ -416,8 +416,8 @@ class _TokenRecorder:
         self._state: torch.Tensor | None = None
         self._names = list(manifest.blocks)
         self._logged = len(self.tokens[0])  # tokens per row in the manifest and the records written so far
-        self._step = 0  # the next record of the manifest's progress log
-        self._pending = self._logged  # tokens per row once the record being written is durable
+        self._next = manifest.progress_key(0)  # the next record of the manifest's progress log
+        self._pending = self._logged, ""  # tokens per row, and the block's name, once the record in flight is durable
         self._prompt_seen = False
         self._lock = threading.Lock()
 
@@ -441,14 +441,15 @@ class _TokenRecorder:
             count, state = len(self.tokens[0]), self._state
             tokens = [row[self._logged:count] for row in self.tokens]
         rng = _encode_state(state) if state is not None and count > self._logged else ""
-        self._pending = count
-        return self.manifest.progress_key(self._step), encode_progress(str(key), durable_positions, tokens, rng)
+        name = str(key)
+        self._pending = count, name
+        return self._next, encode_progress(name, durable_positions, tokens, rng)
 
     def note_durable(self, key: BlockKey) -> None:
         """Called on the streamer thread after each accepted block, whose progress record went with it."""
-        self._names.append(str(key))
-        self._logged = self._pending
-        self._step += 1
+        self._logged, name = self._pending
+        self._names.append(name)
+        self._next = self._next.next_step()
 
     def final(self, positions: int) -> Manifest:
         with self._lock:

@@ -338,11 +338,15 @@ def with_stored_progress(store: Store, manifest: Manifest) -> Manifest:
 
 
 def encode_progress(block: str, durable_positions: int, tokens: list[list[int]], rng: str) -> bytes:
-    """A progress record: `block` is durable, and so are positions [0, durable_positions) of every layer;
+    """A progress record (JSON): `block` is durable, and so are positions [0, durable_positions) of every layer;
     `tokens` (per row) follow the previous record's, and `rng` is the generator state after them ("" for
-    none: greedy, or no new token). Unchecked: it runs every decode step, and `with_progress` checks it."""
-    return json.dumps({"block": block, "durable_positions": durable_positions, "tokens": tokens, "rng": rng},
-                      separators=(",", ":")).encode()
+    none: greedy, or no new token). Unchecked: it runs every decode step, and `with_progress` checks it.
+
+    Written with the interpreter's own formatting, not the json module: `block` is a block name and `rng`
+    base64, neither of which JSON escapes, and a list of ints prints as JSON. The streamer thread writes one
+    per step, waking into caches where only code the model's thread also runs is warm.
+    """
+    return f'{{"block":"{block}","durable_positions":{durable_positions:d},"tokens":{tokens!r},"rng":"{rng}"}}'.encode()
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -13,17 +13,16 @@ token pipeline that cut the model differently use `stream_out` and `stream_in` b
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
-import numpy as np
 import torch
 
 from .blocks import BlockKey, KVSpec, ProgressKey
+from .codec import HostBlock
 from .errors import ConfigError
 
 
@@ -97,13 +96,9 @@ class StagingBuffer:
         self.spec = spec
         self.layers = layers
         self.buffer = torch.empty(spec.shape(layers[1] - layers[0], tokens), dtype=spec.torch_dtype, device=device)
-        # The same memory as a numpy array, made once, when numpy has the dtype (not bfloat16 or float8): a
-        # block handed off as an array reaches a store or transport without a torch call on the streamer's
-        # thread, each of which may trade the interpreter lock with the model's thread.
-        self.host_array: np.ndarray | None = None
-        if self.buffer.device.type == "cpu":
-            with contextlib.suppress(TypeError):  # torch raises it for dtypes numpy lacks
-                self.host_array = self.buffer.numpy()
+        #: The buffer as a `HostBlock`, described once, when it is in CPU memory: handed off as such, a block
+        #: reaches a store or transport without a numpy or torch call on the streamer's thread.
+        self.host_block = HostBlock.of(self.buffer) if self.buffer.device.type == "cpu" else None
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], tokens: tuple[int, int],
              slot: int = 0) -> torch.Tensor:

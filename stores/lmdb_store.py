@@ -34,29 +34,39 @@ _MAX_RESIZES = 48
 
 
 class _SharedExclusiveLock:
-    """Many transactions at once (shared), or one map resize with no transaction open (exclusive)."""
+    """Many transactions at once (shared), or one map resize with no transaction open (exclusive).
+
+    Shared entry and exit are the hot path (every block written or read): plain methods, no generator,
+    and a notification only when a resize is waiting for the last transaction to end.
+    """
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._holders = 0
         self._exclusive = False
+        self._waiting = 0  # resizes waiting for the holders to leave
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def __enter__(self) -> None:  # shared
         with self._condition:
-            self._condition.wait_for(lambda: not self._exclusive)
+            while self._exclusive:
+                self._condition.wait()
             self._holders += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._holders -= 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._condition:
+            self._holders -= 1
+            if self._waiting and self._holders == 0:
                 self._condition.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._condition:
-            self._condition.wait_for(lambda: not self._exclusive and self._holders == 0)
+            self._waiting += 1
+            try:
+                while self._exclusive or self._holders:
+                    self._condition.wait()
+            finally:
+                self._waiting -= 1
             self._exclusive = True
         try:
             yield
@@ -144,7 +154,7 @@ class LmdbRecords(RecordStore):
 
     @property
     def map_size(self) -> int:
-        with _translated(self.path):
+        with _Translated(self.path):
             return int(self._env.info()["map_size"])
 
     # ---- transactions -----------------------------------------------------------------------
@@ -153,16 +163,16 @@ class LmdbRecords(RecordStore):
         """A transaction that adopts a map grown by another process; commits a write when the block ends."""
         passing = (lmdb.MapFullError,) if write else ()  # `_write` grows the map and tries again
         for _ in range(_MAX_RESIZES):
-            with self._gate.shared():
+            with self._gate:  # shared
                 txn: lmdb.Transaction[memoryview] | None = None
                 try:
-                    with _translated(self.path, passing=(lmdb.MapResizedError,)):
+                    with _Translated(self.path, passing=(lmdb.MapResizedError,)):
                         txn = self._env.begin(write=write, buffers=True)
                 except lmdb.MapResizedError:  # another process grew the map: adopt its size and begin again
                     pass
                 if txn is not None:
                     try:
-                        with _translated(self.path, passing=passing), txn:  # txn: commits, or aborts on error
+                        with _Translated(self.path, passing=passing), txn:  # txn: commits, or aborts on error
                             yield txn
                         return
                     finally:
@@ -171,7 +181,7 @@ class LmdbRecords(RecordStore):
         raise StoreError(f"LMDB store at {self.path!r} kept being resized by other processes")
 
     def _resize(self, grow: bool, needed: int = 0) -> None:
-        with self._gate.exclusive(), _translated(self.path):
+        with self._gate.exclusive(), _Translated(self.path):
             if grow:
                 current = self._env.info()["map_size"]
                 self._env.set_mapsize(max(2 * current, current + 2 * needed))
@@ -267,15 +277,20 @@ def _check_data_file(env: lmdb.Environment, real_path: str) -> None:
                          "directory")
 
 
-@contextlib.contextmanager
-def _translated(path: str, passing: tuple[type[lmdb.Error], ...] = ()) -> Iterator[None]:
+class _Translated:
     """Turn every LMDB error, except those in `passing` (which the caller handles), into StoreError with
-    advice on what to do."""
-    try:
-        yield
-    except lmdb.Error as error:
-        if isinstance(error, passing):
-            raise
+    advice on what to do. A class, not a generator: it wraps every transaction, and does nothing unless
+    an error passes."""
+
+    def __init__(self, path: str, passing: tuple[type[lmdb.Error], ...] = ()) -> None:
+        self.path, self.passing = path, passing
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _traceback: object) -> None:
+        if error is None or not isinstance(error, lmdb.Error) or isinstance(error, self.passing):
+            return
         if isinstance(error, lmdb.ReadersFullError):
             advice = _READERS_FULL_ADVICE
         elif isinstance(error, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
@@ -287,4 +302,4 @@ def _translated(path: str, passing: tuple[type[lmdb.Error], ...] = ()) -> Iterat
             advice = "check the disk: free space, I/O errors"
         else:
             advice = "check the directory (free space, permissions) and that no other program changes it"
-        raise StoreError(f"LMDB store at {path!r} failed: {error}; {advice}") from error
+        raise StoreError(f"LMDB store at {self.path!r} failed: {error}; {advice}") from error

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.codec import decode_block, encode_block
+from dejavu_sdk.codec import HostBlock, decode_block, encode_block, flat_bytes
 from dejavu_sdk.testing import random_tensor, same_bits
 
 KEY = dv.BlockKey("s", layers=(0, 2), tokens=(0, 3))
@@ -77,3 +77,35 @@ def test_fetching_into_out_does_not_keep_it_alive() -> None:
     assert same_bits(decode_block("s/L0-1.T0-1", record, torch.zeros_like(block)), block)
     empty = torch.empty(0)
     assert decode_block("s/L0-1.T0-1", encode_block("s/L0-1.T0-1", empty), empty).numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_a_host_block_encodes_to_the_same_record_as_its_tensor(dtype) -> None:
+    tensor = random_tensor((2, 2, 1, 4, 3, 64), dtype)
+    host = HostBlock.of(tensor)
+    assert bytes(encode_block(KEY, host)) == bytes(encode_block(KEY, tensor))
+    assert same_bits(decode_block(KEY, encode_block(KEY, host)), tensor)
+    name, shape, _write, flat = flat_bytes(host)  # what transports stream
+    assert (name, shape) == (dv.blocks.dtype_name(dtype), tuple(tensor.shape))
+    assert flat.tobytes() == tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_host_block_sees_its_tensor_change() -> None:
+    """A staging buffer is described once and refilled every step: the description must follow the memory."""
+    tensor = torch.zeros(2, 3)
+    host = HostBlock.of(tensor)
+    tensor.copy_(torch.arange(6.0).view(2, 3))
+    assert torch.equal(decode_block(KEY, encode_block(KEY, host)), tensor)
+
+
+@pytest.mark.parametrize("tensor", [torch.zeros(4, 4)[:, :2], torch.zeros(4, 4).to_sparse()],
+                         ids=["strided view", "sparse"])
+def test_a_host_block_must_be_contiguous_dense_cpu_memory(tensor) -> None:
+    with pytest.raises(dv.ConfigError, match="HostBlock"):
+        HostBlock.of(tensor)
+
+
+def test_bytes_encode_as_uint8() -> None:
+    record = encode_block("s/manifest", b"{}")
+    assert decode_block("s/manifest", record).numpy().tobytes() == b"{}"
+    assert bytes(record) == bytes(encode_block("s/manifest", bytearray(b"{}")))

@@ -3,6 +3,7 @@ invalid manifest into a typed error naming the field, never a raw TypeError or V
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import attrs
 import pytest
 
 import dejavu_sdk as dv
-from dejavu_sdk.manifest import FORMAT, Manifest, load_manifest
+from dejavu_sdk.manifest import FORMAT, Manifest, encode_progress, load_manifest
 
 RUN = "0123456789abcdef"
 OTHER_RUN = "fedcba9876543210"
@@ -212,3 +213,14 @@ def test_the_format_is_checked_before_the_fields() -> None:
     old.update(format=1, blocks=["req-1/L0-1.T0-3"])
     with pytest.raises(dv.ConfigError, match="forget"):
         Manifest.from_bytes(json.dumps(old).encode(), "req-1")
+
+
+def test_an_encoded_progress_record_is_the_json_it_describes() -> None:
+    """The streamer formats records without the json module: they must still parse to exactly these fields."""
+    state = base64.b64encode(bytes(range(256)) * 3).decode()  # holds '+', '/' and '=' padding
+    for tokens, rng in (([[3], [2]], ""), ([[7, 8, 9], [0, 1, 49151]], state), ([[]], "")):
+        record = encode_progress(f"req-1/r{RUN}.L0-2.T4-5", 5, tokens, rng)
+        assert json.loads(record) == {"block": f"req-1/r{RUN}.L0-2.T4-5", "durable_positions": 5,
+                                      "tokens": tokens, "rng": rng}
+    assert _valid().with_progress([encode_progress(f"req-1/r{RUN}.L0-2.T4-5", 5, [[3], [2]], "")]).generated == \
+        _valid().with_progress([_record()]).generated
