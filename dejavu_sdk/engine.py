@@ -103,7 +103,7 @@ class DejaVuEngine:
                             replicate_every=self.options["replicate_every"], sampling=sampling)
         if sampling is not None:  # as torch.manual_seed(seed) before model.generate; the state goes with each step
             torch.manual_seed(sampling["seed"])
-            manifest = attrs.evolve(manifest, rng=_encode_state(_generator_state(self.model.device)))
+            manifest = attrs.evolve(manifest, rng=_encode_state(_state_bytes(self.model.device)))
         if replace:
             self.forget(stream_id)
         else:
@@ -361,8 +361,14 @@ def _set_generator_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def _encode_state(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode()
+def _state_bytes(device: torch.device) -> bytes:
+    """The generator's state as bytes, taken on the model's thread, so that the streamer thread only base64s
+    them: a numpy call on a thread that wakes once per step costs tens of microseconds of cold code."""
+    return _generator_state(device).numpy().tobytes()
+
+
+def _encode_state(state: bytes) -> str:
+    return base64.b64encode(state).decode()
 
 
 def _decode_state(manifest: Manifest) -> torch.Tensor:
@@ -413,7 +419,7 @@ class _TokenRecorder:
         # Sampled streams: the generator's state right after the last token in `tokens`, taken as each
         # token arrives (a copy of a few kB), encoded only when a record carries it.
         self._device = device if manifest.sampling is not None else None
-        self._state: torch.Tensor | None = None
+        self._state: bytes | None = None
         self._names = list(manifest.blocks)
         self._logged = len(self.tokens[0])  # tokens per row in the manifest and the records written so far
         self._next = manifest.progress_key(0)  # the next record of the manifest's progress log
@@ -425,7 +431,7 @@ class _TokenRecorder:
         if not self._prompt_seen:  # generate first shows the whole input
             self._prompt_seen = True
             return
-        state = _generator_state(self._device) if self._device is not None else None
+        state = _state_bytes(self._device) if self._device is not None else None
         with self._lock:
             for row, token in zip(self.tokens, value.reshape(-1).tolist(), strict=True):
                 row.append(token)
