@@ -6,40 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import Crash
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    LogitsProcessorList,
-    MistralConfig,
-    MistralForCausalLM,
-    OPTConfig,
-    OPTForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from tiny_models import MODELS, SMALL, VOCAB, Crash
+from transformers import LlamaConfig, LogitsProcessorList
 
 import dejavu_sdk as dv
 from dejavu_sdk.engine import DejaVuEngine
 from dejavu_sdk.stores import MemoryStore
 
-VOCAB, NEW = 96, 12
-SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
-
-MODELS = {
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128,
-                                               initializer_range=0.2, pad_token_id=0)),
-    "opt": lambda: OPTForCausalLM(OPTConfig(**SMALL, ffn_dim=128, max_position_embeddings=128,
-                                            word_embed_proj_dim=64, init_std=0.2, pad_token_id=0)),
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=128, num_key_value_heads=2,
-                                                  initializer_range=0.2, pad_token_id=0)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, intermediate_size=128, num_key_value_heads=2,
-                                                        sliding_window=5, initializer_range=0.2, pad_token_id=0)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, intermediate_size=128, num_key_value_heads=2,
-                                                  initializer_range=0.2, pad_token_id=0)),
-}
+NEW = 12
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

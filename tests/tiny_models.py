@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
-from transformers import LlamaForCausalLM, LogitsProcessor
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from dejavu_sdk.models import random_llama
 
@@ -20,6 +35,24 @@ def prompt() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+VOCAB = 96
+SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
+
+#: Five architectures, random weights with a large init range: a position bug changes the tokens.
+MODELS: dict[str, Callable[[], Any]] = {
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                                               initializer_range=0.2, pad_token_id=0)),
+    "opt": lambda: OPTForCausalLM(OPTConfig(**SMALL, ffn_dim=128, max_position_embeddings=128,
+                                            word_embed_proj_dim=64, init_std=0.2, pad_token_id=0)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL, intermediate_size=128, num_key_value_heads=2,
+                                                  initializer_range=0.2, pad_token_id=0)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, intermediate_size=128, num_key_value_heads=2,
+                                                        sliding_window=5, initializer_range=0.2, pad_token_id=0)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, intermediate_size=128, num_key_value_heads=2,
+                                                  initializer_range=0.2, pad_token_id=0)),
+}
+
+
 class Crash(LogitsProcessor):
     """Raises in the middle of decoding, like a process dying between two steps."""
 
@@ -31,3 +64,30 @@ class Crash(LogitsProcessor):
         if self.steps > self.after_steps:
             raise KeyboardInterrupt("crash")
         return scores
+
+
+def seeded(name: str) -> Any:
+    """`MODELS[name]` built after `torch.manual_seed(0)`: every process that builds it gets the same weights."""
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+# Named as `tiny_models:<family>` by pipeline tests, whose stage processes load the model themselves.
+def gpt2() -> Any:
+    return seeded("gpt2")
+
+
+def opt() -> Any:
+    return seeded("opt")
+
+
+def llama() -> Any:
+    return seeded("llama")
+
+
+def mistral() -> Any:
+    return seeded("mistral")
+
+
+def qwen2() -> Any:
+    return seeded("qwen2")
