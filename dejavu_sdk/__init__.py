@@ -11,6 +11,9 @@
 
     remote = dv.open_store("tcp://10.0.0.2:7000")    # a `dejavu serve-store` process's CPU memory
     link = dv.open_transport("tcp://10.0.0.2:7001")  # or move blocks and activations to a peer directly
+
+    with dv.Pipeline("smollm2", stages=2, microbatch=4) as pipe:    # stage processes, serving microbatches
+        outs = pipe.generate([ids_a, ids_b], max_new_tokens=64)
 """
 
 from ._version import __version__
@@ -34,7 +37,8 @@ from .records import RecordStore
 from .store import Store
 from .transports import Transport
 
-_LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models"}  # these import transformers: only on first use
+# These import transformers: only on first use.
+_LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models", "Pipeline": "serving"}
 
 
 def __getattr__(name: str) -> object:
@@ -54,6 +58,7 @@ __all__ = [
     "DejaVuEngine",
     "DejaVuError",
     "KVSpec",
+    "Pipeline",
     "Plan",
     "ProgressKey",
     "RecordStore",

@@ -13,6 +13,7 @@ command-line tool and llama.cpp, which this SDK does not use) and the readers wi
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import os
 import shutil
@@ -90,3 +91,32 @@ def random_llama(*, layers: int = 4, hidden_size: int = 64, intermediate_size: i
                          max_position_embeddings=max_positions, initializer_range=initializer_range,
                          pad_token_id=pad_token_id, tie_word_embeddings=tie_embeddings)
     return LlamaForCausalLM(config).eval()
+
+
+def load_model(spec: str) -> Any:
+    """The causal LM a spec names, in eval mode on the CPU: `smollm2`, a local Hugging Face directory, or
+    `package.module:function` (a function of no arguments that returns the model, as tests name small random
+    models). ConfigError for a spec that names nothing loadable; each stage process loads it this way."""
+    from .errors import ConfigError
+
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"a model is named by a string (smollm2, a directory, or module:function), got {spec!r}")
+    if spec == "smollm2":
+        return load_smollm2()[0]
+    if os.path.isdir(spec):
+        if not os.path.exists(os.path.join(spec, "config.json")):
+            raise ConfigError(f"{spec!r} is a directory without a config.json: not a Hugging Face model")
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    module_name, _, function_name = spec.partition(":")
+    if not function_name:
+        raise ConfigError(f"unknown model {spec!r}: name smollm2, a local Hugging Face directory, or "
+                          "package.module:function returning a model")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"cannot load the model {spec!r}: {error}") from None
+    if not callable(function):
+        raise ConfigError(f"{spec!r} is not a function that returns a model")
+    return function().eval()

@@ -65,7 +65,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def add_serving_commands(commands: Any) -> None:
-    """Register `serve-store` on the `dejavu` command's subparsers."""
+    """Register `serve-store` and `worker` on the `dejavu` command's subparsers."""
     serve_store = commands.add_parser("serve-store", help="hold a store in this process and serve it to peers "
                                       "(the remote CPU tier); stops on SIGTERM or Ctrl-C")
     serve_store.add_argument("--listen", required=True, help="tcp://host:port, ucx://host:port or nccl://host:port "
@@ -78,3 +78,19 @@ def add_serving_commands(commands: Any) -> None:
     serve_store.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve_store.add_argument("--insecure", action="store_true", help="listen beyond loopback without a token")
     serve_store.set_defaults(run=_serve_store)
+
+    worker = commands.add_parser("worker", help="join a pipeline's head and serve the stage it assigns; stops when "
+                                 "the head says so or is gone")
+    worker.add_argument("--join", required=True, help="the head's URL, tcp://host:port (printed by the head; its "
+                        "token comes from DEJAVU_TOKEN)")
+    worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
+                        "(default: loopback)")
+    worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
+    worker.set_defaults(run=_worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from ..serving.worker import run_worker
+
+    run_worker(args.join, host=args.host, threads=args.threads)
+    return 0

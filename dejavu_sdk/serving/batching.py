@@ -1,0 +1,111 @@
+"""Requests and microbatches, as the paper's baseline schedules them.
+
+Requests wait in arrival order; a microbatch takes up to `size` of them, left-pads their prompts to the
+longest, and runs until every row has ended (its end-of-sequence token, or its own `max_new_tokens`). A row
+that ended keeps producing padding until the microbatch ends, as in `model.generate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import torch
+
+from ..errors import ConfigError
+
+_ids = itertools.count()
+
+
+@attrs.define(eq=False)
+class Request:
+    """One prompt `[T]` (token ids) to continue by up to `max_new_tokens` tokens; `future` gets its `Result`."""
+
+    ids: torch.Tensor
+    max_new_tokens: int
+    future: Future[Result] = attrs.field(factory=Future)
+    number: int = attrs.field(factory=lambda: next(_ids))
+
+
+@attrs.frozen
+class Result:
+    """A request's new token ids (prompt excluded, up to and including its end-of-sequence token) and where
+    it was served: microbatch `microbatch`, row `row` of `rows`, after `padding` padding positions."""
+
+    tokens: torch.Tensor
+    microbatch: int
+    row: int
+    rows: int
+    padding: int
+
+
+def check_prompt(ids: Any, context: int | None) -> torch.Tensor:
+    """A prompt as a 1-D int64 tensor of at least one token that fits the model's context; ConfigError else."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"a prompt is a sequence of token ids, got {type(ids).__name__}") from None
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ConfigError(f"a prompt is a non-empty 1-D tensor of token ids, got {ids.dtype} {tuple(ids.shape)}")
+    if context is not None and ids.numel() > context:
+        raise ConfigError(f"a prompt of {ids.numel()} tokens is longer than the model's context of {context}")
+    return ids.long()
+
+
+def check_new_tokens(max_new_tokens: Any, prompt: int, context: int | None) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if context is not None and prompt + max_new_tokens > context:
+        raise ConfigError(f"a prompt of {prompt} tokens and {max_new_tokens} new tokens exceed the model's "
+                          f"context of {context}")
+    return max_new_tokens
+
+
+@attrs.define(eq=False)
+class Microbatch:
+    """Requests decoded together: `ids` and `mask` `[rows, longest prompt]`, left-padded with `pad`."""
+
+    number: int
+    requests: list[Request]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pad: int
+    generated: list[list[int]] = attrs.field(factory=list)
+
+    @classmethod
+    def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
+        longest = max(request.ids.numel() for request in requests)
+        ids = torch.full((len(requests), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(requests), longest), dtype=torch.long)
+        for row, request in enumerate(requests):
+            ids[row, longest - request.ids.numel():] = request.ids
+            mask[row, longest - request.ids.numel():] = 1
+        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests])
+
+    @property
+    def max_new_tokens(self) -> list[int]:
+        return [request.max_new_tokens for request in self.requests]
+
+    def results(self, eos: int | None) -> list[Result]:
+        """Each row's tokens, cut after its end-of-sequence token or its own `max_new_tokens`."""
+        results = []
+        for row, (request, tokens) in enumerate(zip(self.requests, self.generated, strict=True)):
+            kept = tokens[:request.max_new_tokens]
+            if eos is not None and eos in kept:
+                kept = kept[:kept.index(eos) + 1]
+            padding = int((self.mask[row] == 0).sum())
+            results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
+                                  padding))
+        return results
+
+
+def take_microbatch(waiting: deque[Request], size: int) -> list[Request]:
+    """Up to `size` requests from the front of `waiting`, in arrival order."""
+    return [waiting.popleft() for _ in range(min(size, len(waiting)))]

@@ -1,0 +1,301 @@
+"""`Pipeline`: one model cut into stages that run in separate processes, serving requests in microbatches.
+
+    with dv.Pipeline("smollm2", stages=2, microbatch=4) as pipe:    # stage processes start here
+        outs = pipe.generate([ids_a, ids_b], max_new_tokens=64)     # each request's new ids, prompt excluded
+        future = pipe.submit(ids, max_new_tokens=64)                # a concurrent.futures.Future of a Result
+
+The pipeline is the head: it owns the request queue, forms microbatches in arrival order, keeps up to one
+microbatch per stage in flight, and collects each step's tokens from the last stage. Stage workers join it
+(`dejavu worker --join URL`; `Pipeline` launches them as local processes unless `launch=False`, in which
+case workers started elsewhere join it) and are assigned stages in the order they join. Every link is a
+transport with a shared secret token; a worker that dies or stops answering fails the requests in flight
+with `TransportError` instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..backends import open_transport, serve
+from ..errors import ConfigError, TransportError
+from ..models import load_model
+from ..stream import LayerPartition
+from ..transports.base import Server, Transport
+from .adapters import adapter_for
+from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
+from .messages import Message, pack, unpack
+from .stage import check_layers
+
+#: Seconds the head waits for every worker to join and load its stage.
+START_TIMEOUT = 300.0
+
+
+class Pipeline:
+    """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) cut into `stages`
+    even stages (or the cuts in `layers`, e.g. `[(0, 12), (12, 30)]`), `microbatch` requests at a time.
+
+    `timeout`: seconds without any word from the workers, while requests are in flight, before those
+    requests fail with `TransportError`. `threads`: torch threads per stage process (default: this
+    machine's cores shared between the stages). `host`/`port`: where the head listens for its workers.
+    """
+
+    def __init__(self, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
+                 microbatch: int = 4, transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
+                 launch: bool = True, host: str = "127.0.0.1", port: int = 0) -> None:
+        if transport != "tcp":
+            raise ConfigError(f"transport={transport!r}: pipelines run over tcp")
+        if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
+            raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        reference = load_model(model)  # ConfigError for a bad name, before any process starts
+        adapter = adapter_for(reference)  # ConfigError for an architecture without an adapter
+        total = len(adapter.decoder_layers())
+        self.layers = _cuts(stages, layers, total)
+        config, generation = reference.config, reference.generation_config
+        self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
+                                                                                                  None)
+        eos = generation.eos_token_id
+        self.eos: int | None = eos[0] if isinstance(eos, list) else eos
+        pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
+        self.pad: int = pad if pad is not None else (self.eos if self.eos is not None else 0)
+        del reference
+        self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // len(self.layers))
+        self.launch, self.host, self.port = launch, host, port
+        self._token = os.environ.get("DEJAVU_TOKEN") or secrets.token_hex(16)
+        self._lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._in_flight: dict[int, Microbatch] = {}
+        self._next_microbatch = 0
+        self._failure: TransportError | None = None
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._workers: list[Transport] = []
+        self._inbox: Server | None = None
+        self._receiver: threading.Thread | None = None
+        self._closed = False
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Where workers join (`dejavu worker --join URL`); set once the pipeline has started."""
+        if self._inbox is None:
+            raise ConfigError("the pipeline has not started: use it in a with block, or call start()")
+        return self._inbox.url
+
+    def start(self) -> Pipeline:
+        """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
+        loaded them."""
+        self._inbox = serve(f"tcp://{self.host}:{self.port}", token=self._token)
+        try:
+            if self.launch:
+                environment = {**os.environ, "DEJAVU_TOKEN": self._token}
+                for _ in self.layers:
+                    self._processes.append(subprocess.Popen(
+                        [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url,
+                         "--threads", str(self.threads)], env=environment))
+            self._assign_stages()
+        except BaseException:
+            self.close()
+            raise
+        self._receiver = threading.Thread(target=self._receive, name="dejavu-pipeline-head", daemon=True)
+        self._receiver.start()
+        return self
+
+    def _assign_stages(self) -> None:
+        assert self._inbox is not None
+        deadline = time.monotonic() + START_TIMEOUT
+        joined: list[str] = []
+        while len(joined) < len(self.layers):
+            message = self._next_message(deadline, "every stage worker to join")
+            if message.kind == "join":
+                joined.append(message.fields["url"])
+        self._workers = [open_transport(url, token=self._token) for url in joined]
+        for number, layers in enumerate(self.layers):
+            following = joined[number + 1] if number + 1 < len(joined) else None
+            self._workers[number].send_tensor(pack(Message("assign", {
+                "model": self.model, "layers": list(layers), "stage": number, "stages": len(self.layers),
+                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad})))
+        ready: set[int] = set()
+        while len(ready) < len(self.layers):
+            message = self._next_message(deadline, "every stage worker to load its stage")
+            if message.kind == "failed":
+                raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
+            if message.kind == "ready":
+                ready.add(message.fields["stage"])
+
+    def _next_message(self, deadline: float, waiting_for: str) -> Message:
+        assert self._inbox is not None
+        while True:
+            self._check_processes()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(f"waited {START_TIMEOUT:.0f} s for {waiting_for}")
+            try:
+                return unpack(self._inbox.recv_tensor(timeout=min(1.0, remaining)))
+            except TransportError:
+                continue
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers and fail whatever is still waiting. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(TransportError("the pipeline was closed"))
+        for worker in self._workers:
+            with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
+                worker.send_tensor(pack(Message("shutdown")))
+            worker.close()
+        for process in self._processes:
+            _stop(process)
+        if self._receiver is not None:
+            self._receiver.join(timeout=5)
+        if self._inbox is not None:
+            self._inbox.close()
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, ids: Any, max_new_tokens: int = 32) -> Future[Result]:
+        """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served)."""
+        return self._queue([ids], max_new_tokens)[0]
+
+    def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32) -> list[torch.Tensor]:
+        """Each prompt's new token ids (prompt excluded), queued together and served in microbatches in the
+        order given."""
+        return [future.result().tokens for future in self._queue(prompts, max_new_tokens)]
+
+    def _queue(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Future[Result]]:
+        if self._receiver is None or self._closed:
+            raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
+        requests = []
+        for ids in prompts:  # every prompt is checked before any is queued
+            prompt = check_prompt(ids, self.context)
+            requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context)))
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._waiting.extend(requests)
+        self._admit()
+        return [request.future for request in requests]
+
+    # ---- the head's scheduling --------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Start waiting microbatches while fewer than one per stage are in flight."""
+        while True:
+            with self._lock:
+                if self._failure is not None or not self._waiting or len(self._in_flight) >= len(self.layers):
+                    return
+                batch = Microbatch.of(self._next_microbatch, take_microbatch(self._waiting, self.microbatch),
+                                      self.pad)
+                self._next_microbatch += 1
+                self._in_flight[batch.number] = batch
+            try:
+                self._workers[0].send_tensor(pack(Message(
+                    "prefill", {"microbatch": batch.number, "max_new_tokens": batch.max_new_tokens},
+                    (batch.ids, batch.mask))))
+            except TransportError as error:
+                self._fail(TransportError(f"stage 0 is unreachable: {error}"))
+                return
+
+    def _receive(self) -> None:
+        assert self._inbox is not None
+        heard = time.monotonic()
+        while not self._closed:
+            try:
+                packed = self._inbox.recv_tensor(timeout=0.5)
+            except TransportError:
+                self._watch(heard)
+                continue
+            heard = time.monotonic()
+            try:
+                self._handle(unpack(packed))
+            except TransportError as error:
+                self._fail(error)
+
+    def _handle(self, message: Message) -> None:
+        if message.kind == "tokens":
+            with self._lock:
+                batch = self._in_flight.get(message.fields["microbatch"])
+                if batch is not None:
+                    for row, token in zip(batch.generated, message.tensors[0].tolist(), strict=True):
+                        row.append(token)
+        elif message.kind == "ended":
+            with self._lock:
+                batch = self._in_flight.pop(message.fields["microbatch"], None)
+            if batch is not None:
+                for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
+                    request.future.set_result(result)
+            self._admit()
+        elif message.kind == "failed":
+            self._fail(TransportError(f"stage {message.fields['stage']} failed: {message.fields['error']}"))
+
+    def _watch(self, heard: float) -> None:
+        """Fail the requests in flight when a worker process died, or nothing was heard for `timeout`."""
+        try:
+            self._check_processes()
+        except TransportError as error:
+            self._fail(error)
+            return
+        with self._lock:
+            busy = bool(self._in_flight)
+        if busy and time.monotonic() - heard > self.timeout:
+            self._fail(TransportError(f"no word from the stage workers for {self.timeout:.0f} s"))
+
+    def _check_processes(self) -> None:
+        for number, process in enumerate(self._processes):
+            if process.poll() is not None and not self._closed:
+                raise TransportError(f"the process of stage {number} exited with status {process.returncode}")
+
+    def _fail(self, error: TransportError) -> None:
+        """Fail every request in flight or waiting with `error`; later submissions raise it too."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            batches, self._in_flight = list(self._in_flight.values()), {}
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in [request for batch in batches for request in batch.requests] + waiting:
+            if not request.future.done():
+                request.future.set_exception(error)
+
+
+def _cuts(stages: int | None, layers: Sequence[tuple[int, int]] | None, total: int) -> list[tuple[int, int]]:
+    """The stages' layer ranges: `layers` as given (contiguous from 0 to the last layer), or `stages` even cuts."""
+    if layers is not None:
+        cuts = [check_layers(pair, total) for pair in layers]
+        ends = [0] + [stop for _, stop in cuts]
+        if not cuts or [start for start, _ in cuts] != ends[:-1] or ends[-1] != total:
+            raise ConfigError(f"layers={list(layers)!r} must cover the model's {total} layers in order, each "
+                              "stage starting where the previous ends")
+        if stages is not None and stages != len(cuts):
+            raise ConfigError(f"stages={stages} but layers lists {len(cuts)} stages")
+        return cuts
+    stages = 1 if stages is None else stages
+    if isinstance(stages, bool) or not isinstance(stages, int):
+        raise ConfigError(f"stages must be an integer from 1 to the model's {total} layers, got {stages!r}")
+    return LayerPartition.even(total, stages).stages
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Wait for a worker process told to shut down; kill it if it does not within 10 s."""
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,153 @@
+"""Pipelines of stage processes over tcp serve every request exactly as model.generate serves its microbatch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving import Pipeline
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(autouse=True)
+def _workers_import_tiny_models(monkeypatch) -> None:
+    """Stage processes load `tiny_models:<family>` themselves: let them import it."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+
+
+def _prompts(count: int, seed: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, tiny_models.VOCAB, (int(length),), generator=generator)
+            for length in torch.randint(3, 12, (count,), generator=generator)]
+
+
+def _microbatches(results) -> list[list[int]]:
+    """The requests (by index) of each microbatch, in row order, as the results say."""
+    batches: dict[int, dict[int, int]] = defaultdict(dict)
+    for index, result in enumerate(results):
+        batches[result.microbatch][result.row] = index
+    return [[rows[row] for row in sorted(rows)] for _, rows in sorted(batches.items())]
+
+
+def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: int | None) -> list[torch.Tensor]:
+    """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end."""
+    expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for members in microbatches:
+        longest = max(prompts[index].numel() for index in members)
+        ids = torch.full((len(members), longest), pad)
+        mask = torch.zeros((len(members), longest), dtype=torch.long)
+        for row, index in enumerate(members):
+            ids[row, longest - prompts[index].numel():] = prompts[index]
+            mask[row, longest - prompts[index].numel():] = 1
+        out = model.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=max(max_new_tokens[index] for index in members))[:, longest:]
+        for row, index in enumerate(members):
+            tokens = out[row, :max_new_tokens[index]].tolist()
+            if eos is not None and eos in tokens:
+                tokens = tokens[:tokens.index(eos) + 1]
+            expected[index] = torch.tensor(tokens, dtype=torch.long)
+    return expected
+
+
+@pytest.mark.parametrize(("family", "layers"), [("llama", [(0, 1), (1, 3)]), ("gpt2", [(0, 2), (2, 3)]),
+                                                ("opt", [(0, 1), (1, 2), (2, 3)]), ("mistral", [(0, 3)]),
+                                                ("qwen2", [(0, 2), (2, 3)])])
+def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, layers) -> None:
+    model = tiny_models.seeded(family)
+    prompts = _prompts(7)
+    max_new_tokens = [4 + 3 * (index % 4) for index in range(len(prompts))]  # rows end at different steps
+    with Pipeline(f"tiny_models:{family}", layers=layers, microbatch=3, timeout=60) as pipe:
+        futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, max_new_tokens, strict=True)]
+        results = [future.result(timeout=120) for future in futures]
+        pad, eos = pipe.pad, pipe.eos
+    microbatches = _microbatches(results)
+    assert len(microbatches) >= 3  # 7 requests, at most 3 rows each
+    for members in microbatches:
+        longest = max(prompts[index].numel() for index in members)
+        assert [results[index].padding for index in members] == [longest - prompts[index].numel() for index in members]
+    expected = _expected(model, microbatches, prompts, max_new_tokens, pad, eos)
+    for result, want in zip(results, expected, strict=True):
+        assert torch.equal(result.tokens, want)
+
+
+def test_generate_queues_its_prompts_together_in_order() -> None:
+    """Five prompts, microbatches of two, two stages: (0, 1) and (2, 3) start together, (4) when one ends."""
+    prompts = _prompts(5, seed=4)
+    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60) as pipe:
+        outs = pipe.generate(prompts, max_new_tokens=6)
+        alone = pipe.submit(prompts[0], max_new_tokens=6).result(timeout=60)
+        pad, eos = pipe.pad, pipe.eos
+    expected = _expected(tiny_models.seeded("llama"), [[0, 1], [2, 3], [4]], prompts, [6] * 5, pad, eos)
+    assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
+    assert (alone.rows, alone.row, alone.padding) == (1, 0, 0)  # an idle pipeline serves it at once, alone
+
+
+@pytest.mark.parametrize(("arguments", "match"), [
+    ({"model": "no-such-model"}, "unknown model"),
+    ({"model": "tiny_models:llama", "stages": 4}, "stages"),
+    ({"model": "tiny_models:llama", "layers": [(0, 2), (1, 3)]}, "cover"),
+    ({"model": "tiny_models:llama", "microbatch": 0}, "microbatch"),
+])
+def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -> None:
+    with pytest.raises(dv.ConfigError, match=match):
+        Pipeline(**arguments)
+
+
+def test_a_prompt_longer_than_the_context_is_refused() -> None:
+    with Pipeline("tiny_models:gpt2", stages=1, timeout=60) as pipe, pytest.raises(dv.ConfigError, match="context"):
+        pipe.submit(torch.ones(200, dtype=torch.long), max_new_tokens=4)  # GPT-2 here holds 128 positions
+
+
+def test_a_killed_worker_fails_its_requests_within_the_timeout() -> None:
+    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=10) as pipe:
+        assert pipe.submit(_prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
+        futures = [pipe.submit(ids, max_new_tokens=400) for ids in _prompts(4)]
+        os.kill(pipe._processes[1].pid, signal.SIGKILL)
+        started = time.monotonic()
+        for future in futures:
+            with pytest.raises(dv.TransportError):
+                future.result(timeout=30)
+        assert time.monotonic() - started < 15
+
+
+def test_workers_started_by_hand_through_the_cli_join_the_head(tmp_path, monkeypatch) -> None:
+    """As on other machines: `dejavu worker --join` twice, the head listening with launch=False, one token."""
+    monkeypatch.setenv("DEJAVU_TOKEN", "a-shared-secret")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = [subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join",
+                                 f"tcp://127.0.0.1:{port}", "--threads", "1"]) for _ in range(2)]
+    try:
+        with Pipeline("tiny_models:llama", stages=2, microbatch=2, launch=False, port=port, timeout=60) as pipe:
+            prompts = _prompts(3, seed=8)
+            outs = pipe.generate(prompts, max_new_tokens=5)
+            pad, eos = pipe.pad, pipe.eos
+        expected = _expected(tiny_models.seeded("llama"), [[0, 1], [2]], prompts, [5] * 3, pad, eos)
+        assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
+        assert [worker.wait(timeout=30) for worker in workers] == [0, 0]  # shut down by the head
+    finally:
+        for worker in workers:
+            worker.kill()
+
+
+def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
+    monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
+    with Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe:
+        stranger = dv.open_transport(pipe.url, token="a-guess")
+        with pytest.raises(dv.AccessDenied):
+            stranger.send_tensor(torch.zeros(4, dtype=torch.uint8))
+        stranger.close()
+        assert pipe.generate([_prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
