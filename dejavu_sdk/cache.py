@@ -48,6 +48,9 @@ class CacheManager:
     together with a small progress record, `progress_for(key, durable_positions)` (the record's key and
     bytes, saying what is durable once that block is), and LMDB commits both in one transaction.
     `run` goes into every block key (`BlockKey.run`): the engine names each generation's blocks apart.
+    The sink gets prefill blocks as tensors and, on the CPU, full decode blocks as `codec.HostBlock`s (the
+    staging buffer, described once; `block.tensor` is the tensor): stores and transports encode them with
+    plain buffer copies.
     """
 
     def __init__(self, sink: BlockSink | ProgressSink, stream_id: str, layers: int, *, replicate_every: int = 1,
