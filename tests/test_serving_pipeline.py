@@ -41,7 +41,7 @@ def _microbatches(results) -> list[list[int]]:
     return [[rows[row] for row in sorted(rows)] for _, rows in sorted(batches.items())]
 
 
-def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: int | None) -> list[torch.Tensor]:
+def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[int]) -> list[torch.Tensor]:
     """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end."""
     expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for members in microbatches:
@@ -55,17 +55,18 @@ def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: int |
                              max_new_tokens=max(max_new_tokens[index] for index in members))[:, longest:]
         for row, index in enumerate(members):
             tokens = out[row, :max_new_tokens[index]].tolist()
-            if eos is not None and eos in tokens:
-                tokens = tokens[:tokens.index(eos) + 1]
+            end = next((position for position, token in enumerate(tokens) if token in eos), None)
+            if end is not None:
+                tokens = tokens[:end + 1]
             expected[index] = torch.tensor(tokens, dtype=torch.long)
     return expected
 
 
 @pytest.mark.parametrize(("family", "layers"), [("llama", [(0, 1), (1, 3)]), ("gpt2", [(0, 2), (2, 3)]),
                                                 ("opt", [(0, 1), (1, 2), (2, 3)]), ("mistral", [(0, 3)]),
-                                                ("qwen2", [(0, 2), (2, 3)])])
+                                                ("qwen2", [(0, 2), (2, 3)]), ("llama_two_ends", [(0, 2), (2, 3)])])
 def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, layers) -> None:
-    model = tiny_models.seeded(family)
+    model = getattr(tiny_models, family)()
     prompts = _prompts(7)
     max_new_tokens = [4 + 3 * (index % 4) for index in range(len(prompts))]  # rows end at different steps
     with Pipeline(f"tiny_models:{family}", layers=layers, microbatch=3, timeout=60) as pipe:
@@ -80,6 +81,8 @@ def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, lay
     expected = _expected(model, microbatches, prompts, max_new_tokens, pad, eos)
     for result, want in zip(results, expected, strict=True):
         assert torch.equal(result.tokens, want)
+    if family == "llama_two_ends":  # some rows end at the second end-of-sequence token
+        assert any(result.tokens[-1] == 49 for result in results)
 
 
 def test_generate_queues_its_prompts_together_in_order() -> None:
@@ -151,3 +154,18 @@ def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
             stranger.send_tensor(torch.zeros(4, dtype=torch.uint8))
         stranger.close()
         assert pipe.generate([_prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
+
+
+def test_a_cancelled_request_leaves_the_others_served() -> None:
+    prompts = _prompts(4, seed=6)
+    with Pipeline("tiny_models:llama", stages=1, microbatch=1, timeout=60) as pipe:
+        futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, [8, 1, 1, 1], strict=True)]
+        assert futures[3].cancel()  # still waiting behind the first
+        served = [future.result(timeout=60) for future in futures[:3]]
+    assert [result.tokens.numel() for result in served[1:]] == [1, 1]  # max_new_tokens=1: the prefill's token
+
+
+def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
+    monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
+    with pytest.raises(dv.ConfigError, match="DEJAVU_TOKEN"):
+        Pipeline("tiny_models:llama", stages=1, launch=False)

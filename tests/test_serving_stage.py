@@ -11,6 +11,7 @@ from tiny_models import MODELS, SMALL, VOCAB
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import dejavu_sdk as dv
+from dejavu_sdk.models import random_llama
 from dejavu_sdk.serving import Stage, adapter_for, position_ids
 
 NEW = 10
@@ -101,3 +102,11 @@ def test_an_architecture_without_an_adapter_is_refused_naming_what_to_write() ->
     unknown = types.SimpleNamespace(config=types.SimpleNamespace(model_type="mamba"))
     with pytest.raises(dv.ConfigError, match=r"mamba.*StageAdapter"):
         adapter_for(unknown)
+
+
+def test_a_tied_heads_embeddings_stay_on_the_last_stage_only() -> None:
+    model = random_llama(layers=3, tie_embeddings=True)
+    first, middle, last = (Stage(copy.deepcopy(model), layers) for layers in [(0, 1), (1, 2), (2, 3)])
+    assert first.adapter.model.model.embed_tokens is not None
+    assert middle.adapter.model.model.embed_tokens is None
+    assert last.adapter.model.lm_head.weight is last.adapter.model.model.embed_tokens.weight

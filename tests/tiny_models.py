@@ -91,3 +91,10 @@ def mistral() -> Any:
 
 def qwen2() -> Any:
     return seeded("qwen2")
+
+
+def llama_two_ends() -> Any:
+    """The llama of `llama()`, with two end-of-sequence tokens (as Llama 3 and Qwen2.5 instruct models have)."""
+    model = seeded("llama")
+    model.generation_config.eos_token_id = [2, 49]
+    return model

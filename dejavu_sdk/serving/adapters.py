@@ -30,7 +30,7 @@ class StageAdapter(ABC):
 
     Subclasses name the `model_types` (`config.model_type`) they serve and implement the four methods.
     `position_ids` are what `generate` gives the model: from the 2-D attention mask, `cumsum - 1`, with
-    padding at position 1.
+    padding at position 0.
     """
 
     model_types: ClassVar[tuple[str, ...]]
@@ -115,7 +115,7 @@ class LlamaAdapter(StageAdapter):
         return self.model.lm_head(self.model.model.norm(hidden)[:, -1:, :])[:, -1, :].float()
 
     def drop_unused(self, first: bool, last: bool) -> None:
-        if not first and not _tied(self.model):
+        if not first and not (last and _tied(self.model)):  # a tied head shares the embeddings' weight
             self.model.model.embed_tokens = None
         if not last:
             self.model.model.norm = None
@@ -168,7 +168,7 @@ class OPTAdapter(StageAdapter):
         decoder = self._decoder
         if not first:
             decoder.embed_positions = decoder.project_in = None
-            if not _tied(self.model):
+            if not (last and _tied(self.model)):
                 decoder.embed_tokens = None
         if not last:
             decoder.final_layer_norm = decoder.project_out = None
@@ -208,7 +208,7 @@ class GPT2Adapter(StageAdapter):
         transformer = self.model.transformer
         if not first:
             transformer.wpe = None
-            if not _tied(self.model):
+            if not (last and _tied(self.model)):
                 transformer.wte = None
         if not last:
             transformer.ln_f = None

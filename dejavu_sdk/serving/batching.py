@@ -34,7 +34,8 @@ class Request:
 @attrs.frozen
 class Result:
     """A request's new token ids (prompt excluded, up to and including its end-of-sequence token) and where
-    it was served: microbatch `microbatch`, row `row` of `rows`, after `padding` padding positions."""
+    it was served: microbatch `microbatch`, row `row` of `rows`, its prompt left-padded by `padding`
+    positions to the microbatch's longest."""
 
     tokens: torch.Tensor
     microbatch: int
@@ -43,8 +44,9 @@ class Result:
     padding: int
 
 
-def check_prompt(ids: Any, context: int | None) -> torch.Tensor:
-    """A prompt as a 1-D int64 tensor of at least one token that fits the model's context; ConfigError else."""
+def check_prompt(ids: Any, context: int | None, vocabulary: int | None = None) -> torch.Tensor:
+    """A prompt as a 1-D int64 tensor of at least one token id of the vocabulary, fitting the model's context;
+    ConfigError otherwise (a bad id would otherwise fail the first stage, and every request with it)."""
     if not isinstance(ids, torch.Tensor):
         try:
             ids = torch.as_tensor(ids)
@@ -56,6 +58,9 @@ def check_prompt(ids: Any, context: int | None) -> torch.Tensor:
         raise ConfigError(f"a prompt is a non-empty 1-D tensor of token ids, got {ids.dtype} {tuple(ids.shape)}")
     if context is not None and ids.numel() > context:
         raise ConfigError(f"a prompt of {ids.numel()} tokens is longer than the model's context of {context}")
+    if vocabulary is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocabulary):
+        raise ConfigError(f"a prompt holds token ids from {int(ids.min())} to {int(ids.max())}; the model's "
+                          f"vocabulary has ids 0 to {vocabulary - 1}")
     return ids.long()
 
 
@@ -93,13 +98,15 @@ class Microbatch:
     def max_new_tokens(self) -> list[int]:
         return [request.max_new_tokens for request in self.requests]
 
-    def results(self, eos: int | None) -> list[Result]:
-        """Each row's tokens, cut after its end-of-sequence token or its own `max_new_tokens`."""
+    def results(self, eos: Sequence[int]) -> list[Result]:
+        """Each row's tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
+        `max_new_tokens`."""
         results = []
         for row, (request, tokens) in enumerate(zip(self.requests, self.generated, strict=True)):
             kept = tokens[:request.max_new_tokens]
-            if eos is not None and eos in kept:
-                kept = kept[:kept.index(eos) + 1]
+            end = next((index for index, token in enumerate(kept) if token in eos), None)
+            if end is not None:
+                kept = kept[:end + 1]
             padding = int((self.mask[row] == 0).sum())
             results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
                                   padding))

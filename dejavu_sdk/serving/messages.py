@@ -67,10 +67,14 @@ def unpack(packed: torch.Tensor) -> Message:
             raise ValueError(f"a {packed.dtype} tensor of shape {tuple(packed.shape)}")
         data = packed.numpy()
         (length,) = _LENGTH.unpack_from(data.data, 0)
+        if length > packed.numel() - _LENGTH.size:
+            raise ValueError(f"a header of {length} bytes in a message of {packed.numel()}")
         header = json.loads(bytes(data[_LENGTH.size:_LENGTH.size + length]))
         offset = _padded(_LENGTH.size + length)
         tensors = []
         for name, shape in header["tensors"]:
+            if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape):
+                raise ValueError(f"a tensor of shape {shape!r}")
             dtype = torch_dtype(name)
             nbytes = math.prod(shape) * dtype.itemsize
             if offset + nbytes > packed.numel():
@@ -78,7 +82,7 @@ def unpack(packed: torch.Tensor) -> Message:
             tensors.append(packed[offset:offset + nbytes].view(dtype).view(shape))
             offset += _padded(nbytes)
         return Message(str(header["kind"]), dict(header["fields"]), tuple(tensors))
-    except (ValueError, KeyError, TypeError, struct.error, ConfigError, RuntimeError) as error:
+    except (ValueError, KeyError, TypeError, struct.error, ConfigError, RuntimeError, RecursionError) as error:
         raise TransportError(f"a peer sent something that is not a pipeline message: {error}") from None
 
 

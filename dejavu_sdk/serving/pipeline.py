@@ -23,13 +23,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
 
 from ..backends import open_transport, serve
-from ..errors import ConfigError, TransportError
+from ..errors import ConfigError, StoreError, TransportError
 from ..models import load_model
 from ..stream import LayerPartition
 from ..transports.base import Server, Transport
@@ -68,17 +68,23 @@ class Pipeline:
         self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
                                                                                                   None)
         eos = generation.eos_token_id
-        self.eos: int | None = eos[0] if isinstance(eos, list) else eos
+        #: Every end-of-sequence token id (some models have several); a row ends at any of them.
+        self.eos: list[int] = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
         pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
-        self.pad: int = pad if pad is not None else (self.eos if self.eos is not None else 0)
+        self.pad: int = pad if pad is not None else (self.eos[0] if self.eos else 0)
+        self.vocabulary: int = config.vocab_size
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
         self.threads = threads or max(1, (os.cpu_count() or 1) // len(self.layers))
         self.launch, self.host, self.port = launch, host, port
+        if not launch and not os.environ.get("DEJAVU_TOKEN"):
+            raise ConfigError("launch=False: workers started elsewhere must present the head's token; set "
+                              "DEJAVU_TOKEN to a shared secret here and for every `dejavu worker`")
         self._token = os.environ.get("DEJAVU_TOKEN") or secrets.token_hex(16)
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._in_flight: dict[int, Microbatch] = {}
+        self._progress: dict[int, float] = {}  # per microbatch in flight: when it last made progress
         self._next_microbatch = 0
         self._failure: TransportError | None = None
         self._processes: list[subprocess.Popen[bytes]] = []
@@ -127,7 +133,8 @@ class Pipeline:
             following = joined[number + 1] if number + 1 < len(joined) else None
             self._workers[number].send_tensor(pack(Message("assign", {
                 "model": self.model, "layers": list(layers), "stage": number, "stages": len(self.layers),
-                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad})))
+                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad,
+                "vocabulary": self.vocabulary})))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -156,9 +163,10 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the workers and fail whatever is still waiting. Closing twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._fail(TransportError("the pipeline was closed"))
         for worker in self._workers:
             with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
@@ -186,7 +194,7 @@ class Pipeline:
             raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
         requests = []
         for ids in prompts:  # every prompt is checked before any is queued
-            prompt = check_prompt(ids, self.context)
+            prompt = check_prompt(ids, self.context, self.vocabulary)
             requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context)))
         with self._lock:
             if self._failure is not None:
@@ -206,57 +214,64 @@ class Pipeline:
                                       self.pad)
                 self._next_microbatch += 1
                 self._in_flight[batch.number] = batch
+                self._progress[batch.number] = time.monotonic()
             try:
                 self._workers[0].send_tensor(pack(Message(
                     "prefill", {"microbatch": batch.number, "max_new_tokens": batch.max_new_tokens},
                     (batch.ids, batch.mask))))
-            except TransportError as error:
+            except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
                 self._fail(TransportError(f"stage 0 is unreachable: {error}"))
                 return
 
     def _receive(self) -> None:
+        """The head's receiver thread: takes the workers' messages, and watches them between messages."""
         assert self._inbox is not None
-        heard = time.monotonic()
+        watched = time.monotonic()
         while not self._closed:
             try:
-                packed = self._inbox.recv_tensor(timeout=0.5)
+                message: Message | None = unpack(self._inbox.recv_tensor(timeout=0.5))
             except TransportError:
-                self._watch(heard)
-                continue
-            heard = time.monotonic()
+                message = None
             try:
-                self._handle(unpack(packed))
-            except TransportError as error:
-                self._fail(error)
+                if message is not None:
+                    self._handle(message)
+                if time.monotonic() - watched >= 0.5:
+                    watched = time.monotonic()
+                    self._watch()
+            except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
+                self._fail(error if isinstance(error, TransportError) else
+                           TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
 
     def _handle(self, message: Message) -> None:
         if message.kind == "tokens":
+            number = int(message.fields["microbatch"])
             with self._lock:
-                batch = self._in_flight.get(message.fields["microbatch"])
+                batch = self._in_flight.get(number)
                 if batch is not None:
+                    self._progress[number] = time.monotonic()
                     for row, token in zip(batch.generated, message.tensors[0].tolist(), strict=True):
                         row.append(token)
         elif message.kind == "ended":
+            number = int(message.fields["microbatch"])
             with self._lock:
-                batch = self._in_flight.pop(message.fields["microbatch"], None)
+                batch = self._in_flight.pop(number, None)
+                self._progress.pop(number, None)
             if batch is not None:
                 for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
-                    request.future.set_result(result)
+                    _settle(request.future, result=result)
             self._admit()
         elif message.kind == "failed":
             self._fail(TransportError(f"stage {message.fields['stage']} failed: {message.fields['error']}"))
 
-    def _watch(self, heard: float) -> None:
-        """Fail the requests in flight when a worker process died, or nothing was heard for `timeout`."""
-        try:
-            self._check_processes()
-        except TransportError as error:
-            self._fail(error)
-            return
+    def _watch(self) -> None:
+        """Fail the requests in flight when a worker process died, or a microbatch made no progress (no new
+        tokens) for `timeout` seconds: a stage is dead or hung, whatever its neighbours' heartbeats say."""
+        self._check_processes()
         with self._lock:
-            busy = bool(self._in_flight)
-        if busy and time.monotonic() - heard > self.timeout:
-            self._fail(TransportError(f"no word from the stage workers for {self.timeout:.0f} s"))
+            stalled = min(self._progress.values(), default=None)
+        if stalled is not None and time.monotonic() - stalled > self.timeout:
+            raise TransportError(f"a microbatch made no progress for {self.timeout:.0f} s: a stage worker is "
+                                 "dead or stuck")
 
     def _check_processes(self) -> None:
         for number, process in enumerate(self._processes):
@@ -268,11 +283,10 @@ class Pipeline:
         with self._lock:
             if self._failure is None:
                 self._failure = error
-            batches, self._in_flight = list(self._in_flight.values()), {}
+            batches, self._in_flight, self._progress = list(self._in_flight.values()), {}, {}
             waiting, self._waiting = list(self._waiting), deque()
         for request in [request for batch in batches for request in batch.requests] + waiting:
-            if not request.future.done():
-                request.future.set_exception(error)
+            _settle(request.future, error=error)
 
 
 def _cuts(stages: int | None, layers: Sequence[tuple[int, int]] | None, total: int) -> list[tuple[int, int]]:
@@ -299,3 +313,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _settle(future: Future[Result], result: Result | None = None, error: BaseException | None = None) -> None:
+    """Give a request's future its result or error, unless its caller cancelled it or it is settled already."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from ..backends import open_transport, serve
-from ..errors import DejaVuError, TransportError
+from ..errors import TransportError
 from ..models import load_model
 from ..transports.base import Server, Transport
 from .messages import Message, pack, unpack
@@ -53,10 +53,11 @@ class StageWorker:
     """Runs one assigned stage: `run()` returns when the head says `shutdown`."""
 
     def __init__(self, stage: Stage, inbox: Server, head: Transport, following: Transport | None,
-                 first: Transport | None, number: int, stages: int, eos: int | None, pad: int) -> None:
+                 first: Transport | None, number: int, stages: int, eos: list[int], pad: int) -> None:
         self.stage, self.inbox, self.head = stage, inbox, head
         self.following, self.first = following, first  # the next stage; the last stage's way back to the first
-        self.number, self.stages, self.eos, self.pad = number, stages, eos, pad
+        self.number, self.stages, self.pad = number, stages, pad
+        self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
 
     def run(self) -> None:
@@ -66,12 +67,12 @@ class StageWorker:
             except TransportError:  # a quiet inbox: show the head this worker lives (raises if the head is gone)
                 self.head.send_tensor(pack(Message("heartbeat", {"stage": self.number})))
                 continue
-            message = unpack(packed)
-            if message.kind == "shutdown":
-                return
             try:
+                message = unpack(packed)
+                if message.kind == "shutdown":
+                    return
                 self.handle(message)
-            except Exception as error:  # a neighbour is gone, or the stage itself failed: the head must know
+            except Exception as error:  # a neighbour is gone, a bad message, or the stage failed: tell the head
                 self.head.send_tensor(pack(Message("failed", {"stage": self.number,
                                                               "error": f"{type(error).__name__}: {error}"})))
                 raise
@@ -107,8 +108,7 @@ class StageWorker:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         tokens = logits.argmax(-1).masked_fill(state.ended, self.pad)
         state.steps += 1
-        if self.eos is not None:
-            state.ended |= tokens == self.eos
+        state.ended |= torch.isin(tokens, self.eos)
         state.ended |= torch.tensor([state.steps >= limit for limit in state.fields["max_new_tokens"]])
         self._send(self.head, Message("tokens", {"microbatch": number}, (tokens,)))
         if bool(state.ended.all()):
@@ -139,9 +139,10 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
             torch.set_num_threads(threads or fields["threads"])
         try:
             stage = Stage(load_model(fields["model"]), tuple(fields["layers"]))
-        except DejaVuError as error:
-            head.send_tensor(pack(Message("failed", {"stage": fields["stage"], "error": str(error)})))
-            return
+        except Exception as error:  # whatever stops the stage from loading, the head must hear of it
+            head.send_tensor(pack(Message("failed", {"stage": fields["stage"],
+                                                     "error": f"{type(error).__name__}: {error}"})))
+            raise
         following = open_transport(fields["next"]) if fields.get("next") else None
         first = open_transport(fields["first"]) if stage.last else None
         try:

@@ -1,0 +1,59 @@
+"""Pipeline messages and microbatches: exact round trips, and a peer's malformed message is a TransportError."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving.batching import Microbatch, Request, check_prompt
+from dejavu_sdk.serving.messages import Message, pack, unpack
+
+
+def test_a_message_round_trips_exactly() -> None:
+    tensors = (torch.randn(2, 3, 5), torch.arange(7), torch.zeros(0, 4), torch.randn(3).to(torch.bfloat16))
+    back = unpack(pack(Message("decode", {"microbatch": 3, "rows": [1, 2]}, tensors)))
+    assert (back.kind, back.fields) == ("decode", {"microbatch": 3, "rows": [1, 2]})
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back.tensors, tensors, strict=True))
+
+
+def _raw(header: dict, payload: bytes = b"") -> torch.Tensor:
+    encoded = json.dumps(header).encode()
+    data = struct.pack("<I", len(encoded)) + encoded
+    data += bytes(-len(data) % 8) + payload
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("packed", [
+    _raw({"kind": "x", "fields": {}, "tensors": [["float32", [-1]]]}),
+    _raw({"kind": "x", "fields": {}, "tensors": [["int64", [-1]], ["int64", [1]]]}, bytes(8)),
+    _raw({"kind": "x", "fields": {}, "tensors": [["float32", [4]]]}, bytes(8)),  # shorter than its header says
+    _raw({"kind": "x", "fields": {}, "tensors": [["complex-ish", [1]]]}, bytes(8)),
+    _raw({"kind": "x"}),
+    torch.frombuffer(bytearray(struct.pack("<I", 1 << 30) + b"{}"), dtype=torch.uint8),
+    torch.zeros(3, dtype=torch.uint8),
+    torch.zeros(4, 4, dtype=torch.uint8),
+], ids=["negative dimension", "overlapping tensors", "truncated", "unknown dtype", "no tensor list",
+        "header longer than the message", "too short", "not 1-D"])
+def test_a_malformed_message_is_a_transport_error(packed) -> None:
+    with pytest.raises(dv.TransportError, match="not a pipeline message"):
+        unpack(packed)
+
+
+def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:
+    requests = [Request(torch.tensor([5, 6]), 4), Request(torch.tensor([7]), 2), Request(torch.tensor([8]), 4)]
+    batch = Microbatch.of(0, requests, pad=0)
+    assert batch.ids.tolist() == [[5, 6], [0, 7], [0, 8]]
+    batch.generated = [[9, 2, 0, 0], [9, 9, 9, 9], [3, 9, 9, 0]]
+    results = batch.results(eos=[2, 3])
+    assert [result.tokens.tolist() for result in results] == [[9, 2], [9, 9], [3]]
+    assert [(result.row, result.rows, result.padding) for result in results] == [(0, 3, 0), (1, 3, 1), (2, 3, 1)]
+
+
+@pytest.mark.parametrize("ids", [[1, -1], [1, 96], [], [[1, 2], [3, 4]], [0.5]])
+def test_a_prompt_outside_the_vocabulary_or_not_a_row_of_ids_is_refused(ids) -> None:
+    with pytest.raises(dv.ConfigError):
+        check_prompt(torch.tensor(ids), context=64, vocabulary=96)
