@@ -102,6 +102,7 @@ def test_generate_queues_its_prompts_together_in_order() -> None:
     ({"model": "tiny_models:llama", "stages": 4}, "stages"),
     ({"model": "tiny_models:llama", "layers": [(0, 2), (1, 3)]}, "cover"),
     ({"model": "tiny_models:llama", "microbatch": 0}, "microbatch"),
+    ({"model": "tiny_models:llama_repetition_penalty"}, "repetition_penalty"),
 ])
 def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -> None:
     with pytest.raises(dv.ConfigError, match=match):

@@ -98,3 +98,10 @@ def llama_two_ends() -> Any:
     model = seeded("llama")
     model.generation_config.eos_token_id = [2, 49]
     return model
+
+
+def llama_repetition_penalty() -> Any:
+    """The llama of `llama()`, whose generation config penalises repetitions (a logits processor)."""
+    model = seeded("llama")
+    model.generation_config.repetition_penalty = 1.3
+    return model

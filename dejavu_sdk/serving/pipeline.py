@@ -65,6 +65,7 @@ class Pipeline:
         total = len(adapter.decoder_layers())
         self.layers = _cuts(stages, layers, total)
         config, generation = reference.config, reference.generation_config
+        _check_greedy(generation)
         self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
                                                                                                   None)
         eos = generation.eos_token_id
@@ -322,3 +323,21 @@ def _settle(future: Future[Result], result: Result | None = None, error: BaseExc
             future.set_exception(error)
         else:
             future.set_result(result)  # type: ignore[arg-type]
+
+
+#: Generation settings that change greedy decoding's tokens, with the value that changes nothing.
+_GREEDY_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                   "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
+                   "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                   "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def _check_greedy(generation: Any) -> None:
+    """ConfigError if the model's generation config asks for logits processing that the pipeline's greedy
+    last stage does not apply: its tokens would differ from `model.generate`'s."""
+    changed = sorted(name for name, neutral in _GREEDY_NEUTRAL.items()
+                     if getattr(generation, name, neutral) not in (neutral, None))
+    if changed:
+        raise ConfigError(f"the model's generation config sets {', '.join(changed)}: pipelines decode greedily "
+                          "without logits processors, so their tokens would differ from model.generate's; reset "
+                          "them in the model's generation_config")
