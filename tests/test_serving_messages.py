@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import deque
 
 import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.batching import Microbatch, Request, check_prompt
+from dejavu_sdk.serving.batching import Microbatch, Request, check_prompt, take_microbatch
+from dejavu_sdk.serving.decoding import Decoding
 from dejavu_sdk.serving.messages import Message, pack, unpack
 
 
@@ -57,3 +59,14 @@ def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:
 def test_a_prompt_outside_the_vocabulary_or_not_a_row_of_ids_is_refused(ids) -> None:
     with pytest.raises(dv.ConfigError):
         check_prompt(torch.tensor(ids), context=64, vocabulary=96)
+
+
+def test_a_microbatch_takes_requests_that_decode_alike_and_the_others_keep_their_places() -> None:
+    greedy, sampled = Decoding.of(), Decoding.of(do_sample=True, seed=1, temperature=0.5)
+    waiting = deque(Request(torch.tensor([index + 1]), 4, decoding)
+                    for index, decoding in enumerate([sampled, greedy, sampled, greedy, sampled]))
+    assert [int(request.ids) for request in take_microbatch(waiting, 2)] == [1, 3]
+    assert [int(request.ids) for request in waiting] == [2, 4, 5]
+    assert [int(request.ids) for request in take_microbatch(waiting, 4)] == [2, 4]
+    assert [int(request.ids) for request in waiting] == [5]
+    assert Decoding.of(do_sample=True).seed is not None  # drawn, so the result can say it

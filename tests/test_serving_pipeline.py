@@ -41,16 +41,23 @@ def _microbatches(results) -> list[list[int]]:
     return [[rows[row] for row in sorted(rows)] for _, rows in sorted(batches.items())]
 
 
+def _left_padded(prompts, members, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The microbatch of `prompts[members]`, left-padded to the longest: ids and mask."""
+    longest = max(prompts[index].numel() for index in members)
+    ids = torch.full((len(members), longest), pad)
+    mask = torch.zeros((len(members), longest), dtype=torch.long)
+    for row, index in enumerate(members):
+        ids[row, longest - prompts[index].numel():] = prompts[index]
+        mask[row, longest - prompts[index].numel():] = 1
+    return ids, mask
+
+
 def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[int]) -> list[torch.Tensor]:
     """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end."""
     expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for members in microbatches:
-        longest = max(prompts[index].numel() for index in members)
-        ids = torch.full((len(members), longest), pad)
-        mask = torch.zeros((len(members), longest), dtype=torch.long)
-        for row, index in enumerate(members):
-            ids[row, longest - prompts[index].numel():] = prompts[index]
-            mask[row, longest - prompts[index].numel():] = 1
+        ids, mask = _left_padded(prompts, members, pad)
+        longest = ids.shape[1]
         out = model.generate(ids, attention_mask=mask, do_sample=False,
                              max_new_tokens=max(max_new_tokens[index] for index in members))[:, longest:]
         for row, index in enumerate(members):
@@ -170,3 +177,53 @@ def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
     monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
     with pytest.raises(dv.ConfigError, match="DEJAVU_TOKEN"):
         Pipeline("tiny_models:llama", stages=1, launch=False)
+
+
+def _sampled_reference(model, prompts, members, new_tokens, pad, eos, seed, **settings) -> list[torch.Tensor]:
+    """`torch.manual_seed(seed)` then `model.generate(do_sample=True)` on one microbatch, cut per row."""
+    ids, mask = _left_padded(prompts, members, pad)
+    longest = ids.shape[1]
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, **settings)[:, longest:]
+    rows = []
+    for row in range(len(members)):
+        tokens = out[row].tolist()
+        end = next((position for position, token in enumerate(tokens) if token in eos), None)
+        rows.append(torch.tensor(tokens if end is None else tokens[:end + 1], dtype=torch.long))
+    return rows
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 0.7, "top_p": 0.9}, {"top_k": 5, "min_p": 0.05}, {}],
+                         ids=["temperature+top_p", "top_k+min_p", "the model's defaults"])
+def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) -> None:
+    model = tiny_models.llama()
+    prompts = _prompts(5, seed=11)
+    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60) as pipe:
+        busy = [pipe.submit(ids, max_new_tokens=40) for ids in prompts[:2]]  # both slots taken: the rest wait
+        sampled = [pipe.submit(ids, max_new_tokens=8, do_sample=True, seed=7, **settings) for ids in prompts[:3]]
+        greedy = pipe.submit(prompts[3], max_new_tokens=8)  # another decoding: never in a sampled microbatch
+        unseeded = pipe.submit(prompts[4], max_new_tokens=8, do_sample=True, **settings)
+        results = [future.result(timeout=60) for future in sampled]
+        lone, drawn = greedy.result(timeout=60), unseeded.result(timeout=60)
+        assert all(future.result(timeout=60).rows == 1 for future in busy)
+        pad, eos = pipe.pad, pipe.eos
+    assert {result.microbatch for result in results} == {results[0].microbatch}
+    assert [result.seed for result in results] == [7, 7, 7]
+    expected = _sampled_reference(model, prompts, [0, 1, 2], 8, pad, eos, 7, **settings)
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+    assert (lone.rows, lone.seed) == (1, None)
+    assert drawn.seed is not None
+    assert drawn.rows == 1
+    assert torch.equal(drawn.tokens, _sampled_reference(model, prompts, [4], 8, pad, eos, drawn.seed, **settings)[0])
+
+
+@pytest.mark.parametrize(("arguments", "match"), [
+    ({"temperature": 0.5}, "do_sample"),
+    ({"seed": 3}, "do_sample"),
+    ({"do_sample": True, "top_k": -1}, "top_k"),
+    ({"do_sample": True, "seed": -1}, "seed"),
+    ({"do_sample": True, "num_beams": 2}, "unknown"),
+])
+def test_bad_decoding_settings_are_refused(arguments, match) -> None:
+    with Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe, pytest.raises(dv.ConfigError, match=match):
+        pipe.submit(_prompts(1)[0], max_new_tokens=2, **arguments)

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from ..errors import ConfigError
+from .decoding import Decoding
 
 _ids = itertools.count()
 
@@ -27,6 +28,7 @@ class Request:
 
     ids: torch.Tensor
     max_new_tokens: int
+    decoding: Decoding = attrs.field(factory=Decoding)
     future: Future[Result] = attrs.field(factory=Future)
     number: int = attrs.field(factory=lambda: next(_ids))
 
@@ -35,13 +37,14 @@ class Request:
 class Result:
     """A request's new token ids (prompt excluded, up to and including its end-of-sequence token) and where
     it was served: microbatch `microbatch`, row `row` of `rows`, its prompt left-padded by `padding`
-    positions to the microbatch's longest."""
+    positions to the microbatch's longest; sampled from a generator seeded with `seed` (None: greedy)."""
 
     tokens: torch.Tensor
     microbatch: int
     row: int
     rows: int
     padding: int
+    seed: int | None = None
 
 
 def check_prompt(ids: Any, context: int | None, vocabulary: int | None = None) -> torch.Tensor:
@@ -98,6 +101,10 @@ class Microbatch:
     def max_new_tokens(self) -> list[int]:
         return [request.max_new_tokens for request in self.requests]
 
+    @property
+    def decoding(self) -> Decoding:
+        return self.requests[0].decoding
+
     def results(self, eos: Sequence[int]) -> list[Result]:
         """Each row's tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
         `max_new_tokens`."""
@@ -109,10 +116,19 @@ class Microbatch:
                 kept = kept[:end + 1]
             padding = int((self.mask[row] == 0).sum())
             results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
-                                  padding))
+                                  padding, request.decoding.seed))
         return results
 
 
 def take_microbatch(waiting: deque[Request], size: int) -> list[Request]:
-    """Up to `size` requests from the front of `waiting`, in arrival order."""
-    return [waiting.popleft() for _ in range(min(size, len(waiting)))]
+    """The first waiting request and, in arrival order, up to `size - 1` more that decode as it does (the
+    same greedy or sampled settings and seed: a microbatch has one way of picking tokens). The others keep
+    their places."""
+    first = waiting.popleft()
+    taken: list[Request] = [first]
+    kept: list[Request] = []
+    while waiting and len(taken) < size:
+        request = waiting.popleft()
+        (taken if request.decoding == first.decoding else kept).append(request)
+    waiting.extendleft(reversed(kept))
+    return taken

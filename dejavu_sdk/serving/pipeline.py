@@ -35,6 +35,7 @@ from ..stream import LayerPartition
 from ..transports.base import Server, Transport
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
+from .decoding import GREEDY_UNSUPPORTED, SAMPLING_UNSUPPORTED, Decoding, check_unsupported
 from .messages import Message, pack, unpack
 from .stage import check_layers
 
@@ -65,7 +66,12 @@ class Pipeline:
         total = len(adapter.decoder_layers())
         self.layers = _cuts(stages, layers, total)
         config, generation = reference.config, reference.generation_config
-        _check_greedy(generation)
+        check_unsupported(generation, GREEDY_UNSUPPORTED, "decoding greedily")
+        try:
+            check_unsupported(generation, SAMPLING_UNSUPPORTED, "sampling")
+            self._sampling_refused: ConfigError | None = None
+        except ConfigError as refusal:  # greedy requests are still served
+            self._sampling_refused = refusal
         self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
                                                                                                   None)
         eos = generation.eos_token_id
@@ -181,22 +187,34 @@ class Pipeline:
             self._inbox.close()
 
     # ---- requests ---------------------------------------------------------------------------------
-    def submit(self, ids: Any, max_new_tokens: int = 32) -> Future[Result]:
-        """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served)."""
-        return self._queue([ids], max_new_tokens)[0]
+    def submit(self, ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False, seed: int | None = None,
+               **settings: Any) -> Future[Result]:
+        """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
-    def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32) -> list[torch.Tensor]:
+        Greedy by default; `do_sample=True` samples with `temperature`, `top_k`, `top_p`, `min_p` (unset ones
+        from the model's generation config) from a generator seeded with `seed` (drawn when not given, and
+        returned in the result): the microbatch's tokens equal `torch.manual_seed(seed)` followed by
+        `model.generate(..., do_sample=True)` on it. Requests share a microbatch only with equal settings.
+        """
+        return self._queue([ids], max_new_tokens, Decoding.of(do_sample, seed, **settings))[0]
+
+    def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
+                 seed: int | None = None, **settings: Any) -> list[torch.Tensor]:
         """Each prompt's new token ids (prompt excluded), queued together and served in microbatches in the
-        order given."""
-        return [future.result().tokens for future in self._queue(prompts, max_new_tokens)]
+        order given; decoding as in `submit`, one seed for them all."""
+        decoding = Decoding.of(do_sample, seed, **settings)
+        return [future.result().tokens for future in self._queue(prompts, max_new_tokens, decoding)]
 
-    def _queue(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Future[Result]]:
+    def _queue(self, prompts: Sequence[Any], max_new_tokens: int, decoding: Decoding) -> list[Future[Result]]:
         if self._receiver is None or self._closed:
             raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
+        if decoding.do_sample and self._sampling_refused is not None:
+            raise self._sampling_refused
         requests = []
         for ids in prompts:  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
-            requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context)))
+            requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context),
+                                    decoding))
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -218,7 +236,8 @@ class Pipeline:
                 self._progress[batch.number] = time.monotonic()
             try:
                 self._workers[0].send_tensor(pack(Message(
-                    "prefill", {"microbatch": batch.number, "max_new_tokens": batch.max_new_tokens},
+                    "prefill", {"microbatch": batch.number, "max_new_tokens": batch.max_new_tokens,
+                                "decoding": batch.decoding.fields()},
                     (batch.ids, batch.mask))))
             except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
                 self._fail(TransportError(f"stage 0 is unreachable: {error}"))
@@ -324,20 +343,3 @@ def _settle(future: Future[Result], result: Result | None = None, error: BaseExc
         else:
             future.set_result(result)  # type: ignore[arg-type]
 
-
-#: Generation settings that change greedy decoding's tokens, with the value that changes nothing.
-_GREEDY_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                   "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "suppress_tokens": None,
-                   "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                   "sequence_bias": None, "exponential_decay_length_penalty": None}
-
-
-def _check_greedy(generation: Any) -> None:
-    """ConfigError if the model's generation config asks for logits processing that the pipeline's greedy
-    last stage does not apply: its tokens would differ from `model.generate`'s."""
-    changed = sorted(name for name, neutral in _GREEDY_NEUTRAL.items()
-                     if getattr(generation, name, neutral) not in (neutral, None))
-    if changed:
-        raise ConfigError(f"the model's generation config sets {', '.join(changed)}: pipelines decode greedily "
-                          "without logits processors, so their tokens would differ from model.generate's; reset "
-                          "them in the model's generation_config")

@@ -26,6 +26,7 @@ from ..backends import open_transport, serve
 from ..errors import TransportError
 from ..models import load_model
 from ..transports.base import Server, Transport
+from .decoding import TokenPicker
 from .messages import Message, pack, unpack
 from .stage import Stage, position_ids
 
@@ -46,6 +47,7 @@ class _Microbatch:
     positions: torch.Tensor
     fields: dict[str, Any]
     ended: torch.Tensor | None = None  # the last stage's: rows that ended
+    picker: TokenPicker | None = None  # the last stage's: how the next tokens are chosen
     steps: int = 0
 
 
@@ -87,6 +89,8 @@ class StageWorker:
         if message.kind == "prefill":
             inputs, mask = message.tensors
             state = _Microbatch(self.stage.new_cache(), mask.clone(), position_ids(mask), dict(message.fields))
+            if self.stage.last:
+                state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
             self.microbatches[number] = state
         elif message.kind == "decode":
             (inputs,) = message.tensors
@@ -103,10 +107,11 @@ class StageWorker:
         self._next_tokens(number, state, output)
 
     def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:
-        """The last stage: pick each row's next token (greedy), report it, and go on or end the microbatch."""
+        """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
-        tokens = logits.argmax(-1).masked_fill(state.ended, self.pad)
+        assert state.picker is not None  # made with the microbatch on the last stage
+        tokens = state.picker(logits).masked_fill(state.ended, self.pad)
         state.steps += 1
         state.ended |= torch.isin(tokens, self.eos)
         state.ended |= torch.tensor([state.steps >= limit for limit in state.fields["max_new_tokens"]])
