@@ -65,11 +65,11 @@ class RecordHeader:
     # Cached: a fetch reads these several times, and per-call costs matter for small blocks.
     @functools.cached_property
     def payload_length(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return _header_layout(self.dtype, self.shape, len(self.label.encode()))[1]
 
     @functools.cached_property
     def length(self) -> int:
-        return _header_length(len(self.shape), len(self.label.encode()))
+        return _header_layout(self.dtype, self.shape, len(self.label.encode()))[2]
 
     @functools.cached_property
     def record_length(self) -> int:

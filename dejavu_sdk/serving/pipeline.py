@@ -47,8 +47,8 @@ class Pipeline:
     """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) cut into `stages`
     even stages (or the cuts in `layers`, e.g. `[(0, 12), (12, 30)]`), `microbatch` requests at a time.
 
-    `timeout`: seconds without any word from the workers, while requests are in flight, before those
-    requests fail with `TransportError`. `threads`: torch threads per stage process (default: this
+    `timeout`: seconds a microbatch in flight may go without a new token before the requests fail with
+    `TransportError` (a stage dead or stuck). `threads`: torch threads per stage process (default: this
     machine's cores shared between the stages). `host`/`port`: where the head listens for its workers.
     """
 
@@ -117,8 +117,7 @@ class Pipeline:
                 environment = {**os.environ, "DEJAVU_TOKEN": self._token}
                 for _ in self.layers:
                     self._processes.append(subprocess.Popen(
-                        [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url,
-                         "--threads", str(self.threads)], env=environment))
+                        [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url], env=environment))
             self._assign_stages()
         except BaseException:
             self.close()
@@ -140,8 +139,7 @@ class Pipeline:
             following = joined[number + 1] if number + 1 < len(joined) else None
             self._workers[number].send_tensor(pack(Message("assign", {
                 "model": self.model, "layers": list(layers), "stage": number, "stages": len(self.layers),
-                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad,
-                "vocabulary": self.vocabulary})))
+                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad})))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")

@@ -140,8 +140,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         if assign.kind != "assign":
             raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
         fields = assign.fields
-        if threads is not None or fields.get("threads"):
-            torch.set_num_threads(threads or fields["threads"])
+        torch.set_num_threads(threads if threads is not None else fields["threads"])  # the worker's own choice first
         try:
             stage = Stage(load_model(fields["model"]), tuple(fields["layers"]))
         except Exception as error:  # whatever stops the stage from loading, the head must hear of it
