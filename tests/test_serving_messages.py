@@ -49,9 +49,15 @@ def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:
     requests = [Request(torch.tensor([5, 6]), 4), Request(torch.tensor([7]), 2), Request(torch.tensor([8]), 4)]
     batch = Microbatch.of(0, requests, pad=0)
     assert batch.ids.tolist() == [[5, 6], [0, 7], [0, 8]]
-    batch.generated = [[9, 2, 0, 0], [9, 9, 9, 9], [3, 9, 9, 0]]
+    for step in ([9, 9, 3], [2, 9, 9], [0, 9, 9], [0, 9, 0]):  # one token per row, step by step
+        batch.add_step(step)
     results = batch.results(eos=[2, 3])
     assert [result.tokens.tolist() for result in results] == [[9, 2], [9, 9], [3]]
+    arrived = batch.arrived
+    assert [(result.first_token, result.finished) for result in results] == [(arrived[0], arrived[1]),
+                                                                            (arrived[0], arrived[1]),
+                                                                            (arrived[0], arrived[0])]
+    assert all(result.submitted <= result.first_token for result in results)
     assert [(result.row, result.rows, result.padding) for result in results] == [(0, 3, 0), (1, 3, 1), (2, 3, 1)]
 
 

@@ -69,27 +69,70 @@ def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[
     return expected
 
 
-@pytest.mark.parametrize(("family", "layers"), [("llama", [(0, 1), (1, 3)]), ("gpt2", [(0, 2), (2, 3)]),
-                                                ("opt", [(0, 1), (1, 2), (2, 3)]), ("mistral", [(0, 3)]),
-                                                ("qwen2", [(0, 2), (2, 3)]), ("llama_two_ends", [(0, 2), (2, 3)])])
-def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, layers) -> None:
+#: Each family's mixed pipeline: even and uneven cuts, one to three stages.
+MIXED = {"llama": [(0, 1), (1, 3)], "gpt2": [(0, 2), (2, 3)], "opt": [(0, 1), (1, 2), (2, 3)], "mistral": [(0, 3)],
+         "qwen2": [(0, 2), (2, 3)], "llama_two_ends": [(0, 2), (2, 3)]}
+#: The ways a pipeline can be laid out: one mixed pipeline, or prompt and token pipelines of their own depths.
+LAYOUTS = {"mixed": {}, "1P+1T": {"prompt_stages": 1, "token_stages": 1},
+           "1P+2T": {"prompt_stages": 1, "token_stages": 2}, "2P+1T": {"prompt_stages": 2, "token_stages": 1}}
+
+
+def _layout(family: str, layout: str) -> dict:
+    return LAYOUTS[layout] or {"layers": MIXED[family]}
+
+
+def _served_as_generate_serves_them(family: str, arguments: dict, prompts, max_new_tokens, **options) -> list:
+    """Serve the prompts (submitted one by one) and check each result against `model.generate` on its
+    microbatch; returns the results."""
     model = getattr(tiny_models, family)()
-    prompts = _prompts(7)
-    max_new_tokens = [4 + 3 * (index % 4) for index in range(len(prompts))]  # rows end at different steps
-    with Pipeline(f"tiny_models:{family}", layers=layers, microbatch=3, timeout=60) as pipe:
+    with Pipeline(f"tiny_models:{family}", microbatch=3, timeout=60, **arguments, **options) as pipe:
         futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, max_new_tokens, strict=True)]
         results = [future.result(timeout=120) for future in futures]
         pad, eos = pipe.pad, pipe.eos
     microbatches = _microbatches(results)
-    assert len(microbatches) >= 3  # 7 requests, at most 3 rows each
     for members in microbatches:
         longest = max(prompts[index].numel() for index in members)
         assert [results[index].padding for index in members] == [longest - prompts[index].numel() for index in members]
     expected = _expected(model, microbatches, prompts, max_new_tokens, pad, eos)
     for result, want in zip(results, expected, strict=True):
         assert torch.equal(result.tokens, want)
+    return results
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+@pytest.mark.parametrize("layout", ["mixed", "1P+1T", "1P+2T"])
+@pytest.mark.parametrize("family", list(MIXED))
+def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, layout, transport) -> None:
+    prompts = _prompts(7)
+    # rows end at different steps; the first microbatch (the first request alone) ends with its first token
+    max_new_tokens = [1] + [4 + 3 * (index % 4) for index in range(1, len(prompts))]
+    results = _served_as_generate_serves_them(family, _layout(family, layout), prompts, max_new_tokens,
+                                              transport=transport)
+    assert len(_microbatches(results)) >= 3  # 7 requests, at most 3 rows each
     if family == "llama_two_ends":  # some rows end at the second end-of-sequence token
         assert any(result.tokens[-1] == 49 for result in results)
+
+
+def test_prompt_and_token_pipelines_may_cut_the_model_differently() -> None:
+    """Two prompt stages feed one token stage: its KV arrives from both, layer by layer."""
+    prompts = _prompts(7, seed=5)
+    _served_as_generate_serves_them("mistral", LAYOUTS["2P+1T"], prompts, [6] * len(prompts))
+
+
+def test_a_full_token_side_holds_the_prompt_side_back() -> None:
+    """One token slot: no prompt runs while a microbatch decodes; the default slots let the next prompt run
+    meanwhile. Nothing is dropped either way."""
+    prompts = _prompts(4, seed=9)
+    for slots, overlapped in ((1, False), (None, True)):
+        results = _served_as_generate_serves_them("llama", LAYOUTS["1P+1T"], prompts, [12] * len(prompts),
+                                                  token_slots=slots)
+        spans: dict[int, tuple[float, float]] = {}  # each microbatch's first token and last token
+        for result in results:
+            first, last = spans.get(result.microbatch, (result.first_token, result.finished))
+            spans[result.microbatch] = (min(first, result.first_token), max(last, result.finished))
+        starts, ends = zip(*[spans[number] for number in sorted(spans)], strict=True)
+        assert len(spans) >= 2
+        assert any(start < end for start, end in zip(starts[1:], ends, strict=False)) == overlapped
 
 
 def test_generate_queues_its_prompts_together_in_order() -> None:
@@ -110,10 +153,35 @@ def test_generate_queues_its_prompts_together_in_order() -> None:
     ({"model": "tiny_models:llama", "layers": [(0, 2), (1, 3)]}, "cover"),
     ({"model": "tiny_models:llama", "microbatch": 0}, "microbatch"),
     ({"model": "tiny_models:llama_repetition_penalty"}, "repetition_penalty"),
+    ({"model": "tiny_models:llama", "prompt_stages": 1}, "both"),
+    ({"model": "tiny_models:llama", "stages": 2, "prompt_stages": 1, "token_stages": 1}, "not both"),
+    ({"model": "tiny_models:llama", "prompt_stages": 4, "token_stages": 1}, "4 stages"),
+    ({"model": "tiny_models:llama", "prompt_stages": 1, "token_stages": 2, "token_slots": 1}, "token_slots"),
+    ({"model": "tiny_models:llama", "stages": 2, "token_slots": 3}, "disaggregated"),
+    ({"model": "tiny_models:llama", "machines": 2, "plan": "fast"}, "plan"),
+    ({"model": "tiny_models:llama", "machines": 0}, "machines"),
+    ({"model": "tiny_models:llama", "machines": 2, "stages": 2}, "machines"),
+    ({"model": "tiny_models:llama", "machines": 2, "workload": (0, 4)}, "workload"),
+    ({"model": "tiny_models:llama", "transport": "carrier-pigeon"}, "transport"),
 ])
 def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -> None:
     with pytest.raises(dv.ConfigError, match=match):
         Pipeline(**arguments)
+
+
+@pytest.mark.parametrize("machines", [1, 2, 3])
+def test_the_planner_lays_out_the_machines(machines) -> None:
+    """machines=N: the planner measures Y and t here and picks one mixed pipeline or a prompt/token split."""
+    prompts = _prompts(4, seed=13)
+    pipe = Pipeline("tiny_models:llama", machines=machines, workload=(24, 3), microbatch=2, timeout=60)
+    assert pipe.plan is not None
+    if pipe.plan.disaggregate:
+        assert [len(layout) for layout in pipe.layouts] == [pipe.plan.prompt_machines, pipe.plan.token_machines]
+        assert pipe.plan.prompt_machines + pipe.plan.token_machines == machines
+    else:
+        assert [len(layout) for layout in pipe.layouts] == [machines]
+    with pipe:
+        assert all(out.numel() == 3 for out in pipe.generate(prompts, max_new_tokens=3))
 
 
 def test_a_prompt_longer_than_the_context_is_refused() -> None:
@@ -121,11 +189,14 @@ def test_a_prompt_longer_than_the_context_is_refused() -> None:
         pipe.submit(torch.ones(200, dtype=torch.long), max_new_tokens=4)  # GPT-2 here holds 128 positions
 
 
-def test_a_killed_worker_fails_its_requests_within_the_timeout() -> None:
-    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=10) as pipe:
+@pytest.mark.parametrize(("layout", "killed"), [("mixed", 1), ("1P+2T", 0), ("1P+2T", 2)],
+                         ids=["mixed-stage-1", "prompt-stage", "last-token-stage"])
+def test_a_killed_worker_fails_its_requests_within_the_timeout(layout, killed) -> None:
+    arguments = LAYOUTS[layout] or {"stages": 2}
+    with Pipeline("tiny_models:llama", microbatch=2, timeout=10, **arguments) as pipe:
         assert pipe.submit(_prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
         futures = [pipe.submit(ids, max_new_tokens=400) for ids in _prompts(4)]
-        os.kill(pipe._processes[1].pid, signal.SIGKILL)
+        os.kill(pipe._processes[killed].pid, signal.SIGKILL)
         started = time.monotonic()
         for future in futures:
             with pytest.raises(dv.TransportError):
@@ -215,6 +286,20 @@ def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) ->
     assert drawn.seed is not None
     assert drawn.rows == 1
     assert torch.equal(drawn.tokens, _sampled_reference(model, prompts, [4], 8, pad, eos, drawn.seed, **settings)[0])
+
+
+@pytest.mark.parametrize("layout", ["1P+1T", "1P+2T"])
+def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout) -> None:
+    """The first token is sampled at the prompt pipeline's last stage, the rest at the token pipeline's: one
+    generator's draws, as in a seeded model.generate."""
+    model = tiny_models.llama()
+    prompts = _prompts(3, seed=12)
+    settings = {"temperature": 0.8, "top_k": 20}
+    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
+        outs = pipe.generate(prompts, max_new_tokens=9, do_sample=True, seed=21, **settings)
+        pad, eos = pipe.pad, pipe.eos
+    expected = _sampled_reference(model, prompts, [0, 1, 2], 9, pad, eos, 21, **settings)
+    assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
 
 
 @pytest.mark.parametrize(("arguments", "match"), [

@@ -8,6 +8,7 @@ that ended keeps producing padding until the microbatch ends, as in `model.gener
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -31,13 +32,18 @@ class Request:
     decoding: Decoding = attrs.field(factory=Decoding)
     future: Future[Result] = attrs.field(factory=Future)
     number: int = attrs.field(factory=lambda: next(_ids))
+    submitted: float = attrs.field(factory=time.monotonic)
 
 
 @attrs.frozen
 class Result:
     """A request's new token ids (prompt excluded, up to and including its end-of-sequence token) and where
     it was served: microbatch `microbatch`, row `row` of `rows`, its prompt left-padded by `padding`
-    positions to the microbatch's longest; sampled from a generator seeded with `seed` (None: greedy)."""
+    positions to the microbatch's longest; sampled from a generator seeded with `seed` (None: greedy).
+
+    `submitted`, `first_token` and `finished` are `time.monotonic()` readings at the head: when the request
+    was queued, when its first token and its last token arrived (time to first token, time per output token).
+    """
 
     tokens: torch.Tensor
     microbatch: int
@@ -45,6 +51,9 @@ class Result:
     rows: int
     padding: int
     seed: int | None = None
+    submitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
 
 
 def check_prompt(ids: Any, context: int | None, vocabulary: int | None = None) -> torch.Tensor:
@@ -86,6 +95,13 @@ class Microbatch:
     mask: torch.Tensor
     pad: int
     generated: list[list[int]] = attrs.field(factory=list)
+    arrived: list[float] = attrs.field(factory=list)  # when each step's tokens reached the head
+
+    def add_step(self, tokens: Sequence[int]) -> None:
+        """One step's tokens, a row each, as they reach the head."""
+        self.arrived.append(time.monotonic())
+        for row, token in zip(self.generated, tokens, strict=True):
+            row.append(token)
 
     @classmethod
     def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
@@ -105,6 +121,10 @@ class Microbatch:
     def decoding(self) -> Decoding:
         return self.requests[0].decoding
 
+    def fields(self) -> dict[str, Any]:
+        """What the stages need to know of it, as message fields."""
+        return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens, "decoding": self.decoding.fields()}
+
     def results(self, eos: Sequence[int]) -> list[Result]:
         """Each row's tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
         `max_new_tokens`."""
@@ -116,7 +136,8 @@ class Microbatch:
                 kept = kept[:end + 1]
             padding = int((self.mask[row] == 0).sum())
             results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
-                                  padding, request.decoding.seed))
+                                  padding, request.decoding.seed, request.submitted, self.arrived[0],
+                                  self.arrived[len(kept) - 1]))
         return results
 
 

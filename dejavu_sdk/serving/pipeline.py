@@ -3,9 +3,14 @@
     with dv.Pipeline("smollm2", stages=2, microbatch=4) as pipe:    # stage processes start here
         outs = pipe.generate([ids_a, ids_b], max_new_tokens=64)     # each request's new ids, prompt excluded
         future = pipe.submit(ids, max_new_tokens=64)                # a concurrent.futures.Future of a Result
+    dv.Pipeline("smollm2", prompt_stages=1, token_stages=2)         # prompt/token disaggregation
+    dv.Pipeline("smollm2", machines=3, plan="auto")                 # the planner lays out 3 processes
 
 The pipeline is the head: it owns the request queue, forms microbatches in arrival order, keeps up to one
-microbatch per stage in flight, and collects each step's tokens from the last stage. Stage workers join it
+microbatch per stage in flight, and collects each step's tokens from the last stage. Disaggregated, a
+microbatch's prompt runs on the prompt pipeline, whose last stage picks the first tokens (`prefilled`);
+the head then starts it on the token pipeline (`start`) once a token stage is free, and the token stages
+build its cache from the KV the prompt stages streamed to them meanwhile. Stage workers join it
 (`dejavu worker --join URL`; `Pipeline` launches them as local processes unless `launch=False`, in which
 case workers started elsewhere join it) and are assigned stages in the order they join. Every link is a
 transport with a shared secret token; a worker that dies or stops answering fails the requests in flight
@@ -31,7 +36,10 @@ import torch
 from ..backends import open_transport, serve
 from ..errors import ConfigError, StoreError, TransportError
 from ..models import load_model
+from ..planner import Plan
+from ..planner import plan as make_plan
 from ..stream import LayerPartition
+from ..timing import measure_times
 from ..transports.base import Server, Transport
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
@@ -39,24 +47,38 @@ from .decoding import GREEDY_UNSUPPORTED, SAMPLING_UNSUPPORTED, Decoding, check_
 from .messages import Message, pack, unpack
 from .stage import check_layers
 
+#: The transports a pipeline's links can use.
+TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 #: Seconds the head waits for every worker to join and load its stage.
 START_TIMEOUT = 300.0
 
 
 class Pipeline:
-    """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) cut into `stages`
-    even stages (or the cuts in `layers`, e.g. `[(0, 12), (12, 30)]`), `microbatch` requests at a time.
+    """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) in stage processes,
+    `microbatch` requests at a time, laid out as one of:
 
-    `timeout`: seconds a microbatch in flight may go without a new token before the requests fail with
-    `TransportError` (a stage dead or stuck). `threads`: torch threads per stage process (default: this
-    machine's cores shared between the stages). `host`/`port`: where the head listens for its workers.
+    - one mixed pipeline of `stages` even stages (or the cuts in `layers`, e.g. `[(0, 12), (12, 30)]`) that
+      runs prompts and tokens alike;
+    - disaggregated: a prompt pipeline of `prompt_stages` and a token pipeline of `token_stages` even stages.
+      Each prompt stage streams every layer's KV, as soon as the layer is done, to the token stage that owns
+      it; the token side holds the KV of at most `token_slots` microbatches (default: one per stage of either
+      pipeline), and a full token side holds new prompts back;
+    - `machines` processes laid out by the planner (`plan="auto"`), from Y and t measured here on a microbatch
+      of the `workload`'s (prompt tokens, new tokens); its answer is `self.plan`.
+
+    `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
+    flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
+    `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
+    `host`/`port`: where the head listens for its workers.
     """
 
     def __init__(self, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
+                 prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
+                 machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
                  launch: bool = True, host: str = "127.0.0.1", port: int = 0) -> None:
-        if transport != "tcp":
-            raise ConfigError(f"transport={transport!r}: pipelines run over tcp")
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -64,7 +86,33 @@ class Pipeline:
         reference = load_model(model)  # ConfigError for a bad name, before any process starts
         adapter = adapter_for(reference)  # ConfigError for an architecture without an adapter
         total = len(adapter.decoder_layers())
-        self.layers = _cuts(stages, layers, total)
+        #: The planner's answer, when `machines` asked for one.
+        self.plan: Plan | None = None
+        if machines is not None:
+            if stages is not None or layers is not None or prompt_stages is not None or token_stages is not None:
+                raise ConfigError("machines= lets the planner choose the stages: give it alone, or give stages= "
+                                  "(mixed) or prompt_stages= and token_stages= (disaggregated) instead")
+            self.plan = _plan(reference, machines, plan, workload, microbatch, threads)
+            if self.plan.disaggregate:
+                prompt_stages, token_stages = self.plan.prompt_machines, self.plan.token_machines
+            else:
+                stages = machines
+        #: Mixed: every stage's layers. Disaggregated: the prompt pipeline's, then the token pipeline's.
+        self.layouts = _layouts(stages, layers, prompt_stages, token_stages, total)
+        self.disaggregated = len(self.layouts) == 2
+        #: Every stage's layers, in the order their workers are assigned (prompt stages first).
+        self.layers: list[tuple[int, int]] = [cut for layout in self.layouts for cut in layout]
+        depth = len(self.layouts[-1])
+        if token_slots is None:
+            token_slots = depth + len(self.layouts[0]) if self.disaggregated else depth
+        if isinstance(token_slots, bool) or not isinstance(token_slots, int) or token_slots < depth:
+            raise ConfigError(f"token_slots must be an integer of at least {depth} (one microbatch per token "
+                              f"stage), got {token_slots!r}")
+        if token_slots != depth and not self.disaggregated:
+            raise ConfigError("token_slots applies to disaggregated pipelines (prompt_stages= and token_stages=)")
+        #: Microbatches whose KV the token side may hold (decoding, or arrived and waiting to): a full token side
+        #: holds the prompt side back.
+        self.token_slots = token_slots
         config, generation = reference.config, reference.generation_config
         check_unsupported(generation, GREEDY_UNSUPPORTED, "decoding greedily")
         try:
@@ -82,8 +130,8 @@ class Pipeline:
         self.vocabulary: int = config.vocab_size
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
-        self.threads = threads or max(1, (os.cpu_count() or 1) // len(self.layers))
-        self.launch, self.host, self.port = launch, host, port
+        self.threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, self.layouts)))
+        self.launch, self.host, self.port, self.transport = launch, host, port, transport
         if not launch and not os.environ.get("DEJAVU_TOKEN"):
             raise ConfigError("launch=False: workers started elsewhere must present the head's token; set "
                               "DEJAVU_TOKEN to a shared secret here and for every `dejavu worker`")
@@ -93,6 +141,9 @@ class Pipeline:
         self._in_flight: dict[int, Microbatch] = {}
         self._progress: dict[int, float] = {}  # per microbatch in flight: when it last made progress
         self._next_microbatch = 0
+        self._prompting = 0  # disaggregated: microbatches in the prompt pipeline
+        self._decoding = 0  # disaggregated: microbatches in the token pipeline
+        self._staged: deque[tuple[int, Message]] = deque()  # prefilled, waiting for a token stage to start them
         self._failure: TransportError | None = None
         self._processes: list[subprocess.Popen[bytes]] = []
         self._workers: list[Transport] = []
@@ -111,7 +162,7 @@ class Pipeline:
     def start(self) -> Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
         loaded them."""
-        self._inbox = serve(f"tcp://{self.host}:{self.port}", token=self._token)
+        self._inbox = serve(f"{self.transport}://{self.host}:{self.port}", token=self._token)
         try:
             if self.launch:
                 environment = {**os.environ, "DEJAVU_TOKEN": self._token}
@@ -135,11 +186,10 @@ class Pipeline:
             if message.kind == "join":
                 joined.append(message.fields["url"])
         self._workers = [open_transport(url, token=self._token) for url in joined]
-        for number, layers in enumerate(self.layers):
-            following = joined[number + 1] if number + 1 < len(joined) else None
+        for number, fields in enumerate(self._assignments(joined)):
             self._workers[number].send_tensor(pack(Message("assign", {
-                "model": self.model, "layers": list(layers), "stage": number, "stages": len(self.layers),
-                "next": following, "first": joined[0], "threads": self.threads, "eos": self.eos, "pad": self.pad})))
+                "model": self.model, "stage": number, "threads": self.threads, "eos": self.eos, "pad": self.pad,
+                **fields})))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -147,6 +197,25 @@ class Pipeline:
                 raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
             if message.kind == "ready":
                 ready.add(message.fields["stage"])
+
+    def _assignments(self, joined: list[str]) -> list[dict[str, Any]]:
+        """Each joined worker's stage: its layers, its place in its pipeline, and the workers it sends to."""
+        assignments = []
+        kinds = ("prompt", "token") if self.disaggregated else ("mixed",)
+        offsets = [0, len(self.layouts[0])]
+        for kind, layout, offset in zip(kinds, self.layouts, offsets, strict=False):
+            urls = joined[offset:offset + len(layout)]
+            for number, layers in enumerate(layout):
+                name = f"stage {number}" if kind == "mixed" else f"{kind} stage {number}"
+                fields: dict[str, Any] = {"role": kind, "number": number, "stages": len(layout), "name": name,
+                                          "layers": list(layers), "first": urls[0],
+                                          "next": urls[number + 1] if number + 1 < len(urls) else None}
+                if kind == "prompt":
+                    token_layout = self.layouts[1]
+                    fields["token_stages"] = joined[len(layout):]
+                    fields["token_boundaries"] = [token_layout[0][0]] + [stop for _, stop in token_layout]
+                assignments.append(fields)
+        return assignments
 
     def _next_message(self, deadline: float, waiting_for: str) -> Message:
         assert self._inbox is not None
@@ -222,24 +291,37 @@ class Pipeline:
 
     # ---- the head's scheduling --------------------------------------------------------------------
     def _admit(self) -> None:
-        """Start waiting microbatches while fewer than one per stage are in flight."""
+        """Start what may start: a prefilled microbatch on a free token stage, and waiting requests as a new
+        microbatch while the first stage's pipeline has room (disaggregated: and the token side a free slot)."""
         while True:
             with self._lock:
-                if self._failure is not None or not self._waiting or len(self._in_flight) >= len(self.layers):
+                if self._failure is not None:
                     return
-                batch = Microbatch.of(self._next_microbatch, take_microbatch(self._waiting, self.microbatch),
-                                      self.pad)
-                self._next_microbatch += 1
-                self._in_flight[batch.number] = batch
-                self._progress[batch.number] = time.monotonic()
+                if self._staged and self._decoding < len(self.layouts[-1]):
+                    number, start = self._staged.popleft()
+                    self._decoding += 1
+                    self._progress[number] = time.monotonic()
+                    stage, message = len(self.layouts[0]), start
+                elif self._waiting and self._room_for_a_prefill():
+                    batch = Microbatch.of(self._next_microbatch, take_microbatch(self._waiting, self.microbatch),
+                                          self.pad)
+                    self._next_microbatch += 1
+                    self._in_flight[batch.number] = batch
+                    self._progress[batch.number] = time.monotonic()
+                    self._prompting += self.disaggregated
+                    stage, message = 0, Message("prefill", batch.fields(), (batch.ids, batch.mask))
+                else:
+                    return
             try:
-                self._workers[0].send_tensor(pack(Message(
-                    "prefill", {"microbatch": batch.number, "max_new_tokens": batch.max_new_tokens,
-                                "decoding": batch.decoding.fields()},
-                    (batch.ids, batch.mask))))
+                self._workers[stage].send_tensor(pack(message))
             except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
-                self._fail(TransportError(f"stage 0 is unreachable: {error}"))
+                self._fail(TransportError(f"stage {stage} is unreachable: {error}"))
                 return
+
+    def _room_for_a_prefill(self) -> bool:
+        if not self.disaggregated:
+            return len(self._in_flight) < len(self.layers)  # one microbatch per stage
+        return self._prompting < len(self.layouts[0]) and len(self._in_flight) < self.token_slots
 
     def _receive(self) -> None:
         """The head's receiver thread: takes the workers' messages, and watches them between messages."""
@@ -267,13 +349,24 @@ class Pipeline:
                 batch = self._in_flight.get(number)
                 if batch is not None:
                     self._progress[number] = time.monotonic()
-                    for row, token in zip(batch.generated, message.tensors[0].tolist(), strict=True):
-                        row.append(token)
+                    batch.add_step(message.tensors[0].tolist())
+        elif message.kind == "prefilled":  # disaggregated: the prompt pipeline's first tokens; decoding waits
+            number = int(message.fields["microbatch"])
+            with self._lock:
+                batch = self._in_flight.get(number)
+                self._prompting -= 1
+                self._progress.pop(number, None)  # not watched while it waits for a token stage
+                if batch is not None:
+                    tokens, mask, ended, rng = message.tensors
+                    batch.add_step(tokens[:, 0].tolist())
+                    self._staged.append((number, Message("start", batch.fields(), (tokens, mask, ended, rng))))
+            self._admit()
         elif message.kind == "ended":
             number = int(message.fields["microbatch"])
             with self._lock:
                 batch = self._in_flight.pop(number, None)
                 self._progress.pop(number, None)
+                self._decoding -= self.disaggregated
             if batch is not None:
                 for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
                     _settle(request.future, result=result)
@@ -307,8 +400,23 @@ class Pipeline:
             _settle(request.future, error=error)
 
 
+def _layouts(stages: int | None, layers: Sequence[tuple[int, int]] | None, prompt_stages: int | None,
+             token_stages: int | None, total: int) -> list[list[tuple[int, int]]]:
+    """The stages' layer ranges: one mixed pipeline (`layers`, or `stages` even cuts), or a prompt and a token
+    pipeline of `prompt_stages` and `token_stages` even cuts each."""
+    if prompt_stages is None and token_stages is None:
+        return [_cuts(stages, layers, total)]
+    if prompt_stages is None or token_stages is None:
+        raise ConfigError("a disaggregated pipeline needs both prompt_stages= and token_stages=")
+    if stages is not None or layers is not None:
+        raise ConfigError("give stages=/layers= for one mixed pipeline, or prompt_stages= and token_stages= for "
+                          "a disaggregated one, not both")
+    return [_even(prompt_stages, total, "prompt_stages"), _even(token_stages, total, "token_stages")]
+
+
 def _cuts(stages: int | None, layers: Sequence[tuple[int, int]] | None, total: int) -> list[tuple[int, int]]:
-    """The stages' layer ranges: `layers` as given (contiguous from 0 to the last layer), or `stages` even cuts."""
+    """One pipeline's layer ranges: `layers` as given (contiguous from 0 to the last layer), or `stages` even
+    cuts."""
     if layers is not None:
         cuts = [check_layers(pair, total) for pair in layers]
         ends = [0] + [stop for _, stop in cuts]
@@ -318,10 +426,42 @@ def _cuts(stages: int | None, layers: Sequence[tuple[int, int]] | None, total: i
         if stages is not None and stages != len(cuts):
             raise ConfigError(f"stages={stages} but layers lists {len(cuts)} stages")
         return cuts
-    stages = 1 if stages is None else stages
+    return _even(1 if stages is None else stages, total, "stages")
+
+
+def _even(stages: Any, total: int, name: str) -> list[tuple[int, int]]:
     if isinstance(stages, bool) or not isinstance(stages, int):
-        raise ConfigError(f"stages must be an integer from 1 to the model's {total} layers, got {stages!r}")
+        raise ConfigError(f"{name} must be an integer from 1 to the model's {total} layers, got {stages!r}")
     return LayerPartition.even(total, stages).stages
+
+
+def _plan(model: Any, machines: Any, plan: str, workload: tuple[int, int], microbatch: int,
+          threads: int | None) -> Plan:
+    """The planner's choice for `machines` stage processes, from this machine's measured prompt time Y and
+    token time t of `model` on a microbatch of the `workload`'s (prompt tokens, new tokens), timed with the
+    threads each stage process will have (on one machine, its share of the cores)."""
+    if plan != "auto":
+        raise ConfigError(f"plan={plan!r}: the only plan is 'auto' (the planner chooses from measured Y and t)")
+    if isinstance(machines, bool) or not isinstance(machines, int) or machines < 1:
+        raise ConfigError(f"machines must be a positive integer, got {machines!r}")
+    prompt_tokens, new_tokens = _workload(workload)
+    if machines == 1:
+        return Plan(False, 0, 0, 1.0, "Keep one mixed pipeline: one machine cannot be split.", 1.0, 1.0,
+                    float("inf"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // machines))
+    try:
+        prompt_time, token_time = measure_times(model, microbatch, prompt_tokens)
+    finally:
+        torch.set_num_threads(previous)
+    return make_plan(machines, prompt_time, token_time, new_tokens)
+
+
+def _workload(workload: Any) -> tuple[int, int]:
+    pair = tuple(workload) if isinstance(workload, (tuple, list)) else ()
+    if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair):
+        raise ConfigError(f"workload is (prompt tokens, new tokens) of a typical request, got {workload!r}")
+    return pair[0], pair[1]
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

@@ -9,6 +9,7 @@ tokens `model.generate` would.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,13 +51,14 @@ class Stage:
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: DynamicCache) -> torch.Tensor:
+                cache: DynamicCache, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run the stage on new positions.
 
         `inputs`: token ids `[B, T]` on the first stage, else the previous stage's hidden states `[B, T, H]`;
         `attention_mask`: `[B, past + T]`, 0 at (left) padding; `position_ids`: `[B, T]` (`position_ids`
         gives them from the mask). Returns the hidden states for the next stage, or on the last stage the
-        float32 logits of the position after the last `[B, vocab]`.
+        float32 logits of the position after the last `[B, vocab]`. `after_layer(i)` runs as soon as the
+        stage's i-th layer is done (its KV in `cache.layers[i]`): a prompt stage streams that layer's KV from it.
         """
         hidden = self.adapter.embed(inputs, position_ids) if self.first else inputs
         # `generate` drops a mask without padding, so that attention takes its causal fast path: so do stages.
@@ -64,6 +66,8 @@ class Stage:
         call = self.adapter.layer_call(hidden, mask, position_ids, cache, self.layer_types)
         for index, layer in enumerate(self._modules):
             hidden = call(index, layer, hidden)
+            if after_layer is not None:
+                after_layer(index)
         return self.adapter.head(hidden) if self.last else hidden
 
 

@@ -9,6 +9,9 @@ Life of a worker (`dejavu worker --join URL`, or a process the pipeline launches
    position) run the stage and go on to the next stage; on the last stage they become the next tokens,
    which go to the head (`tokens`) and back to the first stage as the next `decode`, or, once every row has
    ended, `ended` to the head and `end` through the other stages, which free the microbatch's caches.
+   Disaggregated, a prompt stage runs only `prefill`, streaming each finished layer's KV to the token stages
+   (`kv`), and its last stage sends the first tokens to the head (`prefilled`); a token stage keeps the KV
+   it receives until the head's `start` (the first tokens) arrives, then decodes the microbatch as above.
 A worker that cannot reach a neighbour, or whose stage fails, tells the head (`failed`) and stops: the head
 fails the requests in flight.
 """
@@ -25,8 +28,10 @@ import torch
 from ..backends import open_transport, serve
 from ..errors import TransportError
 from ..models import load_model
+from ..stream import LayerPartition
 from ..transports.base import Server, Transport
 from .decoding import TokenPicker
+from .handoff import KV, LayerSender, StagedKV
 from .messages import Message, pack, unpack
 from .stage import Stage, position_ids
 
@@ -51,54 +56,143 @@ class _Microbatch:
     steps: int = 0
 
 
-class StageWorker:
-    """Runs one assigned stage: `run()` returns when the head says `shutdown`."""
+@attrs.frozen
+class Role:
+    """Where a stage sits: `kind` is "mixed" (prompts and tokens), "prompt" or "token"; `number` of `stages` in
+    its own pipeline; `name` as errors show it."""
 
-    def __init__(self, stage: Stage, inbox: Server, head: Transport, following: Transport | None,
-                 first: Transport | None, number: int, stages: int, eos: list[int], pad: int) -> None:
-        self.stage, self.inbox, self.head = stage, inbox, head
-        self.following, self.first = following, first  # the next stage; the last stage's way back to the first
-        self.number, self.stages, self.pad = number, stages, pad
+    kind: str
+    number: int
+    stages: int
+    name: str
+
+    @property
+    def last(self) -> bool:
+        return self.number == self.stages - 1
+
+
+class StageWorker:
+    """Runs one assigned stage: `run()` returns when the head says `shutdown`.
+
+    `following` is the next stage of its pipeline; `first` the last stage's way back to its pipeline's first
+    stage (the next step's tokens); `sender` a prompt stage's link to the token stages.
+    """
+
+    def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
+                 first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None) -> None:
+        self.stage, self.role, self.inbox, self.head = stage, role, inbox, head
+        self.following, self.first, self.sender, self.pad = following, first, sender, pad
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
+        self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
 
     def run(self) -> None:
         while True:
             try:
                 packed = self.inbox.recv_tensor(timeout=HEARTBEAT)
             except TransportError:  # a quiet inbox: show the head this worker lives (raises if the head is gone)
-                self.head.send_tensor(pack(Message("heartbeat", {"stage": self.number})))
-                continue
+                packed = None
             try:
+                if self.sender is not None:
+                    self.sender.check()
+                if packed is None:
+                    self.head.send_tensor(pack(Message("heartbeat", {"stage": self.role.name})))
+                    continue
                 message = unpack(packed)
                 if message.kind == "shutdown":
                     return
                 self.handle(message)
             except Exception as error:  # a neighbour is gone, a bad message, or the stage failed: tell the head
-                self.head.send_tensor(pack(Message("failed", {"stage": self.number,
+                self.head.send_tensor(pack(Message("failed", {"stage": self.role.name,
                                                               "error": f"{type(error).__name__}: {error}"})))
                 raise
 
     def handle(self, message: Message) -> None:
         number = int(message.fields.get("microbatch", -1))
-        if message.kind == "end":
+        kind = message.kind
+        if kind == "end":
             self.microbatches.pop(number, None)
-            if self.number + 2 < self.stages:  # the last stage ended it and freed its own already
+            if self.role.number + 2 < self.role.stages:  # the last stage ended it and freed its own already
                 self._send(self.following, message)
-            return
-        if message.kind == "prefill":
-            inputs, mask = message.tensors
-            state = _Microbatch(self.stage.new_cache(), mask.clone(), position_ids(mask), dict(message.fields))
-            if self.stage.last:
-                state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
-            self.microbatches[number] = state
-        elif message.kind == "decode":
+        elif kind == KV and self.role.kind == "token":
+            self._receive_kv(number, message)
+        elif kind == "start" and self.role.kind == "token":
+            self._start(number, message)
+        elif kind == "prefill" and self.role.kind != "token":
+            self._prefill(number, message)
+        elif kind == "decode" and self.role.kind != "prompt":
             (inputs,) = message.tensors
             state = self.microbatches[number]
             state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
             state.positions = state.positions[:, -1:] + 1
+            self._step(number, state, inputs, message)
         else:
-            raise TransportError(f"stage {self.number} got a message of unknown kind {message.kind!r}")
+            raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
+
+    def _prefill(self, number: int, message: Message) -> None:
+        inputs, mask = message.tensors
+        state = _Microbatch(self.stage.new_cache(), mask.clone(), position_ids(mask), dict(message.fields))
+        if self.stage.last:
+            state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
+        if self.role.kind == "mixed":
+            self.microbatches[number] = state
+            self._step(number, state, inputs, message)
+            return
+        sender, cache, first_layer = self.sender, state.cache, self.stage.layers[0]
+        assert sender is not None  # a prompt stage streams every layer it runs
+
+        def stream_layer(local: int) -> None:
+            layer = cache.layers[local]
+            sender.layer_done(number, first_layer + local, layer.keys, layer.values)
+
+        output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer)
+        if not self.stage.last:
+            self._send(self.following, Message("prefill", message.fields, (output, state.mask)))
+            return
+        tokens, ended = self._pick(state, output)  # the first new tokens; the token pipeline takes over from here
+        generator = state.picker.generator if state.picker is not None else None
+        rng = generator.get_state() if generator is not None else torch.empty(0, dtype=torch.uint8)
+        self._send(self.head, Message("prefilled", {"microbatch": number},
+                                      (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
+
+    def _receive_kv(self, number: int, message: Message) -> None:
+        staged = self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
+        staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
+        if staged.complete and staged.start is not None:
+            self._start(number, staged.start)
+
+    def _start(self, number: int, message: Message) -> None:
+        """A token stage's first step of a microbatch the prompt pipeline ran, once all its layers' KV are here
+        (else the message waits for the last piece)."""
+        staged = self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
+        if not staged.complete:
+            staged.start = message
+            return
+        del self.staged[number]
+        inputs, prompt_mask, ended, rng = message.tensors
+        if bool(ended.all()):  # every row ended with its first token: nothing to decode
+            if self.role.last:
+                self._send(self.head, Message("ended", {"microbatch": number}))
+            else:
+                self._send(self.following, message)
+            return
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), 1)], dim=1)
+        state = _Microbatch(staged.cache(self.stage.config, prompt_mask.shape[1]), mask,
+                            position_ids(prompt_mask)[:, -1:] + 1, dict(message.fields))
+        if self.stage.last:
+            state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
+            if state.picker.generator is not None:
+                state.picker.generator.set_state(rng.clone())
+            state.ended, state.steps = ended.bool(), 1
+        self.microbatches[number] = state
+        output = self.stage.forward(inputs, state.mask, state.positions, state.cache)
+        if not self.stage.last:
+            self._send(self.following, Message("start", message.fields, (output, prompt_mask, ended, rng)))
+            return
+        self._next_tokens(number, state, output)
+
+    def _step(self, number: int, state: _Microbatch, inputs: torch.Tensor, message: Message) -> None:
+        """Run the stage on the microbatch's new positions, and pass the result on."""
         output = self.stage.forward(inputs, state.mask, state.positions, state.cache)
         if not self.stage.last:
             tensors = (output, state.mask) if message.kind == "prefill" else (output,)
@@ -106,8 +200,8 @@ class StageWorker:
             return
         self._next_tokens(number, state, output)
 
-    def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:
-        """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
+    def _pick(self, state: _Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token (padding once the row has ended), and which rows have now ended."""
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         assert state.picker is not None  # made with the microbatch on the last stage
@@ -115,11 +209,16 @@ class StageWorker:
         state.steps += 1
         state.ended |= torch.isin(tokens, self.eos)
         state.ended |= torch.tensor([state.steps >= limit for limit in state.fields["max_new_tokens"]])
+        return tokens, state.ended
+
+    def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:
+        """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
+        tokens, ended = self._pick(state, logits)
         self._send(self.head, Message("tokens", {"microbatch": number}, (tokens,)))
-        if bool(state.ended.all()):
+        if bool(ended.all()):
             del self.microbatches[number]
             self._send(self.head, Message("ended", {"microbatch": number}))
-            if self.stages > 1:
+            if self.role.stages > 1:
                 self._send(self.first, Message("end", {"microbatch": number}))
         else:
             self._send(self.first, Message("decode", {"microbatch": number}, (tokens[:, None],)))
@@ -147,14 +246,18 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
             head.send_tensor(pack(Message("failed", {"stage": fields["stage"],
                                                      "error": f"{type(error).__name__}: {error}"})))
             raise
+        role = Role(fields["role"], fields["number"], fields["stages"], fields["name"])
         following = open_transport(fields["next"]) if fields.get("next") else None
-        first = open_transport(fields["first"]) if stage.last else None
+        first = open_transport(fields["first"]) if role.kind != "prompt" and role.last else None
+        token_links = [open_transport(url) for url in fields.get("token_stages", [])]
+        sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
         try:
             head.send_tensor(pack(Message("ready", {"stage": fields["stage"]})))
-            StageWorker(stage, inbox, head, following, first, fields["stage"], fields["stages"], fields["eos"],
-                        fields["pad"]).run()
+            StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender).run()
         finally:
-            for link in (following, first):
+            if sender is not None:
+                sender.close()
+            for link in (following, first, *token_links):
                 if link is not None:
                     link.close()
 
