@@ -78,13 +78,19 @@ def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) ->
 def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, capsys) -> None:
     samples = tmp_path / "samples.json"
     arguments = ["bench", "transports", "--sizes", "256KiB", "--repeats", "2", "--volume", "1MiB",
-                 "--transports", "tcp,tcp+token,tcp+tls,local", "--quiet", "--json", str(samples)]
+                 "--transports", "tcp,tcp+token,tcp+tls,local", "--quiet", "--json", str(samples),
+                 "--pingpong-sizes", "4KiB,16KiB", "--pingpong-rounds", "5"]
     assert main(arguments) == 0
     output = capsys.readouterr().out
     for expected in ("| 256 KiB | tcp |", "of socket send", "of socket receive", "| 256 KiB | local |", "of memcpy",
-                     "What a token and TLS cost", "| 256 KiB | tcp+token |", "| 256 KiB | tcp+tls |"):
+                     "What a token and TLS cost", "| 256 KiB | tcp+token |", "| 256 KiB | tcp+tls |",
+                     "Small-tensor round trips", "| 4 KiB | tcp |", "| 16 KiB | tcp |"):
         assert expected in output
-    recorded = {entry["what"]: entry["gbps"] for entry in json.loads(samples.read_text())["samples"]}
+    report = json.loads(samples.read_text())
+    round_trips = report["pingpong"]["seconds"]
+    assert {"4096 tcp", "4096 tcp | socket", "16384 tcp"} <= set(round_trips)
+    assert all(len(values) == 2 and all(value > 0 for value in values) for values in round_trips.values())
+    recorded = {entry["what"]: entry["gbps"] for entry in report["throughputs"]["samples"]}
     assert {"tcp flush", "tcp fetch", "tcp | socket send", "tcp | socket send + checksums", "local | memcpy",
             "tcp+token flush", "tcp+tls fetch"} <= set(recorded)
     assert main(["bench", "transports", "--transports", "pigeon", "--quiet"]) == 2

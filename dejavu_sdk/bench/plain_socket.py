@@ -7,6 +7,7 @@ connection. Each command is one byte and a u64 size:
     R  receive `size` bytes into one reused buffer (then ack 1 byte)
     V  the same, then hash them with XXH3-64 before the ack (as a receiver verifying a checksum must)
     S  send `size` bytes from one buffer
+    E  receive `size` bytes, and send them back (a round trip)
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def serve_one_connection() -> None:
                 if kind == b"V":
                     xxhash.xxh3_64_intdigest(reused.data[:size])
                 connection.sendall(b"k")
+            elif kind == b"E":
+                _recv_exactly(connection, reused.data[:size])
+                _send_in_pieces(connection, reused.data[:size])
             else:
                 _send_in_pieces(connection, reused.data[:size])
 
@@ -77,6 +81,7 @@ class PlainSocketPeer:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._ack = bytearray(1)
+        self._echoed = np.empty(0, np.uint8)
 
     def send(self, block: np.ndarray, checksums: bool = False) -> None:
         """Send `block`; with `checksums`, hash it first and have the child hash what it received."""
@@ -89,6 +94,14 @@ class PlainSocketPeer:
     def receive(self, out: np.ndarray) -> None:
         self.sock.sendall(COMMAND.pack(b"S", out.size))
         _recv_exactly(self.sock, out.data)
+
+    def echo(self, block: np.ndarray) -> None:
+        """Send `block` and receive it back into a buffer of its size (a round trip)."""
+        if self._echoed.size != block.size:
+            self._echoed = np.empty(block.size, np.uint8)
+        self.sock.sendall(COMMAND.pack(b"E", block.size))
+        _send_in_pieces(self.sock, block.data)
+        _recv_exactly(self.sock, self._echoed.data)
 
     def close(self) -> None:
         self.sock.close()

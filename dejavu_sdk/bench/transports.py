@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -30,6 +31,7 @@ from ..testing.certificates import self_signed_certificate
 from ..testing.peers import ServedStoreProcess
 from ..transports.base import Transport
 from .common import Throughputs, machine_description, plot_operations, seconds_each
+from .pingpong import PingPong
 from .plain_socket import PlainSocketPeer
 
 NETWORKED = ("tcp", "ucx", "gloo")
@@ -174,6 +176,19 @@ def _security_cost(results: Throughputs, targets: list[str]) -> str:
     table = markdown_table(["block", "variant", "flush, relative to tcp", "fetch, relative to tcp"], rows)
     return (f"\nWhat a token and TLS cost (each variant's share of its plain-socket ceiling, over tcp's share):"
             f"\n\n{table}\n")
+
+
+@attrs.frozen
+class TransportReport:
+    """What `dejavu bench transports` measured: block throughputs and small-tensor round trips (either may be
+    None when not asked for)."""
+
+    throughputs: Throughputs | None
+    pingpong: PingPong | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"throughputs": self.throughputs.to_json() if self.throughputs else None,
+                "pingpong": self.pingpong.to_json() if self.pingpong else None}
 
 
 def plot_transport_bench(results: Throughputs, targets: list[str], path: str) -> None:

@@ -1,4 +1,4 @@
-"""`dejavu bench stores|transports|streaming`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|transports|streaming|serving`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -27,16 +27,31 @@ def _bench_stores(args: argparse.Namespace) -> int:
 
 
 def _bench_transports(args: argparse.Namespace) -> int:
-    from ..bench.transports import available, plot_transport_bench, run_transport_bench, transport_bench_markdown
+    from ..bench.pingpong import PINGPONG, run_pingpong
+    from ..bench.transports import (
+        TransportReport,
+        available,
+        plot_transport_bench,
+        run_transport_bench,
+        transport_bench_markdown,
+    )
 
     targets, notes = available(args.transports.split(","))
     for note in notes:
         print(note)
-    sizes = [parse_size(size) for size in args.sizes.split(",")]
+    sizes = [parse_size(size) for size in args.sizes.split(",") if size]
     results = run_transport_bench(sizes, targets, repeats=args.repeats, volume=parse_size(args.volume),
-                                  progress=not args.quiet)
-    print(transport_bench_markdown(results, targets))
-    write_outputs(args, results, lambda path: plot_transport_bench(results, targets, path))
+                                  progress=not args.quiet) if sizes else None
+    if results is not None:
+        print(transport_bench_markdown(results, targets))
+    small = [parse_size(size) for size in args.pingpong_sizes.split(",") if size]
+    schemes = [target for target in targets if target in PINGPONG]
+    pingpong = run_pingpong(small, schemes, repeats=args.repeats, rounds=args.pingpong_rounds,
+                            progress=not args.quiet) if small and schemes else None
+    if pingpong is not None:
+        print(pingpong.to_markdown())
+    report = TransportReport(results, pingpong)
+    write_outputs(args, report, (lambda path: plot_transport_bench(results, targets, path)) if results else None)
     return 0
 
 
@@ -58,6 +73,45 @@ def _bench_streaming(args: argparse.Namespace) -> int:
     print(report.to_markdown(targets))
     write_outputs(args, report, (lambda path: plot_long_generation(report, path)) if report.long_steps else None)
     return 0
+
+
+def _bench_serving(args: argparse.Namespace) -> int:
+    import math
+
+    from ..bench.serving import VARIANTS, plot_serving_bench, run_serving_bench
+
+    variants = tuple(args.variants.split(","))
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise ConfigError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    try:
+        rates = tuple(math.inf if rate.strip() in ("inf", "all") else float(rate) for rate in args.rates.split(","))
+    except ValueError:
+        raise ConfigError(f"--rates takes requests per second separated by commas, or 'all', got {args.rates!r}") \
+            from None
+    if any(not rate > 0 for rate in rates):
+        raise ConfigError("every rate must be positive")
+    for option in ("requests", "microbatch", "repeats"):
+        if getattr(args, option) < 1:
+            raise ConfigError(f"--{option} must be a positive integer")
+    report = run_serving_bench(args.model, requests=args.requests, microbatch=args.microbatch,
+                               rates=sorted(rates), repeats=args.repeats, gain=_lengths(args.gain, "--gain"),
+                               loss=_lengths(args.loss, "--loss"), variants=variants, transport=args.transport,
+                               progress=not args.quiet)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_serving_bench(report, path))
+    return 0
+
+
+def _lengths(text: str, option: str) -> tuple[int, int]:
+    try:
+        prompt, new = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{option} takes median prompt tokens and median new tokens, like 256,32; got {text!r}") \
+            from None
+    if prompt < 1 or new < 1:
+        raise ConfigError(f"{option}: both lengths must be positive, got {text!r}")
+    return prompt, new
 
 
 def add_bench_commands(commands: Any) -> None:
@@ -82,6 +136,10 @@ def add_bench_commands(commands: Any) -> None:
                                  "with TLS and a token")
     transports.add_argument("--repeats", type=int, default=5)
     transports.add_argument("--volume", default="256MiB", help="bytes moved per measurement")
+    transports.add_argument("--pingpong-sizes", default="4KiB,16KiB,64KiB",
+                            help="tensor sizes of the round trips beside a plain socket (empty: none; an empty "
+                                 "--sizes runs only these)")
+    transports.add_argument("--pingpong-rounds", type=int, default=200, help="round trips per measurement")
     add_output_arguments(transports)
     transports.set_defaults(run=_bench_transports)
 
@@ -101,3 +159,20 @@ def add_bench_commands(commands: Any) -> None:
     streaming.add_argument("--long-store", default="lmdb-nosync", help="the replica of the long generation")
     add_output_arguments(streaming, figures="the long generation's step times and overhead")
     streaming.set_defaults(run=_bench_streaming)
+
+    serving = benches.add_parser("serving", help="a model served by Hugging Face (static and continuous "
+                                 "batching) and by pipelines (mixed and disaggregated) on requests from a trace")
+    serving.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
+    serving.add_argument("--requests", type=int, default=16, help="requests per workload, from the trace")
+    serving.add_argument("--microbatch", type=int, default=4)
+    serving.add_argument("--rates", default="0.5,all", help="arrival rates in requests/s, comma-separated; 'all': "
+                         "every request at once (the saturated throughput the planner predicts)")
+    serving.add_argument("--repeats", type=int, default=3)
+    serving.add_argument("--gain", default="256,32", help="median prompt and new tokens of the workload where the "
+                         "planner predicts disaggregation ahead")
+    serving.add_argument("--loss", default="64,64", help="median prompt and new tokens of the workload where it "
+                         "predicts disaggregation behind")
+    serving.add_argument("--variants", default=",".join(("static", "continuous", "mixed", "disaggregated")))
+    serving.add_argument("--transport", default="tcp", help="the pipelines' transport")
+    add_output_arguments(serving, figures="tokens/s and p99 latency against the arrival rate")
+    serving.set_defaults(run=_bench_serving)
