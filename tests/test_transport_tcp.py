@@ -187,3 +187,14 @@ def test_a_failure_after_the_first_send_is_not_resent(server) -> None:
         with pytest.raises(TransportError, match="mid-message"):
             link.flush(KEY, torch.zeros(4 << 20, dtype=torch.uint8))  # large: sent in several parts
         assert len(calls) == 2  # the control frame went out, the next part failed, and nothing was resent
+
+
+def test_a_refused_post_fails_the_next_call_saying_what_may_be_lost() -> None:
+    """A server that takes no tensors closes the link on a posted one: the sender hears of it at its next call."""
+    with dv.serve("tcp://127.0.0.1:0", dv.open_store("memory://"), accept_tensors=False) as server, \
+            dv.open_transport(server.url) as transport:
+        transport.post_tensor(torch.ones(4))  # returns at once: nobody answers a post that was taken
+        time.sleep(0.5)  # the server refuses it and closes the connection
+        with pytest.raises(dv.TransportError, match=r"1 tensor\(s\) posted since its last answer may not have"):
+            transport.post_tensor(torch.ones(4))
+        transport.flush(dv.BlockKey("s", layers=(0, 1), tokens=(0, 1)), torch.ones(2, 2))  # a new link works

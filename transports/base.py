@@ -49,6 +49,17 @@ class Transport(RecordStore, BlockStreaming):
     def send_tensor(self, tensor: torch.Tensor) -> None:
         """Put `tensor` into the peer's inbox; returns once the peer has it."""
 
+    def post_tensor(self, tensor: torch.Tensor) -> None:
+        """Send `tensor` to the peer's inbox without waiting for the peer to confirm it: a stream of small
+        tensors (a pipeline's activations) costs one transfer each instead of a round trip.
+
+        Tensors posted on one transport arrive in order. A peer that cannot take one closes the link, and the
+        next call on this transport raises `TransportError` saying how many posted tensors may be lost; a
+        caller that must know the last one arrived sends it with `send_tensor`. Transports without such a
+        link confirm every tensor (this default).
+        """
+        self.send_tensor(tensor)
+
     @abstractmethod
     def close(self) -> None:
         """Drop the connection; later calls raise StoreClosed. Closing twice is harmless."""

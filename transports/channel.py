@@ -84,6 +84,7 @@ class ChannelTransport(ServingTransport):
         self._channel: Channel | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._posted = 0  # tensors posted on this channel since the server last answered a request
 
     @abstractmethod
     def _connect(self) -> Channel:
@@ -98,10 +99,7 @@ class ChannelTransport(ServingTransport):
         the close crossed the request, once its first send fails (the server never acted on it).
         """
         with self._lock:
-            if self._closed:
-                raise StoreClosed(f"{self!r} is closed")
-            if self._channel is not None and self._channel.closed_by_peer():
-                self._drop()
+            self._check_posts()
             reused = self._channel is not None
             channel = self._channel or self._open()
             try:
@@ -120,6 +118,7 @@ class ChannelTransport(ServingTransport):
             except BaseException:
                 self._drop()  # the channel's state is unknown: reopen it next time
                 raise
+            self._posted = 0  # answered in order, so every earlier post was taken
         if reply.status != Status.OK:
             raise _STATUS_ERRORS.get(reply.status, TransportError)(f"{self.url}: {reply.text}")
         return reply, received
@@ -140,10 +139,23 @@ class ChannelTransport(ServingTransport):
         self._channel = channel
         return channel
 
+    def _check_posts(self) -> None:
+        """Before a request: refuse on a closed transport, and replace a channel the server closed, saying so
+        when tensors posted on it may not have arrived. Called with the lock held."""
+        if self._closed:
+            raise StoreClosed(f"{self!r} is closed")
+        if self._channel is not None and self._channel.closed_by_peer():
+            posted = self._posted
+            self._drop()
+            if posted:
+                raise TransportError(f"{self.url} closed the connection: {posted} tensor(s) posted since its last "
+                                     "answer may not have arrived")
+
     def _drop(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        self._posted = 0
 
     # ---- blocks and tensors --------------------------------------------------------------
     def flush(self, key: BlockKey, block: Any) -> None:
@@ -160,6 +172,24 @@ class ChannelTransport(ServingTransport):
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"send_tensor takes a torch.Tensor, got {type(tensor).__name__}")
         self._exchange(Op.TENSOR, record=OutgoingRecord.from_block(TENSOR_LABEL, tensor))
+
+    def post_tensor(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"post_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        record = OutgoingRecord.from_block(TENSOR_LABEL, tensor)
+        with self._lock:
+            self._check_posts()
+            channel = self._channel or self._open()
+            try:
+                send_message(channel, Op.POST, record=record)
+            except BaseException as error:
+                posted = self._posted
+                self._drop()
+                if posted and isinstance(error, TransportError):
+                    raise TransportError(f"{error}; {posted} tensor(s) posted before it may not have arrived") \
+                        from error
+                raise
+            self._posted += 1
 
     # ---- the record interface ------------------------------------------------------------
     def put_records(self, records: Sequence[NamedRecord]) -> None:
@@ -249,7 +279,8 @@ class ServerOptions:
     forever). `max_connections`: connections served at once; more are refused politely (ServerBusy).
     `access`: tokens and their streams. `tls_cert`/`tls_key`: PEM files; TLS for every connection.
     `accept_tensors`: whether peers may send tensors (a store server nobody reads tensors from says no);
-    `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy).
+    `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy); a posted tensor
+    waits up to `timeout` for room instead, holding its sender back.
     """
 
     timeout: float | None = SERVER_TIMEOUT
@@ -411,8 +442,12 @@ class ChannelServer(Server):
             send_message(channel, Op.REPLY, status=Status.DENIED,
                          meta=f"{outside} lies outside the streams this token may reach".encode())
             return
-        if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS):
+        if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS, Op.POST):
             status, meta = self._receive(channel, request)
+            if request.op == Op.POST:  # answered only by closing the connection, when refused
+                if status != Status.OK:
+                    raise ProtocolError(f"refused a posted tensor: {meta.decode(errors='replace')}")
+                return
         elif request.has_record:
             raise ProtocolError(f"{request.op.name} requests carry no record")
         elif request.op == Op.GET:
@@ -459,17 +494,19 @@ class ChannelServer(Server):
             return Status.BAD_REQUEST, f"a record from {channel.peer} was damaged in transit".encode()
         if header is None:  # PUT_RECORDS, as checked above
             return _replied(lambda: self.records.put_records(_split_records(request.text, record)))
-        if request.op == Op.TENSOR:
-            return self._take_tensor(record, header)
+        if request.op in (Op.TENSOR, Op.POST):
+            return self._take_tensor(record, header, wait=request.op == Op.POST)
         return _replied(lambda: self.records.put_records([(_checked_label(request.text, header), record)]))
 
-    def _take_tensor(self, record: np.ndarray, header: RecordHeader) -> tuple[Status, bytes]:
-        """Queue a received tensor for `recv_tensor`, or say why not: refused here, or the inbox is full."""
+    def _take_tensor(self, record: np.ndarray, header: RecordHeader, wait: bool = False) -> tuple[Status, bytes]:
+        """Queue a received tensor for `recv_tensor`, or say why not: refused here, or the inbox is full. A
+        posted tensor (`wait`) waits up to the server's timeout for room: its sender is held back meanwhile."""
         if not self.options.accept_tensors:
             return Status.BAD_REQUEST, b"this server takes no tensors (it serves a store)"
         payload = torch.from_numpy(record[header.length:header.length + header.payload_length])
         try:
-            self._inbox.put_nowait(payload.view(torch_dtype(header.dtype)).view(header.shape))
+            self._inbox.put(payload.view(torch_dtype(header.dtype)).view(header.shape), block=wait,
+                            timeout=self.timeout if wait else None)
         except queue.Full:
             return Status.BUSY, f"the inbox holds {self.options.inbox_size} tensors nobody took yet".encode()
         return Status.OK, b""
@@ -493,7 +530,7 @@ def _checked_label(name: str, header: RecordHeader) -> str:
 
 def _outside(request: Message, scope: Scope) -> str | None:
     """The first name a request reaches that its connection's scope does not allow, if any."""
-    if not scope.prefix or request.op in (Op.TENSOR, Op.HELLO):
+    if not scope.prefix or request.op in (Op.TENSOR, Op.POST, Op.HELLO):
         return None
     if request.op == Op.LIST:
         prefix = request.text

@@ -47,6 +47,7 @@ class Op(enum.IntEnum):
     TENSOR = 6
     REPLY = 7
     PUT_RECORDS = 8  # encoded records as opaque bytes, stored exactly as sent; meta: "size name" per line
+    POST = 9  # a tensor for the inbox, not answered when taken (a refusal closes the connection)
 
 
 class Status(enum.IntEnum):

@@ -4,8 +4,8 @@ A decode step moves a few kilobytes of activations from stage to stage, so the l
 bounds a pipeline. `run_pingpong` times round trips of 4-64 KiB tensors, two ways, back to back in every
 repeat:
     socket    a plain TCP socket to a child that echoes the bytes (the least a round trip can cost)
-    <scheme>  `send_tensor` to a child's server, which takes the tensor from its inbox and sends it back
-              with `send_tensor` to ours, as a stage passes its output on
+    <scheme>  `post_tensor` to a child's server, which takes the tensor from its inbox and posts it back
+              to ours, as a pipeline stage passes its output on
 
 Run as a child process (`python -m dejavu_sdk.bench.pingpong URL`), this module is that echo: it serves
 an inbox of URL's scheme, prints its address, and returns every tensor to URL until an empty one comes.
@@ -81,7 +81,7 @@ class _TensorEcho:
         self.peer: Transport = open_transport(self.process.stdout.readline().strip(), token=TOKEN, timeout=TIMEOUT)
 
     def round_trip(self, tensor: torch.Tensor) -> None:
-        self.peer.send_tensor(tensor)
+        self.peer.post_tensor(tensor)
         self.inbox.recv_tensor(timeout=TIMEOUT)
 
     def close(self) -> None:
@@ -144,7 +144,7 @@ def _echo(reply_url: str) -> None:
             tensor = inbox.recv_tensor(timeout=600)
             if tensor.numel() == 0:
                 return
-            reply.send_tensor(tensor)
+            reply.post_tensor(tensor)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ gaps are scaled so that requests arrive at a given rate. Each workload is served
 
     static        Hugging Face `model.generate` on batches of up to two microbatches' rows (as many as the
                   pipelines have in flight) of the requests waiting, one process
-    continuous    Hugging Face continuous batching (`init_continuous_batching`), one process
+    continuous    Hugging Face continuous batching (`init_continuous_batching`) of up to as many requests at
+                  once, one process
     mixed         `Pipeline(stages=2)`: prompts and tokens share two stage processes
     disaggregated `Pipeline(prompt_stages=1, token_stages=1)`
 
@@ -372,7 +373,7 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microb
         for pipe in pipelines.values():
             pipe.start()
         if "continuous" in variants:
-            manager = _continuous_manager(model, microbatch, loads)
+            manager = _continuous_manager(model, 2 * microbatch, loads)
         servers: dict[str, Callable[[list[torch.Tensor], Sequence[int], Sequence[float]],
                                     tuple[float, list[Served]]]] = {
             "static": lambda p, n, a: serve_static(model, p, n, a, 2 * microbatch, 0),
@@ -405,13 +406,15 @@ def _pipeline_server(pipe: Any) -> Callable[[list[torch.Tensor], Sequence[int], 
     return lambda prompts, new_tokens, arrivals: serve_pipeline(pipe, prompts, new_tokens, arrivals)
 
 
-def _continuous_manager(model: Any, microbatch: int, loads: list[Workload]) -> Any:
-    """A started continuous batching manager, greedy, sized for the longest request of the workloads."""
-    from transformers import GenerationConfig
+def _continuous_manager(model: Any, rows: int, loads: list[Workload]) -> Any:
+    """A started continuous batching manager, greedy, with at most `rows` requests in a batch (as many as the
+    other variants have in flight)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(max(load.new_tokens) for load in loads),
                               eos_token_id=None, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=
+                                             ContinuousBatchingConfig(max_requests_per_batch=rows))
     manager.start()
     return manager
 

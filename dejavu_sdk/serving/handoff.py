@@ -81,7 +81,7 @@ class LayerSender:
         key = BlockKey(f"microbatch-{microbatch}", layers=(layer, layer + 1), tokens=(0, positions))
         block = torch.stack((keys, values)).unsqueeze(0)
         for stage, piece_key, piece in stream_out(_OneBlock(key, block), [key], self.destination):
-            self.links[stage].send_tensor(pack(Message(KV, {"microbatch": microbatch,
+            self.links[stage].post_tensor(pack(Message(KV, {"microbatch": microbatch,
                                                             "layers": list(piece_key.layers)}, (piece,))))
 
 

@@ -224,8 +224,10 @@ class StageWorker:
             self._send(self.first, Message("decode", {"microbatch": number}, (tokens[:, None],)))
 
     def _send(self, link: Transport | None, message: Message) -> None:
+        """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
+        head's progress watchdog."""
         assert link is not None  # set for every message this stage sends on
-        link.send_tensor(pack(message))
+        link.post_tensor(pack(message))
 
 
 def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -> None:

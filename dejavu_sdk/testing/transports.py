@@ -32,7 +32,7 @@ from ..blocks import DTYPE_CODES, BlockKey, ProgressKey, torch_dtype
 from ..errors import BlockNotFound, ConfigError, StoreClosed, TransportError
 from ..store import Store
 from ..tensors import random_tensor, same_bits
-from ..transports.base import Server, ServingTransport, Transport
+from ..transports.base import INBOX_SIZE, Server, ServingTransport, Transport
 from .peers import ServedStoreProcess
 
 KEY = BlockKey("req-1", layers=(0, 2), tokens=(0, 16))
@@ -161,6 +161,34 @@ class TransportContractTests:
             assert same_bits(inbox.recv_tensor(timeout=10), tensor)
         with pytest.raises(TransportError, match="no tensor"):
             inbox.recv_tensor(timeout=0.1)
+
+    def test_posted_tensors_reach_the_inbox_in_order_among_sent_ones(self, transport: Transport,
+                                                                     inbox: Inbox) -> None:
+        sent = [random_tensor((3, 5), torch.bfloat16, seed=s) for s in range(3)] + [torch.arange(7)]
+        transport.post_tensor(sent[0])
+        transport.send_tensor(sent[1])
+        transport.post_tensor(sent[2])
+        transport.post_tensor(sent[3])
+        for tensor in sent:
+            assert same_bits(inbox.recv_tensor(timeout=10), tensor)
+        with pytest.raises(ConfigError, match=r"torch\.Tensor"):
+            transport.post_tensor([1, 2])  # type: ignore[arg-type]
+
+    def test_posts_beyond_a_full_inbox_wait_for_room_and_none_is_lost(self, transport: Transport,
+                                                                      inbox: Inbox) -> None:
+        count = INBOX_SIZE + 16
+
+        def post_them_all() -> None:
+            for i in range(count):
+                transport.post_tensor(torch.full((4,), i))
+
+        thread, outcome = _in_background(post_them_all)
+        time.sleep(0.5)  # the inbox fills, and the sender waits
+        received = [int(inbox.recv_tensor(timeout=30)[0]) for _ in range(count)]
+        thread.join(timeout=30)
+        assert "error" not in outcome
+        assert not thread.is_alive()
+        assert received == list(range(count))
 
     # ---- declared capabilities, arguments, closing, threads --------------------------------
     def test_serving_is_as_declared(self, transport: Transport) -> None:
