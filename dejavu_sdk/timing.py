@@ -29,11 +29,19 @@ def load_causal_lm(name: str) -> Any:
 
 @torch.inference_mode()
 def measure_times(model: Any, batch: int, prompt_tokens: int, repeats: int = 3,
-                  progress: bool = True) -> tuple[float, float]:
-    """Median seconds of one prefill of `batch` x `prompt_tokens` tokens (Y) and of one decode step after it (t).
+                  progress: bool = True, threads: int | None = None) -> tuple[float, float]:
+    """Median seconds of one prefill of `batch` x `prompt_tokens` tokens (Y) and of one decode step after it (t),
+    with `threads` torch threads (default: as set), as a stage process with that share of the cores runs them.
 
     One unmeasured round warms up first; a progress bar counts the rounds (a large prefill on a CPU takes a while).
     """
+    if threads is not None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure_times(model, batch, prompt_tokens, repeats, progress)
+        finally:
+            torch.set_num_threads(previous)
     if batch < 1 or prompt_tokens < 1 or repeats < 1:
         raise ConfigError("batch, prompt tokens and repeats must be positive")
     device = next(model.parameters()).device

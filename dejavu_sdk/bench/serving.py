@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from ..models import load_model
 from ..planner import plan
 from ..report import markdown_table
+from ..serving.batching import left_pad
 from ..timing import measure_times
 from ..traces import Trace, load_trace
 from .common import machine_description
@@ -273,12 +274,7 @@ def serve_static(model: Any, prompts: list[torch.Tensor], new_tokens: Sequence[i
         now = time.monotonic() - start
         members = [i for i in range(waiting, min(waiting + batch, len(prompts))) if arrivals[i] <= now]
         waiting = members[-1] + 1
-        longest = max(prompts[i].numel() for i in members)
-        ids = torch.full((len(members), longest), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(members):
-            ids[row, longest - prompts[i].numel():] = prompts[i]
-            mask[row, longest - prompts[i].numel():] = 1
+        ids, mask = left_pad([prompts[i] for i in members], pad)
         clock = _StepClock()
         model.generate(ids, attention_mask=mask, do_sample=False, streamer=clock,
                        max_new_tokens=max(new_tokens[i] for i in members))
@@ -330,12 +326,8 @@ def workloads(model: Any, count: int, gain: tuple[int, int], loss: tuple[int, in
 def predict(model: Any, workload: Workload, microbatch: int, threads: int) -> Prediction:
     """The planner's speed-up of 1P+1T over 2 mixed stages, from Y and t timed with one stage's threads."""
     prompt_tokens, new_tokens = workload.batch_shape(microbatch)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        prompt_time, token_time = measure_times(model, microbatch, round(prompt_tokens), progress=False)
-    finally:
-        torch.set_num_threads(previous)
+    prompt_time, token_time = measure_times(model, microbatch, round(prompt_tokens), progress=False,
+                                            threads=threads)
     answer = plan(2, prompt_time, token_time, new_tokens)
     return Prediction(prompt_time, token_time, prompt_tokens, new_tokens, answer.predicted_speedup)
 

@@ -56,6 +56,18 @@ class Result:
     finished: float = 0.0
 
 
+def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts `[T_i]` as one batch `[rows, longest]` left-padded with `pad`, and its attention mask (0 at
+    padding), as `generate` takes a batch of unequal prompts."""
+    longest = max(prompt.numel() for prompt in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - prompt.numel():] = prompt
+        mask[row, longest - prompt.numel():] = 1
+    return ids, mask
+
+
 def check_prompt(ids: Any, context: int | None, vocabulary: int | None = None) -> torch.Tensor:
     """A prompt as a 1-D int64 tensor of at least one token id of the vocabulary, fitting the model's context;
     ConfigError otherwise (a bad id would otherwise fail the first stage, and every request with it)."""
@@ -105,12 +117,7 @@ class Microbatch:
 
     @classmethod
     def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
-        longest = max(request.ids.numel() for request in requests)
-        ids = torch.full((len(requests), longest), pad, dtype=torch.long)
-        mask = torch.zeros((len(requests), longest), dtype=torch.long)
-        for row, request in enumerate(requests):
-            ids[row, longest - request.ids.numel():] = request.ids
-            mask[row, longest - request.ids.numel():] = 1
+        ids, mask = left_pad([request.ids for request in requests], pad)
         return cls(number, list(requests), ids, mask, pad, [[] for _ in requests])
 
     @property

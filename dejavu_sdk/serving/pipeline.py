@@ -448,12 +448,8 @@ def _plan(model: Any, machines: Any, plan: str, workload: tuple[int, int], micro
     if machines == 1:
         return Plan(False, 0, 0, 1.0, "Keep one mixed pipeline: one machine cannot be split.", 1.0, 1.0,
                     float("inf"))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // machines))
-    try:
-        prompt_time, token_time = measure_times(model, microbatch, prompt_tokens)
-    finally:
-        torch.set_num_threads(previous)
+    prompt_time, token_time = measure_times(model, microbatch, prompt_tokens,
+                                            threads=threads or max(1, (os.cpu_count() or 1) // machines))
     return make_plan(machines, prompt_time, token_time, new_tokens)
 
 

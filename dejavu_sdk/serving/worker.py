@@ -103,8 +103,7 @@ class StageWorker:
                     return
                 self.handle(message)
             except Exception as error:  # a neighbour is gone, a bad message, or the stage failed: tell the head
-                self.head.send_tensor(pack(Message("failed", {"stage": self.role.name,
-                                                              "error": f"{type(error).__name__}: {error}"})))
+                self.head.send_tensor(_failure(self.role.name, error))
                 raise
 
     def handle(self, message: Message) -> None:
@@ -156,15 +155,18 @@ class StageWorker:
                                       (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
 
     def _receive_kv(self, number: int, message: Message) -> None:
-        staged = self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
+        staged = self._staged(number)
         staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
         if staged.complete and staged.start is not None:
             self._start(number, staged.start)
 
+    def _staged(self, number: int) -> StagedKV:
+        return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
+
     def _start(self, number: int, message: Message) -> None:
         """A token stage's first step of a microbatch the prompt pipeline ran, once all its layers' KV are here
         (else the message waits for the last piece)."""
-        staged = self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
+        staged = self._staged(number)
         if not staged.complete:
             staged.start = message
             return
@@ -245,8 +247,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         try:
             stage = Stage(load_model(fields["model"]), tuple(fields["layers"]))
         except Exception as error:  # whatever stops the stage from loading, the head must hear of it
-            head.send_tensor(pack(Message("failed", {"stage": fields["stage"],
-                                                     "error": f"{type(error).__name__}: {error}"})))
+            head.send_tensor(_failure(fields["stage"], error))
             raise
         role = Role(fields["role"], fields["number"], fields["stages"], fields["name"])
         following = open_transport(fields["next"]) if fields.get("next") else None
@@ -262,6 +263,11 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
             for link in (following, first, *token_links):
                 if link is not None:
                     link.close()
+
+
+def _failure(stage: str | int, error: BaseException) -> torch.Tensor:
+    """The `failed` message that tells the head which stage failed, and why."""
+    return pack(Message("failed", {"stage": stage, "error": f"{type(error).__name__}: {error}"}))
 
 
 def _join(head: Transport, join: Message) -> None:
