@@ -175,8 +175,8 @@ class ServingReport:
         return [run for run in self.runs if (run.variant, run.workload, run.rate) == (variant, workload, rate)]
 
     def measured_speedups(self, workload: str, rate: float) -> list[float]:
-        """Disaggregated over mixed tokens/s, per repeat (both ran back to back)."""
-        pairs = zip(self.of("disaggregated", workload, rate), self.of("mixed", workload, rate), strict=True)
+        """Disaggregated over mixed tokens/s, per repeat (both ran back to back); none unless both ran."""
+        pairs = zip(self.of("disaggregated", workload, rate), self.of("mixed", workload, rate), strict=False)
         return [dis.tokens_per_second / mixed.tokens_per_second for dis, mixed in pairs]
 
     def to_markdown(self) -> str:
