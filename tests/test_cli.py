@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +131,35 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
     assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err
     assert main(["bench", "streaming", "--long-tokens", "-1", "--quiet"]) == 2
     assert "--long-tokens must be a positive integer or 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_path, capsys, monkeypatch) -> None:
+    tests = str(Path(__file__).parent)  # stage processes load tiny_models:llama themselves
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DEJAVU_BENCH_MODEL", "smollm2")  # the bench sets it to --model; restored afterwards
+    samples, figure = tmp_path / "serving.json", tmp_path / "serving.png"
+    arguments = ["bench", "serving", "--model", "tiny_models:llama", "--requests", "4", "--microbatch", "2",
+                 "--repeats", "1", "--rates", "4,all", "--gain", "24,4", "--loss", "6,6", "--quiet",
+                 "--json", str(samples), "--plot", str(figure)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    for expected in ("### Workload `gain`", "### Workload `loss`", "| all at once | static |", "| 4 | continuous |",
+                     "| all at once | mixed |", "| 4 | disaggregated |", "disaggregated/mixed predicted",
+                     "Measured at all at once req/s", "CC-BY-4.0"):
+        assert expected in output
+    recorded = json.loads(samples.read_text())
+    assert {(run["variant"], run["workload"], run["rate"]) for run in recorded["runs"]} == {
+        (variant, workload, rate) for variant in ("static", "continuous", "mixed", "disaggregated")
+        for workload in ("gain", "loss") for rate in ("4", "all at once")}
+    for workload in ("gain", "loss"):  # every variant served the same requests to the same lengths
+        runs = [run for run in recorded["runs"] if run["workload"] == workload]
+        assert all(run["makespan"] > 0 and 0 <= first <= last for run in runs for first, last, _ in run["served"])
+        assert len({tuple(tokens for _, _, tokens in run["served"]) for run in runs}) == 1
+        assert all(tokens > 0 for _, _, tokens in runs[0]["served"])
+        assert len(runs[0]["served"]) == 4
+    assert figure.stat().st_size > 0
+    assert main(["bench", "serving", "--variants", "static,teleport", "--quiet"]) == 2
+    assert "unknown variant(s) ['teleport']" in capsys.readouterr().err
+    assert main(["bench", "serving", "--rates", "0", "--quiet"]) == 2
+    assert "every rate must be positive" in capsys.readouterr().err

@@ -146,6 +146,53 @@ def test_several_buffers_go_out_whole_even_when_the_kernel_takes_a_few_bytes_at_
     assert sock.received == b"".join(bytes(part) for part in parts)
 
 
+class _CountingSocket:
+    """A connected socket that counts the receives that reach it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.receives = sock, 0
+
+    def recv_into(self, view: memoryview) -> int:
+        self.receives += 1
+        return self.sock.recv_into(view)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_small_messages_arrive_in_one_receive_and_back_to_back_messages_stay_in_step() -> None:
+    from dejavu_sdk.transports.tcp import READ_AHEAD_BYTES, SocketChannel
+    from dejavu_sdk.transports.wire import Limits, recv_message, recv_payload
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()) as sending:
+        accepted, _ = listener.accept()
+        counting = _CountingSocket(accepted)
+        receiver = SocketChannel(counting, "peer", timeout=10)  # type: ignore[arg-type]
+        sender = SocketChannel(sending, "peer", timeout=10)
+        tensors = [torch.arange(n, dtype=torch.int32) for n in (1024, 3, READ_AHEAD_BYTES // 8)]
+        for tensor in tensors:  # all in the kernel's buffer before the first receive
+            send_message(sender, Op.POST, record=OutgoingRecord.from_block("tensor", tensor))
+        time.sleep(0.2)
+        for tensor in tensors:
+            before = counting.receives
+            message = recv_message(receiver, Limits(), idle=True)
+            payload = np.empty(message.payload_length, np.uint8)
+            intact, _ = recv_payload(receiver, message, payload)
+            assert intact
+            assert torch.equal(torch.from_numpy(payload).view(torch.int32), tensor)
+            assert counting.receives - before <= 1  # control, head, payload and trailer: one system call at most
+        assert counting.receives < len(tensors)  # later messages came from what was read ahead
+
+        big = torch.arange(READ_AHEAD_BYTES, dtype=torch.int32)  # 4x the read-ahead: lands in place
+        send_message(sender, Op.POST, record=OutgoingRecord.from_block("tensor", big))
+        message = recv_message(receiver, Limits(), idle=True)
+        payload = np.empty(message.payload_length, np.uint8)
+        assert recv_payload(receiver, message, payload)[0]
+        assert torch.equal(torch.from_numpy(payload).view(torch.int32), big)
+        receiver.close()
+
+
 def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_new_one(server) -> None:
     from dejavu_sdk.transports.tcp import SocketChannel
     from dejavu_sdk.transports.wire import PeerClosed

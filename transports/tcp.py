@@ -1,7 +1,8 @@
 """`tcp://host:port`: blocks over TCP sockets (TLS optional), received straight into their final buffers.
 
 Sends go out from the tensor's own memory (`sendall` on memoryviews); receives land in preallocated
-buffers (`recv_into`), in 1 MiB pieces hashed while in cache. Every message has a deadline: a peer that
+buffers (`recv_into`), in 1 MiB pieces hashed while in cache; a small message arrives in one system call
+(read ahead into a per-connection buffer, then copied). Every message has a deadline: a peer that
 dies gives `TransportError` at once (connection reset or EOF), one that hangs or trickles when the
 timeout ends. `tls=True` (client) and `tls_cert`/`tls_key` (server) use the standard library's `ssl`.
 """
@@ -28,6 +29,9 @@ from .wire import Channel, IdleTimeout, PeerClosed
 
 #: Connections the kernel queues before the server accepts them.
 LISTEN_BACKLOG = 128
+#: Receives shorter than this read whatever has arrived into a buffer of this size, so that a small
+#: message (control frame, head, payload, trailer) costs one system call instead of four.
+READ_AHEAD_BYTES = 256 << 10
 
 
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -55,6 +59,8 @@ class SocketChannel(Channel):
         self._timeout, self._idle_timeout = timeout, idle_timeout
         self._deadline: float | None = None
         self._tls = isinstance(sock, ssl.SSLSocket)
+        self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))  # bytes received beyond the last buffer filled
+        self._ahead_start = self._ahead_end = 0
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def start_deadline(self) -> None:
@@ -73,6 +79,8 @@ class SocketChannel(Channel):
         # Between requests the server sends nothing: readable means its close (or a protocol error), except
         # on TLS, where the socket may hold protocol records (session tickets) that carry no data.
         try:
+            if self._ahead_end > self._ahead_start:
+                return True  # the server sent something unasked: its close reply, or a protocol error
             readable, _, _ = select.select([self._sock], [], [], 0)
             if not readable:
                 return False
@@ -105,12 +113,16 @@ class SocketChannel(Channel):
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         view = buffer.data.cast("B")
-        received = 0
-        waiting = idle  # for the first byte of a message, with the idle timeout
+        received = self._take_ahead(view)
+        waiting = idle and not received  # for the first byte of a message, with the idle timeout
+        if idle and received:
+            self.start_deadline()
         while received < view.nbytes:
+            missing = view.nbytes - received
+            small = missing < self._ahead.nbytes  # read ahead: the rest of a small message comes in this call
             try:
                 self._sock.settimeout(self._idle_timeout if waiting else self._remaining())
-                count = self._sock.recv_into(view[received:])
+                count = self._sock.recv_into(self._ahead if small else view[received:])
             except TimeoutError:
                 if waiting:
                     raise IdleTimeout(f"{self.peer} sent nothing for {self._idle_timeout} s") from None
@@ -124,7 +136,18 @@ class SocketChannel(Channel):
             if waiting:
                 waiting = False
                 self.start_deadline()  # the rest of the message must follow within the timeout
+            if small:
+                self._ahead_start, self._ahead_end = 0, count
+                count = self._take_ahead(view[received:])
             received += count
+
+    def _take_ahead(self, view: memoryview) -> int:
+        """Copy bytes read ahead into the start of `view`; how many."""
+        count = min(self._ahead_end - self._ahead_start, view.nbytes)
+        if count:
+            view[:count] = self._ahead[self._ahead_start:self._ahead_start + count]
+            self._ahead_start += count
+        return count
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
