@@ -21,7 +21,8 @@ import base64
 import secrets
 import threading
 import uuid
-from typing import Any, TypedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
 import torch
@@ -36,6 +37,9 @@ from .replica import OneStoreReplica, SplitReplica, open_replica
 from .store import Store
 from .stream import check_tiling, gather
 from .transports.base import Transport
+
+if TYPE_CHECKING:
+    from .serving.batching import Result
 
 
 class _ManagerOptions(TypedDict):
@@ -110,6 +114,28 @@ class DejaVuEngine:
             self._refuse_taken(stream_id)
         self.store.write_manifest(stream_id, manifest.to_bytes())
         return self._run(manifest, kwargs, resumed=False)
+
+    def generate_many(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 32, *, microbatch: int = 4,
+                      kv_budget_bytes: int | None = None, swapping: bool | str = "auto", do_sample: bool = False,
+                      seed: int | None = None, progress: bool = False, **settings: Any) -> list[Result]:
+        """Serve many prompts `[T]` on this one model: microbatches of up to `microbatch` of them (in order,
+        left-padded) decoded round robin, each request's `Result` (new tokens, and where it was served) in order.
+        `max_new_tokens`: one limit for all, or one per prompt.
+
+        `kv_budget_bytes` caps the device memory their KV caches take (None: no cap): a microbatch starts only
+        once its cache fits. `swapping=True` keeps every microbatch's cache in host memory and two on the
+        device, brought in while the previous one computes, so about twice as many fit; `"auto"` swaps when the
+        caches do not all fit and the planner's condition says the copies keep up (logged, with the figures).
+        Decoding as in `Pipeline.submit` (greedy, or `do_sample` with `seed`, `temperature`, `top_k`, `top_p`,
+        `min_p`): a microbatch's tokens equal `model.generate` on it. These caches are not replicated to the
+        engine's store: use `generate` for a replicated, resumable stream.
+        """
+        from .serving.decoding import Decoding
+        from .serving.roundrobin import RoundRobin
+
+        runner = RoundRobin(self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes, swapping=swapping,
+                            progress=progress)
+        return runner.run(runner.requests(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings)))
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:
         """Finish an interrupted `generate` of `stream_id`: same result, only the undurable steps recomputed.

@@ -8,9 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
+import expectations
 import pytest
 import tiny_models
 import torch
@@ -25,48 +25,6 @@ TESTS = str(Path(__file__).parent)
 def _workers_import_tiny_models(monkeypatch) -> None:
     """Stage processes load `tiny_models:<family>` themselves: let them import it."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
-
-
-def _prompts(count: int, seed: int = 3) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, tiny_models.VOCAB, (int(length),), generator=generator)
-            for length in torch.randint(3, 12, (count,), generator=generator)]
-
-
-def _microbatches(results) -> list[list[int]]:
-    """The requests (by index) of each microbatch, in row order, as the results say."""
-    batches: dict[int, dict[int, int]] = defaultdict(dict)
-    for index, result in enumerate(results):
-        batches[result.microbatch][result.row] = index
-    return [[rows[row] for row in sorted(rows)] for _, rows in sorted(batches.items())]
-
-
-def _left_padded(prompts, members, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The microbatch of `prompts[members]`, left-padded to the longest: ids and mask."""
-    longest = max(prompts[index].numel() for index in members)
-    ids = torch.full((len(members), longest), pad)
-    mask = torch.zeros((len(members), longest), dtype=torch.long)
-    for row, index in enumerate(members):
-        ids[row, longest - prompts[index].numel():] = prompts[index]
-        mask[row, longest - prompts[index].numel():] = 1
-    return ids, mask
-
-
-def _expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[int]) -> list[torch.Tensor]:
-    """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end."""
-    expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-    for members in microbatches:
-        ids, mask = _left_padded(prompts, members, pad)
-        longest = ids.shape[1]
-        out = model.generate(ids, attention_mask=mask, do_sample=False,
-                             max_new_tokens=max(max_new_tokens[index] for index in members))[:, longest:]
-        for row, index in enumerate(members):
-            tokens = out[row, :max_new_tokens[index]].tolist()
-            end = next((position for position, token in enumerate(tokens) if token in eos), None)
-            if end is not None:
-                tokens = tokens[:end + 1]
-            expected[index] = torch.tensor(tokens, dtype=torch.long)
-    return expected
 
 
 #: Each family's mixed pipeline: even and uneven cuts, one to three stages.
@@ -89,11 +47,11 @@ def _served_as_generate_serves_them(family: str, arguments: dict, prompts, max_n
         futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, max_new_tokens, strict=True)]
         results = [future.result(timeout=120) for future in futures]
         pad, eos = pipe.pad, pipe.eos
-    microbatches = _microbatches(results)
+    microbatches = expectations.microbatches(results)
     for members in microbatches:
         longest = max(prompts[index].numel() for index in members)
         assert [results[index].padding for index in members] == [longest - prompts[index].numel() for index in members]
-    expected = _expected(model, microbatches, prompts, max_new_tokens, pad, eos)
+    expected = expectations.expected(model, microbatches, prompts, max_new_tokens, pad, eos)
     for result, want in zip(results, expected, strict=True):
         assert torch.equal(result.tokens, want)
     return results
@@ -103,26 +61,26 @@ def _served_as_generate_serves_them(family: str, arguments: dict, prompts, max_n
 @pytest.mark.parametrize("layout", ["mixed", "1P+1T", "1P+2T"])
 @pytest.mark.parametrize("family", list(MIXED))
 def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, layout, transport) -> None:
-    prompts = _prompts(7)
+    prompts = expectations.prompts(7)
     # rows end at different steps; the first microbatch (the first request alone) ends with its first token
     max_new_tokens = [1] + [4 + 3 * (index % 4) for index in range(1, len(prompts))]
     results = _served_as_generate_serves_them(family, _layout(family, layout), prompts, max_new_tokens,
                                               transport=transport)
-    assert len(_microbatches(results)) >= 3  # 7 requests, at most 3 rows each
+    assert len(expectations.microbatches(results)) >= 3  # 7 requests, at most 3 rows each
     if family == "llama_two_ends":  # some rows end at the second end-of-sequence token
         assert any(result.tokens[-1] == 49 for result in results)
 
 
 def test_prompt_and_token_pipelines_may_cut_the_model_differently() -> None:
     """Two prompt stages feed one token stage: its KV arrives from both, layer by layer."""
-    prompts = _prompts(7, seed=5)
+    prompts = expectations.prompts(7, seed=5)
     _served_as_generate_serves_them("mistral", LAYOUTS["2P+1T"], prompts, [6] * len(prompts))
 
 
 def test_a_full_token_side_holds_the_prompt_side_back() -> None:
     """One token slot: no prompt runs while a microbatch decodes; the default slots let the next prompt run
     meanwhile. Nothing is dropped either way."""
-    prompts = _prompts(4, seed=9)
+    prompts = expectations.prompts(4, seed=9)
     for slots, overlapped in ((1, False), (None, True)):
         results = _served_as_generate_serves_them("llama", LAYOUTS["1P+1T"], prompts, [12] * len(prompts),
                                                   token_slots=slots)
@@ -137,12 +95,12 @@ def test_a_full_token_side_holds_the_prompt_side_back() -> None:
 
 def test_generate_queues_its_prompts_together_in_order() -> None:
     """Five prompts, microbatches of two, two stages: (0, 1) and (2, 3) start together, (4) when one ends."""
-    prompts = _prompts(5, seed=4)
+    prompts = expectations.prompts(5, seed=4)
     with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60) as pipe:
         outs = pipe.generate(prompts, max_new_tokens=6)
         alone = pipe.submit(prompts[0], max_new_tokens=6).result(timeout=60)
         pad, eos = pipe.pad, pipe.eos
-    expected = _expected(tiny_models.seeded("llama"), [[0, 1], [2, 3], [4]], prompts, [6] * 5, pad, eos)
+    expected = expectations.expected(tiny_models.seeded("llama"), [[0, 1], [2, 3], [4]], prompts, [6] * 5, pad, eos)
     assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
     assert (alone.rows, alone.row, alone.padding) == (1, 0, 0)  # an idle pipeline serves it at once, alone
 
@@ -172,7 +130,7 @@ def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -
 @pytest.mark.parametrize("machines", [1, 2, 3])
 def test_the_planner_lays_out_the_machines(machines) -> None:
     """machines=N: the planner measures Y and t here and picks one mixed pipeline or a prompt/token split."""
-    prompts = _prompts(4, seed=13)
+    prompts = expectations.prompts(4, seed=13)
     pipe = Pipeline("tiny_models:llama", machines=machines, workload=(24, 3), microbatch=2, timeout=60)
     assert pipe.plan is not None
     if pipe.plan.disaggregate:
@@ -194,8 +152,8 @@ def test_a_prompt_longer_than_the_context_is_refused() -> None:
 def test_a_killed_worker_fails_its_requests_within_the_timeout(layout, killed) -> None:
     arguments = LAYOUTS[layout] or {"stages": 2}
     with Pipeline("tiny_models:llama", microbatch=2, timeout=10, **arguments) as pipe:
-        assert pipe.submit(_prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
-        futures = [pipe.submit(ids, max_new_tokens=400) for ids in _prompts(4)]
+        assert pipe.submit(expectations.prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
+        futures = [pipe.submit(ids, max_new_tokens=400) for ids in expectations.prompts(4)]
         os.kill(pipe._processes[killed].pid, signal.SIGKILL)
         started = time.monotonic()
         for future in futures:
@@ -214,10 +172,10 @@ def test_workers_started_by_hand_through_the_cli_join_the_head(tmp_path, monkeyp
                                  f"tcp://127.0.0.1:{port}", "--threads", "1"]) for _ in range(2)]
     try:
         with Pipeline("tiny_models:llama", stages=2, microbatch=2, launch=False, port=port, timeout=60) as pipe:
-            prompts = _prompts(3, seed=8)
+            prompts = expectations.prompts(3, seed=8)
             outs = pipe.generate(prompts, max_new_tokens=5)
             pad, eos = pipe.pad, pipe.eos
-        expected = _expected(tiny_models.seeded("llama"), [[0, 1], [2]], prompts, [5] * 3, pad, eos)
+        expected = expectations.expected(tiny_models.seeded("llama"), [[0, 1], [2]], prompts, [5] * 3, pad, eos)
         assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
         assert [worker.wait(timeout=30) for worker in workers] == [0, 0]  # shut down by the head
     finally:
@@ -232,11 +190,11 @@ def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
         with pytest.raises(dv.AccessDenied):
             stranger.send_tensor(torch.zeros(4, dtype=torch.uint8))
         stranger.close()
-        assert pipe.generate([_prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
+        assert pipe.generate([expectations.prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
 
 
 def test_a_cancelled_request_leaves_the_others_served() -> None:
-    prompts = _prompts(4, seed=6)
+    prompts = expectations.prompts(4, seed=6)
     with Pipeline("tiny_models:llama", stages=1, microbatch=1, timeout=60) as pipe:
         futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, [8, 1, 1, 1], strict=True)]
         assert futures[3].cancel()  # still waiting behind the first
@@ -252,7 +210,7 @@ def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
 
 def _sampled_reference(model, prompts, members, new_tokens, pad, eos, seed, **settings) -> list[torch.Tensor]:
     """`torch.manual_seed(seed)` then `model.generate(do_sample=True)` on one microbatch, cut per row."""
-    ids, mask = _left_padded(prompts, members, pad)
+    ids, mask = expectations.left_padded(prompts, members, pad)
     longest = ids.shape[1]
     torch.manual_seed(seed)
     out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, **settings)[:, longest:]
@@ -268,7 +226,7 @@ def _sampled_reference(model, prompts, members, new_tokens, pad, eos, seed, **se
                          ids=["temperature+top_p", "top_k+min_p", "the model's defaults"])
 def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) -> None:
     model = tiny_models.llama()
-    prompts = _prompts(5, seed=11)
+    prompts = expectations.prompts(5, seed=11)
     with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60) as pipe:
         busy = [pipe.submit(ids, max_new_tokens=40) for ids in prompts[:2]]  # both slots taken: the rest wait
         sampled = [pipe.submit(ids, max_new_tokens=8, do_sample=True, seed=7, **settings) for ids in prompts[:3]]
@@ -293,7 +251,7 @@ def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout)
     """The first token is sampled at the prompt pipeline's last stage, the rest at the token pipeline's: one
     generator's draws, as in a seeded model.generate."""
     model = tiny_models.llama()
-    prompts = _prompts(3, seed=12)
+    prompts = expectations.prompts(3, seed=12)
     settings = {"temperature": 0.8, "top_k": 20}
     with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
         outs = pipe.generate(prompts, max_new_tokens=9, do_sample=True, seed=21, **settings)
@@ -311,4 +269,4 @@ def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout)
 ])
 def test_bad_decoding_settings_are_refused(arguments, match) -> None:
     with Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe, pytest.raises(dv.ConfigError, match=match):
-        pipe.submit(_prompts(1)[0], max_new_tokens=2, **arguments)
+        pipe.submit(expectations.prompts(1)[0], max_new_tokens=2, **arguments)

@@ -65,6 +65,45 @@ class Decoding:
         return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed}
 
 
+@attrs.frozen
+class TokenRules:
+    """What a model's configuration says about its tokens: every end-of-sequence id (a row ends at any),
+    the padding id, the context length, the vocabulary size; and why sampled requests are refused, if they are
+    (settings of its generation config that the last stage does not apply)."""
+
+    eos: list[int]
+    pad: int
+    context: int | None
+    vocabulary: int
+    sampling_refused: ConfigError | None
+
+    @classmethod
+    def of(cls, model: Any) -> TokenRules:
+        """ConfigError when the model's generation config asks for greedy processing no stage applies."""
+        config, generation = model.config, model.generation_config
+        check_unsupported(generation, GREEDY_UNSUPPORTED, "decoding greedily")
+        try:
+            check_unsupported(generation, SAMPLING_UNSUPPORTED, "sampling")
+            refused = None
+        except ConfigError as refusal:  # greedy requests are still served
+            refused = refusal
+        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        eos = generation.eos_token_id
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
+        return cls(eos_ids, pad if pad is not None else (eos_ids[0] if eos_ids else 0), context, config.vocab_size,
+                   refused)
+
+
+def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int, limits: list[int],
+                eos: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `steps`-th new token of each row (padding for rows that ended before), and which rows have ended
+    with it: at any of the `eos` ids, or at their own `limits` (max_new_tokens)."""
+    tokens = picker(logits).masked_fill(ended, pad)
+    ended = ended | torch.isin(tokens, eos.to(tokens.device))
+    return tokens, ended | torch.tensor([steps >= limit for limit in limits], device=ended.device)
+
+
 class TokenPicker:
     """One microbatch's next-token choice at the last stage (greedy, or sampled from its own generator)."""
 

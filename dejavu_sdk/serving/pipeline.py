@@ -43,7 +43,7 @@ from ..timing import measure_times
 from ..transports.base import Server, Transport
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
-from .decoding import GREEDY_UNSUPPORTED, SAMPLING_UNSUPPORTED, Decoding, check_unsupported
+from .decoding import Decoding, TokenRules
 from .messages import Message, pack, unpack
 from .stage import check_layers
 
@@ -113,21 +113,13 @@ class Pipeline:
         #: Microbatches whose KV the token side may hold (decoding, or arrived and waiting to): a full token side
         #: holds the prompt side back.
         self.token_slots = token_slots
-        config, generation = reference.config, reference.generation_config
-        check_unsupported(generation, GREEDY_UNSUPPORTED, "decoding greedily")
-        try:
-            check_unsupported(generation, SAMPLING_UNSUPPORTED, "sampling")
-            self._sampling_refused: ConfigError | None = None
-        except ConfigError as refusal:  # greedy requests are still served
-            self._sampling_refused = refusal
-        self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
-                                                                                                  None)
-        eos = generation.eos_token_id
+        rules = TokenRules.of(reference)
+        self._sampling_refused = rules.sampling_refused
+        self.context: int | None = rules.context
         #: Every end-of-sequence token id (some models have several); a row ends at any of them.
-        self.eos: list[int] = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-        pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
-        self.pad: int = pad if pad is not None else (self.eos[0] if self.eos else 0)
-        self.vocabulary: int = config.vocab_size
+        self.eos: list[int] = rules.eos
+        self.pad: int = rules.pad
+        self.vocabulary: int = rules.vocabulary
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
         self.threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, self.layouts)))

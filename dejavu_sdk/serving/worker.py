@@ -30,7 +30,7 @@ from ..errors import TransportError
 from ..models import load_model
 from ..stream import LayerPartition
 from ..transports.base import Server, Transport
-from .decoding import TokenPicker
+from .decoding import TokenPicker, next_tokens
 from .handoff import KV, LayerSender, StagedKV
 from .messages import Message, pack, unpack
 from .stage import Stage, position_ids
@@ -207,10 +207,9 @@ class StageWorker:
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         assert state.picker is not None  # made with the microbatch on the last stage
-        tokens = state.picker(logits).masked_fill(state.ended, self.pad)
         state.steps += 1
-        state.ended |= torch.isin(tokens, self.eos)
-        state.ended |= torch.tensor([state.steps >= limit for limit in state.fields["max_new_tokens"]])
+        tokens, state.ended = next_tokens(state.picker, logits, state.ended, state.steps,
+                                          state.fields["max_new_tokens"], self.eos, self.pad)
         return tokens, state.ended
 
     def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:

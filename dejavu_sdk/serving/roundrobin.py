@@ -1,0 +1,229 @@
+"""One process, one model, several microbatches decoded round robin, within a device budget for their KV.
+
+`RoundRobin` groups requests into microbatches as the pipelines do (arrival order, up to `microbatch` rows,
+left padded), prefills one as soon as its cache fits in the budget, and steps the microbatches in flight in
+turn until every row has ended. Their caches live in `swapping.SwappedCaches`: all on the device, or with
+swapping in host memory with two on the device, so that about twice the microbatches fit in the same budget.
+Each microbatch's tokens equal `model.generate` on it (the model runs as one whole `Stage`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from tqdm import tqdm
+
+from ..errors import ConfigError
+from ..swapping import (
+    SwapChoice,
+    SwappedCaches,
+    check_budget,
+    check_swapping,
+    choose_swapping,
+    kv_bytes_per_token,
+    measure_host_bandwidth,
+    positions_needed,
+    slots_needed,
+)
+from .adapters import adapter_for
+from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
+from .decoding import Decoding, TokenPicker, TokenRules, next_tokens
+from .stage import Stage, position_ids
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    """A microbatch between steps: its mask, positions, last tokens and how its rows stand."""
+
+    batch: Microbatch
+    reserved: int
+    mask: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    ended: torch.Tensor
+    picker: TokenPicker
+    steps: int = 1
+
+
+class RoundRobin:
+    """Decodes requests in microbatches round robin on `model`, their caches within `kv_budget_bytes` of device
+    memory (None: no limit), swapped to host memory (`swapping=True`), not (`False`) or as `choose_swapping`
+    decides from the measured step time and host bandwidth (`"auto"`; `choice` then says what and why).
+
+    Admission keeps the caches' final sizes within the budget: without swapping all of the microbatches in
+    flight, with swapping the two largest (any two may be on the device at once). A budget that cannot hold a
+    single request's cache (two with swapping) is a ConfigError before anything runs.
+    """
+
+    def __init__(self, model: Any, *, microbatch: int = 4, kv_budget_bytes: int | None = None,
+                 swapping: bool | str = "auto", progress: bool = False) -> None:
+        if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
+            raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
+        self.budget = check_budget(kv_budget_bytes)
+        self.swapping = check_swapping(swapping)
+        self.rules = TokenRules.of(model)
+        self.model, self.microbatch, self.progress = model, microbatch, progress
+        self.device = next(model.parameters()).device
+        self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+        self.choice: SwapChoice | None = None
+        self.caches: SwappedCaches | None = None
+        self.most_in_flight = 0  # the most microbatches that were in flight at once
+        self._stage = Stage(model, (0, _layer_count(model)))  # the whole model (ConfigError: no adapter)
+
+    def requests(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int],
+                 decoding: Decoding) -> list[Request]:
+        """Checked requests for `prompts`, with one `max_new_tokens` for all or one each (ConfigError for any bad
+        one, before anything runs)."""
+        if decoding.do_sample and self.rules.sampling_refused is not None:
+            raise self.rules.sampling_refused
+        if not prompts:
+            raise ConfigError("no prompts to generate from")
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts):
+            raise ConfigError(f"{len(limits)} max_new_tokens for {len(prompts)} prompts")
+        checked = []
+        for ids, limit in zip(prompts, limits, strict=True):
+            prompt = check_prompt(ids, self.rules.context, self.rules.vocabulary)
+            checked.append(Request(prompt, check_new_tokens(limit, prompt.numel(), self.rules.context), decoding))
+        return checked
+
+    @torch.no_grad()
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Serve `requests` to the end; their results in the same order."""
+        swapping = self._decide(requests)
+        self.caches = caches = SwappedCaches(self.model.config, self.device, swapping)
+        waiting, flight, results = deque(requests), deque[_InFlight](), {}
+        numbers = iter(range(len(requests)))
+        with tqdm(total=sum(request.max_new_tokens for request in requests), desc="round robin", unit="token",
+                  disable=not self.progress) as bar:
+            while waiting or flight:
+                while waiting:
+                    taken = self._take(waiting, [state.reserved for state in flight])
+                    if taken is None:
+                        break
+                    batch = Microbatch.of(next(numbers), taken, self.rules.pad)
+                    state = self._prefill(batch, caches)
+                    bar.update(len(taken))
+                    if state is not None:
+                        flight.append(state)
+                        self.most_in_flight = max(self.most_in_flight, len(flight))
+                    else:  # every row ended with its first token
+                        results.update(_results(batch, self.rules.eos))
+                for _ in range(len(flight)):
+                    state = flight.popleft()
+                    active = int((~state.ended).sum())
+                    self._step(state, caches)
+                    bar.update(active)
+                    if bool(state.ended.all()):
+                        caches.remove(state.batch.number)
+                        results.update(_results(state.batch, self.rules.eos))
+                    else:
+                        flight.append(state)
+        return [results[request.number] for request in requests]
+
+    # ---- admission --------------------------------------------------------------------------------------
+    def _reservation(self, requests: Sequence[Request]) -> int:
+        """Device bytes a microbatch of these requests' cache reaches at its end."""
+        longest = max(request.ids.numel() for request in requests)
+        new = max(request.max_new_tokens for request in requests)
+        return len(requests) * positions_needed(longest, new) * self.bytes_per_token
+
+    def _fits(self, reservations: list[int]) -> bool:
+        return self.budget is None or slots_needed(reservations, self.caches is not None and
+                                                   self.caches.swapping) <= self.budget
+
+    def _take(self, waiting: deque[Request], in_flight: list[int]) -> list[Request] | None:
+        """The next microbatch whose cache fits beside those in flight (as many rows as fit), or None."""
+        taken = take_microbatch(waiting, self.microbatch)
+        while not self._fits([*in_flight, self._reservation(taken)]):
+            if len(taken) == 1:
+                waiting.appendleft(taken[0])
+                return None
+            waiting.appendleft(taken.pop())
+        return taken
+
+    def _decide(self, requests: list[Request]) -> bool:
+        """Swap or not; ConfigError when the budget cannot hold one request (two with swapping)."""
+        alone = max(self._reservation([request]) for request in requests)
+        if self.budget is not None and alone > self.budget:
+            raise ConfigError(f"kv_budget_bytes={self.budget} cannot hold the KV cache of one request "
+                              f"({alone} bytes at its end)")
+        if self.swapping is True or self.swapping is False:
+            swapping = self.swapping
+        else:
+            self.choice = self._choose(requests)
+            log.info("swapping %s: %s", "on" if self.choice.swapping else "off", self.choice.reason)
+            swapping = self.choice.swapping
+        if swapping and self.budget is not None and 2 * alone > self.budget:
+            raise ConfigError(f"kv_budget_bytes={self.budget} cannot hold two device slots for swapping: one "
+                              f"request's KV cache alone takes {alone} bytes at its end; give at least {2 * alone}"
+                              ", or swapping=False")
+        return swapping
+
+    def _choose(self, requests: list[Request]) -> SwapChoice:
+        groups = [requests[start:start + self.microbatch] for start in range(0, len(requests), self.microbatch)]
+        reservations = [self._reservation(group) for group in groups]
+        fits = self.budget is None or sum(reservations) <= self.budget
+        batch = len(groups[0])
+        prompt = int(statistics.median(request.ids.numel() for request in requests))
+        new = int(statistics.median(request.max_new_tokens for request in requests))
+        if fits:
+            return choose_swapping(fits_without=True, batch=batch, prompt_tokens=prompt, new_tokens=new,
+                                   cache_bytes_per_token=self.bytes_per_token, token_time=1.0, host_bandwidth=1.0)
+        from ..timing import measure_times
+
+        _, token_time = measure_times(self.model, batch, prompt, repeats=2, progress=self.progress)
+        bandwidth = measure_host_bandwidth(self.device, max(reservations))
+        return choose_swapping(fits_without=False, batch=batch, prompt_tokens=prompt, new_tokens=new,
+                               cache_bytes_per_token=self.bytes_per_token, token_time=token_time,
+                               host_bandwidth=bandwidth)
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def _prefill(self, batch: Microbatch, caches: SwappedCaches) -> _InFlight | None:
+        """Run a new microbatch's prompt and pick its first tokens; None when every row ended with them."""
+        mask = batch.mask.to(self.device)
+        positions = position_ids(mask)
+        cache = caches.new_cache(batch.number)
+        logits = self._stage.forward(batch.ids.to(self.device), mask, positions, cache)
+        caches.add(batch.number, positions_needed(batch.ids.shape[1], max(batch.max_new_tokens)))
+        picker = TokenPicker(self.model.generation_config, batch.decoding.fields())
+        ended = torch.zeros(len(batch.requests), dtype=torch.bool, device=self.device)
+        tokens, ended = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos, self.rules.pad)
+        batch.add_step(tokens.tolist())
+        state = _InFlight(batch, self._reservation(batch.requests), mask, positions[:, -1:], tokens, ended, picker)
+        if bool(ended.all()):
+            caches.remove(batch.number)
+            return None
+        return state
+
+    def _step(self, state: _InFlight, caches: SwappedCaches) -> None:
+        number = state.batch.number
+        state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
+        state.positions = state.positions + 1
+        cache = caches.acquire(number)
+        logits = self._stage.forward(state.tokens[:, None], state.mask, state.positions, cache)
+        caches.release(number)
+        state.steps += 1
+        state.tokens, state.ended = next_tokens(state.picker, logits, state.ended, state.steps,
+                                                state.batch.max_new_tokens, self._eos, self.rules.pad)
+        state.batch.add_step(state.tokens.tolist())
+
+    @property
+    def _eos(self) -> torch.Tensor:
+        return torch.tensor(self.rules.eos, dtype=torch.long)
+
+
+def _results(batch: Microbatch, eos: list[int]) -> dict[int, Result]:
+    return {request.number: result for request, result in zip(batch.requests, batch.results(eos), strict=True)}
+
+
+def _layer_count(model: Any) -> int:
+    return len(adapter_for(model).decoder_layers())
