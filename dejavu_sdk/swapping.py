@@ -72,7 +72,8 @@ class SwapChoice:
 
 
 def choose_swapping(*, fits_without: bool, batch: int, prompt_tokens: int, new_tokens: int,
-                    cache_bytes_per_token: float, token_time: float, host_bandwidth: float) -> SwapChoice:
+                    cache_bytes_per_token: float, token_time: float | None = None,
+                    host_bandwidth: float | None = None) -> SwapChoice:
     """Swap only when it is needed and pays off.
 
     Not needed when every microbatch's cache fits in the device budget at once (`fits_without`). Otherwise
@@ -83,6 +84,8 @@ def choose_swapping(*, fits_without: bool, batch: int, prompt_tokens: int, new_t
     if fits_without:
         return SwapChoice(False, "every microbatch's cache fits in the device budget at once: nothing to swap",
                           token_time, host_bandwidth)
+    if token_time is None or host_bandwidth is None:
+        raise ConfigError("deciding whether swapping pays off needs the step time and the host bandwidth")
     pays = swapping_pays_off(new_tokens, prompt_tokens, token_time, batch, cache_bytes_per_token, host_bandwidth)
     longest = (prompt_tokens + new_tokens) * batch * cache_bytes_per_token / host_bandwidth
     numbers = (f"a step takes {token_time * 1e3:.2f} ms; bringing in a cache of {prompt_tokens + new_tokens} "
@@ -151,16 +154,17 @@ class SwappedCaches:
     def __len__(self) -> int:
         return len(self._recency)
 
-    def new_cache(self, number: int) -> DynamicCache:
-        """An empty cache for microbatch `number`'s prefill: it holds a device slot from now on."""
+    def new_cache(self, number: int, cache: DynamicCache | None = None) -> DynamicCache:
+        """A cache for microbatch `number`'s first step (empty, or `cache` as it arrived): it holds a device slot
+        from now on."""
         if number in self._resident or number in self._recency:
             raise ConfigError(f"microbatch {number} already has a cache here")
-        cache = self._resident[number] = DynamicCache(config=self.config)
+        cache = self._resident[number] = cache if cache is not None else DynamicCache(config=self.config)
         return cache
 
     def add(self, number: int, capacity: int) -> None:
-        """Microbatch `number` was prefilled into its `new_cache`; it will reach `capacity` positions at most.
-        With swapping, the cache moves to the host."""
+        """Microbatch `number` took its first step in its `new_cache`; it will reach `capacity` positions at
+        most. With swapping, the cache moves to the host."""
         if number not in self._resident or number in self._recency:
             raise ConfigError(f"microbatch {number} has no new cache to add")
         self._recency[number] = None
@@ -205,6 +209,11 @@ class SwappedCaches:
     def _evict(self, number: int) -> None:
         self._resident.pop(number, None)
         self._ready.pop(number, None)
+
+    def stats(self) -> dict[str, Any]:
+        """What the caches held and cost: device bytes now and at most, swap-ins and the time waited for them."""
+        return {"swapping": self.swapping, "held_kv_bytes": self.held_bytes, "peak_kv_bytes": self.peak_bytes,
+                "swap_ins": self.swap_ins, "swap_wait_seconds": self.wait_seconds}
 
     @property
     def held_bytes(self) -> int:
@@ -324,6 +333,19 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_fits_alone(alone: int, budget: int | None, swapping: bool) -> None:
+    """ConfigError when a budget cannot hold the cache of one request alone (`alone` bytes at its end), or with
+    swapping two device slots of it."""
+    if budget is None:
+        return
+    if alone > budget:
+        raise ConfigError(f"kv_budget_bytes={budget} cannot hold the KV cache of one request ({alone} bytes at "
+                          "its end)")
+    if swapping and 2 * alone > budget:
+        raise ConfigError(f"kv_budget_bytes={budget} cannot hold two device slots for swapping: one request's KV "
+                          f"cache alone takes {alone} bytes at its end; give at least {2 * alone}, or swapping=False")
+
+
 def slots_needed(reservations: list[int], swapping: bool) -> int:
     """Device bytes the caches of microbatches with these final sizes need at most: all of them, or with
     swapping the two largest (any two may be on the device at once)."""
@@ -337,5 +359,6 @@ def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
     return prompt_tokens + max(new_tokens - 1, 0)
 
 
-__all__ = ["SWAPPING_CHOICES", "SwapChoice", "SwappedCaches", "check_budget", "check_swapping", "choose_swapping",
+__all__ = ["SWAPPING_CHOICES", "SwapChoice", "SwappedCaches", "check_budget", "check_fits_alone", "check_swapping",
+           "choose_swapping",
            "kv_bytes_per_token", "measure_host_bandwidth", "positions_needed", "slots_needed"]

@@ -163,3 +163,25 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
     assert "unknown variant(s) ['teleport']" in capsys.readouterr().err
     assert main(["bench", "serving", "--rates", "0", "--quiet"]) == 2
     assert "every rate must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_swapping_reports_both_variants_beside_the_planner(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny_models, loaded in this process
+    samples, figure = tmp_path / "swapping.json", tmp_path / "swapping.png"
+    arguments = ["bench", "swapping", "--model", "tiny_models:llama", "--prompt-tokens", "8,24", "--new-tokens", "5",
+                 "--repeats", "2", "--quiet", "--json", str(samples), "--plot", str(figure)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    for expected in ("| 8 |", "| 24 |", "(4 x 4)", "(4 x 8)", "planner: pays off, ratio", "device cpu"):
+        assert expected in output
+    recorded = json.loads(samples.read_text())
+    assert all(len(recorded["tokens_per_second"][f"{prompt} {variant}"]) == 2  # back to back in each repeat
+               for prompt in (8, 24) for variant in ("off", "on"))
+    assert recorded["in_flight"] == {"8 off": 4, "8 on": 4, "24 off": 4, "24 on": 4}
+    assert all(0 <= share < 1 for shares in recorded["wait_share"].values() for share in shares)
+    assert figure.stat().st_size > 0
+    assert main(["bench", "swapping", "--depth", "3", "--quiet"]) == 2
+    assert "--depth must be at least 4" in capsys.readouterr().err
+    assert main(["bench", "swapping", "--device", "tpu", "--quiet"]) == 2
+    assert "--device is cpu or cuda" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`dejavu bench stores|transports|streaming|serving`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|transports|streaming|serving|swapping`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -103,6 +103,27 @@ def _bench_serving(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_swapping(args: argparse.Namespace) -> int:
+    from ..bench.swapping import plot_swapping_bench, run_swapping_bench
+
+    try:
+        prompts = tuple(int(length) for length in args.prompt_tokens.split(","))
+    except ValueError:
+        raise ConfigError(f"--prompt-tokens takes lengths separated by commas, got {args.prompt_tokens!r}") from None
+    for option, value in (("prompt-tokens", min(prompts)), ("new-tokens", args.new_tokens),
+                          ("microbatch", args.microbatch), ("repeats", args.repeats)):
+        if value < 1:
+            raise ConfigError(f"--{option} must be positive")
+    if args.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device is cpu or cuda, got {args.device!r}")
+    report = run_swapping_bench(args.model, device=args.device, microbatch=args.microbatch, depth=args.depth,
+                                prompt_lengths=prompts, new_tokens=args.new_tokens, repeats=args.repeats,
+                                progress=not args.quiet)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_swapping_bench(report, path))
+    return 0
+
+
 def _lengths(text: str, option: str) -> tuple[int, int]:
     try:
         prompt, new = (int(part) for part in text.split(","))
@@ -176,3 +197,15 @@ def add_bench_commands(commands: Any) -> None:
     serving.add_argument("--transport", default="tcp", help="the pipelines' transport")
     add_output_arguments(serving, figures="tokens/s and p99 latency against the arrival rate")
     serving.set_defaults(run=_bench_serving)
+
+    swapping = benches.add_parser("swapping", help="microbatches of 2B rows swapped to host memory against B rows "
+                                  "without swapping, in the same device budget for KV")
+    swapping.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
+    swapping.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU: the case swapping is for)")
+    swapping.add_argument("--microbatch", type=int, default=4, help="B: rows per microbatch without swapping")
+    swapping.add_argument("--depth", type=int, default=4, help="the device budget, in B-row microbatch caches")
+    swapping.add_argument("--prompt-tokens", default="64,256", help="prompt lengths, comma-separated")
+    swapping.add_argument("--new-tokens", type=int, default=32)
+    swapping.add_argument("--repeats", type=int, default=3)
+    add_output_arguments(swapping, figures="tokens/s with and without swapping, and the measured and predicted ratio")
+    swapping.set_defaults(run=_bench_swapping)

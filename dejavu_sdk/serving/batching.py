@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from ..errors import ConfigError
+from ..swapping import positions_needed
 from .decoding import Decoding
 
 _ids = itertools.count()
@@ -148,15 +149,26 @@ class Microbatch:
         return results
 
 
-def take_microbatch(waiting: deque[Request], size: int) -> list[Request]:
+def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
+    """Bytes a microbatch of `requests` takes in a KV cache of `bytes_per_position` per row and position at
+    its end: rows x (longest prompt + largest `max_new_tokens` - 1)."""
+    longest = max(request.ids.numel() for request in requests)
+    new = max(request.max_new_tokens for request in requests)
+    return len(requests) * positions_needed(longest, new) * bytes_per_position
+
+
+def take_microbatch(waiting: deque[Request], size: int,
+                    fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
     """The first waiting request and, in arrival order, up to `size - 1` more that decode as it does (the
-    same greedy or sampled settings and seed: a microbatch has one way of picking tokens). The others keep
-    their places."""
+    same greedy or sampled settings and seed: a microbatch has one way of picking tokens). With `fits`, only
+    as many as fit (none when the first alone does not). The others keep their places."""
     first = waiting.popleft()
     taken: list[Request] = [first]
     kept: list[Request] = []
     while waiting and len(taken) < size:
         request = waiting.popleft()
         (taken if request.decoding == first.decoding else kept).append(request)
-    waiting.extendleft(reversed(kept))
+    while fits is not None and taken and not fits(taken):
+        kept.append(taken.pop())
+    waiting.extendleft(sorted(kept, key=lambda request: request.number, reverse=True))
     return taken

@@ -20,6 +20,7 @@ with `TransportError` instead of leaving them waiting.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import subprocess
@@ -39,13 +40,26 @@ from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
 from ..stream import LayerPartition
+from ..swapping import (
+    SwapChoice,
+    check_budget,
+    check_fits_alone,
+    check_swapping,
+    choose_swapping,
+    kv_bytes_per_token,
+    measure_host_bandwidth,
+    positions_needed,
+    slots_needed,
+)
 from ..timing import measure_times
 from ..transports.base import Server, Transport
 from .adapters import adapter_for
-from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
+from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenRules
 from .messages import Message, pack, unpack
 from .stage import check_layers
+
+log = logging.getLogger(__name__)
 
 #: The transports a pipeline's links can use.
 TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
@@ -66,6 +80,13 @@ class Pipeline:
     - `machines` processes laid out by the planner (`plan="auto"`), from Y and t measured here on a microbatch
       of the `workload`'s (prompt tokens, new tokens); its answer is `self.plan`.
 
+    `kv_budget_bytes`: device memory each stage may give its microbatches' KV caches (None: no cap); a new
+    microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight.
+    `swapping=True` keeps the decoding stages' caches in host memory with two on the device, brought in while
+    the previous microbatch computes, so about twice as many fit; `"auto"` swaps when the in-flight
+    microbatches of the `workload` would not fit and the planner's condition says the copies keep up, from
+    a step time and host bandwidth measured here (`swap_choice` says what it chose and why).
+
     `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
     flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
@@ -75,7 +96,8 @@ class Pipeline:
     def __init__(self, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
                  prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
-                 microbatch: int = 4, transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
+                 microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
+                 transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
                  launch: bool = True, host: str = "127.0.0.1", port: int = 0) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
@@ -83,6 +105,8 @@ class Pipeline:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.kv_budget = check_budget(kv_budget_bytes)
+        check_swapping(swapping)
         reference = load_model(model)  # ConfigError for a bad name, before any process starts
         adapter = adapter_for(reference)  # ConfigError for an architecture without an adapter
         total = len(adapter.decoder_layers())
@@ -120,9 +144,18 @@ class Pipeline:
         self.eos: list[int] = rules.eos
         self.pad: int = rules.pad
         self.vocabulary: int = rules.vocabulary
+        self.threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, self.layouts)))
+        widest = max(stop - start for start, stop in self.layouts[-1])
+        #: KV bytes per position of one row in the decoding stage with the most layers (the one a budget binds).
+        self.kv_bytes_per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
+        #: Whether decoding stages swap caches to host memory, and, when "auto" decided it, why.
+        self.swap_choice: SwapChoice | None = None
+        if swapping == "auto":
+            self.swap_choice = self._choose_swapping(reference, workload, microbatch, widest / total)
+            log.info("swapping %s: %s", "on" if self.swap_choice.swapping else "off", self.swap_choice.reason)
+        self.swapping = self.swap_choice.swapping if self.swap_choice is not None else bool(swapping)
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
-        self.threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, self.layouts)))
         self.launch, self.host, self.port, self.transport = launch, host, port, transport
         if not launch and not os.environ.get("DEJAVU_TOKEN"):
             raise ConfigError("launch=False: workers started elsewhere must present the head's token; set "
@@ -131,6 +164,11 @@ class Pipeline:
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._in_flight: dict[int, Microbatch] = {}
+        self._reserved: dict[int, int] = {}  # per microbatch in flight: its cache's bytes at its end, per stage
+        #: The most microbatches that were in flight at once.
+        self.most_in_flight = 0
+        self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
+        self._stats_arrived = threading.Condition(self._lock)
         self._progress: dict[int, float] = {}  # per microbatch in flight: when it last made progress
         self._next_microbatch = 0
         self._prompting = 0  # disaggregated: microbatches in the prompt pipeline
@@ -181,7 +219,7 @@ class Pipeline:
         for number, fields in enumerate(self._assignments(joined)):
             self._workers[number].send_tensor(pack(Message("assign", {
                 "model": self.model, "stage": number, "threads": self.threads, "eos": self.eos, "pad": self.pad,
-                **fields})))
+                "swapping": self.swapping, **fields})))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -274,6 +312,7 @@ class Pipeline:
             prompt = check_prompt(ids, self.context, self.vocabulary)
             requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context),
                                     decoding))
+            check_fits_alone(cache_bytes(requests[-1:], self.kv_bytes_per_token), self.kv_budget, self.swapping)
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -295,10 +334,14 @@ class Pipeline:
                     self._progress[number] = time.monotonic()
                     stage, message = len(self.layouts[0]), start
                 elif self._waiting and self._room_for_a_prefill():
-                    batch = Microbatch.of(self._next_microbatch, take_microbatch(self._waiting, self.microbatch),
-                                          self.pad)
+                    taken = take_microbatch(self._waiting, self.microbatch, self._fits_beside_those_in_flight)
+                    if not taken:  # the budget is full: wait for a microbatch to end
+                        return
+                    batch = Microbatch.of(self._next_microbatch, taken, self.pad)
+                    self._reserved[batch.number] = cache_bytes(taken, self.kv_bytes_per_token)
                     self._next_microbatch += 1
                     self._in_flight[batch.number] = batch
+                    self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
                     self._progress[batch.number] = time.monotonic()
                     self._prompting += self.disaggregated
                     stage, message = 0, Message("prefill", batch.fields(), (batch.ids, batch.mask))
@@ -309,6 +352,43 @@ class Pipeline:
             except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
                 self._fail(TransportError(f"stage {stage} is unreachable: {error}"))
                 return
+
+    def _fits_beside_those_in_flight(self, requests: list[Request]) -> bool:
+        if self.kv_budget is None:
+            return True
+        reservations = [*self._reserved.values(), cache_bytes(requests, self.kv_bytes_per_token)]
+        return slots_needed(reservations, self.swapping) <= self.kv_budget
+
+    def _choose_swapping(self, reference: Any, workload: Any, microbatch: int, share: float) -> SwapChoice:
+        """Swap when the in-flight microbatches of the workload would not fit in the budget and the copies keep
+        up with a decoding stage's step (timed on the whole model here, scaled to the stage's share of layers)."""
+        prompt_tokens, new_tokens = _workload(workload)
+        each = microbatch * positions_needed(prompt_tokens, new_tokens) * self.kv_bytes_per_token
+        limit = self.token_slots if self.disaggregated else len(self.layers)
+        common: dict[str, Any] = {"batch": microbatch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                                  "cache_bytes_per_token": self.kv_bytes_per_token}
+        if self.kv_budget is None or limit * each <= self.kv_budget:
+            return choose_swapping(fits_without=True, **common)
+        _, token_time = measure_times(reference, microbatch, prompt_tokens, threads=self.threads)
+        bandwidth = measure_host_bandwidth(next(reference.parameters()).device, each)
+        return choose_swapping(fits_without=False, token_time=token_time * share, host_bandwidth=bandwidth, **common)
+
+    def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Each stage's KV caches as it reports them now: whether it swaps, device bytes held now and at most
+        (`held_kv_bytes`, `peak_kv_bytes`: counted from the caches' tensors), swap-ins and the seconds it waited
+        for them."""
+        with self._lock:
+            self._stats.clear()
+        for worker in self._workers:
+            worker.send_tensor(pack(Message("stats")))
+        deadline = time.monotonic() + timeout
+        with self._stats_arrived:
+            while len(self._stats) < len(self._workers):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._failure is not None:
+                    raise TransportError(f"the stages did not all report within {timeout} s") from self._failure
+                self._stats_arrived.wait(remaining)
+            return dict(self._stats)
 
     def _room_for_a_prefill(self) -> bool:
         if not self.disaggregated:
@@ -357,12 +437,22 @@ class Pipeline:
             number = int(message.fields["microbatch"])
             with self._lock:
                 batch = self._in_flight.pop(number, None)
+                if message.fields.get("freed"):  # else the room its caches took is given back by `freed`
+                    self._reserved.pop(number, None)
                 self._progress.pop(number, None)
                 self._decoding -= self.disaggregated
             if batch is not None:
                 for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
                     _settle(request.future, result=result)
             self._admit()
+        elif message.kind == "freed":  # every decoding stage let the microbatch's cache go
+            with self._lock:
+                self._reserved.pop(int(message.fields["microbatch"]), None)
+            self._admit()
+        elif message.kind == "stats":
+            with self._stats_arrived:
+                self._stats[str(message.fields["stage"])] = dict(message.fields)
+                self._stats_arrived.notify_all()
         elif message.kind == "failed":
             self._fail(TransportError(f"stage {message.fields['stage']} failed: {message.fields['error']}"))
 
@@ -387,6 +477,7 @@ class Pipeline:
             if self._failure is None:
                 self._failure = error
             batches, self._in_flight, self._progress = list(self._in_flight.values()), {}, {}
+            self._reserved.clear()
             waiting, self._waiting = list(self._waiting), deque()
         for request in [request for batch in batches for request in batch.requests] + waiting:
             _settle(request.future, error=error)

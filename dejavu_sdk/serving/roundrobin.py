@@ -24,6 +24,7 @@ from ..swapping import (
     SwapChoice,
     SwappedCaches,
     check_budget,
+    check_fits_alone,
     check_swapping,
     choose_swapping,
     kv_bytes_per_token,
@@ -32,7 +33,7 @@ from ..swapping import (
     slots_needed,
 )
 from .adapters import adapter_for
-from .batching import Microbatch, Request, Result, check_new_tokens, check_prompt, take_microbatch
+from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenPicker, TokenRules, next_tokens
 from .stage import Stage, position_ids
 
@@ -130,54 +131,39 @@ class RoundRobin:
         return [results[request.number] for request in requests]
 
     # ---- admission --------------------------------------------------------------------------------------
-    def _reservation(self, requests: Sequence[Request]) -> int:
-        """Device bytes a microbatch of these requests' cache reaches at its end."""
-        longest = max(request.ids.numel() for request in requests)
-        new = max(request.max_new_tokens for request in requests)
-        return len(requests) * positions_needed(longest, new) * self.bytes_per_token
-
     def _fits(self, reservations: list[int]) -> bool:
         return self.budget is None or slots_needed(reservations, self.caches is not None and
                                                    self.caches.swapping) <= self.budget
 
     def _take(self, waiting: deque[Request], in_flight: list[int]) -> list[Request] | None:
         """The next microbatch whose cache fits beside those in flight (as many rows as fit), or None."""
-        taken = take_microbatch(waiting, self.microbatch)
-        while not self._fits([*in_flight, self._reservation(taken)]):
-            if len(taken) == 1:
-                waiting.appendleft(taken[0])
-                return None
-            waiting.appendleft(taken.pop())
-        return taken
+        taken = take_microbatch(waiting, self.microbatch,
+                                lambda rows: self._fits([*in_flight, cache_bytes(rows, self.bytes_per_token)]))
+        return taken or None
 
     def _decide(self, requests: list[Request]) -> bool:
         """Swap or not; ConfigError when the budget cannot hold one request (two with swapping)."""
-        alone = max(self._reservation([request]) for request in requests)
-        if self.budget is not None and alone > self.budget:
-            raise ConfigError(f"kv_budget_bytes={self.budget} cannot hold the KV cache of one request "
-                              f"({alone} bytes at its end)")
+        alone = max(cache_bytes([request], self.bytes_per_token) for request in requests)
+        check_fits_alone(alone, self.budget, False)
         if self.swapping is True or self.swapping is False:
             swapping = self.swapping
         else:
             self.choice = self._choose(requests)
             log.info("swapping %s: %s", "on" if self.choice.swapping else "off", self.choice.reason)
             swapping = self.choice.swapping
-        if swapping and self.budget is not None and 2 * alone > self.budget:
-            raise ConfigError(f"kv_budget_bytes={self.budget} cannot hold two device slots for swapping: one "
-                              f"request's KV cache alone takes {alone} bytes at its end; give at least {2 * alone}"
-                              ", or swapping=False")
+        check_fits_alone(alone, self.budget, swapping)
         return swapping
 
     def _choose(self, requests: list[Request]) -> SwapChoice:
         groups = [requests[start:start + self.microbatch] for start in range(0, len(requests), self.microbatch)]
-        reservations = [self._reservation(group) for group in groups]
+        reservations = [cache_bytes(group, self.bytes_per_token) for group in groups]
         fits = self.budget is None or sum(reservations) <= self.budget
         batch = len(groups[0])
         prompt = int(statistics.median(request.ids.numel() for request in requests))
         new = int(statistics.median(request.max_new_tokens for request in requests))
         if fits:
             return choose_swapping(fits_without=True, batch=batch, prompt_tokens=prompt, new_tokens=new,
-                                   cache_bytes_per_token=self.bytes_per_token, token_time=1.0, host_bandwidth=1.0)
+                                   cache_bytes_per_token=self.bytes_per_token)
         from ..timing import measure_times
 
         _, token_time = measure_times(self.model, batch, prompt, repeats=2, progress=self.progress)
@@ -198,7 +184,8 @@ class RoundRobin:
         ended = torch.zeros(len(batch.requests), dtype=torch.bool, device=self.device)
         tokens, ended = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos, self.rules.pad)
         batch.add_step(tokens.tolist())
-        state = _InFlight(batch, self._reservation(batch.requests), mask, positions[:, -1:], tokens, ended, picker)
+        state = _InFlight(batch, cache_bytes(batch.requests, self.bytes_per_token), mask, positions[:, -1:], tokens,
+                          ended, picker)
         if bool(ended.all()):
             caches.remove(batch.number)
             return None

@@ -29,6 +29,7 @@ from ..backends import open_transport, serve
 from ..errors import TransportError
 from ..models import load_model
 from ..stream import LayerPartition
+from ..swapping import SwappedCaches, positions_needed
 from ..transports.base import Server, Transport
 from .decoding import TokenPicker, next_tokens
 from .handoff import KV, LayerSender, StagedKV
@@ -45,9 +46,9 @@ HEARTBEAT = 2.0
 
 @attrs.define
 class _Microbatch:
-    """What one stage keeps of a microbatch between steps."""
+    """What one stage keeps of a microbatch between steps (its KV cache is in the worker's `caches`)."""
 
-    cache: Any
+    capacity: int  # cache positions it reaches at its end
     mask: torch.Tensor
     positions: torch.Tensor
     fields: dict[str, Any]
@@ -79,11 +80,14 @@ class StageWorker:
     """
 
     def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
-                 first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None) -> None:
+                 first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
+                 swapping: bool = False) -> None:
         self.stage, self.role, self.inbox, self.head = stage, role, inbox, head
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
+        #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
+        self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device, swapping)
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
 
     def run(self) -> None:
@@ -111,8 +115,11 @@ class StageWorker:
         kind = message.kind
         if kind == "end":
             self.microbatches.pop(number, None)
+            self.caches.remove(number)
             if self.role.number + 2 < self.role.stages:  # the last stage ended it and freed its own already
                 self._send(self.following, message)
+            else:  # every stage has freed its cache: the head may give its room to another
+                self._send(self.head, Message("freed", {"microbatch": number}))
         elif kind == KV and self.role.kind == "token":
             self._receive_kv(number, message)
         elif kind == "start" and self.role.kind == "token":
@@ -124,24 +131,28 @@ class StageWorker:
             state = self.microbatches[number]
             state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
             state.positions = state.positions[:, -1:] + 1
-            self._step(number, state, inputs, message)
+            self._step(number, state, inputs, message, self.caches.acquire(number))
+        elif kind == "stats":
+            self.head.send_tensor(pack(Message("stats", {"stage": self.role.name, **self.caches.stats()})))
         else:
             raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
 
     def _prefill(self, number: int, message: Message) -> None:
         inputs, mask = message.tensors
-        state = _Microbatch(self.stage.new_cache(), mask.clone(), position_ids(mask), dict(message.fields))
+        state = _Microbatch(positions_needed(mask.shape[1], max(message.fields["max_new_tokens"])), mask.clone(),
+                            position_ids(mask), dict(message.fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
         if self.role.kind == "mixed":
             self.microbatches[number] = state
-            self._step(number, state, inputs, message)
+            self._step(number, state, inputs, message, self.caches.new_cache(number))
             return
-        sender, cache, first_layer = self.sender, state.cache, self.stage.layers[0]
+        sender, cache, first_layer = self.sender, self.stage.new_cache(), self.stage.layers[0]
         assert sender is not None  # a prompt stage streams every layer it runs
+        layers: list[Any] = cache.layers  # key/value layers, as the stage's model makes them
 
         def stream_layer(local: int) -> None:
-            layer = cache.layers[local]
+            layer = layers[local]
             sender.layer_done(number, first_layer + local, layer.keys, layer.values)
 
         output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer)
@@ -173,13 +184,13 @@ class StageWorker:
         del self.staged[number]
         inputs, prompt_mask, ended, rng = message.tensors
         if bool(ended.all()):  # every row ended with its first token: nothing to decode
-            if self.role.last:
-                self._send(self.head, Message("ended", {"microbatch": number}))
+            if self.role.last:  # no token stage kept its KV
+                self._send(self.head, Message("ended", {"microbatch": number, "freed": True}))
             else:
                 self._send(self.following, message)
             return
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), 1)], dim=1)
-        state = _Microbatch(staged.cache(self.stage.config, prompt_mask.shape[1]), mask,
+        state = _Microbatch(positions_needed(prompt_mask.shape[1], max(message.fields["max_new_tokens"])), mask,
                             position_ids(prompt_mask)[:, -1:] + 1, dict(message.fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
@@ -187,20 +198,33 @@ class StageWorker:
                 state.picker.generator.set_state(rng.clone())
             state.ended, state.steps = ended.bool(), 1
         self.microbatches[number] = state
-        output = self.stage.forward(inputs, state.mask, state.positions, state.cache)
+        cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
+        output = self.stage.forward(inputs, state.mask, state.positions, cache)
         if not self.stage.last:
             self._send(self.following, Message("start", message.fields, (output, prompt_mask, ended, rng)))
-            return
-        self._next_tokens(number, state, output)
+        else:
+            self._next_tokens(number, state, output)
+        self._after_step(number, first=True)
 
-    def _step(self, number: int, state: _Microbatch, inputs: torch.Tensor, message: Message) -> None:
-        """Run the stage on the microbatch's new positions, and pass the result on."""
-        output = self.stage.forward(inputs, state.mask, state.positions, state.cache)
+    def _step(self, number: int, state: _Microbatch, inputs: torch.Tensor, message: Message, cache: Any) -> None:
+        """Run the stage on the microbatch's new positions in `cache`, and pass the result on."""
+        output = self.stage.forward(inputs, state.mask, state.positions, cache)
         if not self.stage.last:
             tensors = (output, state.mask) if message.kind == "prefill" else (output,)
             self._send(self.following, Message(message.kind, message.fields, tensors))
-            return
-        self._next_tokens(number, state, output)
+        else:
+            self._next_tokens(number, state, output)
+        self._after_step(number, first=message.kind == "prefill")
+
+    def _after_step(self, number: int, first: bool) -> None:
+        """Hand a stepped cache back (after its first step, with its final size), or free it if it ended here."""
+        state = self.microbatches.get(number)
+        if state is None:
+            self.caches.remove(number)
+        elif first:
+            self.caches.add(number, state.capacity)
+        else:
+            self.caches.release(number)
 
     def _pick(self, state: _Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token (padding once the row has ended), and which rows have now ended."""
@@ -218,7 +242,7 @@ class StageWorker:
         self._send(self.head, Message("tokens", {"microbatch": number}, (tokens,)))
         if bool(ended.all()):
             del self.microbatches[number]
-            self._send(self.head, Message("ended", {"microbatch": number}))
+            self._send(self.head, Message("ended", {"microbatch": number, "freed": self.role.stages == 1}))
             if self.role.stages > 1:
                 self._send(self.first, Message("end", {"microbatch": number}))
         else:
@@ -255,7 +279,8 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
         try:
             head.send_tensor(pack(Message("ready", {"stage": fields["stage"]})))
-            StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender).run()
+            StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
+                        bool(fields.get("swapping"))).run()
         finally:
             if sender is not None:
                 sender.close()

@@ -1,0 +1,101 @@
+"""Microbatch swapping in pipelines: decoding stages keep their microbatches' KV in host memory with two on the
+device; tokens stay those of `model.generate`, and the head's admission keeps every stage within its budget."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import expectations
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.swapping import kv_bytes_per_token, positions_needed
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(autouse=True)
+def _workers_import_tiny_models(monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+
+
+def _check_against_generate(family: str, prompts, limits, results, pipe) -> None:
+    batches = expectations.microbatches(results)
+    want = expectations.expected(getattr(tiny_models, family)(), batches, prompts, limits, pipe.pad, pipe.eos)
+    for result, tokens in zip(results, want, strict=True):
+        assert torch.equal(result.tokens, tokens)
+
+
+def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_microbatches_in() -> None:
+    """Three one-layer stages, one-row microbatches, a budget of two microbatches' caches per stage: unswapped,
+    two microbatches are in flight; swapped, three (one per stage), two at a time on each stage's device. Same
+    tokens."""
+    prompts = [torch.randint(1, tiny_models.VOCAB, (11,), generator=torch.Generator().manual_seed(index))
+               for index in range(8)]
+    limits = [6] * len(prompts)
+    each = positions_needed(11, 6) * kv_bytes_per_token(tiny_models.llama().config, torch.float32, layers=1)
+    served = {}
+    for swapping in (False, True):
+        with Pipeline("tiny_models:llama", stages=3, microbatch=1, kv_budget_bytes=2 * each, swapping=swapping,
+                      timeout=60) as pipe:
+            futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, limits, strict=True)]
+            results = [future.result(timeout=120) for future in futures]
+            stats = pipe.stage_stats()
+            assert pipe.most_in_flight == (3 if swapping else 2)
+            if swapping:  # a request whose cache cannot have two slots is refused before it is queued
+                with pytest.raises(dv.ConfigError, match="two device slots"):
+                    pipe.submit(torch.ones(20, dtype=torch.long), max_new_tokens=2)  # 21 positions: 2 x 21 > 2 x 16
+            _check_against_generate("llama", prompts, limits, results, pipe)
+        assert sorted(stats) == ["stage 0", "stage 1", "stage 2"]
+        for stage in stats.values():  # device bytes held, counted by each stage from its caches' tensors
+            assert 0 < stage["peak_kv_bytes"] <= 2 * each
+            assert stage["swapping"] is swapping
+            assert (stage["swap_ins"] > 0) is swapping
+        served[swapping] = [result.tokens.tolist() for result in results]
+    assert served[True] == served[False]
+
+
+@pytest.mark.parametrize("layout", [{"prompt_stages": 1, "token_stages": 2}, {"layers": [(0, 2), (2, 3)]}])
+def test_swapped_stages_serve_every_request_as_generate_serves_its_microbatch(layout) -> None:
+    """Sliding-window layers (Mistral), rows ending at different steps, KV arriving from a prompt stage."""
+    prompts = expectations.prompts(7, seed=31)
+    limits = [1] + [4 + 3 * (index % 4) for index in range(1, len(prompts))]
+    with Pipeline("tiny_models:mistral", microbatch=3, swapping=True, timeout=60, **layout) as pipe:
+        futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, limits, strict=True)]
+        results = [future.result(timeout=120) for future in futures]
+        stats = pipe.stage_stats()
+        _check_against_generate("mistral", prompts, limits, results, pipe)
+    decoding = [stage for name, stage in stats.items() if not name.startswith("prompt")]
+    assert decoding
+    assert all(stage["swapping"] and stage["swap_ins"] > 0 for stage in decoding)
+
+
+def test_auto_says_whether_it_swaps_and_why_before_any_process_starts(caplog) -> None:
+    model = tiny_models.llama()
+    each = 4 * positions_needed(32, 16) * kv_bytes_per_token(model.config, torch.float32, layers=2)
+    with caplog.at_level(logging.INFO, logger="dejavu_sdk.serving.pipeline"):
+        roomy = Pipeline("tiny_models:llama", stages=2, microbatch=4, workload=(32, 16))
+        tight = Pipeline("tiny_models:llama", stages=2, microbatch=4, workload=(32, 16), kv_budget_bytes=each)
+    assert roomy.swap_choice is not None
+    assert not roomy.swapping
+    assert "fits" in roomy.swap_choice.reason
+    assert tight.swap_choice is not None
+    assert tight.swapping  # a tiny model's caches copy in microseconds: swapping pays off
+    assert tight.swap_choice.token_time
+    assert "swapping on: swapping pays off: a step takes" in caplog.text
+    assert not Pipeline("tiny_models:llama", stages=2, swapping=False, kv_budget_bytes=each).swapping
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"kv_budget_bytes": 0}, "kv_budget_bytes must be a positive integer"),
+    ({"kv_budget_bytes": "1GB"}, "kv_budget_bytes must be a positive integer"),
+    ({"swapping": "always"}, "swapping must be True, False or 'auto'"),
+])
+def test_bad_budgets_and_swapping_settings_are_refused_before_any_process_starts(options, message) -> None:
+    with pytest.raises(dv.ConfigError, match=message):
+        Pipeline("tiny_models:llama", stages=2, **options)
