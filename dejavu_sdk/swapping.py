@@ -114,9 +114,10 @@ def measure_host_bandwidth(device: torch.device, nbytes: int, repeats: int = 3) 
 
 @attrs.define
 class _HostCopy:
-    """One microbatch's cache in host memory: per layer, keys and values `[B, H, capacity, D]`, and how many
-    positions each layer has seen (`length`: every position before it is in the buffer, except those a
-    sliding-window layer has let go)."""
+    """One microbatch's cache in host memory: per layer, keys and values `[capacity, B, H, D]` (position-major,
+    so that a range of positions is one contiguous block: a single asynchronous copy from pinned memory), and
+    how many positions each layer has seen (`length`: every position before it is in the buffer, except
+    those a sliding-window layer has let go)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -125,7 +126,7 @@ class _HostCopy:
 
     @property
     def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
+        return int(self.keys[0].shape[0])
 
 
 class SwappedCaches:
@@ -238,10 +239,10 @@ class SwappedCaches:
             for layer in _layers(cache):
                 kept = int(layer.keys.shape[2])
                 batch, heads, _, dim = layer.keys.shape
-                host_keys = torch.empty((batch, heads, capacity, dim), dtype=layer.keys.dtype, pin_memory=pinned)
-                host_values = torch.empty((batch, heads, capacity, dim), dtype=layer.values.dtype, pin_memory=pinned)
-                host_keys[:, :, length - kept:length].copy_(layer.keys, non_blocking=pinned)
-                host_values[:, :, length - kept:length].copy_(layer.values, non_blocking=pinned)
+                host_keys = torch.empty((capacity, batch, heads, dim), dtype=layer.keys.dtype, pin_memory=pinned)
+                host_values = torch.empty((capacity, batch, heads, dim), dtype=layer.values.dtype, pin_memory=pinned)
+                host_keys[length - kept:length].copy_(_positions_first(layer.keys), non_blocking=pinned)
+                host_values[length - kept:length].copy_(_positions_first(layer.values), non_blocking=pinned)
                 _keep_until_copied(self._copies, layer.keys, layer.values)
                 keys.append(host_keys)
                 values.append(host_values)
@@ -255,9 +256,9 @@ class SwappedCaches:
             for index, layer in enumerate(_layers(cache)):
                 window = host.windows[index]
                 first = 0 if window is None else max(0, host.length - (window - 1))
-                keys = host.keys[index][:, :, first:host.length].to(self.device, non_blocking=True, copy=True)
-                values = host.values[index][:, :, first:host.length].to(self.device, non_blocking=True, copy=True)
-                _fill(layer, keys, values, host.length)
+                keys = host.keys[index][first:host.length].to(self.device, non_blocking=True, copy=True)
+                values = host.values[index][first:host.length].to(self.device, non_blocking=True, copy=True)
+                _fill(layer, _heads_first(keys), _heads_first(values), host.length)  # views: the step's cat copies
             event = self._record_event()
         self._resident[number], self._ready[number] = cache, event
         self.swap_ins += 1
@@ -279,8 +280,9 @@ class SwappedCaches:
             raise ConfigError(f"microbatch {number} grew to {seen} positions, past its capacity of {host.capacity}")
         with self._copy_stream():
             for index, layer in enumerate(_layers(cache)):
-                host.keys[index][:, :, host.length:seen].copy_(layer.keys[:, :, -new:], non_blocking=True)
-                host.values[index][:, :, host.length:seen].copy_(layer.values[:, :, -new:], non_blocking=True)
+                host.keys[index][host.length:seen].copy_(_positions_first(layer.keys[:, :, -new:]), non_blocking=True)
+                host.values[index][host.length:seen].copy_(_positions_first(layer.values[:, :, -new:]),
+                                                           non_blocking=True)
                 _keep_until_copied(self._copies, layer.keys, layer.values)
         host.length = seen
 
@@ -310,6 +312,16 @@ def _layers(cache: DynamicCache) -> list[Any]:
 def _seen(layer: Any) -> int:
     """Positions a cache layer has seen (a sliding-window layer keeps fewer)."""
     return int(getattr(layer, "cumulative_length", 0) or layer.keys.shape[2])
+
+
+def _positions_first(tensor: torch.Tensor) -> torch.Tensor:
+    """`[B, H, S, D]` seen as `[S, B, H, D]` (a view)."""
+    return tensor.permute(2, 0, 1, 3)
+
+
+def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
+    """`[S, B, H, D]` seen as `[B, H, S, D]` (a view), as cache layers hold them."""
+    return tensor.permute(1, 2, 0, 3)
 
 
 def _fill(layer: Any, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:

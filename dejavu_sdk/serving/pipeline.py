@@ -165,7 +165,7 @@ class Pipeline:
         self._waiting: deque[Request] = deque()
         self._in_flight: dict[int, Microbatch] = {}
         self._reserved: dict[int, int] = {}  # per microbatch in flight: its cache's bytes at its end, per stage
-        #: The most microbatches that were in flight at once.
+        #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
         self.most_in_flight = 0
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self._stats_arrived = threading.Condition(self._lock)
@@ -341,7 +341,7 @@ class Pipeline:
                     self._reserved[batch.number] = cache_bytes(taken, self.kv_bytes_per_token)
                     self._next_microbatch += 1
                     self._in_flight[batch.number] = batch
-                    self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+                    self.most_in_flight = max(self.most_in_flight, self._holding())
                     self._progress[batch.number] = time.monotonic()
                     self._prompting += self.disaggregated
                     stage, message = 0, Message("prefill", batch.fields(), (batch.ids, batch.mask))
@@ -390,10 +390,14 @@ class Pipeline:
                 self._stats_arrived.wait(remaining)
             return dict(self._stats)
 
+    def _holding(self) -> int:
+        """Microbatches in flight: from admission until they ended and every stage let their caches go."""
+        return len(self._in_flight.keys() | self._reserved.keys())
+
     def _room_for_a_prefill(self) -> bool:
         if not self.disaggregated:
-            return len(self._in_flight) < len(self.layers)  # one microbatch per stage
-        return self._prompting < len(self.layouts[0]) and len(self._in_flight) < self.token_slots
+            return self._holding() < len(self.layers)  # one microbatch per stage
+        return self._prompting < len(self.layouts[0]) and self._holding() < self.token_slots
 
     def _receive(self) -> None:
         """The head's receiver thread: takes the workers' messages, and watches them between messages."""
