@@ -125,10 +125,11 @@ class DejaVuEngine:
         `kv_budget_bytes` caps the device memory their KV caches take (None: no cap): a microbatch starts only
         once its cache fits. `swapping=True` keeps every microbatch's cache in host memory and two on the
         device, brought in while the previous one computes, so about twice as many fit; `"auto"` swaps when the
-        caches do not all fit and the planner's condition says the copies keep up (logged, with the figures).
+        caches do not all fit, the model is on a GPU and the planner's condition says the copies keep up (logged).
         Decoding as in `Pipeline.submit` (greedy, or `do_sample` with `seed`, `temperature`, `top_k`, `top_p`,
-        `min_p`): a microbatch's tokens equal `model.generate` on it. These caches are not replicated to the
-        engine's store: use `generate` for a replicated, resumable stream.
+        `min_p`): a microbatch's tokens equal `model.generate` on it (on a GPU, sampled rows draw from a CPU generator
+        seeded with `seed`: reproducible, but not `generate`'s GPU draws). The model is put in eval mode. These
+        caches are not replicated to the engine's store: use `generate` for a replicated, resumable stream.
         """
         from .serving.decoding import Decoding
         from .serving.roundrobin import RoundRobin

@@ -22,6 +22,7 @@ import logging
 import statistics
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -72,20 +73,30 @@ class SwapChoice:
 
 
 def choose_swapping(*, fits_without: bool, batch: int, prompt_tokens: int, new_tokens: int,
-                    cache_bytes_per_token: float, token_time: float | None = None,
+                    cache_bytes_per_token: float, device_is_host: bool = False, two_slots: bool = True,
+                    measure: Callable[[], tuple[float, float]] | None = None, token_time: float | None = None,
                     host_bandwidth: float | None = None) -> SwapChoice:
-    """Swap only when it is needed and pays off.
+    """Swap only when it is needed, possible and pays off; `measure()` gives (step seconds, host bytes/s) when
+    the numbers are needed and not given.
 
-    Not needed when every microbatch's cache fits in the device budget at once (`fits_without`). Otherwise
-    the planner's condition decides: over a microbatch's `new_tokens` steps, bringing back caches of
-    `prompt_tokens` and more positions of `batch` rows (`cache_bytes_per_token` each) at `host_bandwidth`
-    bytes/s must take no longer than twice the steps (`token_time` s each), or the device waits on copies.
+    Not needed when every microbatch's cache fits in the device budget at once (`fits_without`); pointless
+    when the device is the host (a CPU: host copies take the same memory); impossible when two device slots
+    of one request's cache do not fit the budget (`two_slots`). Otherwise the planner's condition decides:
+    over a microbatch's `new_tokens` steps, bringing back caches of `prompt_tokens` and more positions of
+    `batch` rows (`cache_bytes_per_token` each) at `host_bandwidth` bytes/s must take no longer than twice
+    the steps (`token_time` s each), or the device waits on copies.
     """
     if fits_without:
-        return SwapChoice(False, "every microbatch's cache fits in the device budget at once: nothing to swap",
-                          token_time, host_bandwidth)
+        return SwapChoice(False, "every microbatch's cache fits in the device budget at once: nothing to swap")
+    if device_is_host:
+        return SwapChoice(False, "the device is the CPU: host copies would take the same memory and save none")
+    if not two_slots:
+        return SwapChoice(False, "two device slots of one request's cache do not fit the budget: fewer "
+                          "microbatches in flight instead")
     if token_time is None or host_bandwidth is None:
-        raise ConfigError("deciding whether swapping pays off needs the step time and the host bandwidth")
+        if measure is None:
+            raise ConfigError("deciding whether swapping pays off needs the step time and the host bandwidth")
+        token_time, host_bandwidth = measure()
     pays = swapping_pays_off(new_tokens, prompt_tokens, token_time, batch, cache_bytes_per_token, host_bandwidth)
     longest = (prompt_tokens + new_tokens) * batch * cache_bytes_per_token / host_bandwidth
     numbers = (f"a step takes {token_time * 1e3:.2f} ms; bringing in a cache of {prompt_tokens + new_tokens} "
@@ -135,7 +146,8 @@ class SwappedCaches:
     `add` a microbatch's cache after its prefill (with its final length, `capacity`), `acquire` it before each
     step and `release` it after, `remove` it when it ends. Without swapping every cache stays on the device.
     `held_bytes` counts the device memory the caches hold now (their tensors' storage), `peak_bytes` the most
-    it held after any call; `wait_seconds` is the time `acquire` spent waiting for swap-ins.
+    it held after any call; `wait_seconds` is the time `acquire` spent waiting for swap-ins, `copy_seconds` the
+    time spent issuing copies (on a CPU the copies themselves; on a GPU only their launch).
     """
 
     def __init__(self, config: Any, device: torch.device | str, swapping: bool) -> None:
@@ -147,6 +159,7 @@ class SwappedCaches:
         self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.peak_bytes = 0
         self.wait_seconds = 0.0
+        self.copy_seconds = 0.0
         self.swap_ins = 0
 
     def __contains__(self, number: int) -> bool:
@@ -214,7 +227,7 @@ class SwappedCaches:
     def stats(self) -> dict[str, Any]:
         """What the caches held and cost: device bytes now and at most, swap-ins and the time waited for them."""
         return {"swapping": self.swapping, "held_kv_bytes": self.held_bytes, "peak_kv_bytes": self.peak_bytes,
-                "swap_ins": self.swap_ins, "swap_wait_seconds": self.wait_seconds}
+                "swap_ins": self.swap_ins, "swap_wait_seconds": self.wait_seconds, "copy_seconds": self.copy_seconds}
 
     @property
     def held_bytes(self) -> int:
@@ -252,14 +265,23 @@ class SwappedCaches:
     def _swap_in(self, number: int) -> None:
         host = self._host[number]
         cache = DynamicCache(config=self.config)
+        pieces = []
+        for index, layer in enumerate(_layers(cache)):
+            window = host.windows[index]
+            first = 0 if window is None else max(0, host.length - (window - 1))
+            # Allocated for the compute stream, which reads them (the copy stream's pool would keep a third slot)
+            keys = torch.empty(host.keys[index][first:host.length].shape, dtype=host.keys[index].dtype,
+                               device=self.device)
+            values = torch.empty_like(keys)
+            pieces.append((layer, first, keys, values))
         with self._copy_stream():
-            for index, layer in enumerate(_layers(cache)):
-                window = host.windows[index]
-                first = 0 if window is None else max(0, host.length - (window - 1))
-                keys = host.keys[index][first:host.length].to(self.device, non_blocking=True, copy=True)
-                values = host.values[index][first:host.length].to(self.device, non_blocking=True, copy=True)
-                _fill(layer, _heads_first(keys), _heads_first(values), host.length)  # views: the step's cat copies
+            for index, (_, first, keys, values) in enumerate(pieces):
+                keys.copy_(host.keys[index][first:host.length], non_blocking=True)
+                values.copy_(host.values[index][first:host.length], non_blocking=True)
+                _keep_until_copied(self._copies, keys, values)
             event = self._record_event()
+        for layer, _, keys, values in pieces:  # outside the copy stream: nothing here waits for the copies
+            _fill(layer, _heads_first(keys), _heads_first(values), host.length)
         self._resident[number], self._ready[number] = cache, event
         self.swap_ins += 1
 
@@ -267,15 +289,14 @@ class SwappedCaches:
         event = self._ready.pop(number, None)
         if event is not None:
             event.synchronize()
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(event)
-            for layer in _layers(self._resident[number]):  # made on the copy stream, read on this one
-                _keep_until_copied(compute, layer.keys, layer.values)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _write_back(self, number: int, cache: DynamicCache) -> None:
         host = self._host[number]
         seen = _seen(_layers(cache)[0])
         new = seen - host.length
+        if new == 0:
+            return
         if seen > host.capacity:
             raise ConfigError(f"microbatch {number} grew to {seen} positions, past its capacity of {host.capacity}")
         with self._copy_stream():
@@ -286,12 +307,20 @@ class SwappedCaches:
                 _keep_until_copied(self._copies, layer.keys, layer.values)
         host.length = seen
 
-    def _copy_stream(self) -> Any:
-        """Copies run on the side stream, after the work already queued on the compute stream (CUDA)."""
-        if self._copies is None:
-            return contextlib.nullcontext()
-        self._copies.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._copies)
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """Copies run on the side stream, after the work already queued on the compute stream (CUDA); the time
+        spent issuing them counts in `copy_seconds`."""
+        start = time.perf_counter()
+        try:
+            if self._copies is None:
+                yield
+            else:
+                self._copies.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._copies):
+                    yield
+        finally:
+            self.copy_seconds += time.perf_counter() - start
 
     def _record_event(self) -> Any:
         if self._copies is None:

@@ -173,13 +173,15 @@ def test_bench_swapping_reports_both_variants_beside_the_planner(tmp_path, capsy
                  "--repeats", "2", "--quiet", "--json", str(samples), "--plot", str(figure)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    for expected in ("| 8 |", "| 24 |", "(4 x 4)", "(4 x 8)", "planner: pays off, ratio", "device cpu"):
+    for expected in ("| 8 |", "| 24 |", "(4 x 4)", "(4 x 8)", "planner: pays off, decode ratio", "predicted on / off",
+                     "device cpu"):
         assert expected in output
     recorded = json.loads(samples.read_text())
     assert all(len(recorded["tokens_per_second"][f"{prompt} {variant}"]) == 2  # back to back in each repeat
                for prompt in (8, 24) for variant in ("off", "on"))
     assert recorded["in_flight"] == {"8 off": 4, "8 on": 4, "24 off": 4, "24 on": 4}
     assert all(0 <= share < 1 for shares in recorded["wait_share"].values() for share in shares)
+    assert all(0 < share < 1 for shares in recorded["copy_share"].values() for share in shares)  # real copies
     assert figure.stat().st_size > 0
     assert main(["bench", "swapping", "--depth", "3", "--quiet"]) == 2
     assert "--depth must be at least 4" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.serving.decoding import Decoding
 from dejavu_sdk.serving.roundrobin import RoundRobin
-from dejavu_sdk.swapping import choose_swapping, kv_bytes_per_token, positions_needed
+from dejavu_sdk.swapping import choose_swapping, kv_bytes_per_token, measure_host_bandwidth, positions_needed
 
 FAMILIES = ["llama", "mistral", "gpt2", "opt", "qwen2", "llama_two_ends"]
 
@@ -113,33 +113,51 @@ def test_a_budget_holding_one_microbatch_serves_the_others_one_row_at_a_time_whe
 
 
 def test_swapping_pays_off_only_while_copies_keep_up_with_steps() -> None:
-    common = {"batch": 4, "new_tokens": 64, "cache_bytes_per_token": 100_000}
-    fast = choose_swapping(fits_without=False, prompt_tokens=128, token_time=0.02, host_bandwidth=20e9, **common)
+    common = {"batch": 4, "new_tokens": 64, "cache_bytes_per_token": 100_000, "fits_without": False}
+    fast = choose_swapping(prompt_tokens=128, token_time=0.02, host_bandwidth=20e9, **common)
     assert fast.swapping
     assert "pays off" in fast.reason
-    slow = choose_swapping(fits_without=False, prompt_tokens=128, token_time=0.02, host_bandwidth=0.5e9, **common)
-    assert not slow.swapping
+    slow = choose_swapping(prompt_tokens=128, token_time=0.02, host_bandwidth=0.5e9, **common)
+    assert not slow.swapping  # slow copies
     assert "stall" in slow.reason
-    long = choose_swapping(fits_without=False, prompt_tokens=8192, token_time=0.02, host_bandwidth=20e9, **common)
+    long = choose_swapping(prompt_tokens=8192, token_time=0.02, host_bandwidth=20e9, **common)
     assert not long.swapping  # long sequences: bringing a cache back outlasts a step
-    fits = choose_swapping(fits_without=True, prompt_tokens=128, token_time=0.02, host_bandwidth=20e9, **common)
-    assert not fits.swapping
-    assert "fits" in fits.reason
 
 
-def test_auto_swaps_when_the_caches_do_not_fit_and_copies_keep_up_and_says_why(caplog) -> None:
+def test_swapping_is_off_where_it_is_not_needed_pointless_or_impossible_and_measures_only_when_it_must() -> None:
+    measured = []
+
+    def measure() -> tuple[float, float]:
+        measured.append(True)
+        return 0.02, 20e9
+
+    common = {"batch": 4, "prompt_tokens": 128, "new_tokens": 64, "cache_bytes_per_token": 100_000,
+              "measure": measure}
+    for options, reason in (({"fits_without": True}, "nothing to swap"),
+                            ({"fits_without": False, "device_is_host": True}, "the device is the CPU"),
+                            ({"fits_without": False, "two_slots": False}, "two device slots")):
+        choice = choose_swapping(**common, **options)
+        assert not choice.swapping
+        assert reason in choice.reason
+    assert measured == []  # none of those needed a measurement
+    choice = choose_swapping(fits_without=False, **common)
+    assert choice.swapping
+    assert measured == [True]
+    assert (choice.token_time, choice.host_bandwidth) == (0.02, 20e9)
+    assert measure_host_bandwidth(torch.device("cpu"), 1 << 20) > 0
+
+
+def test_auto_says_why_it_does_not_swap_on_a_cpu(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="dejavu_sdk.serving.roundrobin"):
         roomy, _ = _runner(8, swapping="auto")  # type: ignore[arg-type]
         tight, results = _runner(2, swapping="auto")  # type: ignore[arg-type]
     assert roomy.choice is not None
     assert not roomy.choice.swapping
     assert tight.choice is not None
-    assert tight.choice.swapping
-    assert tight.choice.token_time
-    assert tight.choice.host_bandwidth
-    assert tight.most_in_flight == 4
+    assert not tight.choice.swapping  # the CPU is both host and device
+    assert tight.most_in_flight == 2  # what the budget holds unswapped
     assert "swapping off: every microbatch's cache fits" in caplog.text
-    assert "swapping on: swapping pays off: a step takes" in caplog.text
+    assert "swapping off: the device is the CPU" in caplog.text
     _, plain = _runner(8, swapping=False)
     assert [r.tokens.tolist() for r in results] == [r.tokens.tolist() for r in plain]
 

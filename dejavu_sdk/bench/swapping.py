@@ -9,11 +9,13 @@ depth keeps in flight). The same requests are served two ways, back to back in e
           `depth` >= 4), the others in host memory, each brought in while the previous one computes
 
 Reported per prompt length: generated tokens/s of each, their ratio per repeat (median and spread), the
-share of the time the device waited for swap-ins, and the planner's view from quantities measured here (a
-decode step of B and of 2B rows, the host-to-device bandwidth): the appendix condition
-(`planner.swapping_pays_off`) and the ratio it implies, 2 t(B) / max(t(2B), swap-in time). On a GPU a
-decode step of 2B rows costs little more than one of B, which is the gain; on a CPU the two cost about
-twice as much and the host is the device, so the copies are real but the gain is not.
+shares of the swapped run spent waiting for swap-ins and issuing copies, and the planner's view from
+quantities measured here (a prefill and a decode step of B and of 2B rows, the host-to-device bandwidth):
+the appendix condition (`planner.swapping_pays_off`), the decode ratio it implies, 2 t(B) / max(t(2B),
+swap-in time), and the end-to-end ratio with the prefills. The gain comes from a decode step of 2B rows
+costing little more than one of B rows, as on a GPU (and on a CPU whose decode steps are bound by reading
+the weights). On a CPU the host is the device: the swapped run's caches all sit in the same memory, so the
+budget there is an accounting limit, not memory saved.
 
 Every request generates exactly `new_tokens` (the model's end-of-sequence token is dropped).
 """
@@ -44,18 +46,31 @@ VARIANTS = ("off", "on")
 
 @attrs.frozen
 class Prediction:
-    """What the planner sees for one prompt length: step times of B and 2B rows, host bandwidth, the verdict."""
+    """What the planner sees for one prompt length, measured here: a prefill (Y) and a decode step (t) of B and
+    of 2B rows, the host-to-device bandwidth and what it makes of a 2B-row cache of average length; whether
+    the appendix condition holds."""
 
+    prefill_b: float
+    prefill_2b: float
     step_b: float
     step_2b: float
     host_bandwidth: float
-    swap_in: float  # seconds to bring in a 2B-row cache of average length
+    swap_in: float
     pays_off: bool
+    new_tokens: int
+
+    @property
+    def decode_ratio(self) -> float:
+        """Decode tokens/s with swapping (2B rows a step, waiting for copies that outlast a step) over without."""
+        return 2 * self.step_b / max(self.step_2b, self.swap_in)
 
     @property
     def ratio(self) -> float:
-        """Tokens/s with swapping (2B rows a step, waiting for copies that outlast a step) over without."""
-        return 2 * self.step_b / max(self.step_2b, self.swap_in)
+        """The same, end to end: per B rows, a prefill and `new_tokens - 1` steps each way."""
+        steps = self.new_tokens - 1
+        off = self.prefill_b + steps * self.step_b
+        on = (self.prefill_2b + steps * max(self.step_2b, self.swap_in)) / 2
+        return off / on
 
 
 @attrs.frozen
@@ -70,6 +85,7 @@ class SwappingReport:
     budget: dict[int, int]  # per prompt length: the device budget for KV, bytes
     tokens_per_second: dict[str, list[float]]  # "<prompt> <variant>" -> per repeat
     wait_share: dict[int, list[float]]  # per prompt length: share of the swapped run spent waiting for swap-ins
+    copy_share: dict[int, list[float]]  # per prompt length: share of the swapped run spent issuing copies
     in_flight: dict[str, int]  # "<prompt> <variant>" -> the most microbatches in flight at once
     predictions: dict[int, Prediction]
 
@@ -87,10 +103,12 @@ class SwappingReport:
                          f"{statistics.median(self.tokens_per_second[f'{prompt} on']):.1f} "
                          f"({self.in_flight[f'{prompt} on']} x {2 * self.microbatch})",
                          f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
-                         f"{100 * statistics.median(self.wait_share[prompt]):.1f}%",
+                         f"{100 * statistics.median(self.wait_share[prompt]):.1f}% / "
+                         f"{100 * statistics.median(self.copy_share[prompt]):.1f}%",
                          f"{prediction.step_b * 1e3:.1f} / {prediction.step_2b * 1e3:.1f} ms",
                          f"{prediction.swap_in * 1e3:.2f} ms at {prediction.host_bandwidth / 1e9:.1f} GB/s",
-                         f"{'yes' if prediction.pays_off else 'no'}, {prediction.ratio:.2f}x"])
+                         f"{'yes' if prediction.pays_off else 'no'}, {prediction.decode_ratio:.2f}x",
+                         f"{prediction.ratio:.2f}x"])
         repeats = len(next(iter(self.tokens_per_second.values())))
         return "\n".join([
             f"Machine: {self.machine}; device {self.device}. Model {self.model}; microbatches of B = "
@@ -98,11 +116,13 @@ class SwappingReport:
             f"{self.depth} B-row caches; {self.new_tokens} new tokens per request; medians of {repeats} repeats, "
             "both variants back to back in each.", "",
             markdown_table(["prompt tokens", "KV budget", "off: tokens/s (in flight x rows)",
-                            "on: tokens/s (in flight x rows)", "on / off (range)", "waiting for swap-ins",
-                            "step B / 2B", "swap-in of a 2B cache", "planner: pays off, ratio"], rows)])
+                            "on: tokens/s (in flight x rows)", "on / off (range)",
+                            "on: waiting for swap-ins / issuing copies", "step B / 2B", "swap-in of a 2B cache",
+                            "planner: pays off, decode ratio", "predicted on / off"], rows)])
 
     def to_json(self) -> dict[str, Any]:
-        predictions = {prompt: {**attrs.asdict(p), "ratio": p.ratio} for prompt, p in self.predictions.items()}
+        predictions = {prompt: {**attrs.asdict(p), "decode_ratio": p.decode_ratio, "ratio": p.ratio}
+                       for prompt, p in self.predictions.items()}
         return {**attrs.asdict(self, recurse=False), "predictions": predictions}
 
 
@@ -122,6 +142,7 @@ def run_swapping_bench(model_name: str = "smollm2", *, device: str = "cpu", micr
     generator = torch.Generator().manual_seed(0)
     samples: dict[str, list[float]] = defaultdict(list)
     waits: dict[int, list[float]] = defaultdict(list)
+    copies: dict[int, list[float]] = defaultdict(list)
     in_flight: dict[str, int] = {}
     budgets, predictions = {}, {}
     for prompt in prompt_lengths:
@@ -146,19 +167,21 @@ def run_swapping_bench(model_name: str = "smollm2", *, device: str = "cpu", micr
                     in_flight[f"{prompt} {variant}"] = runner.most_in_flight
                     if swapped and runner.caches is not None:
                         waits[prompt].append(runner.caches.wait_seconds / elapsed)
+                        copies[prompt].append(runner.caches.copy_seconds / elapsed)
                     bar.update()
     return SwappingReport(machine_description(), device, model_name, microbatch, depth, new_tokens,
-                          tuple(prompt_lengths), budgets, dict(samples), dict(waits), in_flight, predictions)
+                          tuple(prompt_lengths), budgets, dict(samples), dict(waits), dict(copies), in_flight,
+                          predictions)
 
 
 def _predict(model: Any, microbatch: int, prompt: int, new_tokens: int, per_token: int, progress: bool) -> Prediction:
-    """The planner's inputs, measured: a decode step of B and of 2B rows after a prompt, the host bandwidth."""
-    _, step_b = measure_times(model, microbatch, prompt, repeats=3, progress=progress)
-    _, step_2b = measure_times(model, 2 * microbatch, prompt, repeats=3, progress=progress)
+    """The planner's inputs, measured: a prefill and a decode step of B and of 2B rows, the host bandwidth."""
+    prefill_b, step_b = measure_times(model, microbatch, prompt, repeats=3, progress=progress)
+    prefill_2b, step_2b = measure_times(model, 2 * microbatch, prompt, repeats=3, progress=progress)
     average_cache = 2 * microbatch * (prompt + new_tokens / 2) * per_token
     bandwidth = measure_host_bandwidth(next(model.parameters()).device, int(average_cache))
     pays = swapping_pays_off(new_tokens, prompt, step_2b, 2 * microbatch, per_token, bandwidth)
-    return Prediction(step_b, step_2b, bandwidth, average_cache / bandwidth, pays)
+    return Prediction(prefill_b, prefill_2b, step_b, step_2b, bandwidth, average_cache / bandwidth, pays, new_tokens)
 
 
 def _synchronize(device: str) -> None:

@@ -125,7 +125,10 @@ class TokenPicker:
         no_ids = cast(torch.LongTensor, torch.empty((len(logits), 0), dtype=torch.long))
         scores = self.warpers(no_ids, logits)
         probabilities = torch.nn.functional.softmax(scores, dim=-1)
-        return torch.multinomial(probabilities, num_samples=1, generator=self.generator).squeeze(1)
+        # The draw is on the CPU generator's side, wherever the logits are: reproducible from the seed (on a GPU
+        # it does not repeat `generate`, which draws from the GPU's generator).
+        draw = torch.multinomial(probabilities.cpu(), num_samples=1, generator=self.generator).squeeze(1)
+        return draw.to(logits.device)
 
 
 def _warpers(config: Any) -> LogitsProcessorList:

@@ -84,8 +84,9 @@ class Pipeline:
     microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight.
     `swapping=True` keeps the decoding stages' caches in host memory with two on the device, brought in while
     the previous microbatch computes, so about twice as many fit; `"auto"` swaps when the in-flight
-    microbatches of the `workload` would not fit and the planner's condition says the copies keep up, from
-    a step time and host bandwidth measured here (`swap_choice` says what it chose and why).
+    microbatches of the `workload` would not fit, the stages run on a GPU and the planner's condition says
+    the copies keep up, from a step time and host bandwidth measured here (`swap_choice` says what it chose
+    and why).
 
     `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
     flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
@@ -360,18 +361,23 @@ class Pipeline:
         return slots_needed(reservations, self.swapping) <= self.kv_budget
 
     def _choose_swapping(self, reference: Any, workload: Any, microbatch: int, share: float) -> SwapChoice:
-        """Swap when the in-flight microbatches of the workload would not fit in the budget and the copies keep
-        up with a decoding stage's step (timed on the whole model here, scaled to the stage's share of layers)."""
+        """Swap when the in-flight microbatches of the workload would not fit in the budget, the stages' device
+        is not the host, and the copies keep up with a decoding stage's step (timed on the whole model here,
+        scaled to the stage's share of layers)."""
         prompt_tokens, new_tokens = _workload(workload)
-        each = microbatch * positions_needed(prompt_tokens, new_tokens) * self.kv_bytes_per_token
+        alone = positions_needed(prompt_tokens, new_tokens) * self.kv_bytes_per_token
         limit = self.token_slots if self.disaggregated else len(self.layers)
-        common: dict[str, Any] = {"batch": microbatch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-                                  "cache_bytes_per_token": self.kv_bytes_per_token}
-        if self.kv_budget is None or limit * each <= self.kv_budget:
-            return choose_swapping(fits_without=True, **common)
-        _, token_time = measure_times(reference, microbatch, prompt_tokens, threads=self.threads)
-        bandwidth = measure_host_bandwidth(next(reference.parameters()).device, each)
-        return choose_swapping(fits_without=False, token_time=token_time * share, host_bandwidth=bandwidth, **common)
+        device = next(reference.parameters()).device  # where stage processes load the model too
+
+        def measure() -> tuple[float, float]:
+            _, token_time = measure_times(reference, microbatch, prompt_tokens, threads=self.threads)
+            return token_time * share, measure_host_bandwidth(device, microbatch * alone)
+
+        budget = self.kv_budget
+        return choose_swapping(fits_without=budget is None or limit * microbatch * alone <= budget, batch=microbatch,
+                               prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                               cache_bytes_per_token=self.kv_bytes_per_token, device_is_host=device.type != "cuda",
+                               two_slots=budget is None or 2 * alone <= budget, measure=measure)
 
     def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         """Each stage's KV caches as it reports them now: whether it swaps, device bytes held now and at most
@@ -443,15 +449,21 @@ class Pipeline:
                 batch = self._in_flight.pop(number, None)
                 if message.fields.get("freed"):  # else the room its caches took is given back by `freed`
                     self._reserved.pop(number, None)
-                self._progress.pop(number, None)
+                if number in self._reserved:  # watched until `freed` comes: a stage that never frees it fails
+                    self._progress[number] = time.monotonic()
+                else:
+                    self._progress.pop(number, None)
                 self._decoding -= self.disaggregated
             if batch is not None:
                 for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
                     _settle(request.future, result=result)
             self._admit()
         elif message.kind == "freed":  # every decoding stage let the microbatch's cache go
+            number = int(message.fields["microbatch"])
             with self._lock:
-                self._reserved.pop(int(message.fields["microbatch"]), None)
+                self._reserved.pop(number, None)
+                if number not in self._in_flight:  # `ended` came first
+                    self._progress.pop(number, None)
             self._admit()
         elif message.kind == "stats":
             with self._stats_arrived:

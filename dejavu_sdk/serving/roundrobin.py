@@ -32,6 +32,7 @@ from ..swapping import (
     positions_needed,
     slots_needed,
 )
+from ..timing import measure_times
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenPicker, TokenRules, next_tokens
@@ -142,35 +143,31 @@ class RoundRobin:
         return taken or None
 
     def _decide(self, requests: list[Request]) -> bool:
-        """Swap or not; ConfigError when the budget cannot hold one request (two with swapping)."""
+        """Swap or not; ConfigError when the budget cannot hold one request (two with `swapping=True`)."""
         alone = max(cache_bytes([request], self.bytes_per_token) for request in requests)
         check_fits_alone(alone, self.budget, False)
-        if self.swapping is True or self.swapping is False:
-            swapping = self.swapping
-        else:
-            self.choice = self._choose(requests)
+        if self.swapping == "auto":
+            self.choice = self._choose(requests, alone)
             log.info("swapping %s: %s", "on" if self.choice.swapping else "off", self.choice.reason)
-            swapping = self.choice.swapping
-        check_fits_alone(alone, self.budget, swapping)
-        return swapping
+            return self.choice.swapping
+        check_fits_alone(alone, self.budget, bool(self.swapping))
+        return bool(self.swapping)
 
-    def _choose(self, requests: list[Request]) -> SwapChoice:
+    def _choose(self, requests: list[Request], alone: int) -> SwapChoice:
         groups = [requests[start:start + self.microbatch] for start in range(0, len(requests), self.microbatch)]
         reservations = [cache_bytes(group, self.bytes_per_token) for group in groups]
-        fits = self.budget is None or sum(reservations) <= self.budget
         batch = len(groups[0])
         prompt = int(statistics.median(request.ids.numel() for request in requests))
         new = int(statistics.median(request.max_new_tokens for request in requests))
-        if fits:
-            return choose_swapping(fits_without=True, batch=batch, prompt_tokens=prompt, new_tokens=new,
-                                   cache_bytes_per_token=self.bytes_per_token)
-        from ..timing import measure_times
 
-        _, token_time = measure_times(self.model, batch, prompt, repeats=2, progress=self.progress)
-        bandwidth = measure_host_bandwidth(self.device, max(reservations))
-        return choose_swapping(fits_without=False, batch=batch, prompt_tokens=prompt, new_tokens=new,
-                               cache_bytes_per_token=self.bytes_per_token, token_time=token_time,
-                               host_bandwidth=bandwidth)
+        def measure() -> tuple[float, float]:
+            _, token_time = measure_times(self.model, batch, prompt, repeats=2, progress=self.progress)
+            return token_time, measure_host_bandwidth(self.device, max(reservations))
+
+        return choose_swapping(fits_without=self.budget is None or sum(reservations) <= self.budget, batch=batch,
+                               prompt_tokens=prompt, new_tokens=new, cache_bytes_per_token=self.bytes_per_token,
+                               device_is_host=self.device.type != "cuda",
+                               two_slots=self.budget is None or 2 * alone <= self.budget, measure=measure)
 
     # ---- steps ------------------------------------------------------------------------------------------
     def _prefill(self, batch: Microbatch, caches: SwappedCaches) -> _InFlight | None:

@@ -87,7 +87,8 @@ class StageWorker:
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
-        self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device, swapping)
+        self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
+                                    swapping and role.kind != "prompt")  # a prompt stage keeps no cache
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
 
     def run(self) -> None:
