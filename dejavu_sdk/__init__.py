@@ -38,7 +38,7 @@ from .store import Store
 from .transports import Transport
 
 # These import transformers: only on first use.
-_LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models", "Pipeline": "serving"}
+_LAZY = {"DejaVuEngine": "engine", "load_smollm2": "models", "Pipeline": "serving", "Controller": "controller"}
 
 
 def __getattr__(name: str) -> object:
@@ -54,6 +54,7 @@ __all__ = [
     "BlockKey",
     "BlockNotFound",
     "ConfigError",
+    "Controller",
     "CorruptBlock",
     "DejaVuEngine",
     "DejaVuError",

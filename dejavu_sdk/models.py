@@ -73,6 +73,22 @@ def load_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, 
     return model, tokenizer
 
 
+def load_tokenizer(spec: str) -> Any | None:
+    """The tokenizer that goes with the model `spec` names (see `load_model`), or None when it has none
+    (a `module:function` model, a directory without tokenizer files): such a model takes token ids only."""
+    from transformers import AutoTokenizer
+
+    if spec == "smollm2":
+        cache = default_cache_dir()
+        return AutoTokenizer.from_pretrained(cache) if (cache / "config.json").exists() else load_smollm2()[1]
+    if os.path.isdir(spec):
+        try:
+            return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def random_llama(*, layers: int = 4, hidden_size: int = 64, intermediate_size: int = 128, heads: int = 4,
                  kv_heads: int = 2, vocab_size: int = 96, max_positions: int = 512, initializer_range: float = 0.2,
                  pad_token_id: int | None = 0, tie_embeddings: bool = False, seed: int = 0) -> LlamaForCausalLM:

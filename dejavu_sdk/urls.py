@@ -79,6 +79,13 @@ def network_address(url: ParsedURL) -> tuple[str, int]:
     return _host_and_port(url.text, url.scheme, url.path)
 
 
+def split_host_port(text: str) -> tuple[str, int]:
+    """`host:port` (`[::1]:8000` for IPv6; an `http://` in front is allowed) as a host and a port; ConfigError
+    if it is not one."""
+    scheme, _, rest = text.rpartition("://")
+    return _host_and_port(text, scheme or "http", rest)
+
+
 def _parse_network(text: str, scheme: str, rest: str) -> ParsedURL:
     host, port = _host_and_port(text, scheme, rest)
     return ParsedURL(text, scheme, host=host, port=port)

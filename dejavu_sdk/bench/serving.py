@@ -405,8 +405,12 @@ def _continuous_manager(model: Any, rows: int, loads: list[Workload]) -> Any:
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(max(load.new_tokens) for load in loads),
                               eos_token_id=None, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=
-                                             ContinuousBatchingConfig(max_requests_per_batch=rows))
+    # A cache for `rows` requests of the longest length, in whole pages: sized from free memory otherwise
+    # (most of this machine's RAM)
+    longest = max(max(load.prompt_tokens) + max(load.new_tokens) for load in loads)
+    page = ContinuousBatchingConfig().page_size
+    batching = ContinuousBatchingConfig(max_requests_per_batch=rows, num_blocks=rows * math.ceil(longest / page) + 1)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()
     return manager
 

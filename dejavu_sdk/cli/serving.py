@@ -65,7 +65,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def add_serving_commands(commands: Any) -> None:
-    """Register `serve-store` and `worker` on the `dejavu` command's subparsers."""
+    """Register `serve-store`, `serve` and `worker` on the `dejavu` command's subparsers."""
     serve_store = commands.add_parser("serve-store", help="hold a store in this process and serve it to peers "
                                       "(the remote CPU tier); stops on SIGTERM or Ctrl-C")
     serve_store.add_argument("--listen", required=True, help="tcp://host:port, ucx://host:port or nccl://host:port "
@@ -79,6 +79,21 @@ def add_serving_commands(commands: Any) -> None:
     serve_store.add_argument("--insecure", action="store_true", help="listen beyond loopback without a token")
     serve_store.set_defaults(run=_serve_store)
 
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with its stage "
+                                "workers on this machine; stops on SIGTERM or Ctrl-C")
+    serve.add_argument("--model", required=True, help="smollm2, a local Hugging Face directory, or module:function")
+    serve.add_argument("--stages", type=int, default=1, help="stages of one mixed pipeline (default 1)")
+    serve.add_argument("--prompt-stages", type=int, help="disaggregated: stages of the prompt pipeline")
+    serve.add_argument("--token-stages", type=int, help="disaggregated: stages of the token pipeline")
+    serve.add_argument("--microbatch", type=int, default=4)
+    serve.add_argument("--transport", default="tcp", help="how stages move activations and KV (tcp, gloo, nccl, ucx)")
+    serve.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
+                       "port; the URL is printed)")
+    serve.add_argument("--token-file", help="tokens clients present, one per line (the first also secures the "
+                       "workers' links); default: DEJAVU_TOKEN, else a random token printed at start")
+    serve.add_argument("--insecure", action="store_true", help="listen beyond loopback with a printed random token")
+    serve.set_defaults(run=_serve)
+
     worker = commands.add_parser("worker", help="join a pipeline's head and serve the stage it assigns; stops when "
                                  "the head says so or is gone")
     worker.add_argument("--join", required=True, help="the head's URL, tcp://host:port (printed by the head; its "
@@ -87,6 +102,41 @@ def add_serving_commands(commands: Any) -> None:
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
     worker.set_defaults(run=_worker)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from dejavu_sdk.controller import Controller
+    from dejavu_sdk.errors import ConfigError
+    from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
+    from dejavu_sdk.urls import split_host_port
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host, port = split_host_port(args.listen)
+    tokens = list(read_token_file(args.token_file)) if args.token_file else []
+    if not tokens and not os.environ.get(TOKEN_VARIABLE) and not _is_loopback(host) and not args.insecure:
+        raise ConfigError(f"{args.listen} is reachable from other machines: give --token-file (or {TOKEN_VARIABLE}) "
+                          "so that clients need a token, or pass --insecure to use a random one printed here")
+    layout: dict[str, Any] = {}
+    if args.prompt_stages is not None or args.token_stages is not None:
+        layout = {"prompt_stages": args.prompt_stages, "token_stages": args.token_stages}
+    else:
+        layout = {"stages": args.stages}
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
+                    microbatch=args.microbatch, transport=args.transport, **layout) as controller:
+        print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
+              flush=True)
+        if not tokens and not os.environ.get(TOKEN_VARIABLE):
+            print(f"token: {controller.token}", flush=True)
+        stop.wait()
+        logging.info("stopping")
+    return 0
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -34,6 +34,9 @@ class Request:
     future: Future[Result] = attrs.field(factory=Future)
     number: int = attrs.field(factory=lambda: next(_ids))
     submitted: float = attrs.field(factory=time.monotonic)
+    #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
+    on_token: Callable[[int], None] | None = None
+    streamed: int = 0  # tokens given to `on_token` so far
 
 
 @attrs.frozen
@@ -116,6 +119,17 @@ class Microbatch:
         for row, token in zip(self.generated, tokens, strict=True):
             row.append(token)
 
+    def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[int], None], int]]:
+        """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
+        `max_new_tokens`), with the callback to give them to; they count as given from now on."""
+        calls = []
+        for request, row in zip(self.requests, self.generated, strict=True):
+            if request.on_token is not None:
+                kept = _kept(row, request.max_new_tokens, eos)
+                calls += [(request.on_token, token) for token in kept[request.streamed:]]
+                request.streamed = len(kept)
+        return calls
+
     @classmethod
     def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
         ids, mask = left_pad([request.ids for request in requests], pad)
@@ -138,10 +152,7 @@ class Microbatch:
         `max_new_tokens`."""
         results = []
         for row, (request, tokens) in enumerate(zip(self.requests, self.generated, strict=True)):
-            kept = tokens[:request.max_new_tokens]
-            end = next((index for index, token in enumerate(kept) if token in eos), None)
-            if end is not None:
-                kept = kept[:end + 1]
+            kept = _kept(tokens, request.max_new_tokens, eos)
             padding = int((self.mask[row] == 0).sum())
             results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
                                   padding, request.decoding.seed, request.submitted, self.arrived[0],
@@ -155,6 +166,13 @@ def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
     longest = max(request.ids.numel() for request in requests)
     new = max(request.max_new_tokens for request in requests)
     return len(requests) * positions_needed(longest, new) * bytes_per_position
+
+
+def _kept(tokens: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
+    """A row's tokens up to its own end: its first end-of-sequence token (kept), or `max_new_tokens`."""
+    kept = tokens[:max_new_tokens]
+    end = next((index for index, token in enumerate(kept) if token in eos), None)
+    return kept if end is None else kept[:end + 1]
 
 
 def take_microbatch(waiting: deque[Request], size: int,

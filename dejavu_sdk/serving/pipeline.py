@@ -20,6 +20,7 @@ with `TransportError` instead of leaving them waiting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -91,7 +92,8 @@ class Pipeline:
     `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
     flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
-    `host`/`port`: where the head listens for its workers.
+    `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
+    `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
     """
 
     def __init__(self, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -99,7 +101,7 @@ class Pipeline:
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
                  transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
-                 launch: bool = True, host: str = "127.0.0.1", port: int = 0) -> None:
+                 launch: bool = True, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
@@ -158,10 +160,10 @@ class Pipeline:
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
         self.launch, self.host, self.port, self.transport = launch, host, port, transport
-        if not launch and not os.environ.get("DEJAVU_TOKEN"):
+        if not launch and not (token or os.environ.get("DEJAVU_TOKEN")):
             raise ConfigError("launch=False: workers started elsewhere must present the head's token; set "
                               "DEJAVU_TOKEN to a shared secret here and for every `dejavu worker`")
-        self._token = os.environ.get("DEJAVU_TOKEN") or secrets.token_hex(16)
+        self._token = token or os.environ.get("DEJAVU_TOKEN") or secrets.token_hex(16)
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._in_flight: dict[int, Microbatch] = {}
@@ -286,33 +288,46 @@ class Pipeline:
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False, seed: int | None = None,
-               **settings: Any) -> Future[Result]:
+               on_token: Callable[[int], None] | None = None, **settings: Any) -> Future[Result]:
         """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
         Greedy by default; `do_sample=True` samples with `temperature`, `top_k`, `top_p`, `min_p` (unset ones
         from the model's generation config) from a generator seeded with `seed` (drawn when not given, and
         returned in the result): the microbatch's tokens equal `torch.manual_seed(seed)` followed by
         `model.generate(..., do_sample=True)` on it. Requests share a microbatch only with equal settings.
+        `on_token(id)` gets each new token as it arrives, on the head's receiver thread (keep it short).
         """
-        return self._queue([ids], max_new_tokens, Decoding.of(do_sample, seed, **settings))[0]
+        listener = None if on_token is None else (lambda _, token: on_token(token))
+        return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
+                               **settings)[0]
+
+    def submit_all(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
+                   seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
+                   **settings: Any) -> list[Future[Result]]:
+        """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
+        decoding as in `submit`, one seed for them all; `on_token(index, id)` gets the new tokens of
+        `prompts[index]` as they arrive."""
+        return self._queue(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings), on_token)
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                  seed: int | None = None, **settings: Any) -> list[torch.Tensor]:
         """Each prompt's new token ids (prompt excluded), queued together and served in microbatches in the
         order given; decoding as in `submit`, one seed for them all."""
-        decoding = Decoding.of(do_sample, seed, **settings)
-        return [future.result().tokens for future in self._queue(prompts, max_new_tokens, decoding)]
+        futures = self.submit_all(prompts, max_new_tokens, do_sample=do_sample, seed=seed, **settings)
+        return [future.result().tokens for future in futures]
 
-    def _queue(self, prompts: Sequence[Any], max_new_tokens: int, decoding: Decoding) -> list[Future[Result]]:
+    def _queue(self, prompts: Sequence[Any], max_new_tokens: int, decoding: Decoding,
+               on_token: Callable[[int, int], None] | None = None) -> list[Future[Result]]:
         if self._receiver is None or self._closed:
             raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
         if decoding.do_sample and self._sampling_refused is not None:
             raise self._sampling_refused
         requests = []
-        for ids in prompts:  # every prompt is checked before any is queued
+        for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
+            listener = None if on_token is None else functools.partial(on_token, index)
             requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context),
-                                    decoding))
+                                    decoding, on_token=listener))
             check_fits_alone(cache_bytes(requests[-1:], self.kv_bytes_per_token), self.kv_budget, self.swapping)
         with self._lock:
             if self._failure is not None:
@@ -379,6 +394,23 @@ class Pipeline:
                                cache_bytes_per_token=self.kv_bytes_per_token, device_is_host=device.type != "cuda",
                                two_slots=budget is None or 2 * alone <= budget, measure=measure)
 
+    def status(self) -> dict[str, Any]:
+        """A snapshot for operators: the layout and its stages (whether each launched process lives), the
+        microbatches in flight and their steps, the requests waiting, and the failure that stopped it, if any."""
+        kinds = ("prompt", "token") if self.disaggregated else ("mixed",)
+        stages: list[dict[str, Any]] = [
+            {"name": f"stage {number}" if kind == "mixed" else f"{kind} stage {number}", "role": kind,
+             "layers": list(layers)}
+            for kind, layout in zip(kinds, self.layouts, strict=True) for number, layers in enumerate(layout)]
+        for stage, process in zip(stages, self._processes, strict=False):
+            stage.update(pid=process.pid, alive=process.poll() is None)
+        with self._lock:
+            return {"layout": "disaggregated" if self.disaggregated else "mixed", "stages": stages,
+                    "microbatches": [{"microbatch": number, "rows": len(batch.requests), "steps": len(batch.arrived)}
+                                     for number, batch in sorted(self._in_flight.items())],
+                    "waiting": len(self._waiting), "swapping": self.swapping, "kv_budget_bytes": self.kv_budget,
+                    "failure": None if self._failure is None else str(self._failure)}
+
     def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         """Each stage's KV caches as it reports them now: whether it swaps, device bytes held now and at most
         (`held_kv_bytes`, `peak_kv_bytes`: counted from the caches' tensors), swap-ins and the seconds it waited
@@ -427,21 +459,27 @@ class Pipeline:
     def _handle(self, message: Message) -> None:
         if message.kind == "tokens":
             number = int(message.fields["microbatch"])
+            calls = []
             with self._lock:
                 batch = self._in_flight.get(number)
                 if batch is not None:
                     self._progress[number] = time.monotonic()
                     batch.add_step(message.tensors[0].tolist())
+                    calls = batch.unstreamed(self.eos)
+            _stream(calls)
         elif message.kind == "prefilled":  # disaggregated: the prompt pipeline's first tokens; decoding waits
             number = int(message.fields["microbatch"])
             with self._lock:
                 batch = self._in_flight.get(number)
                 self._prompting -= 1
                 self._progress.pop(number, None)  # not watched while it waits for a token stage
+                calls = []
                 if batch is not None:
                     tokens, mask, ended, rng = message.tensors
                     batch.add_step(tokens[:, 0].tolist())
+                    calls = batch.unstreamed(self.eos)
                     self._staged.append((number, Message("start", batch.fields(), (tokens, mask, ended, rng))))
+            _stream(calls)
             self._admit()
         elif message.kind == "ended":
             number = int(message.fields["microbatch"])
@@ -566,6 +604,15 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
+    """Give requests their new tokens (outside the head's lock); a failing callback stops none of the others."""
+    for callback, token in calls:
+        try:
+            callback(token)
+        except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
+            log.exception("a request's on_token callback failed")
 
 
 def _settle(future: Future[Result], result: Result | None = None, error: BaseException | None = None) -> None:

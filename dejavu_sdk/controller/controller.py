@@ -1,0 +1,151 @@
+"""`Controller`: one model served behind an OpenAI-compatible HTTP API, from Python or `dejavu serve`.
+
+    with dv.Controller("smollm2", prompt_stages=1, token_stages=1, port=8000) as controller:
+        client = openai.OpenAI(base_url=controller.url + "/v1", api_key=controller.token)
+        client.completions.create(model="smollm2", prompt="The KV cache is", max_tokens=32, temperature=0)
+
+The controller is the pipeline's head as a service: it starts the stage workers (`dv.Pipeline`, the same
+layouts and options), and answers HTTP on its own thread and event loop (`controller/api.py`). Clients and
+the stage workers' links share one secret token: `token=`, else `DEJAVU_TOKEN`, else a random one
+(`controller.token`). It binds 127.0.0.1 unless given another host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import ConfigError, TransportError
+from ..models import load_tokenizer
+from ..serving.batching import Result
+from ..serving.pipeline import Pipeline
+from ..transports.access import TOKEN_VARIABLE
+from .api import build_app
+from .metrics import ControllerMetrics
+
+log = logging.getLogger(__name__)
+
+#: The largest request body accepted, bytes (a prompt of a few hundred thousand token ids).
+MAX_BODY_BYTES = 4 << 20
+#: Seconds `start` waits for the HTTP server to listen.
+LISTEN_TIMEOUT = 30.0
+
+
+class Controller:
+    """Serve `model` (as `dv.Pipeline` names it) over HTTP at `host:port` (0: a free port; see `url`).
+
+    Layout and serving options (`stages`, `layers`, `prompt_stages`, `token_stages`, `microbatch`,
+    `kv_budget_bytes`, `swapping`, `transport`, `timeout`, ...) go to the `Pipeline` it runs. `tokens`: more
+    client tokens that the API accepts besides `token` (for example from a token file). `tokenizer`: for
+    text prompts and texts in the answers (default: the model's own, when it has one; None: token ids only).
+    """
+
+    def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+                 tokens: Sequence[str] = (), tokenizer: Any = "auto", max_body_bytes: int = MAX_BODY_BYTES,
+                 **pipeline_options: Any) -> None:
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
+        self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
+        self.model_id = model
+        self.pipeline = Pipeline(model, token=self.token, **pipeline_options)  # ConfigError before any process
+        self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
+        self.eos = self.pipeline.eos
+        self.metrics = ControllerMetrics()
+        self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
+        self._tokens = [self.token, *tokens]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._url: str | None = None
+        self._failures_seen = 0
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """`http://host:port` once started."""
+        if self._url is None:
+            raise ConfigError("the controller has not started: use it in a with block, or call start()")
+        return self._url
+
+    # ---- what the API serves from -------------------------------------------------------------------
+    def submit(self, prompts: list[list[int]], max_new_tokens: int, decoding: dict[str, Any],
+               on_token: Callable[[int, int], None]) -> list[Future[Result]]:
+        futures = self.pipeline.submit_all(prompts, max_new_tokens, on_token=on_token, **decoding)
+        for future in futures:
+            future.add_done_callback(self._note_failure)
+        return futures
+
+    def status(self) -> dict[str, Any]:
+        return {"model": self.model_id, **self.pipeline.status()}
+
+    def _note_failure(self, future: Future[Result]) -> None:
+        if not future.cancelled() and isinstance(future.exception(), TransportError):
+            with self._lock:
+                first = self._failures_seen == 0
+                self._failures_seen += 1
+            if first:  # one stage failure fails every request in flight: count it once
+                self.metrics.failures.inc()
+
+    # ---- life cycle -----------------------------------------------------------------------------------
+    def start(self) -> Controller:
+        """Start the stage workers, then the HTTP server; return once both are up."""
+        self.pipeline.start()
+        try:
+            self._start_http()
+        except BaseException:
+            self.pipeline.close()
+            raise
+        log.info("serving %s at %s", self.model_id, self.url)
+        return self
+
+    def _start_http(self) -> None:
+        try:
+            listener = socket.create_server((self.host, self.port), family=socket.AF_INET6 if ":" in self.host
+                                            else socket.AF_INET)
+        except OSError as error:
+            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {error}") from error
+        port = listener.getsockname()[1]
+        self._url = f"http://[{self.host}]:{port}" if ":" in self.host else f"http://{self.host}:{port}"
+        loop = asyncio.new_event_loop()
+        ready: Future[None] = Future()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            runner = web.AppRunner(build_app(self, self._tokens, self.max_body_bytes), access_log=None)
+            try:
+                loop.run_until_complete(runner.setup())
+                loop.run_until_complete(web.SockSite(runner, listener).start())
+            except BaseException as error:
+                ready.set_exception(error)
+                return
+            ready.set_result(None)
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="dejavu-controller-http", daemon=True)
+        self._thread.start()
+        ready.result(timeout=LISTEN_TIMEOUT)
+
+    def close(self) -> None:
+        """Stop answering HTTP, then stop the workers. Closing twice is harmless."""
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop = self._thread = None
+        self.pipeline.close()
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,222 @@
+"""The controller's OpenAI-compatible API, through the official `openai` client and raw HTTP: the tokens of
+`model.generate`, streamed or not, sampling from a seed, and every bad request answered, never a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import expectations
+import openai
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving.decoding import TokenRules
+
+TESTS = str(Path(__file__).parent)
+MODEL = "tiny_models:llama"
+
+
+@pytest.fixture(scope="module")
+def controller():
+    """One controller (two mixed stages, microbatches of two) for the tests that only send requests."""
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, previous]))  # stage processes load tiny_models
+    try:
+        with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=60) as running:
+            yield running
+    finally:
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def _client(controller, token: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=controller.url + "/v1", api_key=token or controller.token, max_retries=0,
+                         timeout=120)
+
+
+def _raw(controller, path: str, body: bytes | None = None, token: str | None = "valid",
+         method: str | None = None) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {controller.token if token == 'valid' else token}"
+    request = urllib.request.Request(controller.url + path, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def _two_prompts() -> list[list[int]]:
+    return [ids.tolist() for ids in expectations.prompts(2, seed=41)]
+
+
+def test_completions_give_the_tokens_generate_gives_the_microbatch(controller) -> None:
+    prompts = _two_prompts()
+    answer = _client(controller).completions.create(model=MODEL, prompt=prompts, max_tokens=7, temperature=0)
+    model = tiny_models.llama()
+    rules = TokenRules.of(model)
+    want = expectations.expected(model, [[0, 1]], [torch.tensor(p) for p in prompts], [7, 7], rules.pad, rules.eos)
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    assert [choice.token_ids for choice in answer.choices] == [tokens.tolist() for tokens in want]
+    assert all(choice.finish_reason == "length" for choice in answer.choices)
+    assert all(choice.text == "" for choice in answer.choices)  # served without a tokenizer
+    assert answer.usage.prompt_tokens == sum(map(len, prompts))
+    assert answer.usage.completion_tokens == 14
+    assert answer.model == MODEL
+    assert answer.object == "text_completion"
+
+
+def test_streamed_tokens_arrive_one_event_each_and_add_up_to_the_answer(controller) -> None:
+    prompts = _two_prompts()
+    client = _client(controller)
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    finished = {}
+    events = 0
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.token_ids
+            events += 1
+            if choice.finish_reason is not None:
+                finished[choice.index] = choice.finish_reason
+    assert streamed == {choice.index: choice.token_ids for choice in whole.choices}
+    assert finished == {0: "length", 1: "length"}
+    assert events == 12 + 2  # a chunk per token, and one that ends each choice
+
+
+def test_sampling_follows_the_seed_as_generate_does(controller) -> None:
+    prompt = _two_prompts()[0]
+    client = _client(controller)
+    arguments = {"model": MODEL, "prompt": [prompt], "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    first, again = (client.completions.create(**arguments).choices[0].token_ids for _ in range(2))
+    model = tiny_models.llama()  # built first: building it seeds torch
+    torch.manual_seed(5)
+    out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=0.8, top_p=0.9, top_k=0,
+                         max_new_tokens=8)
+    assert first == again == out[0, len(prompt):].tolist()
+    other = client.completions.create(**{**arguments, "seed": 6}).choices[0].token_ids
+    assert other != first
+
+
+def test_models_status_and_metrics(controller) -> None:
+    assert [model.id for model in _client(controller).models.list().data] == [MODEL]
+    status, body = _raw(controller, "/v1/status")
+    assert status == 200
+    assert body["model"] == MODEL
+    assert body["layout"] == "mixed"
+    assert [stage["layers"] for stage in body["stages"]] == [[0, 2], [2, 3]]
+    assert all(stage["alive"] for stage in body["stages"])
+    _client(controller).completions.create(model=MODEL, prompt=[[5, 6, 7]], max_tokens=3, temperature=0)
+    status, text = _raw(controller, "/metrics")
+    assert status == 200
+    assert re.search(r'^dejavu_requests_total\{outcome="ok"\} [1-9]', text, re.MULTILINE)
+    assert re.search(r"^dejavu_generated_tokens_total [1-9]", text, re.MULTILINE)
+    assert "dejavu_time_to_first_token_seconds_bucket" in text
+
+
+def test_a_wrong_or_missing_token_is_401(controller) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(controller, token="not-the-token").models.list()
+    for path in ("/v1/models", "/v1/status", "/metrics"):
+        assert _raw(controller, path, token=None)[0] == 401
+    assert _raw(controller, "/v1/completions", b"{}", token="wrong")[0] == 401
+
+
+def test_bad_requests_get_a_reason_and_the_controller_keeps_serving(controller) -> None:
+    huge = json.dumps({"model": MODEL, "prompt": [[1] * 2_000_000]}).encode()
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": "gpt-17", "prompt": [1]}).encode(), 404, "not served here"),
+        (json.dumps({"prompt": [1]}).encode(), 400, "'model' is required"),
+        (json.dumps({"model": MODEL, "prompt": "some text"}).encode(), 400, "without a tokenizer"),
+        (json.dumps({"model": MODEL, "prompt": []}).encode(), 400, "'prompt' must be"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "n": 3}).encode(), 400, "not supported"),
+        (json.dumps({"model": MODEL, "prompt": [1, 500]}).encode(), 400, "vocabulary"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 100_000}).encode(), 400, "context"),
+        (huge, 413, ""),
+    ]
+    for body, status, reason in cases:
+        answered, error = _raw(controller, "/v1/completions", body)
+        assert answered == status, (body[:60], error)
+        assert isinstance(error, dict)
+        assert reason in error["error"]["message"]
+    assert _raw(controller, "/v1/nowhere")[0] == 404
+    assert _raw(controller, "/v1/completions", method="GET")[0] == 405
+    with pytest.raises(openai.NotFoundError):
+        _client(controller).completions.create(model="gpt-17", prompt=[[1, 2]], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        _client(controller).completions.create(model=MODEL, prompt="text", max_tokens=2)
+    answer = _client(controller).completions.create(model=MODEL, prompt=[[3, 4, 5]], max_tokens=2, temperature=0)
+    assert len(answer.choices[0].token_ids) == 2
+    status, text = _raw(controller, "/metrics")
+    assert re.search(r'^dejavu_requests_total\{outcome="bad_request"\} [1-9]', text, re.MULTILINE)
+
+
+def test_a_killed_stage_fails_its_requests_with_503_and_counts_a_failure(monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=30) as controller:
+        client = _client(controller)
+        assert client.completions.create(model=MODEL, prompt=[[1, 2, 3]], max_tokens=2, temperature=0).choices
+        os.kill(controller.status()["stages"][1]["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as failure:
+            client.completions.create(model=MODEL, prompt=[[1, 2, 3]], max_tokens=400, temperature=0)
+        assert time.monotonic() - started < 30
+        assert failure.value.status_code == 503
+        status, text = _raw(controller, "/metrics")
+        assert status == 200
+        assert re.search(r"^dejavu_stage_failures_total 1\.0", text, re.MULTILINE)
+        assert _raw(controller, "/v1/status")[1]["failure"]
+
+
+def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tmp_path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("client-secret\n")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+    environment.pop("DEJAVU_TOKEN", None)
+    process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--listen",
+                                "127.0.0.1:0", "--token-file", str(token_file)], stdout=subprocess.PIPE, text=True,
+                               env=environment)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line
+        client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key="client-secret", max_retries=0, timeout=60)
+        assert [model.id for model in client.models.list().data] == [MODEL]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=match.group(1) + "/v1", api_key="guess", max_retries=0).models.list()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_bad_controller_settings_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(dv.ConfigError, match="max_body_bytes"):
+        dv.Controller(MODEL, max_body_bytes=10)
+    with pytest.raises(dv.ConfigError, match="unknown model"):
+        dv.Controller("no-such-model")
