@@ -154,12 +154,36 @@ def test_a_killed_worker_fails_its_requests_within_the_timeout(layout, killed) -
     with Pipeline("tiny_models:llama", microbatch=2, timeout=10, **arguments) as pipe:
         assert pipe.submit(expectations.prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
         futures = [pipe.submit(ids, max_new_tokens=400) for ids in expectations.prompts(4)]
-        os.kill(pipe._processes[killed].pid, signal.SIGKILL)
+        os.kill(pipe.status()["stages"][killed]["pid"], signal.SIGKILL)
         started = time.monotonic()
         for future in futures:
             with pytest.raises(dv.TransportError):
                 future.result(timeout=30)
         assert time.monotonic() - started < 15
+
+
+def test_a_stopped_worker_misses_its_heartbeats_and_fails_its_requests_long_before_the_timeout() -> None:
+    """SIGSTOP: the process lives, its neighbours' links stay open, only its missing heartbeats tell."""
+    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=120, heartbeat=0.5, missed_beats=3) as pipe:
+        assert pipe.submit(expectations.prompts(1)[0], max_new_tokens=3).result(timeout=60).tokens.numel() == 3
+        stage = pipe.status()["stages"][1]
+        assert 0 <= stage["last_heartbeat_seconds_ago"] < 1.5
+        futures = [pipe.submit(ids, max_new_tokens=1000) for ids in expectations.prompts(4)]
+        os.kill(stage["pid"], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for future in futures:
+                with pytest.raises(dv.TransportError, match="stage 1 sent no heartbeat"):
+                    future.result(timeout=60)
+            assert time.monotonic() - started < 10  # 3 missed beats of 0.5 s, not the 120 s progress timeout
+        finally:
+            os.kill(stage["pid"], signal.SIGCONT)
+
+
+def test_bad_heartbeat_settings_are_refused() -> None:
+    for options in ({"heartbeat": 0}, {"heartbeat": "1s"}, {"missed_beats": 0}, {"missed_beats": 1.5}):
+        with pytest.raises(dv.ConfigError, match=r"heartbeat|missed_beats"):
+            Pipeline("tiny_models:llama", stages=2, **options)
 
 
 def test_workers_started_by_hand_through_the_cli_join_the_head(tmp_path, monkeypatch) -> None:

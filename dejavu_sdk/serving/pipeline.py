@@ -91,6 +91,8 @@ class Pipeline:
 
     `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
     flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
+    `heartbeat`: seconds between each worker's heartbeats (sent from a thread of their own); a worker that
+    misses `missed_beats` in a row (a process stopped or hung, or gone) fails the requests in flight.
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
@@ -100,14 +102,21 @@ class Pipeline:
                  prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
-                 transport: str = "tcp", timeout: float = 60.0, threads: int | None = None,
-                 launch: bool = True, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+                 transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
+                 threads: int | None = None, launch: bool = True, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not 0 < heartbeat <= 60:
+            raise ConfigError(f"heartbeat must be a number of seconds in (0, 60], got {heartbeat!r}")
+        if isinstance(missed_beats, bool) or not isinstance(missed_beats, int) or missed_beats < 1:
+            raise ConfigError(f"missed_beats must be a positive integer, got {missed_beats!r}")
+        #: Seconds between a worker's heartbeats, and how many in a row it may miss before it counts as dead.
+        self.heartbeat, self.missed_beats = float(heartbeat), missed_beats
         self.kv_budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
         reference = load_model(model)  # ConfigError for a bad name, before any process starts
@@ -172,6 +181,7 @@ class Pipeline:
         self.most_in_flight = 0
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self._stats_arrived = threading.Condition(self._lock)
+        self._beats: dict[str, float] = {}  # per stage name: when its last heartbeat (or `ready`) arrived
         self._progress: dict[int, float] = {}  # per microbatch in flight: when it last made progress
         self._next_microbatch = 0
         self._prompting = 0  # disaggregated: microbatches in the prompt pipeline
@@ -222,7 +232,7 @@ class Pipeline:
         for number, fields in enumerate(self._assignments(joined)):
             self._workers[number].send_tensor(pack(Message("assign", {
                 "model": self.model, "stage": number, "threads": self.threads, "eos": self.eos, "pad": self.pad,
-                "swapping": self.swapping, **fields})))
+                "swapping": self.swapping, "heartbeat": self.heartbeat, **fields})))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -230,6 +240,7 @@ class Pipeline:
                 raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
             if message.kind == "ready":
                 ready.add(message.fields["stage"])
+        self._beats = {stage["name"]: time.monotonic() for stage in self.status()["stages"]}
 
     def _assignments(self, joined: list[str]) -> list[dict[str, Any]]:
         """Each joined worker's stage: its layers, its place in its pipeline, and the workers it sends to."""
@@ -404,6 +415,10 @@ class Pipeline:
             for kind, layout in zip(kinds, self.layouts, strict=True) for number, layers in enumerate(layout)]
         for stage, process in zip(stages, self._processes, strict=False):
             stage.update(pid=process.pid, alive=process.poll() is None)
+        now = time.monotonic()
+        for stage in stages:
+            if stage["name"] in self._beats:
+                stage["last_heartbeat_seconds_ago"] = round(now - self._beats[stage["name"]], 3)
         with self._lock:
             return {"layout": "disaggregated" if self.disaggregated else "mixed", "stages": stages,
                     "microbatches": [{"microbatch": number, "rows": len(batch.requests), "steps": len(batch.arrived)}
@@ -496,6 +511,9 @@ class Pipeline:
                 for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
                     _settle(request.future, result=result)
             self._admit()
+        elif message.kind == "heartbeat":
+            with self._lock:
+                self._beats[str(message.fields["stage"])] = time.monotonic()
         elif message.kind == "freed":  # every decoding stage let the microbatch's cache go
             number = int(message.fields["microbatch"])
             with self._lock:
@@ -514,8 +532,13 @@ class Pipeline:
         """Fail the requests in flight when a worker process died, or a microbatch made no progress (no new
         tokens) for `timeout` seconds: a stage is dead or hung, whatever its neighbours' heartbeats say."""
         self._check_processes()
+        now = time.monotonic()
         with self._lock:
             stalled = min(self._progress.values(), default=None)
+            silent = sorted((last, name) for name, last in self._beats.items())
+        if silent and now - silent[0][0] > self.heartbeat * self.missed_beats:
+            raise TransportError(f"{silent[0][1]} sent no heartbeat for {now - silent[0][0]:.1f} s "
+                                 f"({self.missed_beats} missed): its process is dead or hung")
         if stalled is not None and time.monotonic() - stalled > self.timeout:
             raise TransportError(f"a microbatch made no progress for {self.timeout:.0f} s: a stage worker is "
                                  "dead or stuck")

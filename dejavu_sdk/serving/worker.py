@@ -19,6 +19,7 @@ fails the requests in flight.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -40,8 +41,37 @@ from .stage import Stage, position_ids
 ASSIGN_TIMEOUT = 120.0
 #: Seconds a worker keeps trying to reach a head that is not listening yet.
 JOIN_TIMEOUT = 120.0
-#: Seconds between a worker's heartbeats while its inbox is quiet; a head that cannot take one is gone.
-HEARTBEAT = 2.0
+#: Seconds a worker's loop waits on a quiet inbox before it checks that its heartbeats and KV sends still go.
+QUIET = 2.0
+
+
+class Heartbeat:
+    """Posts `heartbeat` to the head every `interval` seconds from a thread of its own, however busy the stage
+    is (a stopped or hung process sends none: the head counts it dead after a few missed). A head that no
+    longer takes them is kept as `error` for the worker's loop to raise."""
+
+    def __init__(self, head: Transport, stage: str, interval: float) -> None:
+        self.head, self.stage, self.interval = head, stage, interval
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dejavu-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                self.head.post_tensor(pack(Message("heartbeat", {"stage": self.stage})))
+        except Exception as error:  # the head is gone: the worker stops
+            self.error = error
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise TransportError(f"the head no longer takes heartbeats: {self.error}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
 
 
 @attrs.define
@@ -81,8 +111,8 @@ class StageWorker:
 
     def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
                  first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
-                 swapping: bool = False) -> None:
-        self.stage, self.role, self.inbox, self.head = stage, role, inbox, head
+                 swapping: bool = False, heartbeat: Heartbeat | None = None) -> None:
+        self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
@@ -94,14 +124,15 @@ class StageWorker:
     def run(self) -> None:
         while True:
             try:
-                packed = self.inbox.recv_tensor(timeout=HEARTBEAT)
-            except TransportError:  # a quiet inbox: show the head this worker lives (raises if the head is gone)
+                packed = self.inbox.recv_tensor(timeout=QUIET)
+            except TransportError:  # a quiet inbox
                 packed = None
             try:
+                if self.heartbeat is not None:
+                    self.heartbeat.check()
                 if self.sender is not None:
                     self.sender.check()
                 if packed is None:
-                    self.head.send_tensor(pack(Message("heartbeat", {"stage": self.role.name})))
                     continue
                 message = unpack(packed)
                 if message.kind == "shutdown":
@@ -278,11 +309,15 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         first = open_transport(fields["first"]) if role.kind != "prompt" and role.last else None
         token_links = [open_transport(url) for url in fields.get("token_stages", [])]
         sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
+        heartbeat: Heartbeat | None = None
         try:
             head.send_tensor(pack(Message("ready", {"stage": fields["stage"]})))
+            heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]))
             StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
-                        bool(fields.get("swapping"))).run()
+                        bool(fields.get("swapping")), heartbeat).run()
         finally:
+            if heartbeat is not None:
+                heartbeat.close()
             if sender is not None:
                 sender.close()
             for link in (following, first, *token_links):
