@@ -132,6 +132,29 @@ def test_models_status_and_metrics(controller) -> None:
     assert "dejavu_time_to_first_token_seconds_bucket" in text
 
 
+def test_a_client_that_leaves_mid_stream_harms_nobody(controller) -> None:
+    import http.client
+
+    host, port = controller.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": [[7, 8, 9]], "max_tokens": 300, "temperature": 0, "stream": True})
+    connection.request("POST", "/v1/completions", body=body, headers={
+        "Authorization": f"Bearer {controller.token}", "Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")  # the first token's chunk
+    connection.sock.close()  # gone, without reading the rest
+    deadline = time.monotonic() + 60
+    while True:  # its request finishes unheard and is counted: nothing stays in flight
+        _, text = _raw(controller, "/metrics")
+        if re.search(r"^dejavu_requests_in_flight 0\.0", text, re.MULTILINE):
+            break
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+    answer = _client(controller).completions.create(model=MODEL, prompt=[[3, 4]], max_tokens=2, temperature=0)
+    assert len(answer.choices[0].token_ids) == 2
+
+
 def test_a_wrong_or_missing_token_is_401(controller) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(controller, token="not-the-token").models.list()

@@ -174,10 +174,23 @@ class _Run:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        try:
+            await self._stream_events(response)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client left: its requests finish unheard, and are counted then
+            log.info("a client left %s before its stream ended", self.id)
+            task = asyncio.get_running_loop().create_task(self._results())
+            _UNHEARD.add(task)
+            task.add_done_callback(_forget)
+        return response
+
+    async def _stream_events(self, response: web.StreamResponse) -> None:
+        """A chunk per token as it comes, and one per choice when it ends; an error event if one fails."""
         generated: list[list[int]] = [[] for _ in self.futures]
         texts = [""] * len(self.futures)
         first = True
-        for _ in range(sum(1 for _ in self.futures)):  # one "done" event per choice; tokens come before it
+        for _ in self.futures:  # one "done" event per choice, after its tokens
             while True:
                 index, token = await self.events.get()
                 if token is None:
@@ -188,7 +201,7 @@ class _Run:
                 generated[index].append(token)
                 text = self._text(generated[index])
                 delta = text[len(texts[index]):] if text.startswith(texts[index]) and not text.endswith("\ufffd") \
-                    else ""
+                    else ""  # wait for the bytes that complete a character
                 texts[index] += delta
                 await _send(response, {**self._head(), "choices": [{"index": index, "text": delta, "logprobs": None,
                                                                     "finish_reason": None, "token_ids": [token]}]})
@@ -197,15 +210,11 @@ class _Run:
                 self._count_failure()
                 await _send(response, {"error": {"message": f"generation failed: {error}", "type": "server_error",
                                                  "code": None}})
-                break
+                return
             await _send(response, {**self._head(), "choices": [{"index": index, "text": "", "logprobs": None,
                                                                 "finish_reason": self._finish(generated[index]),
                                                                 "token_ids": []}]})
-        else:
-            self._count(await self._results())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await self._results()  # all done: counted once
 
     async def _results(self) -> list[Result]:
         try:
@@ -244,6 +253,16 @@ class _Run:
         prompt = sum(len(ids) for ids in self.completion.prompts)
         generated = sum(result.tokens.numel() for result in results)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+#: Requests whose clients left mid-stream, until they are counted (a task nobody holds may be collected).
+_UNHEARD: set[asyncio.Task[Any]] = set()
+
+
+def _forget(task: asyncio.Task[Any]) -> None:
+    _UNHEARD.discard(task)
+    if not task.cancelled():
+        task.exception()  # an ApiError for a failed pipeline is already counted: nobody to tell
 
 
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
