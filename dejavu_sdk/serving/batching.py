@@ -112,6 +112,15 @@ class Microbatch:
     pad: int
     generated: list[list[int]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # when each step's tokens reached the head
+    #: Sampling with recovery: the last stage's generator state after each step (by step number), to resume at.
+    rng_states: dict[int, torch.Tensor] = attrs.field(factory=dict)
+
+    def rewind(self, steps: int) -> None:
+        """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
+        are the same, and are not streamed twice)."""
+        self.generated = [row[:steps] for row in self.generated]
+        self.arrived = self.arrived[:steps]
+        self.rng_states = {step: state for step, state in self.rng_states.items() if step <= steps}
 
     def add_step(self, tokens: Sequence[int]) -> None:
         """One step's tokens, a row each, as they reach the head."""

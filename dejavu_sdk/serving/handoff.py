@@ -47,15 +47,16 @@ class LayerSender:
 
     def __init__(self, links: list[Transport], destination: LayerPartition) -> None:
         self.links, self.destination = links, destination
-        self._work: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[tuple[int, int, torch.Tensor, torch.Tensor, int] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dejavu-kv-sender", daemon=True)
         self._thread.start()
 
-    def layer_done(self, microbatch: int, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def layer_done(self, microbatch: int, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                   epoch: int = 0) -> None:
         """Send global `layer`'s KV `[B, H_kv, positions, D]` of `microbatch` (the positions a sliding-window
-        layer keeps are the last ones)."""
-        self._work.put((microbatch, layer, keys, values))
+        layer keeps are the last ones), computed in `epoch` (the token stages drop KV of epochs before theirs)."""
+        self._work.put((microbatch, layer, keys, values, epoch))
 
     def check(self) -> None:
         """Raise the error a send met, if any."""
@@ -70,18 +71,18 @@ class LayerSender:
         while (item := self._work.get()) is not None:
             if self._error is not None:
                 continue  # the worker is failing; drop the rest
-            microbatch, layer, keys, values = item
+            microbatch, layer, keys, values, epoch = item
             try:
-                self._send(microbatch, layer, keys, values)
+                self._send(microbatch, layer, keys, values, epoch)
             except Exception as error:  # kept for the worker's thread to raise
                 self._error = error
 
-    def _send(self, microbatch: int, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _send(self, microbatch: int, layer: int, keys: torch.Tensor, values: torch.Tensor, epoch: int) -> None:
         positions = int(keys.shape[2])
         key = BlockKey(f"microbatch-{microbatch}", layers=(layer, layer + 1), tokens=(0, positions))
         block = torch.stack((keys, values)).unsqueeze(0)
         for stage, piece_key, piece in stream_out(_OneBlock(key, block), [key], self.destination):
-            self.links[stage].post_tensor(pack(Message(KV, {"microbatch": microbatch,
+            self.links[stage].post_tensor(pack(Message(KV, {"microbatch": microbatch, "epoch": epoch,
                                                             "layers": list(piece_key.layers)}, (piece,))))
 
 

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import secrets
 import subprocess
 import sys
@@ -33,7 +34,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+import attrs
 import torch
+from transformers import DynamicCache
 
 from ..backends import open_transport, serve
 from ..errors import ConfigError, StoreError, TransportError
@@ -58,6 +61,7 @@ from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenRules
 from .messages import Message, pack, unpack
+from .recovery import ATTEMPTS, RECOVERY, Recovery, RecoveryReport, RecoveryRetry
 from .stage import check_layers
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,25 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 #: Seconds the head waits for every worker to join and load its stage.
 START_TIMEOUT = 300.0
+
+
+@attrs.frozen
+class StageInfo:
+    """One stage of the layout: its `name`, `role` ("mixed", "prompt" or "token"), `number` in its own pipeline,
+    and `layers`."""
+
+    name: str
+    role: str
+    number: int
+    layers: tuple[int, int]
+
+    @property
+    def layer_count(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def decodes(self) -> bool:
+        return self.role != "prompt"
 
 
 class Pipeline:
@@ -93,6 +116,12 @@ class Pipeline:
     flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
     `heartbeat`: seconds between each worker's heartbeats (sent from a thread of their own); a worker that
     misses `missed_beats` in a row (a process stopped or hung, or gone) fails the requests in flight.
+    `recovery`: what a dead or hung stage costs. None (default): the requests in flight fail with
+    `TransportError`. `"replicas"`: each decoding stage streams its caches to the next decoding stage's memory
+    (a ring; needs two decoding stages or more), and a dead stage is replaced by a new process that gets its
+    caches back from there: every microbatch resumes from its last replicated step (`recoveries` describes
+    each recovery). `"recompute"`: the stage is replaced and the microbatches in flight start over from their
+    prompts. Either way every request completes with the tokens it would have had without the failure.
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
@@ -103,8 +132,8 @@ class Pipeline:
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
                  transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
-                 threads: int | None = None, launch: bool = True, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None) -> None:
+                 recovery: str | None = None, threads: int | None = None, launch: bool = True,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
@@ -162,10 +191,16 @@ class Pipeline:
         self.kv_bytes_per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
         #: Whether decoding stages swap caches to host memory, and, when "auto" decided it, why.
         self.swap_choice: SwapChoice | None = None
-        if swapping == "auto":
+        if swapping == "auto" and recovery is not None:
+            self.swap_choice = SwapChoice(False, "recovery keeps every cache where its replica streams from")
+        elif swapping == "auto":
             self.swap_choice = self._choose_swapping(reference, workload, microbatch, widest / total)
             log.info("swapping %s: %s", "on" if self.swap_choice.swapping else "off", self.swap_choice.reason)
         self.swapping = self.swap_choice.swapping if self.swap_choice is not None else bool(swapping)
+        #: How a dead stage is recovered from: "replicas", "recompute", or None (the requests in flight fail).
+        self.recovery = _check_recovery(recovery, transport, self.layouts, self.swapping, reference)
+        #: Each recovery so far, in order.
+        self.recoveries: list[RecoveryReport] = []
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
         self.launch, self.host, self.port, self.transport = launch, host, port, transport
@@ -190,6 +225,14 @@ class Pipeline:
         self._failure: TransportError | None = None
         self._processes: list[subprocess.Popen[bytes]] = []
         self._workers: list[Transport] = []
+        self._urls: list[str] = []  # each stage worker's inbox, in stage order
+        #: Every stage of the layout, in the order workers are assigned (prompt stages first).
+        self.stage_table = _stage_table(self.layouts)
+        self._epoch = 0  # raised by each recovery: messages of older epochs are dropped
+        self._held = False  # a recovery is under way: nothing new starts
+        self._recovering: threading.Thread | None = None
+        #: The stages' answers to a recovery's steps, for the recovery thread.
+        self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._inbox: Server | None = None
         self._receiver: threading.Thread | None = None
         self._closed = False
@@ -224,15 +267,19 @@ class Pipeline:
         assert self._inbox is not None
         deadline = time.monotonic() + START_TIMEOUT
         joined: list[str] = []
+        pids: list[int] = []
         while len(joined) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to join")
             if message.kind == "join":
                 joined.append(message.fields["url"])
+                pids.append(int(message.fields["pid"]))
+        if self.launch:  # stages go in the order workers joined: each stage's process is the one that joined as it
+            by_pid = {process.pid: process for process in self._processes}
+            self._processes = [by_pid[pid] for pid in pids]
+        self._urls = joined
         self._workers = [open_transport(url, token=self._token) for url in joined]
-        for number, fields in enumerate(self._assignments(joined)):
-            self._workers[number].send_tensor(pack(Message("assign", {
-                "model": self.model, "stage": number, "threads": self.threads, "eos": self.eos, "pad": self.pad,
-                "swapping": self.swapping, "heartbeat": self.heartbeat, **fields})))
+        for index in range(len(self.stage_table)):
+            self.send(index, Message("assign", self._assignment(index)))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -240,26 +287,56 @@ class Pipeline:
                 raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
             if message.kind == "ready":
                 ready.add(message.fields["stage"])
-        self._beats = {stage["name"]: time.monotonic() for stage in self.status()["stages"]}
+        self._beats = {stage.name: time.monotonic() for stage in self.stage_table}
 
-    def _assignments(self, joined: list[str]) -> list[dict[str, Any]]:
-        """Each joined worker's stage: its layers, its place in its pipeline, and the workers it sends to."""
-        assignments = []
-        kinds = ("prompt", "token") if self.disaggregated else ("mixed",)
-        offsets = [0, len(self.layouts[0])]
-        for kind, layout, offset in zip(kinds, self.layouts, offsets, strict=False):
-            urls = joined[offset:offset + len(layout)]
-            for number, layers in enumerate(layout):
-                name = f"stage {number}" if kind == "mixed" else f"{kind} stage {number}"
-                fields: dict[str, Any] = {"role": kind, "number": number, "stages": len(layout), "name": name,
-                                          "layers": list(layers), "first": urls[0],
-                                          "next": urls[number + 1] if number + 1 < len(urls) else None}
-                if kind == "prompt":
-                    token_layout = self.layouts[1]
-                    fields["token_stages"] = joined[len(layout):]
-                    fields["token_boundaries"] = [token_layout[0][0]] + [stop for _, stop in token_layout]
-                assignments.append(fields)
-        return assignments
+    def _assignment(self, index: int) -> dict[str, Any]:
+        """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
+        stage = self.stage_table[index]
+        return {"model": self.model, "stage": index, "threads": self.threads, "eos": self.eos, "pad": self.pad,
+                "swapping": self.swapping, "heartbeat": self.heartbeat, "recovery": self.recovery is not None,
+                "epoch": self._epoch, "role": stage.role, "number": stage.number, "name": stage.name,
+                "stages": len(self.layouts[-1] if stage.role == "token" else self.layouts[0]), **self.links_of(index)}
+
+    def links_of(self, index: int) -> dict[str, Any]:
+        """Stage `index`'s links: the next stage of its pipeline, its pipeline's first stage, a prompt stage's
+        token stages, and a decoding stage's replica holder (with recovery from replicas)."""
+        stage = self.stage_table[index]
+        pipeline = [other for other, info in enumerate(self.stage_table) if info.decodes == stage.decodes]
+        following = pipeline[stage.number + 1] if stage.number + 1 < len(pipeline) else None
+        fields: dict[str, Any] = {"layers": list(stage.layers), "first": self._urls[pipeline[0]],
+                                  "next": None if following is None else self._urls[following]}
+        if stage.role == "prompt":
+            token_layout = self.layouts[1]
+            fields["token_stages"] = [self._urls[other] for other in self.decoding_stages()]
+            fields["token_boundaries"] = [token_layout[0][0]] + [stop for _, stop in token_layout]
+        holder = self.replica_holder(index)
+        fields["holder"] = None if holder is None else self._urls[holder]
+        return fields
+
+    def decoding_stages(self) -> list[int]:
+        """The stages that decode (mixed or token stages), in pipeline order."""
+        return [index for index, stage in enumerate(self.stage_table) if stage.decodes]
+
+    def replica_holder(self, index: int) -> int | None:
+        """The stage holding decoding stage `index`'s replicas: the next decoding stage, around the ring."""
+        decoding = self.decoding_stages()
+        if self.recovery != "replicas" or index not in decoding:
+            return None
+        return decoding[(decoding.index(index) + 1) % len(decoding)]
+
+    def replica_owner(self, index: int) -> int | None:
+        """The decoding stage whose replicas stage `index` holds."""
+        decoding = self.decoding_stages()
+        if self.recovery != "replicas" or index not in decoding:
+            return None
+        return decoding[(decoding.index(index) - 1) % len(decoding)]
+
+    def send(self, index: int, message: Message) -> None:
+        """Send stage `index` a message and wait until its inbox has it."""
+        self._workers[index].send_tensor(pack(message))
+
+    def url_of(self, index: int) -> str:
+        return self._urls[index]
 
     def _next_message(self, deadline: float, waiting_for: str) -> Message:
         assert self._inbox is not None
@@ -353,7 +430,7 @@ class Pipeline:
         microbatch while the first stage's pipeline has room (disaggregated: and the token side a free slot)."""
         while True:
             with self._lock:
-                if self._failure is not None:
+                if self._failure is not None or self._held:
                     return
                 if self._staged and self._decoding < len(self.layouts[-1]):
                     number, start = self._staged.popleft()
@@ -374,6 +451,7 @@ class Pipeline:
                     stage, message = 0, Message("prefill", batch.fields(), (batch.ids, batch.mask))
                 else:
                     return
+                message = Message(message.kind, {**message.fields, "epoch": self._epoch}, message.tensors)
             try:
                 self._workers[stage].send_tensor(pack(message))
             except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
@@ -472,7 +550,13 @@ class Pipeline:
                            TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
 
     def _handle(self, message: Message) -> None:
-        if message.kind == "tokens":
+        if message.kind in _STEPS and int(message.fields.get("epoch", 0)) < self._epoch:
+            return  # sent before a recovery, which decided where its microbatch goes on from
+        if message.kind in _REPLIES:
+            self.replies.put(message)
+        elif message.kind == "link_lost":
+            self._start_recovery(set(), f"{message.fields['stage']} lost a link: {message.fields['error']}")
+        elif message.kind == "tokens":
             number = int(message.fields["microbatch"])
             calls = []
             with self._lock:
@@ -480,6 +564,8 @@ class Pipeline:
                 if batch is not None:
                     self._progress[number] = time.monotonic()
                     batch.add_step(message.tensors[0].tolist())
+                    if len(message.tensors) > 1:  # sampling with recovery: the generator's state after this step
+                        batch.rng_states[len(batch.arrived)] = message.tensors[1].clone()
                     calls = batch.unstreamed(self.eos)
             _stream(calls)
         elif message.kind == "prefilled":  # disaggregated: the prompt pipeline's first tokens; decoding waits
@@ -492,6 +578,8 @@ class Pipeline:
                 if batch is not None:
                     tokens, mask, ended, rng = message.tensors
                     batch.add_step(tokens[:, 0].tolist())
+                    if rng.numel() and self.recovery is not None:
+                        batch.rng_states[1] = rng.clone()
                     calls = batch.unstreamed(self.eos)
                     self._staged.append((number, Message("start", batch.fields(), (tokens, mask, ended, rng))))
             _stream(calls)
@@ -526,38 +614,210 @@ class Pipeline:
                 self._stats[str(message.fields["stage"])] = dict(message.fields)
                 self._stats_arrived.notify_all()
         elif message.kind == "failed":
-            self._fail(TransportError(f"stage {message.fields['stage']} failed: {message.fields['error']}"))
+            failure = f"stage {message.fields['stage']} failed: {message.fields['error']}"
+            if self.recovery is None:
+                self._fail(TransportError(failure))
+            elif self._recovering is not None:
+                self.replies.put(message)
+            else:
+                self._start_recovery({self._index_of(message.fields["stage"])}, failure)
 
     def _watch(self) -> None:
-        """Fail the requests in flight when a worker process died, or a microbatch made no progress (no new
-        tokens) for `timeout` seconds: a stage is dead or hung, whatever its neighbours' heartbeats say."""
-        self._check_processes()
+        """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
+        heartbeats, or a microbatch without progress (no new tokens) for `timeout` seconds. Recover from them,
+        or, without recovery, fail the requests in flight."""
+        if self._recovering is not None:
+            return  # the recovery watches its own steps
         now = time.monotonic()
+        exited = self.exited()
         with self._lock:
             stalled = min(self._progress.values(), default=None)
-            silent = sorted((last, name) for name, last in self._beats.items())
-        if silent and now - silent[0][0] > self.heartbeat * self.missed_beats:
-            raise TransportError(f"{silent[0][1]} sent no heartbeat for {now - silent[0][0]:.1f} s "
-                                 f"({self.missed_beats} missed): its process is dead or hung")
-        if stalled is not None and time.monotonic() - stalled > self.timeout:
-            raise TransportError(f"a microbatch made no progress for {self.timeout:.0f} s: a stage worker is "
-                                 "dead or stuck")
+            silent = sorted((last, name) for name, last in self._beats.items()
+                            if now - last > self.heartbeat * self.missed_beats)
+        reasons = [f"the process of {self.stage_table[index].name} exited" for index in exited]
+        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.missed_beats} missed): its process is "
+                    "dead or hung" for last, name in silent]
+        if stalled is not None and now - stalled > self.timeout:
+            reasons.append(f"a microbatch made no progress for {self.timeout:.0f} s: a stage worker is dead or stuck")
+        if not reasons:
+            return
+        if self.recovery is None:
+            raise TransportError(reasons[0])
+        self._start_recovery(set(exited) | {self._index_of(name) for _, name in silent}, "; ".join(reasons))
+
+    def exited(self) -> list[int]:
+        """The stages whose launched process has exited."""
+        if self._closed:
+            return []
+        return [index for index, process in enumerate(self._processes) if process.poll() is not None]
 
     def _check_processes(self) -> None:
-        for number, process in enumerate(self._processes):
-            if process.poll() is not None and not self._closed:
-                raise TransportError(f"the process of stage {number} exited with status {process.returncode}")
+        for number in self.exited():
+            raise TransportError(f"the process of stage {number} exited with status "
+                                 f"{self._processes[number].returncode}")
+
+    def _index_of(self, stage: str | int) -> int:
+        """A stage's index, from its name or index (as a worker names itself)."""
+        if isinstance(stage, int):
+            return stage
+        return next(index for index, info in enumerate(self.stage_table) if info.name == stage)
+
+    # ---- recovery ---------------------------------------------------------------------------------
+    def _start_recovery(self, dead: set[int], reason: str) -> None:
+        """Recover on a thread of its own (the receiver keeps taking the stages' answers meanwhile)."""
+        with self._lock:
+            if self._recovering is not None or self._failure is not None or self._closed:
+                return
+            self._held = True
+            self._recovering = threading.Thread(target=self._recover, args=(dead, reason),
+                                                name="dejavu-pipeline-recovery", daemon=True)
+        log.warning("recovering: %s", reason)
+        self._recovering.start()
+
+    def _recover(self, dead: set[int], reason: str) -> None:
+        error: Exception | None = None
+        for _ in range(ATTEMPTS):
+            try:
+                report = Recovery(self, dead, reason).run()
+            except RecoveryRetry as retry:  # another stage died meanwhile: replace it too
+                dead |= {self._index_of(name) for name in retry.stages}
+                reason, error = f"{reason}; then {retry}", retry
+                continue
+            except Exception as failure:  # whatever else stops a recovery fails the requests
+                error = failure
+                break
+            self.recoveries.append(report)
+            with self._lock:
+                self._recovering = None
+            self._admit()
+            return
+        with self._lock:
+            self._recovering = None
+        self._fail(TransportError(f"recovery failed: {error}"))
+
+    def new_epoch(self) -> int:
+        with self._lock:
+            self._epoch += 1
+            return self._epoch
+
+    def fence(self, index: int) -> None:
+        """Make sure stage `index`'s launched process is gone (a stopped one would wake and speak out of turn)."""
+        if index < len(self._processes) and self._processes[index].poll() is None:
+            self._processes[index].kill()
+            self._processes[index].wait()
+
+    def launch_replacement(self, index: int) -> None:
+        """Start a process for stage `index` (launched pipelines); otherwise a worker started elsewhere must
+        join (`dejavu worker --join URL`)."""
+        if self.launch:
+            environment = {**os.environ, "DEJAVU_TOKEN": self._token}
+            self._processes[index] = subprocess.Popen(
+                [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url], env=environment)
+        else:
+            log.warning("%s is gone: start a worker with `dejavu worker --join %s` to replace it",
+                        self.stage_table[index].name, self.url)
+
+    def assign(self, index: int, url: str) -> None:
+        """The worker at `url` becomes stage `index`."""
+        self._workers[index].close()
+        self._urls[index] = url
+        self._workers[index] = open_transport(url, token=self._token)
+        self.send(index, Message("assign", self._assignment(index)))
+
+    def heard_from(self, index: int) -> None:
+        with self._lock:
+            self._beats[self.stage_table[index].name] = time.monotonic()
+
+    def holding_numbers(self) -> list[int]:
+        """The microbatches some stage may hold a cache of: in flight, or ended but not yet freed."""
+        with self._lock:
+            return sorted(self._in_flight.keys() | self._reserved.keys())
+
+    def in_flight_batches(self) -> list[tuple[int, Microbatch, str]]:
+        """Each microbatch in flight and where it is: "prompting", "staged" (prefilled, waiting for the token
+        pipeline) or "decoding"."""
+        with self._lock:
+            staged = {number for number, _ in self._staged}
+            return [(number, batch, "staged" if number in staged else
+                     "prompting" if not batch.arrived else "decoding")
+                    for number, batch in sorted(self._in_flight.items())]
+
+    def batch(self, number: int) -> Microbatch:
+        return self._in_flight[number]
+
+    def resume(self, epoch: int, resumed: dict[int, int], recomputed: list[int]) -> None:
+        """After a recovery: feed each resumed microbatch the token of the step it resumes at, and start the
+        others over from their prompts; then let new work in."""
+        first = self.decoding_stages()[0]
+        sends: list[tuple[int, Message]] = []
+        with self._lock:
+            for number in [number for number in self._reserved if number not in self._in_flight]:
+                del self._reserved[number]  # ended: every stage dropped its cache
+                self._progress.pop(number, None)
+            self._staged.clear()
+            self._prompting = len(recomputed) if self.disaggregated else 0
+            self._decoding = len(resumed) if self.disaggregated else 0
+            now = time.monotonic()
+            for number, step in resumed.items():
+                batch = self._in_flight[number]
+                batch.rewind(step)
+                tokens = torch.tensor([[row[-1]] for row in batch.generated], dtype=torch.long)
+                sends.append((first, Message("decode", {"microbatch": number, "epoch": epoch}, (tokens,))))
+                self._progress[number] = now
+            for number in recomputed:
+                batch = self._in_flight[number]
+                batch.rewind(0)
+                sends.append((0, Message("prefill", {**batch.fields(), "epoch": epoch}, (batch.ids, batch.mask))))
+                self._progress[number] = now
+            self._held = False
+        for index, message in sends:
+            self.send(index, message)
 
     def _fail(self, error: TransportError) -> None:
         """Fail every request in flight or waiting with `error`; later submissions raise it too."""
         with self._lock:
             if self._failure is None:
                 self._failure = error
+            self._held = False
             batches, self._in_flight, self._progress = list(self._in_flight.values()), {}, {}
             self._reserved.clear()
             waiting, self._waiting = list(self._waiting), deque()
         for request in [request for batch in batches for request in batch.requests] + waiting:
             _settle(request.future, error=error)
+
+
+#: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
+_STEPS = ("tokens", "prefilled", "ended", "freed", "link_lost")
+#: The stages' answers to a recovery's steps, handed to the recovery thread.
+_REPLIES = ("paused", "relinked", "sent", "rewound", "join", "ready")
+
+
+def _stage_table(layouts: list[list[tuple[int, int]]]) -> list[StageInfo]:
+    kinds = ("prompt", "token") if len(layouts) == 2 else ("mixed",)
+    return [StageInfo(f"stage {number}" if kind == "mixed" else f"{kind} stage {number}", kind, number, layers)
+            for kind, layout in zip(kinds, layouts, strict=True) for number, layers in enumerate(layout)]
+
+
+def _check_recovery(recovery: Any, transport: str, layouts: list[list[tuple[int, int]]], swapping: bool,
+                    model: Any) -> str | None:
+    """`recovery` if this pipeline can recover that way; ConfigError otherwise."""
+    if recovery is None:
+        return None
+    if recovery not in RECOVERY:
+        raise ConfigError(f"recovery={recovery!r}: use {' or '.join(map(repr, RECOVERY))}, or None to fail the "
+                          "requests in flight when a stage dies")
+    if transport != "tcp":
+        raise ConfigError(f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet")
+    if swapping:
+        raise ConfigError("recovery and swapping=True do not combine yet: recovery keeps every cache on the device")
+    if recovery == "replicas" and len(layouts[-1]) < 2:
+        raise ConfigError("recovery='replicas' keeps each decoding stage's replica on the next one: it needs two "
+                          "decoding stages or more (or use recovery='recompute')")
+    if recovery == "replicas" and any(getattr(layer, "sliding_window", None)
+                                      for layer in DynamicCache(config=model.config).layers):
+        raise ConfigError("recovery='replicas' does not cover sliding-window attention layers yet; use "
+                          "recovery='recompute'")
+    return str(recovery)
 
 
 def _layouts(stages: int | None, layers: Sequence[tuple[int, int]] | None, prompt_stages: int | None,

@@ -14,6 +14,15 @@ Life of a worker (`dejavu worker --join URL`, or a process the pipeline launches
    it receives until the head's `start` (the first tokens) arrives, then decodes the microbatch as above.
 A worker that cannot reach a neighbour, or whose stage fails, tells the head (`failed`) and stops: the head
 fails the requests in flight.
+
+With recovery (`recovery` in the assignment), decoding stages replicate their caches around the ring
+(`replication.Replicator`), a neighbour that cannot be reached is reported (`link_lost`) instead of ending
+the worker, and the head's recovery messages drive it: `pause` (a new epoch: messages of older epochs are
+dropped from now on; report the caches held, and the replicas held for the previous decoding stage),
+`relink` (the neighbours' addresses, some of them new), `send_replica` (send a replica held here back to its
+restarted owner, as `restore`), `drop` (forget microbatches that start over from their prompts) and `rewind`
+(continue a microbatch from a given position: survivors crop their caches to it, a replacement builds its
+cache from the restored replica).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from ..transports.base import Server, Transport
 from .decoding import TokenPicker, next_tokens
 from .handoff import KV, LayerSender, StagedKV
 from .messages import Message, pack, unpack
+from .replication import Replicator, assemble, cache_from, held_positions, replica_stream
 from .stage import Stage, position_ids
 
 #: Seconds a worker waits for its assignment after joining.
@@ -43,6 +53,12 @@ ASSIGN_TIMEOUT = 120.0
 JOIN_TIMEOUT = 120.0
 #: Seconds a worker's loop waits on a quiet inbox before it checks that its heartbeats and KV sends still go.
 QUIET = 2.0
+#: The head's recovery messages: a worker handles them whatever its epoch (`pause` sets it).
+RECOVERY = ("pause", "relink", "send_replica", "restore", "drop", "rewind")
+
+
+class _HeadGone(TransportError):
+    """The head no longer answers: the worker stops, whatever its recovery settings."""
 
 
 class Heartbeat:
@@ -66,7 +82,7 @@ class Heartbeat:
 
     def check(self) -> None:
         if self.error is not None:
-            raise TransportError(f"the head no longer takes heartbeats: {self.error}")
+            raise _HeadGone(f"the head no longer takes heartbeats: {self.error}")
 
     def close(self) -> None:
         self._stop.set()
@@ -101,6 +117,10 @@ class Role:
     def last(self) -> bool:
         return self.number == self.stages - 1
 
+    @property
+    def decodes(self) -> bool:
+        return self.kind != "prompt"
+
 
 class StageWorker:
     """Runs one assigned stage: `run()` returns when the head says `shutdown`.
@@ -111,9 +131,16 @@ class StageWorker:
 
     def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
                  first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
-                 swapping: bool = False, heartbeat: Heartbeat | None = None) -> None:
+                 swapping: bool = False, heartbeat: Heartbeat | None = None, replicator: Replicator | None = None,
+                 recovery: bool = False, epoch: int = 0) -> None:
         self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
+        #: Decoding stages with recovery: streams each microbatch's cache to the next decoding stage.
+        self.replicator = replicator
+        #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.
+        self.recovery, self.epoch = recovery, epoch
+        self._reported_epoch = -1  # the epoch in which a lost link was last reported
+        self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, _Microbatch] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
@@ -138,16 +165,35 @@ class StageWorker:
                 if message.kind == "shutdown":
                     return
                 self.handle(message)
-            except Exception as error:  # a neighbour is gone, a bad message, or the stage failed: tell the head
+            except TransportError as error:
+                if not self.recovery or isinstance(error, _HeadGone):
+                    self.head.send_tensor(_failure(self.role.name, error))
+                    raise
+                self._link_lost(error)
+            except Exception as error:  # a bad message, or the stage failed: tell the head
                 self.head.send_tensor(_failure(self.role.name, error))
                 raise
+
+    def _link_lost(self, error: TransportError) -> None:
+        """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
+        if self._reported_epoch < self.epoch:
+            self._reported_epoch = self.epoch
+            self.head.send_tensor(pack(Message("link_lost", {"stage": self.role.name, "epoch": self.epoch,
+                                                             "error": str(error)})))
 
     def handle(self, message: Message) -> None:
         number = int(message.fields.get("microbatch", -1))
         kind = message.kind
+        if kind in RECOVERY:
+            getattr(self, f"_{kind}")(message)
+            return
+        if int(message.fields.get("epoch", self.epoch)) < self.epoch:
+            return  # sent before a recovery: the microbatch continues from where the recovery says
         if kind == "end":
             self.microbatches.pop(number, None)
             self.caches.remove(number)
+            if self.replicator is not None:
+                self.replicator.end(number)
             if self.role.number + 2 < self.role.stages:  # the last stage ended it and freed its own already
                 self._send(self.following, message)
             else:  # every stage has freed its cache: the head may give its room to another
@@ -185,7 +231,7 @@ class StageWorker:
 
         def stream_layer(local: int) -> None:
             layer = layers[local]
-            sender.layer_done(number, first_layer + local, layer.keys, layer.values)
+            sender.layer_done(number, first_layer + local, layer.keys, layer.values, self.epoch)
 
         output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer)
         if not self.stage.last:
@@ -236,7 +282,7 @@ class StageWorker:
             self._send(self.following, Message("start", message.fields, (output, prompt_mask, ended, rng)))
         else:
             self._next_tokens(number, state, output)
-        self._after_step(number, first=True)
+        self._after_step(number, cache, first=True)
 
     def _step(self, number: int, state: _Microbatch, inputs: torch.Tensor, message: Message, cache: Any) -> None:
         """Run the stage on the microbatch's new positions in `cache`, and pass the result on."""
@@ -246,10 +292,11 @@ class StageWorker:
             self._send(self.following, Message(message.kind, message.fields, tensors))
         else:
             self._next_tokens(number, state, output)
-        self._after_step(number, first=message.kind == "prefill")
+        self._after_step(number, cache, first=message.kind == "prefill")
 
-    def _after_step(self, number: int, first: bool) -> None:
-        """Hand a stepped cache back (after its first step, with its final size), or free it if it ended here."""
+    def _after_step(self, number: int, cache: Any, first: bool) -> None:
+        """Hand a stepped cache back (after its first step, with its final size), or free it if it ended here;
+        replicate what the step added."""
         state = self.microbatches.get(number)
         if state is None:
             self.caches.remove(number)
@@ -257,6 +304,14 @@ class StageWorker:
             self.caches.add(number, state.capacity)
         else:
             self.caches.release(number)
+        if self.replicator is None:
+            return
+        if state is None:
+            self.replicator.end(number)
+        elif first:
+            self.replicator.start(number, cache)
+        else:
+            self.replicator.step(number, cache)
 
     def _pick(self, state: _Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token (padding once the row has ended), and which rows have now ended."""
@@ -271,7 +326,9 @@ class StageWorker:
     def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:
         """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
         tokens, ended = self._pick(state, logits)
-        self._send(self.head, Message("tokens", {"microbatch": number}, (tokens,)))
+        generator = state.picker.generator if state.picker is not None else None
+        rng = (generator.get_state(),) if generator is not None and self.recovery else ()
+        self._send(self.head, Message("tokens", {"microbatch": number}, (tokens, *rng)))
         if bool(ended.all()):
             del self.microbatches[number]
             self._send(self.head, Message("ended", {"microbatch": number, "freed": self.role.stages == 1}))
@@ -280,11 +337,105 @@ class StageWorker:
         else:
             self._send(self.first, Message("decode", {"microbatch": number}, (tokens[:, None],)))
 
+    # ---- recovery: driven by the head, one message at a time ----------------------------------------
+    def _pause(self, message: Message) -> None:
+        """A new epoch: finish replicating, forget KV of microbatches not yet started here, and report the
+        caches held (positions per microbatch) and the positions of the replicas held for `replica_of`."""
+        self.epoch = int(message.fields["epoch"])
+        if self.replicator is not None:
+            self.replicator.finish_all()
+        self.staged.clear()
+        self.restored.clear()
+        caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches
+                  if number in self.caches}
+        holds = {}
+        owner = message.fields.get("replica_of")
+        if owner is not None:
+            store = self.inbox.store
+            for number in message.fields["microbatches"]:
+                holds[str(number)] = held_positions(store.keys(replica_stream(owner, number)),
+                                                    int(message.fields["replica_layers"]))
+        self.head.send_tensor(pack(Message("paused", {"stage": self.role.name, "epoch": self.epoch,
+                                                      "caches": caches, "holds": holds})))
+
+    def _relink(self, message: Message) -> None:
+        """Reconnect to the neighbours at the addresses given (some of them replacements)."""
+        self._close_links()
+        self.following, self.first, self.sender, self.replicator = open_links(message.fields, self.role)
+        self.head.send_tensor(pack(Message("relinked", {"stage": self.role.name, "epoch": self.epoch})))
+
+    def _send_replica(self, message: Message) -> None:
+        """Send the replica held here of stage `owner`'s microbatch back to that stage's replacement at `to`."""
+        fields = message.fields
+        number, positions = int(fields["microbatch"]), int(fields["positions"])
+        block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number), int(fields["layers"]),
+                         positions)
+        with open_transport(fields["to"]) as replacement:
+            replacement.send_tensor(pack(Message("restore", {"microbatch": number, "epoch": self.epoch}, (block,))))
+        self.head.send_tensor(pack(Message("sent", {"stage": self.role.name, "microbatch": number,
+                                                    "epoch": self.epoch})))
+
+    def _restore(self, message: Message) -> None:
+        self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
+
+    def _drop(self, message: Message) -> None:
+        """Forget microbatches that start over from their prompts (or ended meanwhile)."""
+        for number in message.fields["microbatches"]:
+            self.microbatches.pop(number, None)
+            self.caches.remove(number)
+            self.restored.pop(number, None)
+            if self.replicator is not None:
+                self.replicator.end(number)
+
+    def _rewind(self, message: Message) -> None:
+        """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of
+        step `steps`: crop the cache held here to it (a replacement builds it from its restored replica), and
+        replicate from there (from 0 to a new holder, else from where the replica reaches)."""
+        fields = message.fields
+        number, positions, steps = int(fields["microbatch"]), int(fields["positions"]), int(fields["steps"])
+        prompt_mask, ended, rng = message.tensors
+        if number in self.restored:
+            cache = cache_from(self.restored.pop(number), self.stage.config)
+        else:
+            cache = self.caches.acquire(number)
+            if cache.get_seq_length() > positions:
+                cache.crop(positions - cache.get_seq_length())  # transformers crops by a negative count
+        self.caches.remove(number)
+        self.caches.new_cache(number, cache)
+        state = _Microbatch(positions_needed(prompt_mask.shape[1], max(fields["max_new_tokens"])),
+                            torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), steps - 1)], dim=1),
+                            position_ids(prompt_mask)[:, -1:] + steps - 1, dict(fields))
+        if self.stage.last:
+            state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
+            if state.picker.generator is not None:
+                state.picker.generator.set_state(rng.clone())
+            state.ended, state.steps = ended.bool().clone(), steps
+        self.microbatches[number] = state
+        self.caches.add(number, state.capacity)
+        if self.replicator is not None:
+            self.replicator.start(number, cache, int(fields["replicated"]))
+        self.head.send_tensor(pack(Message("rewound", {"stage": self.role.name, "microbatch": number,
+                                                       "epoch": self.epoch})))
+
+    def close(self) -> None:
+        self._close_links()
+
+    def _close_links(self) -> None:
+        if self.replicator is not None:
+            self.replicator.finish_all()
+            self.replicator.holder.close()
+        links = [self.following, self.first, *(self.sender.links if self.sender is not None else [])]
+        if self.sender is not None:
+            self.sender.close()
+        for link in links:
+            if link is not None:
+                link.close()
+
     def _send(self, link: Transport | None, message: Message) -> None:
         """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
         head's progress watchdog."""
         assert link is not None  # set for every message this stage sends on
-        link.post_tensor(pack(message))
+        link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))
 
 
 def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -> None:
@@ -305,24 +456,34 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
             head.send_tensor(_failure(fields["stage"], error))
             raise
         role = Role(fields["role"], fields["number"], fields["stages"], fields["name"])
-        following = open_transport(fields["next"]) if fields.get("next") else None
-        first = open_transport(fields["first"]) if role.kind != "prompt" and role.last else None
-        token_links = [open_transport(url) for url in fields.get("token_stages", [])]
-        sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
-        heartbeat: Heartbeat | None = None
+        following, first, sender, replicator = open_links(fields, role)
+        worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
+                             bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
+                             int(fields.get("epoch", 0)))
         try:
-            head.send_tensor(pack(Message("ready", {"stage": fields["stage"]})))
-            heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]))
-            StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
-                        bool(fields.get("swapping")), heartbeat).run()
+            head.send_tensor(pack(Message("ready", {"stage": fields["stage"], "epoch": worker.epoch})))
+            worker.heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]))
+            worker.run()
         finally:
-            if heartbeat is not None:
-                heartbeat.close()
-            if sender is not None:
-                sender.close()
-            for link in (following, first, *token_links):
-                if link is not None:
-                    link.close()
+            if worker.heartbeat is not None:
+                worker.heartbeat.close()
+            worker.close()
+
+
+def open_links(fields: dict[str, Any], role: Role) -> tuple[Transport | None, Transport | None, LayerSender | None,
+                                                             Replicator | None]:
+    """A stage's links, from its assignment (or a recovery's `relink`): to the next stage of its pipeline, the
+    last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
+    of its replicas."""
+    following = open_transport(fields["next"]) if fields.get("next") else None
+    first = open_transport(fields["first"]) if role.decodes and role.last else None
+    token_links = [open_transport(url) for url in fields.get("token_stages", [])]
+    sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
+    replicator = None
+    if fields.get("holder"):
+        start, stop = fields["layers"]
+        replicator = Replicator(open_transport(fields["holder"]), role.number, stop - start)
+    return following, first, sender, replicator
 
 
 def _failure(stage: str | int, error: BaseException) -> torch.Tensor:

@@ -1,0 +1,260 @@
+"""Recovery of a pipeline whose stage died or hung: the head replaces it and the microbatches go on.
+
+The head runs one recovery at a time on a thread of its own, in the paper's four steps and a few of ours:
+
+0. a new epoch: from now on, the head and the stages drop what was sent before it (steps in flight, tokens,
+   prompt KV); a stage process that is stopped or hung is killed, so nothing stale comes from it later;
+1. every surviving stage pauses (`pause`): it finishes streaming its replicas and reports the caches it
+   holds and how far the replicas it holds for the previous decoding stage reach; a survivor that does not
+   answer is dead too;
+2. each dead stage is replaced (a new process, which joins and loads its stage), and every survivor
+   reconnects to it (`relink`); survivors keep their processes and memory;
+3. per microbatch in flight, the head picks the step it resumes from (`resume_point`): the last position
+   every stage can have again, the dead stage's from the replica its next decoding stage holds; the holder
+   sends that replica back to the replacement (`send_replica` -> `restore`), and the previous stage streams
+   its own cache to the replacement, which now holds its replica;
+4. every decoding stage rewinds the microbatch to that position (`rewind`), and the head feeds it the token
+   of that step: the microbatch goes on exactly as it would have.
+
+A microbatch that cannot resume (still in the prompt pipeline, its replica lost with two adjacent stages,
+or `recovery="recompute"`) starts over from its prompt, and gives the same tokens again; a request's
+callback never sees a token twice. Each recovery is described by a `RecoveryReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from ..errors import TransportError
+from .messages import Message
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+#: The ways a pipeline may recover from a dead stage.
+RECOVERY = ("replicas", "recompute")
+#: Seconds each step of a recovery may take (a replacement's start included: it loads the model).
+STEP_TIMEOUT = 120.0
+#: Recoveries in a row that may fail (another stage dying meanwhile) before the pipeline gives up.
+ATTEMPTS = 3
+
+
+@attrs.frozen
+class RecoveryReport:
+    """What one recovery did: the `epoch` it began, the stages it replaced and why, which microbatches resumed
+    at which step (`resumed`: microbatch -> the step whose token it was fed again) and which started over from
+    their prompts (`recomputed`), and how long each part took, in seconds from the detection: `pausing` the
+    survivors, `replacing` (starting the new processes and relinking), `transferring` the caches, and
+    `total` until the pipeline served again."""
+
+    epoch: int
+    replaced: list[str]
+    reason: str
+    resumed: dict[int, int]
+    recomputed: list[int]
+    pausing: float
+    replacing: float
+    transferring: float
+    total: float
+
+    def describe(self) -> str:
+        resumed = ", ".join(f"microbatch {number} from step {step}" for number, step in sorted(self.resumed.items()))
+        return (f"recovered {', '.join(self.replaced) or 'no stage'} ({self.reason}) in {self.total:.2f} s: paused "
+                f"{self.pausing:.2f} s, replaced {self.replacing:.2f} s, caches back {self.transferring:.2f} s; "
+                f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}")
+
+
+def resume_point(prompt: int, tokens: int, replicas: Sequence[int]) -> int | None:
+    """The cache positions a microbatch resumes from: its `prompt` (padded) positions and the `tokens` the head
+    holds give P + tokens - 1 positions on every surviving stage; each dead stage's replica reaches
+    `replicas[i]`. None when some replica lacks part of the prompt (the microbatch starts over)."""
+    positions = min([prompt + tokens - 1, *replicas])
+    return positions if positions >= prompt and tokens >= 1 else None
+
+
+def ended_rows(generated: Sequence[Sequence[int]], steps: int, limits: Sequence[int],
+               eos: Sequence[int]) -> torch.Tensor:
+    """Which rows had ended once `steps` tokens were picked (as the last stage tracks it)."""
+    return torch.tensor([any(token in eos for token in row[:steps]) or steps >= limit
+                         for row, limit in zip(generated, limits, strict=True)], dtype=torch.uint8)
+
+
+class Recovery:
+    """One recovery of `head`, run on its own thread: `run()` returns when the pipeline serves again."""
+
+    def __init__(self, head: Pipeline, dead: set[int], reason: str) -> None:
+        self.head, self.dead, self.reason = head, set(dead), reason
+        self.detected = time.monotonic()
+        self.epoch = 0
+        self.replaced: set[int] = set()  # dead stages whose replacement process has started
+
+    # ---- messages from the stages, routed here by the head's receiver -----------------------------------
+    def _await(self, kind: str, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
+        """The replies of `kind` from every one of `senders` (by the field `key`; "" takes any), within
+        STEP_TIMEOUT; a stage that fails or does not answer is dead (RecoveryRetry names it: the sender, or
+        `blame` when the senders are not stages)."""
+        replies: dict[Any, Message] = {}
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while len(replies) < len(senders):
+            exited = [index for index in self.head.exited() if index not in self.dead or index in self.replaced]
+            if exited:
+                raise RecoveryRetry(exited, f"the process of {self.head.stage_table[exited[0]].name} exited")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(senders - replies.keys(), key=str)
+                stages = missing if blame is None else [blame]
+                raise RecoveryRetry(stages, f"no {kind} from {', '.join(map(str, stages))} within "
+                                    f"{STEP_TIMEOUT:.0f} s")
+            try:
+                message = self.head.replies.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if message.kind == "failed":
+                raise RecoveryRetry([message.fields["stage"]], f"stage {message.fields['stage']} failed: "
+                                    f"{message.fields['error']}")
+            if message.kind == kind and int(message.fields.get("epoch", self.epoch)) == self.epoch:
+                replies[message.fields[key] if key else len(replies)] = message
+        return replies
+
+    # ---- the steps ------------------------------------------------------------------------------------
+    def run(self) -> RecoveryReport:
+        head = self.head
+        self.epoch = head.new_epoch()
+        for stage in self.dead:
+            head.fence(stage)
+        started = time.monotonic()
+        survivors = [index for index in range(len(head.stage_table)) if index not in self.dead]
+        paused = self._pause(survivors)
+        pausing = time.monotonic() - started
+        started = time.monotonic()
+        self._replace(sorted(self.dead))
+        for index in survivors:
+            head.send(index, Message("relink", {"epoch": self.epoch, **head.links_of(index)}))
+        self._await("relinked", {head.stage_table[index].name for index in survivors})
+        replacing = time.monotonic() - started
+        started = time.monotonic()
+        resumed, recomputed = self._plan(paused)
+        decoding = head.decoding_stages()
+        gone = [number for number in head.holding_numbers() if number not in resumed]
+        for index in decoding:
+            head.send(index, Message("drop", {"epoch": self.epoch, "microbatches": gone}))
+        self._transfer(resumed)
+        self._rewind(resumed, decoding)
+        transferring = time.monotonic() - started
+        head.resume(self.epoch, resumed, recomputed)
+        report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
+                                self.reason, resumed, recomputed, pausing, replacing, transferring,
+                                time.monotonic() - self.detected)
+        log.warning("%s", report.describe())
+        return report
+
+    def _replace(self, stages: list[int]) -> None:
+        """New workers for `stages`: launched together (or started by someone else), joined, loaded."""
+        for index in stages:
+            self.replaced.add(index)
+            self.head.launch_replacement(index)
+        if not stages:
+            return
+        joined = self._await("join", set(range(len(stages))), key="", blame=stages[0])
+        for index, message in zip(stages, joined.values(), strict=True):
+            self.head.assign(index, message.fields["url"])
+        self._await("ready", set(stages))
+        for index in stages:
+            self.head.heard_from(index)
+
+    def _pause(self, survivors: list[int]) -> dict[str, Message]:
+        head = self.head
+        numbers = head.holding_numbers()
+        for index in survivors:
+            stage = head.stage_table[index]
+            previous = head.replica_owner(index)
+            fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None}
+            if previous is not None:
+                fields.update(replica_of=head.stage_table[previous].number,
+                              replica_layers=head.stage_table[previous].layer_count)
+            try:
+                head.send(index, Message("pause", fields))
+            except TransportError as error:
+                raise RecoveryRetry([stage.name], f"{stage.name} is unreachable: {error}") from None
+        return self._await("paused", {head.stage_table[index].name for index in survivors})
+
+    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int]]:
+        """Each microbatch in flight: the step it resumes from, or that it starts over."""
+        head = self.head
+        resumed: dict[int, int] = {}
+        recomputed: list[int] = []
+        decoding = head.decoding_stages()
+        for number, batch, phase in head.in_flight_batches():
+            prompt, tokens = batch.mask.shape[1], len(batch.generated[0])
+            point: int | None = None
+            if head.recovery == "replicas" and phase == "decoding":
+                survivors_hold = all(str(number) in paused[head.stage_table[index].name].fields["caches"]
+                                     for index in decoding if index not in self.dead)
+                replicas = []
+                for index in decoding:
+                    if index in self.dead:
+                        holder = self._holder(index)
+                        replicas.append(-1 if holder in self.dead else int(
+                            paused[head.stage_table[holder].name].fields["holds"].get(str(number), -1)))
+                point = resume_point(prompt, tokens, replicas) if survivors_hold else None
+            if point is None:
+                recomputed.append(number)
+            else:
+                resumed[number] = point - prompt + 1
+        return resumed, recomputed
+
+    def _transfer(self, resumed: dict[int, int]) -> None:
+        """Each replacement's caches, from the replicas its next decoding stage holds."""
+        head = self.head
+        waiting: set[Any] = set()
+        for index in sorted(self.dead):
+            if index not in head.decoding_stages():
+                continue
+            holder, stage = self._holder(index), head.stage_table[index]
+            for number, step in resumed.items():
+                prompt = head.batch(number).mask.shape[1]
+                head.send(holder, Message("send_replica", {
+                    "epoch": self.epoch, "microbatch": number, "owner": stage.number, "layers": stage.layer_count,
+                    "positions": prompt + step - 1, "to": head.url_of(index)}))
+                waiting.add(number)
+            if waiting:
+                self._await("sent", waiting, key="microbatch", blame=holder)
+                waiting.clear()
+
+    def _holder(self, index: int) -> int:
+        holder = self.head.replica_holder(index)
+        assert holder is not None  # every decoding stage has one when recovering from replicas
+        return holder
+
+    def _rewind(self, resumed: dict[int, int], decoding: list[int]) -> None:
+        head = self.head
+        for number, step in resumed.items():
+            batch = head.batch(number)
+            ended = ended_rows(batch.generated, step, batch.max_new_tokens, head.eos)
+            rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))
+            for index in decoding:
+                holder = head.replica_holder(index)
+                replicated = 0 if holder is None or holder in self.dead else batch.mask.shape[1] + step - 1
+                head.send(index, Message("rewind", {
+                    **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
+                    "steps": step, "replicated": replicated}, (batch.mask, ended, rng)))
+            self._await("rewound", {head.stage_table[index].name for index in decoding})
+
+
+class RecoveryRetry(TransportError):
+    """Stages (names or indices) that failed or did not answer a recovery step: dead as well, so the next
+    attempt replaces them too."""
+
+    def __init__(self, stages: list[Any], text: str) -> None:
+        super().__init__(text)
+        self.stages = stages
+
