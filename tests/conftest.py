@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3-compatible server on 127.0.0.1 for the object-storage tests."""
+"""Shared fixtures: a real S3-compatible server on 127.0.0.1 for the object-storage tests, and stage processes
+that import the tests' tiny models."""
 
 from __future__ import annotations
 
@@ -64,3 +65,10 @@ def s3_endpoint() -> Iterator[str]:
 def s3_options(s3_endpoint: str) -> dict:
     """fsspec storage_options that reach the loopback server with dummy credentials."""
     return {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing", "use_listings_cache": False}
+
+
+@pytest.fixture
+def workers_import_tiny_models(monkeypatch) -> None:
+    """Stage processes load `tiny_models:<family>` themselves: let them import it."""
+    tests = os.path.dirname(__file__)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))

@@ -49,3 +49,17 @@ def expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[i
                 tokens = tokens[:end + 1]
             expected[index] = torch.tensor(tokens, dtype=torch.long)
     return expected
+
+
+def sampled(model, prompts, members, new_tokens, pad, eos, seed, **settings) -> list[torch.Tensor]:
+    """`torch.manual_seed(seed)` then `model.generate(do_sample=True)` on one microbatch, cut per row."""
+    ids, mask = left_padded(prompts, members, pad)
+    longest = ids.shape[1]
+    torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, **settings)[:, longest:]
+    rows = []
+    for row in range(len(members)):
+        tokens = out[row].tolist()
+        end = next((position for position, token in enumerate(tokens) if token in eos), None)
+        rows.append(torch.tensor(tokens if end is None else tokens[:end + 1], dtype=torch.long))
+    return rows

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import expectations
 import pytest
@@ -18,13 +17,9 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
 
-TESTS = str(Path(__file__).parent)
+pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
 
-@pytest.fixture(autouse=True)
-def _workers_import_tiny_models(monkeypatch) -> None:
-    """Stage processes load `tiny_models:<family>` themselves: let them import it."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
 
 
 #: Each family's mixed pipeline: even and uneven cuts, one to three stages.
@@ -232,20 +227,6 @@ def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
         Pipeline("tiny_models:llama", stages=1, launch=False)
 
 
-def _sampled_reference(model, prompts, members, new_tokens, pad, eos, seed, **settings) -> list[torch.Tensor]:
-    """`torch.manual_seed(seed)` then `model.generate(do_sample=True)` on one microbatch, cut per row."""
-    ids, mask = expectations.left_padded(prompts, members, pad)
-    longest = ids.shape[1]
-    torch.manual_seed(seed)
-    out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, **settings)[:, longest:]
-    rows = []
-    for row in range(len(members)):
-        tokens = out[row].tolist()
-        end = next((position for position, token in enumerate(tokens) if token in eos), None)
-        rows.append(torch.tensor(tokens if end is None else tokens[:end + 1], dtype=torch.long))
-    return rows
-
-
 @pytest.mark.parametrize("settings", [{"temperature": 0.7, "top_p": 0.9}, {"top_k": 5, "min_p": 0.05}, {}],
                          ids=["temperature+top_p", "top_k+min_p", "the model's defaults"])
 def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) -> None:
@@ -262,12 +243,12 @@ def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) ->
         pad, eos = pipe.pad, pipe.eos
     assert {result.microbatch for result in results} == {results[0].microbatch}
     assert [result.seed for result in results] == [7, 7, 7]
-    expected = _sampled_reference(model, prompts, [0, 1, 2], 8, pad, eos, 7, **settings)
+    expected = expectations.sampled(model, prompts, [0, 1, 2], 8, pad, eos, 7, **settings)
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
     assert (lone.rows, lone.seed) == (1, None)
     assert drawn.seed is not None
     assert drawn.rows == 1
-    assert torch.equal(drawn.tokens, _sampled_reference(model, prompts, [4], 8, pad, eos, drawn.seed, **settings)[0])
+    assert torch.equal(drawn.tokens, expectations.sampled(model, prompts, [4], 8, pad, eos, drawn.seed, **settings)[0])
 
 
 @pytest.mark.parametrize("layout", ["1P+1T", "1P+2T"])
@@ -280,7 +261,7 @@ def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout)
     with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
         outs = pipe.generate(prompts, max_new_tokens=9, do_sample=True, seed=21, **settings)
         pad, eos = pipe.pad, pipe.eos
-    expected = _sampled_reference(model, prompts, [0, 1, 2], 9, pad, eos, 21, **settings)
+    expected = expectations.sampled(model, prompts, [0, 1, 2], 9, pad, eos, 21, **settings)
     assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
 
 

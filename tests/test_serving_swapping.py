@@ -4,8 +4,6 @@ device; tokens stay those of `model.generate`, and the head's admission keeps ev
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import expectations
 import pytest
@@ -16,12 +14,7 @@ import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
 from dejavu_sdk.swapping import kv_bytes_per_token, positions_needed
 
-TESTS = str(Path(__file__).parent)
-
-
-@pytest.fixture(autouse=True)
-def _workers_import_tiny_models(monkeypatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
 
 def _check_against_generate(family: str, prompts, limits, results, pipe) -> None:

@@ -455,7 +455,11 @@ class Pipeline:
             try:
                 self._workers[stage].send_tensor(pack(message))
             except (TransportError, StoreError) as error:  # StoreClosed: the pipeline closed meanwhile
-                self._fail(TransportError(f"stage {stage} is unreachable: {error}"))
+                failure = f"{self.stage_table[stage].name} is unreachable: {error}"
+                if self.recovery is None or self._closed:
+                    self._fail(TransportError(failure))
+                else:  # the recovery decides where the microbatch goes on from
+                    self._start_recovery(set(), failure)
                 return
 
     def _fits_beside_those_in_flight(self, requests: list[Request]) -> bool:
@@ -693,7 +697,7 @@ class Pipeline:
             return
         with self._lock:
             self._recovering = None
-        self._fail(TransportError(f"recovery failed: {error}"))
+        self._fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
 
     def new_epoch(self) -> int:
         with self._lock:

@@ -129,12 +129,16 @@ class Recovery:
     def run(self) -> RecoveryReport:
         head = self.head
         self.epoch = head.new_epoch()
+        self.dead |= set(head.exited())
         for stage in self.dead:
             head.fence(stage)
         started = time.monotonic()
         survivors = [index for index in range(len(head.stage_table)) if index not in self.dead]
+        log.info("epoch %d: pausing %s", self.epoch, [head.stage_table[index].name for index in survivors])
         paused = self._pause(survivors)
         pausing = time.monotonic() - started
+        log.info("epoch %d: paused in %.3f s; replacing %s", self.epoch, pausing,
+                 [head.stage_table[index].name for index in sorted(self.dead)])
         started = time.monotonic()
         self._replace(sorted(self.dead))
         for index in survivors:
@@ -143,6 +147,8 @@ class Recovery:
         replacing = time.monotonic() - started
         started = time.monotonic()
         resumed, recomputed = self._plan(paused)
+        log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, resumed,
+                 recomputed)
         decoding = head.decoding_stages()
         gone = [number for number in head.holding_numbers() if number not in resumed]
         for index in decoding:
@@ -217,7 +223,7 @@ class Recovery:
         head = self.head
         waiting: set[Any] = set()
         for index in sorted(self.dead):
-            if index not in head.decoding_stages():
+            if index not in head.decoding_stages() or not resumed:
                 continue
             holder, stage = self._holder(index), head.stage_table[index]
             for number, step in resumed.items():

@@ -157,14 +157,13 @@ class StageWorker:
             try:
                 if self.heartbeat is not None:
                     self.heartbeat.check()
+                if packed is not None:  # handled before the KV sender's check: a failed send loses no message
+                    message = unpack(packed)
+                    if message.kind == "shutdown":
+                        return
+                    self.handle(message)
                 if self.sender is not None:
                     self.sender.check()
-                if packed is None:
-                    continue
-                message = unpack(packed)
-                if message.kind == "shutdown":
-                    return
-                self.handle(message)
             except TransportError as error:
                 if not self.recovery or isinstance(error, _HeadGone):
                     self.head.send_tensor(_failure(self.role.name, error))

@@ -1,0 +1,242 @@
+"""Recovery: a stage killed (SIGKILL) or hung (SIGSTOP) mid-generation is replaced, and every request completes
+with the tokens of a failure-free run, none lost or streamed twice."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import defaultdict
+
+import expectations
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.recovery import ended_rows, resume_point
+from dejavu_sdk.serving.replication import Replicator, assemble, held_positions, replica_stream
+from dejavu_sdk.stores.memory import MemoryStore
+
+pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
+
+NEW = 200
+DISAGGREGATED = {"prompt_stages": 1, "token_stages": 2}
+SAMPLING = {"do_sample": True, "seed": 5, "temperature": 0.8, "top_k": 20}
+
+
+# ---- the pieces --------------------------------------------------------------------------------------------
+def test_the_resume_point_is_the_last_position_every_stage_can_have_again() -> None:
+    assert resume_point(prompt=10, tokens=7, replicas=[14]) == 14  # a replica lagging two steps behind
+    assert resume_point(prompt=10, tokens=7, replicas=[30]) == 16  # never past what the head has tokens for
+    assert resume_point(prompt=10, tokens=7, replicas=[]) == 16  # nobody lost a cache: P + tokens - 1
+    assert resume_point(prompt=10, tokens=7, replicas=[9]) is None  # the replica lacks part of the prompt
+    assert resume_point(prompt=10, tokens=7, replicas=[-1]) is None  # the replica is gone with its holder
+    assert resume_point(prompt=10, tokens=0, replicas=[]) is None  # still in the prompt pipeline
+
+
+def test_rows_end_at_their_end_of_sequence_token_or_their_limit() -> None:
+    generated = [[5, 2, 0], [5, 6, 7], [5, 6, 7]]
+    assert ended_rows(generated, 1, [9, 9, 1], eos=[2]).tolist() == [0, 0, 1]
+    assert ended_rows(generated, 2, [9, 9, 1], eos=[2]).tolist() == [1, 0, 1]
+
+
+def _cache(positions: int, layers: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randn((layers, 2, 2, 2, positions, 4), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_replica_streamed_step_by_step_comes_back_bit_for_bit() -> None:
+    from transformers import DynamicCache
+
+    full = _cache(9)
+    with dv.serve("tcp://127.0.0.1:0", MemoryStore()) as holder, dv.open_transport(holder.url) as link:
+        cache = DynamicCache()
+        for layer in range(3):
+            cache.update(full[layer, 0, :, :, :6], full[layer, 1, :, :, :6], layer)
+        replicator = Replicator(link, stage=1, layers=3)
+        replicator.start(4, cache)  # the prompt, one block per layer
+        for position in range(6, 9):  # then one block per step over every layer
+            for layer in range(3):
+                cache.update(full[layer, 0, :, :, position:position + 1], full[layer, 1, :, :, position:position + 1],
+                             layer)
+            replicator.step(4, cache)
+        replicator.finish_all()
+        stream = replica_stream(1, 4)
+        assert held_positions(holder.store.keys(stream), 3) == 9
+        assert torch.equal(assemble(holder.store, stream, 3, 9), full)
+        assert torch.equal(assemble(holder.store, stream, 3, 7), full[:, :, :, :, :7])
+        with pytest.raises(dv.DejaVuError, match="holds 9 of the 10 positions"):
+            assemble(holder.store, stream, 3, 10)
+        replicator.end(4)
+        assert holder.store.keys(stream) == []
+
+
+def test_held_positions_count_only_what_every_layer_has_without_a_gap() -> None:
+    store = MemoryStore()
+    block = _cache(5, layers=1)
+    for layer in range(2):
+        store.flush(dv.BlockKey("s", (layer, layer + 1), (0, 5)), block)
+    store.flush(dv.BlockKey("s", (0, 2), (5, 6)), _cache(1, layers=2))
+    store.flush(dv.BlockKey("s", (0, 2), (7, 8)), _cache(1, layers=2))  # position 6 never arrived
+    assert held_positions(store.keys("s"), 2) == 6
+    assert held_positions(store.keys("s"), 3) == 0  # a layer with nothing
+    store.flush(dv.BlockKey("s", (0, 1), (0, 7)), _cache(7, layers=1))  # streamed again after a rewind: overlaps
+    assert held_positions(store.keys("s"), 2) == 6
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("arguments", "match"), [
+    ({"recovery": "magic"}, "recovery='magic'"),
+    ({"recovery": "replicas", "transport": "gloo"}, "tcp links"),
+    ({"recovery": "replicas", "swapping": True}, "swapping"),
+    ({"recovery": "replicas", "stages": 1}, "two decoding stages"),
+    ({"recovery": "replicas", "prompt_stages": 2, "token_stages": 1}, "two decoding stages"),
+])
+def test_recovery_settings_it_cannot_honour_are_refused(arguments, match) -> None:
+    arguments = {"stages": 2, **arguments} if "prompt_stages" not in arguments else arguments
+    with pytest.raises(dv.ConfigError, match=match):
+        Pipeline("tiny_models:llama", **arguments)
+
+
+def test_replicas_of_sliding_window_layers_are_refused_and_recompute_is_offered() -> None:
+    with pytest.raises(dv.ConfigError, match=r"sliding-window.*recompute"):
+        Pipeline("tiny_models:mistral", stages=2, recovery="replicas")
+
+
+# ---- failures -----------------------------------------------------------------------------------------------
+def _stage_pid(pipe: Pipeline, name: str) -> int:
+    return next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == name)
+
+
+def _steps_taken(pipe: Pipeline) -> int:
+    return sum(batch["steps"] for batch in pipe.status()["microbatches"])
+
+
+def _wait_for_steps(pipe: Pipeline, steps: int, timeout: float = 60) -> None:
+    """Wait until the microbatches in flight took `steps` more steps (a new microbatch's count from 0)."""
+    deadline, seen, total = time.monotonic() + timeout, _steps_taken(pipe), 0
+    while total < steps:
+        assert time.monotonic() < deadline, f"{total} steps of {steps} within {timeout} s"
+        time.sleep(0.005)
+        now = _steps_taken(pipe)
+        total, seen = total + max(0, now - seen), now
+
+
+def _wait_for_recoveries(pipe: Pipeline, count: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while len(pipe.recoveries) < count:
+        assert time.monotonic() < deadline, f"{len(pipe.recoveries)} recoveries of {count} within {timeout} s"
+        assert pipe.status()["failure"] is None, pipe.status()["failure"]
+        time.sleep(0.05)
+
+
+def _expected(results, prompts, pad, eos, decoding) -> list[torch.Tensor]:
+    """What each request gets from `model.generate` on its microbatch (greedy, or sampled after manual_seed)."""
+    model = tiny_models.llama()
+    members = expectations.microbatches(results)
+    if not decoding:
+        return expectations.expected(model, members, prompts, [NEW] * len(prompts), pad, eos)
+    expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    settings = {name: value for name, value in decoding.items() if name not in ("do_sample", "seed")}
+    for batch in members:
+        for index, tokens in zip(batch, expectations.sampled(model, prompts, batch, NEW, pad, eos, decoding["seed"],
+                                                             **settings), strict=True):
+            expected[index] = tokens
+    return expected
+
+
+def _serve_through_failures(pipe: Pipeline, prompts, victims: list[str], how: signal.Signals, rng: random.Random,
+                            decoding: dict) -> tuple[list, dict]:
+    """Submit a wave of requests per failure, hit `victims[i]` with `how` at a random step of the wave, and
+    wait for the recovery; return every result and the tokens each request streamed."""
+    streamed: dict[int, list[int]] = defaultdict(list)
+    futures = []
+    wave = len(prompts) // len(victims)
+    for failure, victim in enumerate(victims):
+        first = failure * wave
+        futures += pipe.submit_all(prompts[first:first + wave], NEW,
+                                   on_token=lambda index, token, first=first: streamed[first + index].append(token),
+                                   **decoding)
+        _wait_for_steps(pipe, rng.randrange(2, NEW // 2))
+        os.kill(_stage_pid(pipe, victim), how)
+        _wait_for_recoveries(pipe, failure + 1)
+    return [future.result(timeout=120) for future in futures], streamed
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> None:
+    rng = random.Random(f"{how.name}-{sampled}")  # a failing run replays with the same victims and steps
+    victims = [rng.choice(["token stage 0", "token stage 1"]) for _ in range(3)]
+    prompts = expectations.prompts(12, seed=8)
+    decoding = SAMPLING if sampled else {}
+    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+                  **DISAGGREGATED) as pipe:
+        results, streamed = _serve_through_failures(pipe, prompts, victims, how, rng, decoding)
+        pad, eos = pipe.pad, pipe.eos
+        reports = list(pipe.recoveries)
+    assert [report.replaced for report in reports] == [[victim] for victim in victims]
+    assert all(report.resumed for report in reports)  # the microbatches went on from their replicas...
+    assert all(report.transferring < 5 for report in reports)
+    expected = _expected(results, prompts, pad, eos, decoding)
+    for index, (result, want) in enumerate(zip(results, expected, strict=True)):
+        assert torch.equal(result.tokens, want), f"request {index}"
+        assert streamed[index] == want.tolist(), f"request {index} streamed tokens lost or twice"
+
+
+def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> None:
+    prompts = expectations.prompts(8, seed=9)
+    for arguments, victim in ((DISAGGREGATED, "prompt stage 0"), ({"stages": 2}, "stage 0")):
+        with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+                      **arguments) as pipe:
+            futures = pipe.submit_all(prompts, NEW)
+            _wait_for_steps(pipe, 20)
+            os.kill(_stage_pid(pipe, victim), signal.SIGKILL)
+            _wait_for_recoveries(pipe, 1)
+            results = [future.result(timeout=120) for future in futures]
+            pad, eos = pipe.pad, pipe.eos
+            (report,) = pipe.recoveries
+        assert report.replaced == [victim]
+        expected = _expected(results, prompts, pad, eos, {})
+        assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+
+
+@pytest.mark.parametrize("recovery", ["replicas", "recompute"])
+def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(recovery) -> None:
+    prompts = expectations.prompts(4, seed=10)
+    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery=recovery,
+                  **DISAGGREGATED) as pipe:
+        futures = pipe.submit_all(prompts, NEW)
+        _wait_for_steps(pipe, 30)
+        for victim in ("token stage 0", "token stage 1"):  # each held the other's replicas
+            os.kill(_stage_pid(pipe, victim), signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        results = [future.result(timeout=120) for future in futures]
+        pad, eos = pipe.pad, pipe.eos
+        reports = list(pipe.recoveries)
+    assert sorted(name for report in reports for name in report.replaced) == ["token stage 0", "token stage 1"]
+    assert not any(report.resumed for report in reports)
+    assert any(report.recomputed for report in reports)
+    assert "recomputed [" in reports[-1].describe()
+    expected = _expected(results, prompts, pad, eos, {})
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+
+
+def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None:
+    prompts = expectations.prompts(4, seed=12)
+    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60, heartbeat=0.5,
+                  recovery="recompute") as pipe:
+        futures = pipe.submit_all(prompts, NEW, **SAMPLING)
+        _wait_for_steps(pipe, 40)
+        os.kill(_stage_pid(pipe, "stage 1"), signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        results = [future.result(timeout=120) for future in futures]
+        pad, eos = pipe.pad, pipe.eos
+        (report,) = pipe.recoveries
+    assert report.replaced == ["stage 1"]
+    assert report.recomputed
+    assert not report.resumed
+    expected = _expected(results, prompts, pad, eos, SAMPLING)
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
