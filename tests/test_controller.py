@@ -198,7 +198,7 @@ def test_bad_requests_get_a_reason_and_the_controller_keeps_serving(controller) 
 
 def test_a_killed_stage_fails_its_requests_with_503_and_counts_a_failure(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
-    with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=30) as controller:
+    with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=30, recovery=None) as controller:
         client = _client(controller)
         assert client.completions.create(model=MODEL, prompt=[[1, 2, 3]], max_tokens=2, temperature=0).choices
         os.kill(controller.status()["stages"][1]["pid"], signal.SIGKILL)
@@ -211,6 +211,30 @@ def test_a_killed_stage_fails_its_requests_with_503_and_counts_a_failure(monkeyp
         assert status == 200
         assert re.search(r"^dejavu_stage_failures_total 1\.0", text, re.MULTILINE)
         assert _raw(controller, "/v1/status")[1]["failure"]
+
+
+def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged(monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    prompt = [[5, 6, 7, 8]]
+    with dv.Controller(MODEL, prompt_stages=1, token_stages=2, microbatch=2, port=0, heartbeat=0.5) as controller:
+        client = _client(controller)
+        assert controller.pipeline.recovery == "replicas"  # "auto" with two token stages
+        calm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=600, temperature=0)
+        streamed: list[int] = []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=600, temperature=0,
+                                               stream=True):
+            streamed += chunk.choices[0].token_ids or []
+            if len(streamed) == 40:
+                os.kill(next(stage["pid"] for stage in controller.status()["stages"]
+                             if stage["name"] == "token stage 1"), signal.SIGKILL)
+        assert streamed == calm.choices[0].token_ids  # nothing lost, nothing twice
+        _status, text = _raw(controller, "/metrics")
+        assert re.search(r"^dejavu_stage_failures_total 1\.0", text, re.MULTILINE)
+        assert re.search(r"^dejavu_recoveries_total 1\.0", text, re.MULTILINE)
+        assert re.search(r"^dejavu_recovery_seconds_count 1\.0", text, re.MULTILINE)
+        (report,) = _raw(controller, "/v1/status")[1]["recoveries"]
+        assert report["replaced"] == ["token stage 1"]
+        assert report["resumed"]
 
 
 def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tmp_path) -> None:

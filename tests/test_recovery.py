@@ -203,6 +203,37 @@ def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> Non
         assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 
+def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> None:
+    prompts = expectations.prompts(4, seed=13)
+    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas", standby=1,
+                  **DISAGGREGATED) as pipe:
+        deadline = time.monotonic() + 60
+        while not pipe.status()["standby"]:
+            assert time.monotonic() < deadline, "the standby never joined"
+            time.sleep(0.05)
+        (spare,) = pipe.status()["standby"]
+        futures = pipe.submit_all(prompts, NEW)
+        _wait_for_steps(pipe, 30)
+        os.kill(_stage_pid(pipe, "token stage 0"), signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        assert _stage_pid(pipe, "token stage 0") == spare  # the standby took the stage: no process started for it
+        results = [future.result(timeout=120) for future in futures]
+        while len(pipe.status()["standby"]) != 1:  # a new spare joins the pool
+            assert time.monotonic() < deadline + 60, "the pool was not topped up"
+            time.sleep(0.05)
+        assert pipe.status()["standby"] != [spare]
+        pad, eos = pipe.pad, pipe.eos
+    expected = _expected(results, prompts, pad, eos, {})
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+
+
+def test_standby_workers_need_recovery() -> None:
+    with pytest.raises(dv.ConfigError, match="standby"):
+        Pipeline("tiny_models:llama", stages=2, standby=1)
+    with pytest.raises(dv.ConfigError, match="standby"):
+        Pipeline("tiny_models:llama", stages=2, recovery="replicas", standby=-1)
+
+
 @pytest.mark.parametrize("recovery", ["replicas", "recompute"])
 def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(recovery) -> None:
     prompts = expectations.prompts(4, seed=10)

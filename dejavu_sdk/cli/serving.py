@@ -92,6 +92,10 @@ def add_serving_commands(commands: Any) -> None:
     serve.add_argument("--token-file", help="tokens clients present, one per line (the first also secures the "
                        "workers' links); default: DEJAVU_TOKEN, else a random token printed at start")
     serve.add_argument("--insecure", action="store_true", help="listen beyond loopback with a printed random token")
+    serve.add_argument("--recovery", choices=["auto", "replicas", "recompute", "none"], default="auto",
+                       help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
+                       "each other (replicas; needs two token stages or more), start the requests in flight over "
+                       "(recompute), or fail them (none); auto: the first of these the layout allows")
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser("worker", help="join a pipeline's head and serve the stage it assigns; stops when "
@@ -129,7 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
-                    microbatch=args.microbatch, transport=args.transport, **layout) as controller:
+                    microbatch=args.microbatch, transport=args.transport,
+                    recovery=None if args.recovery == "none" else args.recovery, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
         if not tokens and not os.environ.get(TOKEN_VARIABLE):

@@ -47,19 +47,23 @@ class Controller:
     `kv_budget_bytes`, `swapping`, `transport`, `timeout`, ...) go to the `Pipeline` it runs. `tokens`: more
     client tokens that the API accepts besides `token` (for example from a token file). `tokenizer`: for
     text prompts and texts in the answers (default: the model's own, when it has one; None: token ids only).
+    `recovery` (default "auto"): a dead or hung stage is replaced and the requests in flight go on, from the
+    replicas the decoding stages keep of each other where the layout allows it (`dv.Pipeline`'s `recovery`).
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  tokens: Sequence[str] = (), tokenizer: Any = "auto", max_body_bytes: int = MAX_BODY_BYTES,
-                 **pipeline_options: Any) -> None:
+                 recovery: str | None = "auto", **pipeline_options: Any) -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         self.model_id = model
-        self.pipeline = Pipeline(model, token=self.token, **pipeline_options)  # ConfigError before any process
+        self.pipeline = Pipeline(model, token=self.token, recovery=recovery, **pipeline_options)  # before processes
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
         self.eos = self.pipeline.eos
         self.metrics = ControllerMetrics()
+        self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
+        self.pipeline.on_recovery = lambda report: self.metrics.recovered(report.total)
         self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
         self._tokens = [self.token, *tokens]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -87,7 +91,9 @@ class Controller:
         return {"model": self.model_id, **self.pipeline.status()}
 
     def _note_failure(self, future: Future[Result]) -> None:
-        if not future.cancelled() and isinstance(future.exception(), TransportError):
+        """Count a failure that failed requests (with recovery, each was counted as its recovery started)."""
+        if self.pipeline.recovery is None and not future.cancelled() and isinstance(future.exception(),
+                                                                                    TransportError):
             with self._lock:
                 first = self._failures_seen == 0
                 self._failures_seen += 1

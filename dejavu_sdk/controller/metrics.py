@@ -27,6 +27,12 @@ class ControllerMetrics:
         self.in_flight = Gauge("dejavu_requests_in_flight", "Requests being served", registry=self.registry)
         self.failures = Counter("dejavu_stage_failures", "Stage failures detected", registry=self.registry)
         self.recoveries = Counter("dejavu_recoveries", "Recoveries completed", registry=self.registry)
+        self.recovery_seconds = Histogram("dejavu_recovery_seconds", "Seconds from detecting a failure to serving "
+                                          "again", buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def recovered(self, seconds: float) -> None:
+        self.recoveries.inc()
+        self.recovery_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

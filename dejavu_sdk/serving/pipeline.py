@@ -122,6 +122,11 @@ class Pipeline:
     caches back from there: every microbatch resumes from its last replicated step (`recoveries` describes
     each recovery). `"recompute"`: the stage is replaced and the microbatches in flight start over from their
     prompts. Either way every request completes with the tokens it would have had without the failure.
+    `"auto"`: from replicas where the layout allows it, else by recomputing, else None.
+    `standby`: spare worker processes kept with the model loaded, so that a replacement starts at once (the
+    pool is topped up after each recovery; 0: a replacement process starts when needed).
+    `on_recovery(report)` is called after each recovery (on its thread).
+    `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
@@ -132,8 +137,9 @@ class Pipeline:
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
                  transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
-                 recovery: str | None = None, threads: int | None = None, launch: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+                 recovery: str | None = None, standby: int = 0, ignore_eos: bool = False,
+                 threads: int | None = None, launch: bool = True, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
@@ -191,7 +197,7 @@ class Pipeline:
         self.kv_bytes_per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
         #: Whether decoding stages swap caches to host memory, and, when "auto" decided it, why.
         self.swap_choice: SwapChoice | None = None
-        if swapping == "auto" and recovery is not None:
+        if swapping == "auto" and recovery is not None:  # recovery="auto" included: it never swaps
             self.swap_choice = SwapChoice(False, "recovery keeps every cache where its replica streams from")
         elif swapping == "auto":
             self.swap_choice = self._choose_swapping(reference, workload, microbatch, widest / total)
@@ -199,8 +205,18 @@ class Pipeline:
         self.swapping = self.swap_choice.swapping if self.swap_choice is not None else bool(swapping)
         #: How a dead stage is recovered from: "replicas", "recompute", or None (the requests in flight fail).
         self.recovery = _check_recovery(recovery, transport, self.layouts, self.swapping, reference)
+        if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
+            raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
+        if standby and (self.recovery is None or not launch):
+            raise ConfigError("standby workers replace dead stages: give recovery=, and let the pipeline launch them")
+        self.standby = standby
+        if ignore_eos:
+            self.eos = []
         #: Each recovery so far, in order.
         self.recoveries: list[RecoveryReport] = []
+        #: Called with each recovery's report, and with each failure's description as a recovery starts.
+        self.on_recovery: Callable[[RecoveryReport], None] | None = None
+        self.on_failure: Callable[[str], None] | None = None
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
         self.launch, self.host, self.port, self.transport = launch, host, port, transport
@@ -212,6 +228,7 @@ class Pipeline:
         self._waiting: deque[Request] = deque()
         self._in_flight: dict[int, Microbatch] = {}
         self._reserved: dict[int, int] = {}  # per microbatch in flight: its cache's bytes at its end, per stage
+        self._freed_early: set[int] = set()  # microbatches every stage freed before their `ended` came
         #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
         self.most_in_flight = 0
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
@@ -226,6 +243,8 @@ class Pipeline:
         self._processes: list[subprocess.Popen[bytes]] = []
         self._workers: list[Transport] = []
         self._urls: list[str] = []  # each stage worker's inbox, in stage order
+        self._spares: dict[int, subprocess.Popen[bytes]] = {}  # launched processes not serving a stage, by pid
+        self._pool: list[tuple[str, int]] = []  # spare workers that joined (inbox, pid), oldest first
         #: Every stage of the layout, in the order workers are assigned (prompt stages first).
         self.stage_table = _stage_table(self.layouts)
         self._epoch = 0  # raised by each recovery: messages of older epochs are dropped
@@ -251,10 +270,10 @@ class Pipeline:
         self._inbox = serve(f"{self.transport}://{self.host}:{self.port}", token=self._token)
         try:
             if self.launch:
-                environment = {**os.environ, "DEJAVU_TOKEN": self._token}
-                for _ in self.layers:
-                    self._processes.append(subprocess.Popen(
-                        [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url], env=environment))
+                self._processes = [self._launch() for _ in self.layers]
+                for _ in range(self.standby):
+                    spare = self._launch()
+                    self._spares[spare.pid] = spare
             self._assign_stages()
         except BaseException:
             self.close()
@@ -270,7 +289,9 @@ class Pipeline:
         pids: list[int] = []
         while len(joined) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to join")
-            if message.kind == "join":
+            if message.kind == "join" and int(message.fields["pid"]) in self._spares:
+                self._pool_spare(message)
+            elif message.kind == "join":
                 joined.append(message.fields["url"])
                 pids.append(int(message.fields["pid"]))
         if self.launch:  # stages go in the order workers joined: each stage's process is the one that joined as it
@@ -283,7 +304,9 @@ class Pipeline:
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
-            if message.kind == "failed":
+            if message.kind == "join":  # a standby that joined after the stage workers
+                self._pool_spare(message)
+            elif message.kind == "failed":
                 raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
             if message.kind == "ready":
                 ready.add(message.fields["stage"])
@@ -367,7 +390,10 @@ class Pipeline:
             with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
                 worker.send_tensor(pack(Message("shutdown")))
             worker.close()
-        for process in self._processes:
+        for url, _ in self._pool:
+            with contextlib.suppress(TransportError), open_transport(url, token=self._token) as link:
+                link.send_tensor(pack(Message("shutdown")))
+        for process in [*self._processes, *self._spares.values()]:
             _stop(process)
         if self._receiver is not None:
             self._receiver.join(timeout=5)
@@ -506,6 +532,9 @@ class Pipeline:
                     "microbatches": [{"microbatch": number, "rows": len(batch.requests), "steps": len(batch.arrived)}
                                      for number, batch in sorted(self._in_flight.items())],
                     "waiting": len(self._waiting), "swapping": self.swapping, "kv_budget_bytes": self.kv_budget,
+                    "recovery": self.recovery, "epoch": self._epoch, "recovering": self._recovering is not None,
+                    "standby": [pid for _, pid in self._pool],
+                    "recoveries": [attrs.asdict(report) for report in self.recoveries],
                     "failure": None if self._failure is None else str(self._failure)}
 
     def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
@@ -526,8 +555,9 @@ class Pipeline:
             return dict(self._stats)
 
     def _holding(self) -> int:
-        """Microbatches in flight: from admission until they ended and every stage let their caches go."""
-        return len(self._in_flight.keys() | self._reserved.keys())
+        """Microbatches in flight: from admission until they ended and every stage let their caches go (one
+        whose caches went before its `ended` came has left every stage)."""
+        return len((self._in_flight.keys() - self._freed_early) | self._reserved.keys())
 
     def _room_for_a_prefill(self) -> bool:
         if not self.disaggregated:
@@ -558,6 +588,8 @@ class Pipeline:
             return  # sent before a recovery, which decided where its microbatch goes on from
         if message.kind in _REPLIES:
             self.replies.put(message)
+        elif message.kind == "join":  # a spare worker: launched for a recovery or as a standby, or started by hand
+            self._pool_spare(message)
         elif message.kind == "link_lost":
             self._start_recovery(set(), f"{message.fields['stage']} lost a link: {message.fields['error']}")
         elif message.kind == "tokens":
@@ -592,6 +624,7 @@ class Pipeline:
             number = int(message.fields["microbatch"])
             with self._lock:
                 batch = self._in_flight.pop(number, None)
+                self._freed_early.discard(number)
                 if message.fields.get("freed"):  # else the room its caches took is given back by `freed`
                     self._reserved.pop(number, None)
                 if number in self._reserved:  # watched until `freed` comes: a stage that never frees it fails
@@ -605,13 +638,16 @@ class Pipeline:
             self._admit()
         elif message.kind == "heartbeat":
             with self._lock:
-                self._beats[str(message.fields["stage"])] = time.monotonic()
+                if str(message.fields["stage"]) in self._beats:  # a standby's beats only show it is there
+                    self._beats[str(message.fields["stage"])] = time.monotonic()
         elif message.kind == "freed":  # every decoding stage let the microbatch's cache go
             number = int(message.fields["microbatch"])
             with self._lock:
                 self._reserved.pop(number, None)
                 if number not in self._in_flight:  # `ended` came first
                     self._progress.pop(number, None)
+                else:  # `ended` is on its way from the last stage
+                    self._freed_early.add(number)
             self._admit()
         elif message.kind == "stats":
             with self._stats_arrived:
@@ -676,13 +712,16 @@ class Pipeline:
             self._recovering = threading.Thread(target=self._recover, args=(dead, reason),
                                                 name="dejavu-pipeline-recovery", daemon=True)
         log.warning("recovering: %s", reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
         self._recovering.start()
 
     def _recover(self, dead: set[int], reason: str) -> None:
         error: Exception | None = None
+        detected = time.monotonic()
         for _ in range(ATTEMPTS):
             try:
-                report = Recovery(self, dead, reason).run()
+                report = Recovery(self, dead, reason, detected).run()
             except RecoveryRetry as retry:  # another stage died meanwhile: replace it too
                 dead |= {self._index_of(name) for name in retry.stages}
                 reason, error = f"{reason}; then {retry}", retry
@@ -691,6 +730,16 @@ class Pipeline:
                 error = failure
                 break
             self.recoveries.append(report)
+            if self.on_recovery is not None:
+                self.on_recovery(report)
+            self.top_up()
+            try:
+                self.resume(report.epoch, report.resumed, report.recomputed)
+            except TransportError as lost:  # a stage died as the pipeline went on: recover again
+                with self._lock:
+                    self._recovering = None
+                self._start_recovery(set(), f"resuming after a recovery failed: {lost}")
+                return
             with self._lock:
                 self._recovering = None
             self._admit()
@@ -710,19 +759,49 @@ class Pipeline:
             self._processes[index].kill()
             self._processes[index].wait()
 
-    def launch_replacement(self, index: int) -> None:
-        """Start a process for stage `index` (launched pipelines); otherwise a worker started elsewhere must
-        join (`dejavu worker --join URL`)."""
-        if self.launch:
-            environment = {**os.environ, "DEJAVU_TOKEN": self._token}
-            self._processes[index] = subprocess.Popen(
-                [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url], env=environment)
-        else:
-            log.warning("%s is gone: start a worker with `dejavu worker --join %s` to replace it",
-                        self.stage_table[index].name, self.url)
+    def _launch(self) -> subprocess.Popen[bytes]:
+        """A local worker process that joins this head."""
+        environment = {**os.environ, "DEJAVU_TOKEN": self._token}
+        return subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url],
+                                env=environment)
 
-    def assign(self, index: int, url: str) -> None:
-        """The worker at `url` becomes stage `index`."""
+    def _pool_spare(self, join: Message) -> None:
+        """A worker joined while no stage needs it: it loads the model and waits as a standby."""
+        url = join.fields["url"]
+        with open_transport(url, token=self._token) as link:
+            link.send_tensor(pack(Message("standby", {"model": self.model, "threads": self.threads})))
+        with self._lock:
+            self._pool.append((url, int(join.fields["pid"])))
+
+    def launch_replacements(self, stages: list[int]) -> None:
+        """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched
+        pipelines); otherwise workers started elsewhere must join (`dejavu worker --join URL`)."""
+        if self.launch:
+            while len(self._spares) < len(stages):  # every spare is joined already, or on its way
+                spare = self._launch()
+                self._spares[spare.pid] = spare
+            return
+        with self._lock:
+            missing = len(stages) - len(self._pool)
+        if missing > 0:
+            log.warning("%s gone: start %d worker(s) with `dejavu worker --join %s` to replace them",
+                        ", ".join(self.stage_table[index].name for index in stages), missing, self.url)
+
+    def take_spare(self) -> tuple[str, int] | None:
+        """A spare worker that joined (its inbox and pid), now taken off the pool; None when none has."""
+        with self._lock:
+            return self._pool.pop(0) if self._pool else None
+
+    def top_up(self) -> None:
+        """Launch spare workers until `standby` of them are joined or on their way."""
+        while self.launch and len(self._spares) < self.standby:
+            spare = self._launch()
+            self._spares[spare.pid] = spare
+
+    def assign(self, index: int, url: str, pid: int | None = None) -> None:
+        """The worker at `url` (process `pid`, when launched here) becomes stage `index`."""
+        if pid is not None and pid in self._spares:
+            self._processes[index] = self._spares.pop(pid)
         self._workers[index].close()
         self._urls[index] = url
         self._workers[index] = open_transport(url, token=self._token)
@@ -759,6 +838,7 @@ class Pipeline:
                 del self._reserved[number]  # ended: every stage dropped its cache
                 self._progress.pop(number, None)
             self._staged.clear()
+            self._freed_early.clear()
             self._prompting = len(recomputed) if self.disaggregated else 0
             self._decoding = len(resumed) if self.disaggregated else 0
             now = time.monotonic()
@@ -785,6 +865,7 @@ class Pipeline:
             self._held = False
             batches, self._in_flight, self._progress = list(self._in_flight.values()), {}, {}
             self._reserved.clear()
+            self._freed_early.clear()
             waiting, self._waiting = list(self._waiting), deque()
         for request in [request for batch in batches for request in batch.requests] + waiting:
             _settle(request.future, error=error)
@@ -793,7 +874,7 @@ class Pipeline:
 #: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
 _STEPS = ("tokens", "prefilled", "ended", "freed", "link_lost")
 #: The stages' answers to a recovery's steps, handed to the recovery thread.
-_REPLIES = ("paused", "relinked", "sent", "rewound", "join", "ready")
+_REPLIES = ("paused", "relinked", "sent", "rewound", "ready")
 
 
 def _stage_table(layouts: list[list[tuple[int, int]]]) -> list[StageInfo]:
@@ -804,23 +885,29 @@ def _stage_table(layouts: list[list[tuple[int, int]]]) -> list[StageInfo]:
 
 def _check_recovery(recovery: Any, transport: str, layouts: list[list[tuple[int, int]]], swapping: bool,
                     model: Any) -> str | None:
-    """`recovery` if this pipeline can recover that way; ConfigError otherwise."""
+    """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
     if recovery is None:
         return None
-    if recovery not in RECOVERY:
-        raise ConfigError(f"recovery={recovery!r}: use {' or '.join(map(repr, RECOVERY))}, or None to fail the "
-                          "requests in flight when a stage dies")
-    if transport != "tcp":
-        raise ConfigError(f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet")
-    if swapping:
-        raise ConfigError("recovery and swapping=True do not combine yet: recovery keeps every cache on the device")
-    if recovery == "replicas" and len(layouts[-1]) < 2:
-        raise ConfigError("recovery='replicas' keeps each decoding stage's replica on the next one: it needs two "
-                          "decoding stages or more (or use recovery='recompute')")
-    if recovery == "replicas" and any(getattr(layer, "sliding_window", None)
-                                      for layer in DynamicCache(config=model.config).layers):
-        raise ConfigError("recovery='replicas' does not cover sliding-window attention layers yet; use "
-                          "recovery='recompute'")
+    if recovery not in (*RECOVERY, "auto"):
+        raise ConfigError(f"recovery={recovery!r}: use {', '.join(map(repr, RECOVERY))} or 'auto', or None to fail "
+                          "the requests in flight when a stage dies")
+    refusals = {"transport": None if transport == "tcp" else
+                f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet",
+                "swapping": "recovery and swapping=True do not combine yet: recovery keeps every cache on the device"
+                if swapping else None}
+    replicas = {"ring": None if len(layouts[-1]) >= 2 else
+                "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
+                "stages or more (or use recovery='recompute')",
+                "window": "recovery='replicas' does not cover sliding-window attention layers yet; use "
+                "recovery='recompute'" if any(getattr(layer, "sliding_window", None)
+                                              for layer in DynamicCache(config=model.config).layers) else None}
+    if recovery == "auto":
+        if any(refusals.values()):
+            return None
+        return "recompute" if any(replicas.values()) else "replicas"
+    for refusal in [*refusals.values(), *(replicas.values() if recovery == "replicas" else [])]:
+        if refusal:
+            raise ConfigError(refusal)
     return str(recovery)
 
 

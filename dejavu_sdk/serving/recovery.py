@@ -54,7 +54,7 @@ class RecoveryReport:
     at which step (`resumed`: microbatch -> the step whose token it was fed again) and which started over from
     their prompts (`recomputed`), and how long each part took, in seconds from the detection: `pausing` the
     survivors, `replacing` (starting the new processes and relinking), `transferring` the caches, and
-    `total` until the pipeline served again."""
+    `total` until every stage was ready to go on; `detected` is the `time.monotonic()` of the detection."""
 
     epoch: int
     replaced: list[str]
@@ -65,6 +65,7 @@ class RecoveryReport:
     replacing: float
     transferring: float
     total: float
+    detected: float
 
     def describe(self) -> str:
         resumed = ", ".join(f"microbatch {number} from step {step}" for number, step in sorted(self.resumed.items()))
@@ -89,11 +90,11 @@ def ended_rows(generated: Sequence[Sequence[int]], steps: int, limits: Sequence[
 
 
 class Recovery:
-    """One recovery of `head`, run on its own thread: `run()` returns when the pipeline serves again."""
+    """One recovery of `head`, run on its own thread: `run()` returns its report once every stage is ready to
+    go on (the head then resumes the microbatches: `Pipeline.resume`)."""
 
-    def __init__(self, head: Pipeline, dead: set[int], reason: str) -> None:
-        self.head, self.dead, self.reason = head, set(dead), reason
-        self.detected = time.monotonic()
+    def __init__(self, head: Pipeline, dead: set[int], reason: str, detected: float) -> None:
+        self.head, self.dead, self.reason, self.detected = head, set(dead), reason, detected
         self.epoch = 0
         self.replaced: set[int] = set()  # dead stages whose replacement process has started
 
@@ -156,26 +157,28 @@ class Recovery:
         self._transfer(resumed)
         self._rewind(resumed, decoding)
         transferring = time.monotonic() - started
-        head.resume(self.epoch, resumed, recomputed)
         report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
                                 self.reason, resumed, recomputed, pausing, replacing, transferring,
-                                time.monotonic() - self.detected)
+                                time.monotonic() - self.detected, self.detected)
         log.warning("%s", report.describe())
         return report
 
     def _replace(self, stages: list[int]) -> None:
-        """New workers for `stages`: launched together (or started by someone else), joined, loaded."""
+        """New workers for `stages`: standbys, or processes launched now (or started by someone else)."""
+        head = self.head
+        self.replaced.update(stages)
+        head.launch_replacements(stages)
+        deadline = time.monotonic() + STEP_TIMEOUT
         for index in stages:
-            self.replaced.add(index)
-            self.head.launch_replacement(index)
-        if not stages:
-            return
-        joined = self._await("join", set(range(len(stages))), key="", blame=stages[0])
-        for index, message in zip(stages, joined.values(), strict=True):
-            self.head.assign(index, message.fields["url"])
+            while (spare := head.take_spare()) is None:
+                if time.monotonic() > deadline:
+                    raise RecoveryRetry([index], f"no worker joined to replace {head.stage_table[index].name} "
+                                        f"within {STEP_TIMEOUT:.0f} s")
+                time.sleep(0.01)
+            head.assign(index, *spare)
         self._await("ready", set(stages))
         for index in stages:
-            self.head.heard_from(index)
+            head.heard_from(index)
 
     def _pause(self, survivors: list[int]) -> dict[str, Message]:
         head = self.head

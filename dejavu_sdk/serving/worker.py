@@ -445,12 +445,19 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
     with serve(f"{scheme}://{host}:0", token=token) as inbox, open_transport(join) as head:
         _join(head, Message("join", {"url": inbox.url, "pid": os.getpid()}))
         assign = unpack(inbox.recv_tensor(timeout=ASSIGN_TIMEOUT))
+        model = None
+        if assign.kind == "standby":  # load the model now, and wait (beating) until a stage needs this worker
+            torch.set_num_threads(threads if threads is not None else assign.fields["threads"])
+            model = load_model(assign.fields["model"])
+            assign = _wait_for_assignment(inbox, head)
+        if assign.kind == "shutdown":
+            return
         if assign.kind != "assign":
             raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
         fields = assign.fields
         torch.set_num_threads(threads if threads is not None else fields["threads"])  # the worker's own choice first
         try:
-            stage = Stage(load_model(fields["model"]), tuple(fields["layers"]))
+            stage = Stage(model if model is not None else load_model(fields["model"]), tuple(fields["layers"]))
         except Exception as error:  # whatever stops the stage from loading, the head must hear of it
             head.send_tensor(_failure(fields["stage"], error))
             raise
@@ -483,6 +490,15 @@ def open_links(fields: dict[str, Any], role: Role) -> tuple[Transport | None, Tr
         start, stop = fields["layers"]
         replicator = Replicator(open_transport(fields["holder"]), role.number, stop - start)
     return following, first, sender, replicator
+
+
+def _wait_for_assignment(inbox: Server, head: Transport) -> Message:
+    """A standby's wait: the head's next message (an assignment, or shutdown); a head gone ends it."""
+    while True:
+        try:
+            return unpack(inbox.recv_tensor(timeout=QUIET))
+        except TransportError:  # noqa: PERF203 - a quiet inbox: is the head still there?
+            head.send_tensor(pack(Message("heartbeat", {"stage": "standby"})))
 
 
 def _failure(stage: str | int, error: BaseException) -> torch.Tensor:
