@@ -1,4 +1,4 @@
-"""`dejavu bench stores|transports|streaming|serving|swapping`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|...|swapping|recovery`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -124,6 +124,23 @@ def _bench_swapping(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_recovery(args: argparse.Namespace) -> int:
+    from ..bench.recovery import plot_recovery_bench, run_recovery_bench
+
+    for option, value in (("prompt-tokens", args.prompt_tokens), ("new-tokens", args.new_tokens),
+                          ("microbatch", args.microbatch), ("repeats", args.repeats),
+                          ("prompt-stages", args.prompt_stages)):
+        if value < 1:
+            raise ConfigError(f"--{option} must be positive")
+    report = run_recovery_bench(args.model, prompt_stages=args.prompt_stages, token_stages=args.token_stages,
+                                microbatch=args.microbatch, prompt_tokens=args.prompt_tokens,
+                                new_tokens=args.new_tokens, kill_step=args.kill_step, repeats=args.repeats,
+                                progress=not args.quiet)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_recovery_bench(report, path))
+    return 0
+
+
 def _lengths(text: str, option: str) -> tuple[int, int]:
     try:
         prompt, new = (int(part) for part in text.split(","))
@@ -209,3 +226,17 @@ def add_bench_commands(commands: Any) -> None:
     swapping.add_argument("--repeats", type=int, default=3)
     add_output_arguments(swapping, figures="tokens/s with and without swapping, and the measured and predicted ratio")
     swapping.set_defaults(run=_bench_swapping)
+
+    recovery = benches.add_parser("recovery", help="a microbatch's latency with a token stage killed mid-generation: "
+                                  "recovered from replicas against recomputed, beside failure-free runs")
+    recovery.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
+    recovery.add_argument("--prompt-stages", type=int, default=1)
+    recovery.add_argument("--token-stages", type=int, default=2, help="at least 2: each keeps the next one's replicas")
+    recovery.add_argument("--microbatch", type=int, default=4, help="requests in the microbatch")
+    recovery.add_argument("--prompt-tokens", type=int, default=128)
+    recovery.add_argument("--new-tokens", type=int, default=128)
+    recovery.add_argument("--kill-step", type=int, help="the decode step at which the last token stage is killed "
+                          "(default: half of --new-tokens)")
+    recovery.add_argument("--repeats", type=int, default=3)
+    add_output_arguments(recovery, figures="latencies with and without a failure, and the time from kill to serving")
+    recovery.set_defaults(run=_bench_recovery)

@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 #: Seconds the head waits for every worker to join and load its stage.
 START_TIMEOUT = 300.0
+#: Seconds between the head's checks of its stages' processes, heartbeats and progress.
+WATCH_PERIOD = 0.1
 
 
 @attrs.frozen
@@ -570,13 +572,13 @@ class Pipeline:
         watched = time.monotonic()
         while not self._closed:
             try:
-                message: Message | None = unpack(self._inbox.recv_tensor(timeout=0.5))
+                message: Message | None = unpack(self._inbox.recv_tensor(timeout=WATCH_PERIOD))
             except TransportError:
                 message = None
             try:
                 if message is not None:
                     self._handle(message)
-                if time.monotonic() - watched >= 0.5:
+                if time.monotonic() - watched >= WATCH_PERIOD:
                     watched = time.monotonic()
                     self._watch()
             except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
