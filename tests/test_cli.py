@@ -166,6 +166,33 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
 
 
 @pytest.mark.slow
+def test_bench_recovery_reports_both_recoveries_beside_failure_free_runs(tmp_path, capsys, monkeypatch) -> None:
+    tests = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(tests)  # tiny_models, loaded in this process and in the stage processes
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    samples, figure = tmp_path / "recovery.json", tmp_path / "recovery.png"
+    arguments = ["bench", "recovery", "--model", "tiny_models:llama", "--microbatch", "2", "--prompt-tokens", "8",
+                 "--new-tokens", "60", "--kill-step", "30", "--repeats", "2", "--quiet", "--json", str(samples),
+                 "--plot", str(figure)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    for expected in ("| replicas |", "| recompute |", "1.24x", "1.91x", "killed (SIGKILL) at step 30",
+                     "Replicating costs"):
+        assert expected in output
+    recorded = json.loads(samples.read_text())
+    assert all(len(recorded["latency"][f"{variant} {run}"]) == 2  # back to back in each repeat
+               for variant in ("replicas", "recompute") for run in ("free", "failure"))
+    assert all(kill["resumed_at"] >= 20 for kill in recorded["kills"]["replicas"])  # went on from its replicas
+    assert [kill["resumed_at"] for kill in recorded["kills"]["recompute"]] == [None, None]  # started over
+    assert all(0 < kill["detection"] < kill["serving_again"] for kills in recorded["kills"].values()
+               for kill in kills)
+    assert figure.stat().st_size > 0
+    assert main(["bench", "recovery", "--token-stages", "1", "--quiet"]) == 2
+    assert "--token-stages must be at least 2" in capsys.readouterr().err
+    assert main(["bench", "recovery", "--new-tokens", "8", "--kill-step", "8", "--quiet"]) == 2
+    assert "--kill-step must lie between" in capsys.readouterr().err
+
+
 def test_bench_swapping_reports_both_variants_beside_the_planner(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny_models, loaded in this process
     samples, figure = tmp_path / "swapping.json", tmp_path / "swapping.png"

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +41,13 @@ def controller():
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = previous
+
+
+def _listening(controller) -> bool:
+    try:
+        return bool(controller.url)
+    except dv.ConfigError:  # not started yet
+        return False
 
 
 def _client(controller, token: str | None = None) -> openai.OpenAI:
@@ -235,6 +243,40 @@ def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged
         (report,) = _raw(controller, "/v1/status")[1]["recoveries"]
         assert report["replaced"] == ["token stage 1"]
         assert report["resumed"]
+
+
+def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text("cluster-secret\n")
+    command = [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--token-file", str(token_file), "--controller"]
+    controller = dv.Controller(MODEL, stages=2, microbatch=2, port=0, token="cluster-secret", launch=False)
+    workers: list[subprocess.Popen] = []
+    try:
+        starting = threading.Thread(target=controller.start)
+        starting.start()  # returns once both workers joined and loaded their stages
+        deadline = time.monotonic() + 60
+        while not _listening(controller):
+            assert time.monotonic() < deadline, "the controller never listened"
+            time.sleep(0.05)
+        wrong = tmp_path / "wrong"
+        wrong.write_text("guess\n")
+        refused = subprocess.run([*command[:-3], "--token-file", str(wrong), "--controller", controller.url],
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0
+        assert "refused the token" in refused.stderr
+        workers = [subprocess.Popen([*command, controller.url]) for _ in range(2)]
+        starting.join(timeout=120)
+        assert not starting.is_alive()
+        answer = _client(controller, "cluster-secret").completions.create(model=MODEL, prompt=[[3, 4, 5]],
+                                                                         max_tokens=4, temperature=0)
+        assert len(answer.choices[0].token_ids) == 4
+        assert sorted(stage["name"] for stage in controller.status()["stages"]) == ["stage 0", "stage 1"]
+    finally:
+        controller.close()
+        for worker in workers:
+            worker.wait(timeout=30)
 
 
 def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tmp_path) -> None:

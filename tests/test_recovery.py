@@ -237,9 +237,10 @@ def test_standby_workers_need_recovery() -> None:
 @pytest.mark.parametrize("recovery", ["replicas", "recompute"])
 def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(recovery) -> None:
     prompts = expectations.prompts(4, seed=10)
+    streamed: dict[int, list[int]] = defaultdict(list)
     with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery=recovery,
                   **DISAGGREGATED) as pipe:
-        futures = pipe.submit_all(prompts, NEW)
+        futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
         _wait_for_steps(pipe, 30)
         for victim in ("token stage 0", "token stage 1"):  # each held the other's replicas
             os.kill(_stage_pid(pipe, victim), signal.SIGKILL)
@@ -253,6 +254,8 @@ def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(r
     assert "recomputed [" in reports[-1].describe()
     expected = _expected(results, prompts, pad, eos, {})
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+    # Before: a microbatch started over streamed its tokens a second time, from its first.
+    assert [streamed[index] for index in range(len(prompts))] == [want.tolist() for want in expected]
 
 
 def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None:

@@ -96,12 +96,22 @@ def add_serving_commands(commands: Any) -> None:
                        help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
                        "each other (replicas; needs two token stages or more), start the requests in flight over "
                        "(recompute), or fail them (none); auto: the first of these the layout allows")
+    serve.add_argument("--standby", type=int, default=0, help="spare workers kept with the model loaded, which "
+                       "replace a dead stage at once (default 0: a new process starts when one is needed)")
+    serve.add_argument("--worker-listen", default="127.0.0.1:0", help="host:port where stage workers join (default: "
+                       "loopback, any free port)")
+    serve.add_argument("--remote-workers", action="store_true", help="start no stage worker here: each joins with "
+                       "`dejavu worker --controller URL` on its own machine, in stage order")
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser("worker", help="join a pipeline's head and serve the stage it assigns; stops when "
                                  "the head says so or is gone")
-    worker.add_argument("--join", required=True, help="the head's URL, tcp://host:port (printed by the head; its "
-                        "token comes from DEJAVU_TOKEN)")
+    where = worker.add_mutually_exclusive_group(required=True)
+    where.add_argument("--controller", help="the controller's URL, http://host:port: the worker asks it where to "
+                       "join (its token: --token-file, else DEJAVU_TOKEN)")
+    where.add_argument("--join", help="the head's URL, tcp://host:port (printed by the head; its token comes from "
+                       "DEJAVU_TOKEN)")
+    worker.add_argument("--token-file", help="a file whose first token is the controller's (default: DEJAVU_TOKEN)")
     worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
@@ -132,9 +142,14 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    worker_host, worker_port = split_host_port(args.worker_listen)
+    if args.remote_workers and not tokens and not os.environ.get(TOKEN_VARIABLE):
+        raise ConfigError(f"--remote-workers: workers elsewhere present the token: give --token-file (or "
+                          f"{TOKEN_VARIABLE}) and the same to each `dejavu worker --controller`")
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
-                    microbatch=args.microbatch, transport=args.transport,
-                    recovery=None if args.recovery == "none" else args.recovery, **layout) as controller:
+                    microbatch=args.microbatch, transport=args.transport, standby=args.standby,
+                    recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
+                    worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
         if not tokens and not os.environ.get(TOKEN_VARIABLE):
@@ -145,7 +160,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from dejavu_sdk.errors import ConfigError
+    from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
+
+    from ..controller.workers import ask_where_to_join
     from ..serving.worker import run_worker
 
-    run_worker(args.join, host=args.host, threads=args.threads)
+    if args.token_file:
+        tokens = list(read_token_file(args.token_file))
+        if not tokens:
+            raise ConfigError(f"the token file {args.token_file!r} holds no token")
+        os.environ[TOKEN_VARIABLE] = tokens[0]  # the links to the head and the neighbours present it too
+    join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
+    run_worker(join, host=args.host, threads=args.threads)
     return 0

@@ -58,6 +58,10 @@ class CompletionBackend(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    @property
+    def join_url(self) -> str:
+        """Where stage workers join the pipeline's head (a transport URL)."""
+
 
 class ApiError(Exception):
     """An error answered with `status` and OpenAI's error body."""
@@ -125,6 +129,7 @@ def build_app(backend: CompletionBackend, tokens: Collection[str], max_body_byte
     app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
     app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
     app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
+    app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
     return app
 
 
@@ -276,6 +281,11 @@ async def _models(_: web.Request, backend: CompletionBackend) -> web.Response:
 
 async def _status(_: web.Request, backend: CompletionBackend) -> web.Response:
     return web.json_response(backend.status())
+
+
+async def _workers(_: web.Request, backend: CompletionBackend) -> web.Response:
+    """Where a stage worker joins (`dejavu worker --controller URL` asks here first)."""
+    return web.json_response({"join": backend.join_url, "model": backend.model_id})
 
 
 async def _metrics(_: web.Request, backend: CompletionBackend) -> web.Response:

@@ -49,16 +49,20 @@ class Controller:
     text prompts and texts in the answers (default: the model's own, when it has one; None: token ids only).
     `recovery` (default "auto"): a dead or hung stage is replaced and the requests in flight go on, from the
     replicas the decoding stages keep of each other where the layout allows it (`dv.Pipeline`'s `recovery`).
+    Stage workers join at `worker_host:worker_port` (0: a free port); with `launch=False` none is started
+    here: `dejavu worker --controller URL` on any machine asks `GET /v1/workers` where to join, then joins.
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  tokens: Sequence[str] = (), tokenizer: Any = "auto", max_body_bytes: int = MAX_BODY_BYTES,
-                 recovery: str | None = "auto", **pipeline_options: Any) -> None:
+                 recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
+                 **pipeline_options: Any) -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         self.model_id = model
-        self.pipeline = Pipeline(model, token=self.token, recovery=recovery, **pipeline_options)  # before processes
+        self.pipeline = Pipeline(model, token=self.token, recovery=recovery, host=worker_host, port=worker_port,
+                                 **pipeline_options)  # ConfigError before any process starts
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
         self.eos = self.pipeline.eos
         self.metrics = ControllerMetrics()
@@ -90,6 +94,10 @@ class Controller:
     def status(self) -> dict[str, Any]:
         return {"model": self.model_id, **self.pipeline.status()}
 
+    @property
+    def join_url(self) -> str:
+        return self.pipeline.url
+
     def _note_failure(self, future: Future[Result]) -> None:
         """Count a failure that failed requests (with recovery, each was counted as its recovery started)."""
         if self.pipeline.recovery is None and not future.cancelled() and isinstance(future.exception(),
@@ -102,12 +110,17 @@ class Controller:
 
     # ---- life cycle -----------------------------------------------------------------------------------
     def start(self) -> Controller:
-        """Start the stage workers, then the HTTP server; return once both are up."""
-        self.pipeline.start()
+        """Start the HTTP server and the stage workers (which may ask it where to join); return once both are
+        up."""
         try:
+            self.pipeline.listen()
             self._start_http()
+            if not self.pipeline.launch:
+                log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
+                            len(self.pipeline.stage_table), self.url)
+            self.pipeline.start()
         except BaseException:
-            self.pipeline.close()
+            self.close()
             raise
         log.info("serving %s at %s", self.model_id, self.url)
         return self

@@ -136,7 +136,7 @@ class Microbatch:
             if request.on_token is not None:
                 kept = _kept(row, request.max_new_tokens, eos)
                 calls += [(request.on_token, token) for token in kept[request.streamed:]]
-                request.streamed = len(kept)
+                request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
         return calls
 
     @classmethod

@@ -246,7 +246,8 @@ class Pipeline:
         self._workers: list[Transport] = []
         self._urls: list[str] = []  # each stage worker's inbox, in stage order
         self._spares: dict[int, subprocess.Popen[bytes]] = {}  # launched processes not serving a stage, by pid
-        self._pool: list[tuple[str, int]] = []  # spare workers that joined (inbox, pid), oldest first
+        self._pool: list[tuple[str, int]] = []  # spare workers with the model loaded (inbox, pid), oldest first
+        self._warming: dict[str, int] = {}  # spare workers loading the model: inbox -> pid
         #: Every stage of the layout, in the order workers are assigned (prompt stages first).
         self.stage_table = _stage_table(self.layouts)
         self._epoch = 0  # raised by each recovery: messages of older epochs are dropped
@@ -266,10 +267,16 @@ class Pipeline:
             raise ConfigError("the pipeline has not started: use it in a with block, or call start()")
         return self._inbox.url
 
+    def listen(self) -> str:
+        """Open the head's inbox, where workers join (`url`), without waiting for them: `start` does."""
+        if self._inbox is None:
+            self._inbox = serve(f"{self.transport}://{self.host}:{self.port}", token=self._token)
+        return self._inbox.url
+
     def start(self) -> Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
         loaded them."""
-        self._inbox = serve(f"{self.transport}://{self.host}:{self.port}", token=self._token)
+        self.listen()
         try:
             if self.launch:
                 self._processes = [self._launch() for _ in self.layers]
@@ -293,6 +300,8 @@ class Pipeline:
             message = self._next_message(deadline, "every stage worker to join")
             if message.kind == "join" and int(message.fields["pid"]) in self._spares:
                 self._pool_spare(message)
+            elif message.kind == "warm":
+                self._warmed(str(message.fields["url"]))
             elif message.kind == "join":
                 joined.append(message.fields["url"])
                 pids.append(int(message.fields["pid"]))
@@ -308,6 +317,8 @@ class Pipeline:
             message = self._next_message(deadline, "every stage worker to load its stage")
             if message.kind == "join":  # a standby that joined after the stage workers
                 self._pool_spare(message)
+            elif message.kind == "warm":
+                self._warmed(str(message.fields["url"]))
             elif message.kind == "failed":
                 raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
             if message.kind == "ready":
@@ -392,7 +403,7 @@ class Pipeline:
             with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
                 worker.send_tensor(pack(Message("shutdown")))
             worker.close()
-        for url, _ in self._pool:
+        for url in [url for url, _ in self._pool] + list(self._warming):
             with contextlib.suppress(TransportError), open_transport(url, token=self._token) as link:
                 link.send_tensor(pack(Message("shutdown")))
         for process in [*self._processes, *self._spares.values()]:
@@ -592,6 +603,8 @@ class Pipeline:
             self.replies.put(message)
         elif message.kind == "join":  # a spare worker: launched for a recovery or as a standby, or started by hand
             self._pool_spare(message)
+        elif message.kind == "warm":
+            self._warmed(str(message.fields["url"]))
         elif message.kind == "link_lost":
             self._start_recovery(set(), f"{message.fields['stage']} lost a link: {message.fields['error']}")
         elif message.kind == "tokens":
@@ -768,12 +781,17 @@ class Pipeline:
                                 env=environment)
 
     def _pool_spare(self, join: Message) -> None:
-        """A worker joined while no stage needs it: it loads the model and waits as a standby."""
+        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`."""
         url = join.fields["url"]
         with open_transport(url, token=self._token) as link:
             link.send_tensor(pack(Message("standby", {"model": self.model, "threads": self.threads})))
         with self._lock:
-            self._pool.append((url, int(join.fields["pid"])))
+            self._warming[url] = int(join.fields["pid"])
+
+    def _warmed(self, url: str) -> None:
+        with self._lock:
+            if url in self._warming:
+                self._pool.append((url, self._warming.pop(url)))
 
     def launch_replacements(self, stages: list[int]) -> None:
         """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched

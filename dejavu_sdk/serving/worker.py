@@ -449,6 +449,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         if assign.kind == "standby":  # load the model now, and wait (beating) until a stage needs this worker
             torch.set_num_threads(threads if threads is not None else assign.fields["threads"])
             model = load_model(assign.fields["model"])
+            head.send_tensor(pack(Message("warm", {"url": inbox.url})))
             assign = _wait_for_assignment(inbox, head)
         if assign.kind == "shutdown":
             return
