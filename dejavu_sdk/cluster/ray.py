@@ -1,0 +1,145 @@
+"""Serving on a Ray cluster: stage workers as Ray actors, and the controller as one too (extra `ray`).
+
+    import ray, dejavu_sdk as dv
+    from dejavu_sdk.cluster.ray import RayWorkers, serve_on_ray
+
+    ray.init()                                                        # or ray.init(address="auto")
+    with dv.Pipeline("smollm2", prompt_stages=1, token_stages=2, recovery="replicas",
+                     launch=RayWorkers(num_gpus=1)) as pipe:          # each stage worker is a Ray actor
+        pipe.generate(prompts)
+    served = serve_on_ray("smollm2", prompt_stages=1, token_stages=2) # the controller as a Ray actor too
+    openai.OpenAI(base_url=served.url + "/v1", api_key=served.token)
+
+Ray places each worker where its resources are (`num_cpus`, `num_gpus`, `resources`, any other actor
+option); the worker listens on its node's address. When a stage dies (its actor killed, its node lost,
+its process stopped), the pipeline's recovery asks the launcher for a replacement, a new actor, and
+resumes from the replicas. Actors are not restarted by Ray itself: the pipeline decides.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import attrs
+
+from ..errors import BackendUnavailable, ConfigError
+from ..transports.access import TOKEN_VARIABLE
+
+try:
+    import ray
+except ImportError as error:  # the extra is not installed
+    raise BackendUnavailable("dejavu_sdk.cluster.ray needs Ray: pip install 'dejavu-sdk[ray]'") from error
+
+#: Seconds to wait for an actor to start (Ray may have to start a worker process, or a node).
+START_TIMEOUT = 300.0
+
+
+class _StageWorkerActor:
+    """A Ray actor that runs one `dejavu worker`; `serve` returns when the worker ends."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def serve(self, join: str, token: str, host: str | None) -> None:
+        from ..serving.worker import run_worker
+
+        os.environ[TOKEN_VARIABLE] = token
+        run_worker(join, host=host or ray.util.get_node_ip_address())
+
+
+class RayWorkerHandle:
+    """A stage worker running in a Ray actor."""
+
+    def __init__(self, actor: Any, pid: int, serving: Any) -> None:
+        self.actor, self.pid, self._serving = actor, pid, serving
+
+    def alive(self) -> bool:
+        done, _ = ray.wait([self._serving], timeout=0)
+        return not done
+
+    def exit_status(self) -> str:
+        try:
+            ray.get(self._serving, timeout=0)
+        except Exception as error:
+            return f"its Ray actor ended: {type(error).__name__}: {str(error).splitlines()[0]}"
+        return "its Ray actor returned"
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+        ray.wait([self._serving], timeout=START_TIMEOUT)
+
+    def stop(self, timeout: float) -> None:
+        done, _ = ray.wait([self._serving], timeout=timeout)
+        if not done:
+            self.kill()
+
+
+class RayWorkers:
+    """A `Launcher` that starts each stage worker as a Ray actor, with the actor `options` given (`num_cpus`,
+    `num_gpus`, `resources`, `runtime_env`, ...; by default it asks for no CPU, so that idle spares do not keep
+    stages from being placed). `host`: the address workers listen on (default: their node's)."""
+
+    def __init__(self, host: str | None = None, **options: Any) -> None:
+        if not ray.is_initialized():
+            raise ConfigError("RayWorkers needs a running Ray: call ray.init() (or ray.init(address=...)) first")
+        self.host = host
+        self.options = {"num_cpus": 0, "max_concurrency": 2, **options}  # serve blocks; pid answers meanwhile
+        self._actor_class = ray.remote(_StageWorkerActor)
+
+    def start(self, join: str, token: str) -> RayWorkerHandle:
+        actor: Any = self._actor_class.options(**self.options).remote()  # an actor handle: its methods are remote
+        pid = int(ray.get(actor.pid.remote(), timeout=START_TIMEOUT))
+        return RayWorkerHandle(actor, pid, actor.serve.remote(join, token, self.host))
+
+
+class _ControllerActor:
+    """A Ray actor hosting a `Controller` whose stage workers are Ray actors too."""
+
+    def __init__(self) -> None:
+        self._controller: Any = None
+        self._stopped = threading.Event()
+
+    def start(self, model: str, options: dict[str, Any], worker_options: dict[str, Any]) -> tuple[str, str]:
+        from ..controller import Controller
+
+        host = options.pop("host", None) or ray.util.get_node_ip_address()
+        workers = RayWorkers(**{"host": host if host in ("127.0.0.1", "::1", "localhost") else None,
+                                **worker_options})
+        self._controller = Controller(model, host=host, worker_host=host, launch=workers, **options).start()
+        return self._controller.url, self._controller.token
+
+    def status(self) -> dict[str, Any]:
+        return self._controller.status()
+
+    def close(self) -> None:
+        if self._controller is not None:
+            self._controller.close()
+
+
+@attrs.frozen
+class RayServed:
+    """A controller serving on Ray: its API at `url` (`url + "/v1"` for OpenAI clients), its `token`, and the
+    actor that hosts it (`status()`, `close()`)."""
+
+    url: str
+    token: str
+    actor: Any
+
+    def status(self) -> dict[str, Any]:
+        return dict(ray.get(self.actor.status.remote()))
+
+    def close(self) -> None:
+        ray.get(self.actor.close.remote())
+        ray.kill(self.actor, no_restart=True)
+
+
+def serve_on_ray(model: str, *, controller_options: dict[str, Any] | None = None,
+                 worker_options: dict[str, Any] | None = None, **options: Any) -> RayServed:
+    """Start a `Controller` for `model` in a Ray actor (with `controller_options`, e.g. `resources`), its stage
+    workers as Ray actors (with `worker_options`); `options` go to the `Controller` (layout, `port` (default
+    8000), `token`, `recovery`, `standby`, ...)."""
+    actor: Any = ray.remote(_ControllerActor).options(num_cpus=0, **(controller_options or {})).remote()
+    url, token = ray.get(actor.start.remote(model, options, worker_options or {}), timeout=START_TIMEOUT)
+    return RayServed(url, token, actor)

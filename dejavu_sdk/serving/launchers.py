@@ -1,0 +1,74 @@
+"""Launchers: how a pipeline starts the stage workers it needs (at start, and to replace a dead one).
+
+A launcher starts a worker that joins the head at a transport URL with the pipeline's token, and returns a
+`WorkerHandle`: the worker's process id (which the worker also sends when it joins, so the head knows which
+stage runs where), whether it still runs, and a way to stop it. `LocalProcesses` starts `dejavu worker
+--join URL` processes on this machine (the default); `dejavu_sdk.cluster.ray.RayWorkers` starts Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Protocol
+
+from ..transports.access import TOKEN_VARIABLE
+
+
+class WorkerHandle(Protocol):
+    """A started worker."""
+
+    pid: int
+
+    def alive(self) -> bool:
+        """Whether the worker still runs (a hung one counts as running: heartbeats catch those)."""
+
+    def exit_status(self) -> str:
+        """How it ended, for messages (call once it is no longer alive)."""
+
+    def kill(self) -> None:
+        """End it at once, and wait until it has ended."""
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a worker told to shut down to end; then kill it."""
+
+
+class Launcher(Protocol):
+    """Starts stage workers that join a head."""
+
+    def start(self, join: str, token: str) -> WorkerHandle:
+        """A worker that joins the head at `join`, presenting `token`."""
+
+
+class ProcessHandle:
+    """A worker process on this machine."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def exit_status(self) -> str:
+        return f"status {self.process.returncode}"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class LocalProcesses:
+    """Stage workers as `dejavu worker --join URL` processes of this machine, with this process's environment."""
+
+    def start(self, join: str, token: str) -> ProcessHandle:
+        environment = {**os.environ, TOKEN_VARIABLE: token}
+        return ProcessHandle(subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", join],
+                                              env=environment))

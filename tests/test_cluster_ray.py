@@ -1,0 +1,68 @@
+"""The Ray launcher on a one-node Ray started here: stage workers as Ray actors, a dead one replaced by a new
+actor, and the controller as an actor too."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import expectations
+import openai
+import pytest
+import ray
+import torch
+from test_recovery import NEW, _expected, _stage_pid, _wait_for_recoveries, _wait_for_steps
+
+from dejavu_sdk.cluster.ray import RayWorkers, serve_on_ray
+from dejavu_sdk.serving import Pipeline
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(scope="module")
+def one_node_ray():
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}},
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _is_ray_actor(pid: int) -> bool:
+    """Ray names its actor processes `ray::<class>`."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_StageWorkerActor")
+
+
+def test_stage_workers_are_ray_actors_and_a_killed_one_is_replaced_by_a_new_actor(one_node_ray) -> None:
+    prompts = expectations.prompts(4, seed=14)
+    with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, microbatch=2, heartbeat=0.5,
+                  recovery="replicas", launch=RayWorkers(host="127.0.0.1")) as pipe:
+        assert all(_is_ray_actor(stage["pid"]) for stage in pipe.status()["stages"])
+        victim = _stage_pid(pipe, "token stage 1")
+        futures = pipe.submit_all(prompts, NEW)
+        _wait_for_steps(pipe, 30)
+        os.kill(victim, signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        results = [future.result(timeout=120) for future in futures]
+        replacement = _stage_pid(pipe, "token stage 1")
+        assert replacement != victim
+        assert _is_ray_actor(replacement)  # a new actor, started by the launcher
+        (report,) = pipe.recoveries
+        assert report.resumed
+        pad, eos = pipe.pad, pipe.eos
+    expected = _expected(results, prompts, pad, eos, {})
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+
+
+def test_the_controller_serves_from_a_ray_actor(one_node_ray) -> None:
+    served = serve_on_ray("tiny_models:llama", stages=2, microbatch=2, port=0, host="127.0.0.1")
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key=served.token, max_retries=0, timeout=120)
+        answer = client.completions.create(model="tiny_models:llama", prompt=[[3, 4, 5]], max_tokens=4,
+                                           temperature=0)
+        assert len(answer.choices[0].token_ids) == 4
+        assert [stage["alive"] for stage in served.status()["stages"]] == [True, True]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=served.url + "/v1", api_key="guess", max_retries=0).models.list()
+    finally:
+        served.close()
