@@ -227,6 +227,35 @@ def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> N
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 
+def test_closing_during_a_recovery_leaves_no_worker_behind() -> None:
+    pipe = Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+                    **DISAGGREGATED).start()
+    try:
+        futures = pipe.submit_all(expectations.prompts(2, seed=15), NEW)
+        _wait_for_steps(pipe, 10)
+        os.kill(_stage_pid(pipe, "token stage 1"), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not pipe.status()["recovering"]:  # the replacement process is loading the model meanwhile
+            assert time.monotonic() < deadline, "no recovery started"
+            time.sleep(0.01)
+    finally:
+        started = time.monotonic()
+        pipe.close()
+    assert time.monotonic() - started < 30
+    for future in futures:
+        with pytest.raises(dv.TransportError):
+            future.result(timeout=1)
+    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker_of(int(pid), pipe)]
+    assert workers == []  # the stages, and the replacement launched for the recovery, are gone
+
+
+def _is_worker_of(pid: int, pipe: Pipeline) -> bool:
+    try:
+        return f"--join {pipe.url}".encode() in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
+    except OSError:  # gone meanwhile
+        return False
+
+
 def test_standby_workers_need_recovery() -> None:
     with pytest.raises(dv.ConfigError, match="standby"):
         Pipeline("tiny_models:llama", stages=2, standby=1)

@@ -71,9 +71,8 @@ class RayWorkerHandle:
         ray.wait([self._serving], timeout=START_TIMEOUT)
 
     def stop(self, timeout: float) -> None:
-        done, _ = ray.wait([self._serving], timeout=timeout)
-        if not done:
-            self.kill()
+        ray.wait([self._serving], timeout=timeout)
+        self.kill()  # the actor outlives its worker: end it, and give back what it holds
 
 
 class RayWorkers:
@@ -90,7 +89,11 @@ class RayWorkers:
 
     def start(self, join: str, token: str) -> RayWorkerHandle:
         actor: Any = self._actor_class.options(**self.options).remote()  # an actor handle: its methods are remote
-        pid = int(ray.get(actor.pid.remote(), timeout=START_TIMEOUT))
+        try:
+            pid = int(ray.get(actor.pid.remote(), timeout=START_TIMEOUT))
+        except BaseException:  # not placed in time (no node with the resources), or interrupted: do not leak it
+            ray.kill(actor, no_restart=True)
+            raise
         return RayWorkerHandle(actor, pid, actor.serve.remote(join, token, self.host))
 
 

@@ -65,6 +65,26 @@ class ProcessHandle:
             self.kill()
 
 
+class JoinedWorker:
+    """A worker that joined on its own (started by hand, or by a scheduler): nothing here can see its process,
+    so it counts as alive while its heartbeats come, and it cannot be stopped from here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def alive(self) -> bool:
+        return True
+
+    def exit_status(self) -> str:
+        return "an unknown status"
+
+    def kill(self) -> None:
+        """Nothing to kill from here: its epoch is over, so whatever it sends is dropped."""
+
+    def stop(self, timeout: float) -> None:
+        """It was told to shut down; nothing more can be done from here."""
+
+
 class LocalProcesses:
     """Stage workers as `dejavu worker --join URL` processes of this machine, with this process's environment."""
 

@@ -58,7 +58,7 @@ from ..transports.base import Server, Transport
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
 from .decoding import Decoding, TokenRules
-from .launchers import Launcher, LocalProcesses, WorkerHandle
+from .launchers import JoinedWorker, Launcher, LocalProcesses, WorkerHandle
 from .messages import Message, pack, unpack
 from .recovery import ATTEMPTS, RECOVERY, Recovery, RecoveryReport, RecoveryRetry
 from .stage import check_layers
@@ -240,6 +240,7 @@ class Pipeline:
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self._stats_arrived = threading.Condition(self._lock)
         self._beats: dict[str, float] = {}  # per stage name: when its last heartbeat (or `ready`) arrived
+        self._assigned: dict[str, int] = {}  # per stage name: the epoch its worker was assigned in
         self._progress: dict[int, float] = {}  # per microbatch in flight: when it last made progress
         self._next_microbatch = 0
         self._prompting = 0  # disaggregated: microbatches in the prompt pipeline
@@ -257,6 +258,7 @@ class Pipeline:
         self._epoch = 0  # raised by each recovery: messages of older epochs are dropped
         self._held = False  # a recovery is under way: nothing new starts
         self._recovering: threading.Thread | None = None
+        self._failed_meanwhile: str | None = None  # a failure reported during a recovery, to look at after it
         #: The stages' answers to a recovery's steps, for the recovery thread.
         self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._inbox: Server | None = None
@@ -315,7 +317,7 @@ class Pipeline:
         self._urls = joined
         self._workers = [open_transport(url, token=self._token) for url in joined]
         for index in range(len(self.stage_table)):
-            self.send(index, Message("assign", self._assignment(index)))
+            self.send(index, Message("assign", self.assignment(index)))
         ready: set[int] = set()
         while len(ready) < len(self.layers):
             message = self._next_message(deadline, "every stage worker to load its stage")
@@ -329,7 +331,7 @@ class Pipeline:
                 ready.add(message.fields["stage"])
         self._beats = {stage.name: time.monotonic() for stage in self.stage_table}
 
-    def _assignment(self, index: int) -> dict[str, Any]:
+    def assignment(self, index: int) -> dict[str, Any]:
         """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
         stage = self.stage_table[index]
         return {"model": self.model, "stage": index, "threads": self.threads, "eos": self.eos, "pad": self.pad,
@@ -390,6 +392,10 @@ class Pipeline:
             except TransportError:
                 continue
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> Pipeline:
         return self.start()
 
@@ -403,15 +409,24 @@ class Pipeline:
                 return
             self._closed = True
         self._fail(TransportError("the pipeline was closed"))
+        recovering = self._recovering
+        if recovering is not None:  # let it see the pipeline closed (its waits are bounded), so no spare is left
+            recovering.join(timeout=10)
         for worker in self._workers:
             with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
                 worker.send_tensor(pack(Message("shutdown")))
             worker.close()
-        for url in [url for url, _ in self._pool] + list(self._warming):
+        with self._lock:
+            joined = {pid: url for url, pid in [*self._pool, *((url, pid) for url, pid in self._warming.items())]}
+            handles = [*self._processes, *self._spares.values()]
+        for url in joined.values():
             with contextlib.suppress(TransportError), open_transport(url, token=self._token) as link:
                 link.send_tensor(pack(Message("shutdown")))
-        for process in [*self._processes, *self._spares.values()]:
-            process.stop(timeout=10)
+        for process in handles:
+            if process in self._spares.values() and process.pid not in joined:
+                process.kill()  # launched, not joined yet: nothing to tell it
+            else:
+                process.stop(timeout=10)
         if self._receiver is not None:
             self._receiver.join(timeout=5)
         if self._inbox is not None:
@@ -656,9 +671,10 @@ class Pipeline:
                     _settle(request.future, result=result)
             self._admit()
         elif message.kind == "heartbeat":
-            with self._lock:
-                if str(message.fields["stage"]) in self._beats:  # a standby's beats only show it is there
-                    self._beats[str(message.fields["stage"])] = time.monotonic()
+            name = str(message.fields["stage"])
+            with self._lock:  # a standby's beats only show it is there; a replaced worker's are no one's
+                if name in self._beats and int(message.fields.get("epoch", 0)) >= self._assigned.get(name, 0):
+                    self._beats[name] = time.monotonic()
         elif message.kind == "freed":  # every decoding stage let the microbatch's cache go
             number = int(message.fields["microbatch"])
             with self._lock:
@@ -674,6 +690,13 @@ class Pipeline:
                 self._stats_arrived.notify_all()
         elif message.kind == "failed":
             failure = f"stage {message.fields['stage']} failed: {message.fields['error']}"
+            known = {info.name for info in self.stage_table} | set(range(len(self.stage_table)))
+            if message.fields["stage"] not in known:
+                log.warning("%s", failure)  # not a stage's worker: a spare that could not load, say
+                return
+            stage = self.stage_table[self._index_of(message.fields["stage"])].name
+            if int(message.fields.get("epoch", 0)) < self._assigned.get(stage, 0):
+                return  # a worker replaced since (one started elsewhere cannot be stopped from here)
             if self.recovery is None:
                 self._fail(TransportError(failure))
             elif self._recovering is not None:
@@ -723,49 +746,61 @@ class Pipeline:
 
     # ---- recovery ---------------------------------------------------------------------------------
     def _start_recovery(self, dead: set[int], reason: str) -> None:
-        """Recover on a thread of its own (the receiver keeps taking the stages' answers meanwhile)."""
+        """Recover on a thread of its own (the receiver keeps taking the stages' answers meanwhile). A failure
+        reported while a recovery runs is looked at again once it ends."""
         with self._lock:
-            if self._recovering is not None or self._failure is not None or self._closed:
+            if self._recovering is not None:
+                self._failed_meanwhile = self._failed_meanwhile or reason
+                return
+            if self._failure is not None or self._closed:
                 return
             self._held = True
             self._recovering = threading.Thread(target=self._recover, args=(dead, reason),
                                                 name="dejavu-pipeline-recovery", daemon=True)
         log.warning("recovering: %s", reason)
-        if self.on_failure is not None:
-            self.on_failure(reason)
+        _call_quietly(self.on_failure, reason)
         self._recovering.start()
 
     def _recover(self, dead: set[int], reason: str) -> None:
+        """The recovery thread: up to ATTEMPTS recoveries (another stage may die meanwhile), then the pipeline
+        goes on, or its requests fail; never does it stay held."""
+        again: str | None = None
+        try:
+            report = self._recover_attempts(dead, reason)
+            if report is None:
+                return
+            try:
+                self.resume(report.epoch, report.resumed, report.recomputed)
+            except TransportError as lost:  # a stage died as the pipeline went on: recover again
+                again = f"resuming after a recovery failed: {lost}"
+            _call_quietly(self.on_recovery, report)
+            self.top_up()
+        except Exception as error:  # whatever else stops a recovery fails the requests, rather than hang them
+            self._fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
+        finally:
+            with self._lock:
+                self._recovering = None
+                again = again or self._failed_meanwhile
+                self._failed_meanwhile = None
+        if again is not None:
+            self._start_recovery(set(), again)
+        self._admit()
+
+    def _recover_attempts(self, dead: set[int], reason: str) -> RecoveryReport | None:
         error: Exception | None = None
         detected = time.monotonic()
         for _ in range(ATTEMPTS):
+            _drain(self.replies)  # answers to an earlier attempt are of no use to this one
             try:
                 report = Recovery(self, dead, reason, detected).run()
             except RecoveryRetry as retry:  # another stage died meanwhile: replace it too
                 dead |= {self._index_of(name) for name in retry.stages}
                 reason, error = f"{reason}; then {retry}", retry
                 continue
-            except Exception as failure:  # whatever else stops a recovery fails the requests
-                error = failure
-                break
             self.recoveries.append(report)
-            if self.on_recovery is not None:
-                self.on_recovery(report)
-            self.top_up()
-            try:
-                self.resume(report.epoch, report.resumed, report.recomputed)
-            except TransportError as lost:  # a stage died as the pipeline went on: recover again
-                with self._lock:
-                    self._recovering = None
-                self._start_recovery(set(), f"resuming after a recovery failed: {lost}")
-                return
-            with self._lock:
-                self._recovering = None
-            self._admit()
-            return
-        with self._lock:
-            self._recovering = None
-        self._fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
+            return report
+        self._fail(TransportError(f"recovery failed after {ATTEMPTS} attempts: {error}"))
+        return None
 
     def new_epoch(self) -> int:
         with self._lock:
@@ -783,12 +818,26 @@ class Pipeline:
         return self.launcher.start(self.url, self._token)
 
     def _pool_spare(self, join: Message) -> None:
-        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`."""
+        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`.
+        One that cannot be reached is left out (a launched one is dropped with the next pruning)."""
         url = join.fields["url"]
-        with open_transport(url, token=self._token) as link:
-            link.send_tensor(pack(Message("standby", {"model": self.model, "threads": self.threads})))
+        try:
+            with open_transport(url, token=self._token) as link:
+                link.send_tensor(pack(Message("standby", {"model": self.model, "threads": self.threads})))
+        except TransportError as error:
+            log.warning("a spare worker at %s is unreachable: %s", url, error)
+            return
         with self._lock:
             self._warming[url] = int(join.fields["pid"])
+
+    def _prune_spares(self) -> None:
+        """Forget spares whose launched process has ended (they would be counted, or taken, in vain)."""
+        with self._lock:
+            gone = {pid for pid, spare in self._spares.items() if not spare.alive()}
+            for pid in gone:
+                del self._spares[pid]
+            self._pool = [(url, pid) for url, pid in self._pool if pid not in gone]
+            self._warming = {url: pid for url, pid in self._warming.items() if pid not in gone}
 
     def _warmed(self, url: str) -> None:
         with self._lock:
@@ -798,6 +847,7 @@ class Pipeline:
     def launch_replacements(self, stages: list[int]) -> None:
         """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched
         pipelines); otherwise workers started elsewhere must join (`dejavu worker --join URL`)."""
+        self._prune_spares()
         if self.launch:
             while len(self._spares) < len(stages):  # every spare is joined already, or on its way
                 spare = self._launch()
@@ -811,23 +861,27 @@ class Pipeline:
 
     def take_spare(self) -> tuple[str, int] | None:
         """A spare worker that joined (its inbox and pid), now taken off the pool; None when none has."""
+        self._prune_spares()
         with self._lock:
             return self._pool.pop(0) if self._pool else None
 
     def top_up(self) -> None:
         """Launch spare workers until `standby` of them are joined or on their way."""
-        while self.launch and len(self._spares) < self.standby:
+        self._prune_spares()
+        while self.launch and len(self._spares) < self.standby and not self._closed:
             spare = self._launch()
             self._spares[spare.pid] = spare
 
-    def assign(self, index: int, url: str, pid: int | None = None) -> None:
-        """The worker at `url` (process `pid`, when launched here) becomes stage `index`."""
-        if pid is not None and pid in self._spares:
-            self._processes[index] = self._spares.pop(pid)
+    def place(self, index: int, url: str, pid: int) -> None:
+        """The worker at `url` (process `pid`) will be stage `index`: its links and process are now the
+        stage's (its assignment follows, once every replacement is placed)."""
+        if self.launch:  # a worker started by hand has no handle here: heartbeats watch it
+            self._processes[index] = self._spares.pop(pid) if pid in self._spares else JoinedWorker(pid)
         self._workers[index].close()
         self._urls[index] = url
         self._workers[index] = open_transport(url, token=self._token)
-        self.send(index, Message("assign", self._assignment(index)))
+        with self._lock:
+            self._assigned[self.stage_table[index].name] = self._epoch
 
     def heard_from(self, index: int) -> None:
         with self._lock:
@@ -873,6 +927,7 @@ class Pipeline:
             for number in recomputed:
                 batch = self._in_flight[number]
                 batch.rewind(0)
+                self._reserved[number] = cache_bytes(batch.requests, self.kv_bytes_per_token)  # freed, taken again
                 sends.append((0, Message("prefill", {**batch.fields(), "epoch": epoch}, (batch.ids, batch.mask))))
                 self._progress[number] = now
             self._held = False
@@ -991,6 +1046,20 @@ def _workload(workload: Any) -> tuple[int, int]:
     if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair):
         raise ConfigError(f"workload is (prompt tokens, new tokens) of a typical request, got {workload!r}")
     return pair[0], pair[1]
+
+
+def _drain(replies: queue.SimpleQueue[Message]) -> None:
+    while not replies.empty():
+        replies.get_nowait()
+
+
+def _call_quietly(callback: Callable[[Any], None] | None, argument: Any) -> None:
+    """Call a user's callback; its failure is logged, and stops nothing."""
+    if callback is not None:
+        try:
+            callback(argument)
+        except Exception:
+            log.exception("a pipeline callback failed")
 
 
 def _stream(calls: list[tuple[Callable[[int], None], int]]) -> None:

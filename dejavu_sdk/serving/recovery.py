@@ -3,7 +3,8 @@
 The head runs one recovery at a time on a thread of its own, in the paper's four steps and a few of ours:
 
 0. a new epoch: from now on, the head and the stages drop what was sent before it (steps in flight, tokens,
-   prompt KV); a stage process that is stopped or hung is killed, so nothing stale comes from it later;
+   prompt KV); a dead stage's process, when the pipeline launched it, is killed (a stopped or hung one
+   included), and whatever a replaced worker started elsewhere still sends is dropped by its epoch;
 1. every surviving stage pauses (`pause`): it finishes streaming its replicas and reports the caches it
    holds and how far the replicas it holds for the previous decoding stage reach; a survivor that does not
    answer is dead too;
@@ -42,9 +43,10 @@ log = logging.getLogger(__name__)
 
 #: The ways a pipeline may recover from a dead stage.
 RECOVERY = ("replicas", "recompute")
-#: Seconds each step of a recovery may take (a replacement's start included: it loads the model).
+#: Seconds each wait of a recovery may take (for a replacement to join, to load the model, for answers).
 STEP_TIMEOUT = 120.0
-#: Recoveries in a row that may fail (another stage dying meanwhile) before the pipeline gives up.
+#: Attempts at one recovery (another stage dying or not answering meanwhile adds it to those replaced)
+#: before the pipeline gives up and fails its requests.
 ATTEMPTS = 3
 
 
@@ -52,9 +54,10 @@ ATTEMPTS = 3
 class RecoveryReport:
     """What one recovery did: the `epoch` it began, the stages it replaced and why, which microbatches resumed
     at which step (`resumed`: microbatch -> the step whose token it was fed again) and which started over from
-    their prompts (`recomputed`), and how long each part took, in seconds from the detection: `pausing` the
-    survivors, `replacing` (starting the new processes and relinking), `transferring` the caches, and
-    `total` until every stage was ready to go on; `detected` is the `time.monotonic()` of the detection."""
+    their prompts (`recomputed`), and how long each part took, in seconds: `pausing` the survivors,
+    `replacing` (placing the replacements and relinking), `transferring` the caches and rewinding, and
+    `total` from the detection until every stage was ready to go on; `detected` is the `time.monotonic()` of
+    the detection."""
 
     epoch: int
     replaced: list[str]
@@ -100,12 +103,13 @@ class Recovery:
 
     # ---- messages from the stages, routed here by the head's receiver -----------------------------------
     def _await(self, kind: str, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
-        """The replies of `kind` from every one of `senders` (by the field `key`; "" takes any), within
-        STEP_TIMEOUT; a stage that fails or does not answer is dead (RecoveryRetry names it: the sender, or
-        `blame` when the senders are not stages)."""
+        """The replies of `kind` from every one of `senders` (by the field `key`), within STEP_TIMEOUT; a stage
+        that fails or does not answer is dead (RecoveryRetry names it: the sender, or `blame` when the senders
+        are not stages)."""
         replies: dict[Any, Message] = {}
         deadline = time.monotonic() + STEP_TIMEOUT
         while len(replies) < len(senders):
+            self._check_open()
             exited = [index for index in self.head.exited() if index not in self.dead or index in self.replaced]
             if exited:
                 raise RecoveryRetry(exited, f"the process of {self.head.stage_table[exited[0]].name} exited")
@@ -123,7 +127,7 @@ class Recovery:
                 raise RecoveryRetry([message.fields["stage"]], f"stage {message.fields['stage']} failed: "
                                     f"{message.fields['error']}")
             if message.kind == kind and int(message.fields.get("epoch", self.epoch)) == self.epoch:
-                replies[message.fields[key] if key else len(replies)] = message
+                replies[message.fields[key]] = message
         return replies
 
     # ---- the steps ------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ class Recovery:
         started = time.monotonic()
         self._replace(sorted(self.dead))
         for index in survivors:
-            head.send(index, Message("relink", {"epoch": self.epoch, **head.links_of(index)}))
+            self._send(index, Message("relink", {"epoch": self.epoch, **head.links_of(index)}))
         self._await("relinked", {head.stage_table[index].name for index in survivors})
         replacing = time.monotonic() - started
         started = time.monotonic()
@@ -151,10 +155,10 @@ class Recovery:
         log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, resumed,
                  recomputed)
         decoding = head.decoding_stages()
+        self._transfer(resumed, recomputed)
         gone = [number for number in head.holding_numbers() if number not in resumed]
         for index in decoding:
-            head.send(index, Message("drop", {"epoch": self.epoch, "microbatches": gone}))
-        self._transfer(resumed)
+            self._send(index, Message("drop", {"epoch": self.epoch, "microbatches": gone}))
         self._rewind(resumed, decoding)
         transferring = time.monotonic() - started
         report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
@@ -169,13 +173,16 @@ class Recovery:
         self.replaced.update(stages)
         head.launch_replacements(stages)
         deadline = time.monotonic() + STEP_TIMEOUT
-        for index in stages:
+        for index in stages:  # every replacement in place before any is told its links
             while (spare := head.take_spare()) is None:
+                self._check_open()
                 if time.monotonic() > deadline:
                     raise RecoveryRetry([index], f"no worker joined to replace {head.stage_table[index].name} "
                                         f"within {STEP_TIMEOUT:.0f} s")
                 time.sleep(0.01)
-            head.assign(index, *spare)
+            head.place(index, *spare)
+        for index in stages:
+            self._send(index, Message("assign", head.assignment(index)))
         self._await("ready", set(stages))
         for index in stages:
             head.heard_from(index)
@@ -184,16 +191,12 @@ class Recovery:
         head = self.head
         numbers = head.holding_numbers()
         for index in survivors:
-            stage = head.stage_table[index]
             previous = head.replica_owner(index)
             fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None}
             if previous is not None:
                 fields.update(replica_of=head.stage_table[previous].number,
                               replica_layers=head.stage_table[previous].layer_count)
-            try:
-                head.send(index, Message("pause", fields))
-            except TransportError as error:
-                raise RecoveryRetry([stage.name], f"{stage.name} is unreachable: {error}") from None
+            self._send(index, Message("pause", fields))
         return self._await("paused", {head.stage_table[index].name for index in survivors})
 
     def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int]]:
@@ -215,29 +218,48 @@ class Recovery:
                         replicas.append(-1 if holder in self.dead else int(
                             paused[head.stage_table[holder].name].fields["holds"].get(str(number), -1)))
                 point = resume_point(prompt, tokens, replicas) if survivors_hold else None
+                if point is not None and batch.decoding.do_sample and point - prompt + 1 not in batch.rng_states:
+                    point = None  # the generator's state at that step is not known: start over
             if point is None:
                 recomputed.append(number)
             else:
                 resumed[number] = point - prompt + 1
         return resumed, recomputed
 
-    def _transfer(self, resumed: dict[int, int]) -> None:
-        """Each replacement's caches, from the replicas its next decoding stage holds."""
+    def _transfer(self, resumed: dict[int, int], recomputed: list[int]) -> None:
+        """Each replacement's caches, from the replicas its next decoding stage holds. A replica that cannot be
+        read back sends its microbatch back to its prompt; a replacement that cannot be reached is dead too."""
         head = self.head
-        waiting: set[Any] = set()
         for index in sorted(self.dead):
             if index not in head.decoding_stages() or not resumed:
                 continue
             holder, stage = self._holder(index), head.stage_table[index]
             for number, step in resumed.items():
                 prompt = head.batch(number).mask.shape[1]
-                head.send(holder, Message("send_replica", {
+                self._send(holder, Message("send_replica", {
                     "epoch": self.epoch, "microbatch": number, "owner": stage.number, "layers": stage.layer_count,
                     "positions": prompt + step - 1, "to": head.url_of(index)}))
-                waiting.add(number)
-            if waiting:
-                self._await("sent", waiting, key="microbatch", blame=holder)
-                waiting.clear()
+            sent = self._await("sent", set(resumed), key="microbatch", blame=holder)
+            for number, reply in sent.items():
+                if reply.fields.get("unreachable"):
+                    raise RecoveryRetry([index], f"{stage.name}'s replacement is unreachable: {reply.fields['error']}")
+                if reply.fields.get("error"):
+                    log.warning("the replica of microbatch %d could not be read back (%s): it starts over", number,
+                                reply.fields["error"])
+                    del resumed[number]
+                    recomputed.append(number)
+
+    def _check_open(self) -> None:
+        if self.head.closed:
+            raise TransportError("the pipeline was closed during its recovery")
+
+    def _send(self, index: int, message: Message) -> None:
+        """Send stage `index` a recovery message; one that cannot be reached is dead too."""
+        try:
+            self.head.send(index, message)
+        except TransportError as error:
+            name = self.head.stage_table[index].name
+            raise RecoveryRetry([index], f"{name} is unreachable: {error}") from None
 
     def _holder(self, index: int) -> int:
         holder = self.head.replica_holder(index)
@@ -249,11 +271,11 @@ class Recovery:
         for number, step in resumed.items():
             batch = head.batch(number)
             ended = ended_rows(batch.generated, step, batch.max_new_tokens, head.eos)
-            rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))
+            rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))  # greedy: no generator
             for index in decoding:
                 holder = head.replica_holder(index)
                 replicated = 0 if holder is None or holder in self.dead else batch.mask.shape[1] + step - 1
-                head.send(index, Message("rewind", {
+                self._send(index, Message("rewind", {
                     **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
                     "steps": step, "replicated": replicated}, (batch.mask, ended, rng)))
             self._await("rewound", {head.stage_table[index].name for index in decoding})

@@ -131,10 +131,6 @@ class Replicator:
         with contextlib.suppress(DejaVuError):  # a holder gone takes the replica with it
             Store(self.holder).delete(replica_stream(self.stage, microbatch))
 
-    @property
-    def microbatches(self) -> list[int]:
-        return sorted(self._managers)
-
 
 def _quietly_finish(manager: CacheManager) -> None:
     """Finish a manager whose holder may be gone (a recovery is under way): its error then says nothing new."""

@@ -30,13 +30,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
 from ..backends import open_transport, serve
-from ..errors import TransportError
+from ..errors import DejaVuError, ReplicationError, TransportError
 from ..models import load_model
 from ..stream import LayerPartition
 from ..swapping import SwappedCaches, positions_needed
@@ -66,8 +67,8 @@ class Heartbeat:
     is (a stopped or hung process sends none: the head counts it dead after a few missed). A head that no
     longer takes them is kept as `error` for the worker's loop to raise."""
 
-    def __init__(self, head: Transport, stage: str, interval: float) -> None:
-        self.head, self.stage, self.interval = head, stage, interval
+    def __init__(self, head: Transport, stage: str, interval: float, epoch: Callable[[], int] = lambda: 0) -> None:
+        self.head, self.stage, self.interval, self.epoch = head, stage, interval, epoch
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dejavu-heartbeat", daemon=True)
@@ -76,7 +77,7 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                self.head.post_tensor(pack(Message("heartbeat", {"stage": self.stage})))
+                self.head.post_tensor(pack(Message("heartbeat", {"stage": self.stage, "epoch": self.epoch()})))
         except Exception as error:  # the head is gone: the worker stops
             self.error = error
 
@@ -164,16 +165,16 @@ class StageWorker:
                     self.handle(message)
                 if self.sender is not None:
                     self.sender.check()
-            except TransportError as error:
+            except (TransportError, ReplicationError) as error:  # a neighbour (or replica holder) is unreachable
                 if not self.recovery or isinstance(error, _HeadGone):
-                    self.head.send_tensor(_failure(self.role.name, error))
+                    self.head.send_tensor(_failure(self.role.name, error, self.epoch))
                     raise
                 self._link_lost(error)
             except Exception as error:  # a bad message, or the stage failed: tell the head
-                self.head.send_tensor(_failure(self.role.name, error))
+                self.head.send_tensor(_failure(self.role.name, error, self.epoch))
                 raise
 
-    def _link_lost(self, error: TransportError) -> None:
+    def _link_lost(self, error: BaseException) -> None:
         """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
         if self._reported_epoch < self.epoch:
             self._reported_epoch = self.epoch
@@ -341,6 +342,7 @@ class StageWorker:
         """A new epoch: finish replicating, forget KV of microbatches not yet started here, and report the
         caches held (positions per microbatch) and the positions of the replicas held for `replica_of`."""
         self.epoch = int(message.fields["epoch"])
+        self._reported_epoch = self.epoch  # links lost now are what the recovery mends: nothing to report
         if self.replicator is not None:
             self.replicator.finish_all()
         self.staged.clear()
@@ -361,18 +363,27 @@ class StageWorker:
         """Reconnect to the neighbours at the addresses given (some of them replacements)."""
         self._close_links()
         self.following, self.first, self.sender, self.replicator = open_links(message.fields, self.role)
+        self._reported_epoch = self.epoch - 1  # from here on, a lost link is news again
         self.head.send_tensor(pack(Message("relinked", {"stage": self.role.name, "epoch": self.epoch})))
 
     def _send_replica(self, message: Message) -> None:
         """Send the replica held here of stage `owner`'s microbatch back to that stage's replacement at `to`."""
         fields = message.fields
         number, positions = int(fields["microbatch"]), int(fields["positions"])
-        block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number), int(fields["layers"]),
-                         positions)
-        with open_transport(fields["to"]) as replacement:
-            replacement.send_tensor(pack(Message("restore", {"microbatch": number, "epoch": self.epoch}, (block,))))
-        self.head.send_tensor(pack(Message("sent", {"stage": self.role.name, "microbatch": number,
-                                                    "epoch": self.epoch})))
+        answer: dict[str, Any] = {"stage": self.role.name, "microbatch": number, "epoch": self.epoch}
+        try:
+            block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number), int(fields["layers"]),
+                             positions)
+        except DejaVuError as error:  # a replica short or damaged: that microbatch starts over
+            answer["error"] = f"{type(error).__name__}: {error}"
+        else:
+            try:
+                with open_transport(fields["to"]) as replacement:
+                    replacement.send_tensor(pack(Message("restore", {"microbatch": number, "epoch": self.epoch},
+                                                         (block,))))
+            except TransportError as error:  # the replacement is gone too
+                answer.update(error=str(error), unreachable=True)
+        self.head.send_tensor(pack(Message("sent", answer)))
 
     def _restore(self, message: Message) -> None:
         self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
@@ -460,7 +471,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         try:
             stage = Stage(model if model is not None else load_model(fields["model"]), tuple(fields["layers"]))
         except Exception as error:  # whatever stops the stage from loading, the head must hear of it
-            head.send_tensor(_failure(fields["stage"], error))
+            head.send_tensor(_failure(fields["stage"], error, int(fields.get("epoch", 0))))
             raise
         role = Role(fields["role"], fields["number"], fields["stages"], fields["name"])
         following, first, sender, replicator = open_links(fields, role)
@@ -469,7 +480,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
                              int(fields.get("epoch", 0)))
         try:
             head.send_tensor(pack(Message("ready", {"stage": fields["stage"], "epoch": worker.epoch})))
-            worker.heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]))
+            worker.heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch)
             worker.run()
         finally:
             if worker.heartbeat is not None:
@@ -502,9 +513,9 @@ def _wait_for_assignment(inbox: Server, head: Transport) -> Message:
             head.send_tensor(pack(Message("heartbeat", {"stage": "standby"})))
 
 
-def _failure(stage: str | int, error: BaseException) -> torch.Tensor:
-    """The `failed` message that tells the head which stage failed, and why."""
-    return pack(Message("failed", {"stage": stage, "error": f"{type(error).__name__}: {error}"}))
+def _failure(stage: str | int, error: BaseException, epoch: int = 0) -> torch.Tensor:
+    """The `failed` message that tells the head which stage failed (in which epoch), and why."""
+    return pack(Message("failed", {"stage": stage, "epoch": epoch, "error": f"{type(error).__name__}: {error}"}))
 
 
 def _join(head: Transport, join: Message) -> None:
