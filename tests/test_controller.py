@@ -279,6 +279,42 @@ def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch,
             worker.wait(timeout=30)
 
 
+def test_dejavu_controller_waits_for_dejavu_worker_controller_and_then_serves(tmp_path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("cluster-secret\n")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+    environment.pop("DEJAVU_TOKEN", None)
+    cli = [sys.executable, "-m", "dejavu_sdk.cli"]
+    controller = subprocess.Popen([*cli, "controller", "--model", MODEL, "--stages", "2", "--listen", "127.0.0.1:0",
+                                   "--token-file", str(token_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=environment)
+    workers: list[subprocess.Popen] = []
+    try:
+        assert controller.stderr is not None
+        assert controller.stdout is not None
+        for line in controller.stderr:  # it says where workers join before it waits for them
+            if match := re.search(r"dejavu worker --controller (http://127\.0\.0\.1:\d+)", line):
+                break
+        else:
+            raise AssertionError("the controller never said where workers join")
+        url = match.group(1)
+        threading.Thread(target=controller.stderr.read, daemon=True).start()  # its log goes on; keep the pipe open
+        workers = [subprocess.Popen([*cli, "worker", "--controller", url, "--token", "cluster-secret"],
+                                    env=environment) for _ in range(2)]
+        assert f"at {url}/v1" in controller.stdout.readline()  # serving once both joined
+        client = openai.OpenAI(base_url=url + "/v1", api_key="cluster-secret", max_retries=0, timeout=120)
+        answer = client.completions.create(model=MODEL, prompt=[[3, 4, 5]], max_tokens=3, temperature=0)
+        assert len(answer.choices[0].token_ids) == 3
+        controller.send_signal(signal.SIGTERM)
+        assert controller.wait(timeout=60) == 0
+        assert [worker.wait(timeout=60) for worker in workers] == [0, 0]  # told to shut down, and gone
+    finally:
+        for process in [controller, *workers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tmp_path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text("client-secret\n")

@@ -64,8 +64,30 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
+def _controller_arguments(parser: Any) -> None:
+    """The options `serve` and `controller` share: the model and its layout, the API, tokens, recovery."""
+    parser.add_argument("--model", required=True, help="smollm2, a local Hugging Face directory, or module:function")
+    parser.add_argument("--stages", type=int, default=1, help="stages of one mixed pipeline (default 1)")
+    parser.add_argument("--prompt-stages", type=int, help="disaggregated: stages of the prompt pipeline")
+    parser.add_argument("--token-stages", type=int, help="disaggregated: stages of the token pipeline")
+    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--transport", default="tcp", help="how stages move activations and KV (tcp, gloo, nccl, "
+                        "ucx)")
+    parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
+                        "port; the URL is printed)")
+    parser.add_argument("--token-file", help="tokens clients present, one per line (the first also secures the "
+                        "workers' links); default: DEJAVU_TOKEN, else a random token printed at start")
+    parser.add_argument("--insecure", action="store_true", help="listen beyond loopback with a printed random token")
+    parser.add_argument("--recovery", choices=["auto", "replicas", "recompute", "none"], default="auto",
+                        help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
+                        "each other (replicas; needs two token stages or more), start the requests in flight over "
+                        "(recompute), or fail them (none); auto: the first of these the layout allows")
+    parser.add_argument("--worker-listen", default="127.0.0.1:0", help="host:port where stage workers join "
+                        "(default: loopback, any free port)")
+
+
 def add_serving_commands(commands: Any) -> None:
-    """Register `serve-store`, `serve` and `worker` on the `dejavu` command's subparsers."""
+    """Register `serve-store`, `serve`, `controller` and `worker` on the `dejavu` command's subparsers."""
     serve_store = commands.add_parser("serve-store", help="hold a store in this process and serve it to peers "
                                       "(the remote CPU tier); stops on SIGTERM or Ctrl-C")
     serve_store.add_argument("--listen", required=True, help="tcp://host:port, ucx://host:port or nccl://host:port "
@@ -81,37 +103,30 @@ def add_serving_commands(commands: Any) -> None:
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with its stage "
                                 "workers on this machine; stops on SIGTERM or Ctrl-C")
-    serve.add_argument("--model", required=True, help="smollm2, a local Hugging Face directory, or module:function")
-    serve.add_argument("--stages", type=int, default=1, help="stages of one mixed pipeline (default 1)")
-    serve.add_argument("--prompt-stages", type=int, help="disaggregated: stages of the prompt pipeline")
-    serve.add_argument("--token-stages", type=int, help="disaggregated: stages of the token pipeline")
-    serve.add_argument("--microbatch", type=int, default=4)
-    serve.add_argument("--transport", default="tcp", help="how stages move activations and KV (tcp, gloo, nccl, ucx)")
-    serve.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
-                       "port; the URL is printed)")
-    serve.add_argument("--token-file", help="tokens clients present, one per line (the first also secures the "
-                       "workers' links); default: DEJAVU_TOKEN, else a random token printed at start")
-    serve.add_argument("--insecure", action="store_true", help="listen beyond loopback with a printed random token")
-    serve.add_argument("--recovery", choices=["auto", "replicas", "recompute", "none"], default="auto",
-                       help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
-                       "each other (replicas; needs two token stages or more), start the requests in flight over "
-                       "(recompute), or fail them (none); auto: the first of these the layout allows")
+    _controller_arguments(serve)
     serve.add_argument("--standby", type=int, default=0, help="spare workers kept with the model loaded, which "
                        "replace a dead stage at once (default 0: a new process starts when one is needed)")
-    serve.add_argument("--worker-listen", default="127.0.0.1:0", help="host:port where stage workers join (default: "
-                       "loopback, any free port)")
     serve.add_argument("--remote-workers", action="store_true", help="start no stage worker here: each joins with "
-                       "`dejavu worker --controller URL` on its own machine, in stage order")
+                       "`dejavu worker --controller URL` on its own machine, in stage order (as `dejavu controller`)")
     serve.set_defaults(run=_serve)
+
+    controller = commands.add_parser("controller", help="the controller alone: the OpenAI-compatible API, and the "
+                                     "head that stage workers started anywhere join (`dejavu worker --controller "
+                                     "URL`); stops on SIGTERM or Ctrl-C")
+    _controller_arguments(controller)
+    controller.set_defaults(run=_serve, remote_workers=True, standby=0)
 
     worker = commands.add_parser("worker", help="join a pipeline's head and serve the stage it assigns; stops when "
                                  "the head says so or is gone")
     where = worker.add_mutually_exclusive_group(required=True)
     where.add_argument("--controller", help="the controller's URL, http://host:port: the worker asks it where to "
-                       "join (its token: --token-file, else DEJAVU_TOKEN)")
+                       "join (its token: --token, --token-file, else DEJAVU_TOKEN)")
     where.add_argument("--join", help="the head's URL, tcp://host:port (printed by the head; its token comes from "
                        "DEJAVU_TOKEN)")
-    worker.add_argument("--token-file", help="a file whose first token is the controller's (default: DEJAVU_TOKEN)")
+    secret = worker.add_mutually_exclusive_group()
+    secret.add_argument("--token", help="the controller's token (visible to other users of this machine in the "
+                        "process list: prefer --token-file or DEJAVU_TOKEN where that matters)")
+    secret.add_argument("--token-file", help="a file whose first token is the controller's (default: DEJAVU_TOKEN)")
     worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
@@ -166,11 +181,13 @@ def _worker(args: argparse.Namespace) -> int:
     from ..controller.workers import ask_where_to_join
     from ..serving.worker import run_worker
 
-    if args.token_file:
+    if args.token:
+        os.environ[TOKEN_VARIABLE] = args.token  # the links to the head and the neighbours present it too
+    elif args.token_file:
         tokens = list(read_token_file(args.token_file))
         if not tokens:
             raise ConfigError(f"the token file {args.token_file!r} holds no token")
-        os.environ[TOKEN_VARIABLE] = tokens[0]  # the links to the head and the neighbours present it too
+        os.environ[TOKEN_VARIABLE] = tokens[0]
     join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
     run_worker(join, host=args.host, threads=args.threads)
     return 0
