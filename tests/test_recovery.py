@@ -287,6 +287,41 @@ def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(r
     assert [streamed[index] for index in range(len(prompts))] == [want.tolist() for want in expected]
 
 
+@pytest.mark.parametrize(("layout", "victims"), [
+    (DISAGGREGATED, ["token stage 0", "token stage 1"]),  # neighbours: each held the other's ring replicas
+    ({"prompt_stages": 1, "token_stages": 1}, ["token stage 0"]),  # a ring of one cannot hold its own replica
+])
+def test_a_replica_store_outlives_the_stages_so_even_neighbours_lost_together_resume(tmp_path, layout,
+                                                                                      victims) -> None:
+    prompts = expectations.prompts(4, seed=16)
+    streamed: dict[int, list[int]] = defaultdict(list)
+    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+                  replica_store=f"file://{tmp_path}/replicas", **layout) as pipe:
+        futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
+        _wait_for_steps(pipe, 40)
+        for victim in victims:
+            os.kill(_stage_pid(pipe, victim), signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        results = [future.result(timeout=120) for future in futures]
+        pad, eos = pipe.pad, pipe.eos
+        reports = list(pipe.recoveries)
+    assert sorted(name for report in reports for name in report.replaced) == victims
+    assert any(report.resumed for report in reports)  # from the store: not one of them started over
+    expected = _expected(results, prompts, pad, eos, {})
+    assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+    assert [streamed[index] for index in range(len(prompts))] == [want.tolist() for want in expected]
+    assert dv.open_store(f"file://{tmp_path}/replicas").keys() == []  # each replica went with its microbatch
+
+
+def test_replica_store_settings_it_cannot_honour_are_refused() -> None:
+    with pytest.raises(dv.ConfigError, match="other processes see"):
+        Pipeline("tiny_models:llama", stages=2, recovery="replicas", replica_store="memory://")
+    with pytest.raises(dv.ConfigError, match="recovery='replicas' too"):
+        Pipeline("tiny_models:llama", stages=2, replica_store="memory://")
+    with pytest.raises(dv.ConfigError, match="never reads"):
+        Pipeline("tiny_models:llama", stages=2, recovery="recompute", replica_store="memory://")
+
+
 def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None:
     prompts = expectations.prompts(4, seed=12)
     with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60, heartbeat=0.5,

@@ -36,11 +36,12 @@ import attrs
 import torch
 from transformers import DynamicCache
 
-from ..backends import open_transport, serve
+from ..backends import open_store, open_transport, serve
 from ..errors import ConfigError, StoreError, TransportError
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
+from ..store import Store
 from ..stream import LayerPartition
 from ..swapping import (
     SwapChoice,
@@ -61,6 +62,7 @@ from .decoding import Decoding, TokenRules
 from .launchers import JoinedWorker, Launcher, LocalProcesses, WorkerHandle
 from .messages import Message, pack, unpack
 from .recovery import ATTEMPTS, RECOVERY, Recovery, RecoveryReport, RecoveryRetry
+from .replication import replica_stream
 from .stage import check_layers
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,9 @@ class Pipeline:
     each recovery). `"recompute"`: the stage is replaced and the microbatches in flight start over from their
     prompts. Either way every request completes with the tokens it would have had without the failure.
     `"auto"`: from replicas where the layout allows it, else by recomputing, else None.
+    `replica_store`: with recovery from replicas, a store every stage process reaches (`file://` on a shared
+    file system, `s3://`, ...) that keeps the replicas instead of the next decoding stage: they outlive any
+    stage, so even two neighbouring stages lost at once resume from there (and one decoding stage is enough).
     `standby`: spare worker processes kept with the model loaded, so that a replacement starts at once (the
     pool is topped up after each recovery; 0: a replacement process starts when needed).
     `on_recovery(report)` is called after each recovery (on its thread).
@@ -140,7 +145,8 @@ class Pipeline:
                  machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
                  microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
                  transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
-                 recovery: str | None = None, standby: int = 0, ignore_eos: bool = False,
+                 recovery: str | None = None, replica_store: str | None = None, standby: int = 0,
+                 ignore_eos: bool = False,
                  threads: int | None = None, launch: bool | Launcher = True, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None) -> None:
         if transport not in TRANSPORTS:
@@ -207,7 +213,11 @@ class Pipeline:
             log.info("swapping %s: %s", "on" if self.swap_choice.swapping else "off", self.swap_choice.reason)
         self.swapping = self.swap_choice.swapping if self.swap_choice is not None else bool(swapping)
         #: How a dead stage is recovered from: "replicas", "recompute", or None (the requests in flight fail).
-        self.recovery = _check_recovery(recovery, transport, self.layouts, self.swapping, reference)
+        self.recovery = _check_recovery(recovery, transport, self.layouts, self.swapping, reference,
+                                        replica_store is not None)
+        #: Where replicas live when not on the next decoding stage (recovery from replicas), and their streams' prefix.
+        self.replica_store = _open_replica_store(replica_store, self.recovery)
+        self.replica_prefix = f"p{secrets.token_hex(4)}-"
         if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
             raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
         if standby and (self.recovery is None or not launch):
@@ -353,6 +363,9 @@ class Pipeline:
             fields["token_boundaries"] = [token_layout[0][0]] + [stop for _, stop in token_layout]
         holder = self.replica_holder(index)
         fields["holder"] = None if holder is None else self._urls[holder]
+        if self.replica_store is not None and stage.decodes:
+            fields["replica_store"] = self.replica_store.url
+        fields["replica_prefix"] = self.replica_prefix
         return fields
 
     def decoding_stages(self) -> list[int]:
@@ -362,14 +375,14 @@ class Pipeline:
     def replica_holder(self, index: int) -> int | None:
         """The stage holding decoding stage `index`'s replicas: the next decoding stage, around the ring."""
         decoding = self.decoding_stages()
-        if self.recovery != "replicas" or index not in decoding:
+        if self.recovery != "replicas" or self.replica_store is not None or index not in decoding:
             return None
         return decoding[(decoding.index(index) + 1) % len(decoding)]
 
     def replica_owner(self, index: int) -> int | None:
         """The decoding stage whose replicas stage `index` holds."""
         decoding = self.decoding_stages()
-        if self.recovery != "replicas" or index not in decoding:
+        if self.recovery != "replicas" or self.replica_store is not None or index not in decoding:
             return None
         return decoding[(decoding.index(index) - 1) % len(decoding)]
 
@@ -408,6 +421,7 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
+        holding = self.holding_numbers()
         self._fail(TransportError("the pipeline was closed"))
         recovering = self._recovering
         if recovering is not None:  # let it see the pipeline closed (its waits are bounded), so no spare is left
@@ -431,6 +445,13 @@ class Pipeline:
             self._receiver.join(timeout=5)
         if self._inbox is not None:
             self._inbox.close()
+        if self.replica_store is not None:  # what microbatches left in flight replicated goes too
+            for number in holding:
+                for stage in self.decoding_stages():
+                    with contextlib.suppress(StoreError):
+                        self.replica_store.delete(replica_stream(self.stage_table[stage].number, number,
+                                                                 self.replica_prefix))
+            self.replica_store.close()
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False, seed: int | None = None,
@@ -961,9 +982,11 @@ def _stage_table(layouts: list[list[tuple[int, int]]]) -> list[StageInfo]:
 
 
 def _check_recovery(recovery: Any, transport: str, layouts: list[list[tuple[int, int]]], swapping: bool,
-                    model: Any) -> str | None:
+                    model: Any, replica_store: bool = False) -> str | None:
     """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
     if recovery is None:
+        if replica_store:
+            raise ConfigError("replica_store keeps replicas to recover from: give recovery='replicas' too")
         return None
     if recovery not in (*RECOVERY, "auto"):
         raise ConfigError(f"recovery={recovery!r}: use {', '.join(map(repr, RECOVERY))} or 'auto', or None to fail "
@@ -972,7 +995,7 @@ def _check_recovery(recovery: Any, transport: str, layouts: list[list[tuple[int,
                 f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet",
                 "swapping": "recovery and swapping=True do not combine yet: recovery keeps every cache on the device"
                 if swapping else None}
-    replicas = {"ring": None if len(layouts[-1]) >= 2 else
+    replicas = {"ring": None if len(layouts[-1]) >= 2 or replica_store else
                 "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
                 "stages or more (or use recovery='recompute')",
                 "window": "recovery='replicas' does not cover sliding-window attention layers yet; use "
@@ -981,11 +1004,27 @@ def _check_recovery(recovery: Any, transport: str, layouts: list[list[tuple[int,
     if recovery == "auto":
         if any(refusals.values()):
             return None
-        return "recompute" if any(replicas.values()) else "replicas"
+        return "recompute" if any(replicas.values()) and not replica_store else "replicas"
+    if recovery == "recompute" and replica_store:
+        raise ConfigError("replica_store keeps replicas to recover from, which recovery='recompute' never reads")
     for refusal in [*refusals.values(), *(replicas.values() if recovery == "replicas" else [])]:
         if refusal:
             raise ConfigError(refusal)
     return str(recovery)
+
+
+def _open_replica_store(url: str | None, recovery: str | None) -> Store | None:
+    """The store every stage replicates into, checked: other processes must see what one puts there."""
+    if url is None:
+        return None
+    if recovery != "replicas":
+        raise ConfigError("replica_store keeps replicas to recover from: it needs recovery='replicas'")
+    store = open_store(url)
+    if not store.shared:
+        store.close()
+        raise ConfigError(f"replica_store={url!r}: every stage process writes there and the head reads it, so it "
+                          "must be a store other processes see (file:// on a shared file system, s3://, ...)")
+    return store
 
 
 def _layouts(stages: int | None, layers: Sequence[tuple[int, int]] | None, prompt_stages: int | None,

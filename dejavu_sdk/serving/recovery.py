@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from ..errors import TransportError
+from ..errors import DejaVuError, TransportError
 from .messages import Message
+from .replication import assemble, held_positions, replica_stream
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -211,12 +212,7 @@ class Recovery:
             if head.recovery == "replicas" and phase == "decoding":
                 survivors_hold = all(str(number) in paused[head.stage_table[index].name].fields["caches"]
                                      for index in decoding if index not in self.dead)
-                replicas = []
-                for index in decoding:
-                    if index in self.dead:
-                        holder = self._holder(index)
-                        replicas.append(-1 if holder in self.dead else int(
-                            paused[head.stage_table[holder].name].fields["holds"].get(str(number), -1)))
+                replicas = [self._replica_reach(index, number, paused) for index in decoding if index in self.dead]
                 point = resume_point(prompt, tokens, replicas) if survivors_hold else None
                 if point is not None and batch.decoding.do_sample and point - prompt + 1 not in batch.rng_states:
                     point = None  # the generator's state at that step is not known: start over
@@ -226,12 +222,28 @@ class Recovery:
                 resumed[number] = point - prompt + 1
         return resumed, recomputed
 
+    def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
+        """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
+        holder reported it (-1: gone with its holder)."""
+        head, stage = self.head, self.head.stage_table[index]
+        if head.replica_store is not None:
+            stream = replica_stream(stage.number, number, head.replica_prefix)
+            return held_positions(head.replica_store.keys(stream), stage.layer_count)
+        holder = self._holder(index)
+        if holder in self.dead:
+            return -1
+        return int(paused[head.stage_table[holder].name].fields["holds"].get(str(number), -1))
+
     def _transfer(self, resumed: dict[int, int], recomputed: list[int]) -> None:
-        """Each replacement's caches, from the replicas its next decoding stage holds. A replica that cannot be
-        read back sends its microbatch back to its prompt; a replacement that cannot be reached is dead too."""
+        """Each replacement's caches, from the replicas its next decoding stage holds (or the replica store). A
+        replica that cannot be read back sends its microbatch back to its prompt; a replacement that cannot be
+        reached is dead too."""
         head = self.head
         for index in sorted(self.dead):
             if index not in head.decoding_stages() or not resumed:
+                continue
+            if head.replica_store is not None:
+                self._restore_from_store(index, resumed, recomputed)
                 continue
             holder, stage = self._holder(index), head.stage_table[index]
             for number, step in resumed.items():
@@ -248,6 +260,21 @@ class Recovery:
                                 reply.fields["error"])
                     del resumed[number]
                     recomputed.append(number)
+
+    def _restore_from_store(self, index: int, resumed: dict[int, int], recomputed: list[int]) -> None:
+        head, stage = self.head, self.head.stage_table[index]
+        assert head.replica_store is not None  # only called with one
+        for number, step in list(resumed.items()):
+            positions = head.batch(number).mask.shape[1] + step - 1
+            stream = replica_stream(stage.number, number, head.replica_prefix)
+            try:
+                block = assemble(head.replica_store, stream, stage.layer_count, positions)
+            except DejaVuError as error:  # short or damaged: that microbatch starts over
+                log.warning("the replica of microbatch %d could not be read back (%s): it starts over", number, error)
+                del resumed[number]
+                recomputed.append(number)
+                continue
+            self._send(index, Message("restore", {"microbatch": number, "epoch": self.epoch}, (block,)))
 
     def _check_open(self) -> None:
         if self.head.closed:
@@ -274,7 +301,8 @@ class Recovery:
             rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))  # greedy: no generator
             for index in decoding:
                 holder = head.replica_holder(index)
-                replicated = 0 if holder is None or holder in self.dead else batch.mask.shape[1] + step - 1
+                kept = head.replica_store is not None or (holder is not None and holder not in self.dead)
+                replicated = batch.mask.shape[1] + step - 1 if kept else 0  # else streamed anew from 0
                 self._send(index, Message("rewind", {
                     **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
                     "steps": step, "replicated": replicated}, (batch.mask, ended, rng)))

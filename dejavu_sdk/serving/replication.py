@@ -1,11 +1,12 @@
 """The replication ring: each decoding stage streams its microbatches' KV to the next decoding stage's memory.
 
 Decoding stage x of T keeps a replica of its caches in the store that stage (x + 1) % T serves beside its
-inbox (every stage worker's inbox is a transport server over a `MemoryStore`). Per microbatch j, stage x
-streams through a `CacheManager` under the stream `replica_stream(x, j)`: the prompt as one block per layer
-as soon as the stage holds it, then every decode step's new position over all its layers (buffered copies,
-flushed by the manager's streamer thread while the next step computes). When the microbatch ends, the stage
-deletes its replica.
+inbox (every stage worker's inbox is a transport server over a `MemoryStore`), or, with a replica store
+configured (`file://`, `s3://`, any store other processes read), in that store, which outlives any stage.
+Per microbatch j, stage x streams through a `CacheManager` under the stream `replica_stream(x, j)`: the
+prompt as one block per layer as soon as the stage holds it, then every decode step's new position over all
+its layers (buffered copies, flushed by the manager's streamer thread while the next step computes). When
+the microbatch ends, the stage deletes its replica.
 
 How far a replica reaches is read from the replica itself when it matters (at recovery, `held_positions`
 over the holder's keys) rather than acknowledged step by step: an acknowledgement per step and stage would
@@ -27,12 +28,12 @@ from ..blocks import BlockKey
 from ..cache import CacheManager
 from ..errors import DejaVuError, ReplicationError
 from ..store import Store
-from ..transports.base import Transport
 
 
-def replica_stream(stage: int, microbatch: int) -> str:
-    """The stream under which decoding stage `stage` replicates microbatch `microbatch`'s cache."""
-    return f"stage{stage}-microbatch{microbatch}"
+def replica_stream(stage: int, microbatch: int, prefix: str = "") -> str:
+    """The stream under which decoding stage `stage` replicates microbatch `microbatch`'s cache (`prefix`: the
+    pipeline's, in a store that several pipelines may share)."""
+    return f"{prefix}stage{stage}-microbatch{microbatch}"
 
 
 def held_positions(keys: Iterable[BlockKey], layers: int) -> int:
@@ -87,17 +88,18 @@ def cache_from(block: torch.Tensor, config: Any) -> DynamicCache:
 
 class Replicator:
     """A decoding stage's side of the ring: one `CacheManager` per microbatch, streaming to `holder` (the next
-    decoding stage's served store) as stage number `stage` with `layers` layers."""
+    decoding stage's served store, or a durable store that every stage shares) as stage number `stage` with
+    `layers` layers, under streams named with `prefix`."""
 
-    def __init__(self, holder: Transport, stage: int, layers: int) -> None:
-        self.holder, self.stage, self.layers = holder, stage, layers
+    def __init__(self, holder: Store, stage: int, layers: int, prefix: str = "") -> None:
+        self.holder, self.stage, self.layers, self.prefix = holder, stage, layers, prefix
         self._managers: dict[int, CacheManager] = {}
 
     def start(self, microbatch: int, cache: DynamicCache, durable_positions: int = 0) -> None:
         """Replicate `microbatch` from now on; its replica already holds positions [0, `durable_positions`), and
         whatever `cache` holds beyond them is streamed now, one block per layer."""
         self.finish(microbatch)
-        manager = CacheManager(self.holder, replica_stream(self.stage, microbatch), self.layers,
+        manager = CacheManager(self.holder, replica_stream(self.stage, microbatch, self.prefix), self.layers,
                                durable_positions=durable_positions)
         self._managers[microbatch] = manager
         length = cache.get_seq_length()
@@ -129,7 +131,7 @@ class Replicator:
         """The microbatch ended: stop replicating it and delete its replica."""
         self.finish(microbatch)
         with contextlib.suppress(DejaVuError):  # a holder gone takes the replica with it
-            Store(self.holder).delete(replica_stream(self.stage, microbatch))
+            self.holder.delete(replica_stream(self.stage, microbatch, self.prefix))
 
 
 def _quietly_finish(manager: CacheManager) -> None:

@@ -36,9 +36,10 @@ from typing import Any
 import attrs
 import torch
 
-from ..backends import open_transport, serve
+from ..backends import open_store, open_transport, serve
 from ..errors import DejaVuError, ReplicationError, TransportError
 from ..models import load_model
+from ..store import Store
 from ..stream import LayerPartition
 from ..swapping import SwappedCaches, positions_needed
 from ..transports.base import Server, Transport
@@ -133,13 +134,14 @@ class StageWorker:
     def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
                  first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
                  swapping: bool = False, heartbeat: Heartbeat | None = None, replicator: Replicator | None = None,
-                 recovery: bool = False, epoch: int = 0) -> None:
+                 recovery: bool = False, epoch: int = 0, replica_prefix: str = "") -> None:
         self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
         #: Decoding stages with recovery: streams each microbatch's cache to the next decoding stage.
         self.replicator = replicator
         #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.
         self.recovery, self.epoch = recovery, epoch
+        self.prefix = replica_prefix  # of the replica streams, this pipeline's
         self._reported_epoch = -1  # the epoch in which a lost link was last reported
         self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
@@ -354,7 +356,7 @@ class StageWorker:
         if owner is not None:
             store = self.inbox.store
             for number in message.fields["microbatches"]:
-                holds[str(number)] = held_positions(store.keys(replica_stream(owner, number)),
+                holds[str(number)] = held_positions(store.keys(replica_stream(owner, number, self.prefix)),
                                                     int(message.fields["replica_layers"]))
         self.head.send_tensor(pack(Message("paused", {"stage": self.role.name, "epoch": self.epoch,
                                                       "caches": caches, "holds": holds})))
@@ -372,8 +374,8 @@ class StageWorker:
         number, positions = int(fields["microbatch"]), int(fields["positions"])
         answer: dict[str, Any] = {"stage": self.role.name, "microbatch": number, "epoch": self.epoch}
         try:
-            block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number), int(fields["layers"]),
-                             positions)
+            block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number, self.prefix),
+                             int(fields["layers"]), positions)
         except DejaVuError as error:  # a replica short or damaged: that microbatch starts over
             answer["error"] = f"{type(error).__name__}: {error}"
         else:
@@ -477,7 +479,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None) -
         following, first, sender, replicator = open_links(fields, role)
         worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
                              bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
-                             int(fields.get("epoch", 0)))
+                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""))
         try:
             head.send_tensor(pack(Message("ready", {"stage": fields["stage"], "epoch": worker.epoch})))
             worker.heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch)
@@ -498,9 +500,12 @@ def open_links(fields: dict[str, Any], role: Role) -> tuple[Transport | None, Tr
     token_links = [open_transport(url) for url in fields.get("token_stages", [])]
     sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
     replicator = None
-    if fields.get("holder"):
-        start, stop = fields["layers"]
-        replicator = Replicator(open_transport(fields["holder"]), role.number, stop - start)
+    start, stop = fields["layers"]
+    prefix = fields.get("replica_prefix", "")
+    if fields.get("replica_store"):
+        replicator = Replicator(open_store(fields["replica_store"]), role.number, stop - start, prefix)
+    elif fields.get("holder"):
+        replicator = Replicator(Store(open_transport(fields["holder"])), role.number, stop - start, prefix)
     return following, first, sender, replicator
 
 
