@@ -82,6 +82,9 @@ def _controller_arguments(parser: Any) -> None:
                         help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
                         "each other (replicas; needs two token stages or more), start the requests in flight over "
                         "(recompute), or fail them (none); auto: the first of these the layout allows")
+    parser.add_argument("--replica-store", help="with recovery from replicas: a store every worker reaches "
+                        "(file:// on a shared file system, s3://...) that keeps the replicas instead of the next "
+                        "token stage, so that they outlive any stage")
     parser.add_argument("--worker-listen", default="127.0.0.1:0", help="host:port where stage workers join "
                         "(default: loopback, any free port)")
 
@@ -164,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
+                    replica_store=args.replica_store,
                     worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
