@@ -73,6 +73,9 @@ TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 START_TIMEOUT = 300.0
 #: Seconds between the head's checks of its stages' processes, heartbeats and progress.
 WATCH_PERIOD = 0.1
+#: Sampling with recovery: the last steps whose generator state the head keeps (a microbatch whose replicas
+#: lag further behind starts over).
+RNG_STEPS_KEPT = 64
 
 
 @attrs.frozen
@@ -656,7 +659,9 @@ class Pipeline:
                     self._progress[number] = time.monotonic()
                     batch.add_step(message.tensors[0].tolist())
                     if len(message.tensors) > 1:  # sampling with recovery: the generator's state after this step
-                        batch.rng_states[len(batch.arrived)] = message.tensors[1].clone()
+                        step = len(batch.arrived)
+                        batch.rng_states[step] = message.tensors[1].clone()
+                        batch.rng_states.pop(step - RNG_STEPS_KEPT, None)  # replicas are never that far behind
                     calls = batch.unstreamed(self.eos)
             _stream(calls)
         elif message.kind == "prefilled":  # disaggregated: the prompt pipeline's first tokens; decoding waits
@@ -791,7 +796,7 @@ class Pipeline:
             if report is None:
                 return
             try:
-                self.resume(report.epoch, report.resumed, report.recomputed)
+                self.resume(report.epoch, report.resumed, report.recomputed, report.finished)
             except TransportError as lost:  # a stage died as the pipeline went on: recover again
                 again = f"resuming after a recovery failed: {lost}"
             _call_quietly(self.on_recovery, report)
@@ -925,12 +930,13 @@ class Pipeline:
     def batch(self, number: int) -> Microbatch:
         return self._in_flight[number]
 
-    def resume(self, epoch: int, resumed: dict[int, int], recomputed: list[int]) -> None:
-        """After a recovery: feed each resumed microbatch the token of the step it resumes at, and start the
-        others over from their prompts; then let new work in."""
+    def resume(self, epoch: int, resumed: dict[int, int], recomputed: list[int], finished: list[int]) -> None:
+        """After a recovery: feed each resumed microbatch the token of the step it resumes at, start the
+        recomputed ones over from their prompts, settle the finished ones; then let new work in."""
         first = self.decoding_stages()[0]
         sends: list[tuple[int, Message]] = []
         with self._lock:
+            done = [self._in_flight.pop(number) for number in finished]
             for number in [number for number in self._reserved if number not in self._in_flight]:
                 del self._reserved[number]  # ended: every stage dropped its cache
                 self._progress.pop(number, None)
@@ -952,6 +958,9 @@ class Pipeline:
                 sends.append((0, Message("prefill", {**batch.fields(), "epoch": epoch}, (batch.ids, batch.mask))))
                 self._progress[number] = now
             self._held = False
+        for batch in done:
+            for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
+                _settle(request.future, result=result)
         for index, message in sends:
             self.send(index, message)
 

@@ -54,8 +54,9 @@ ATTEMPTS = 3
 @attrs.frozen
 class RecoveryReport:
     """What one recovery did: the `epoch` it began, the stages it replaced and why, which microbatches resumed
-    at which step (`resumed`: microbatch -> the step whose token it was fed again) and which started over from
-    their prompts (`recomputed`), and how long each part took, in seconds: `pausing` the survivors,
+    at which step (`resumed`: microbatch -> the step whose token it was fed again), which started over from
+    their prompts (`recomputed`) and which had every token already (`finished`: their end crossed the
+    recovery), and how long each part took, in seconds: `pausing` the survivors,
     `replacing` (placing the replacements and relinking), `transferring` the caches and rewinding, and
     `total` from the detection until every stage was ready to go on; `detected` is the `time.monotonic()` of
     the detection."""
@@ -65,6 +66,7 @@ class RecoveryReport:
     reason: str
     resumed: dict[int, int]
     recomputed: list[int]
+    finished: list[int]
     pausing: float
     replacing: float
     transferring: float
@@ -75,7 +77,8 @@ class RecoveryReport:
         resumed = ", ".join(f"microbatch {number} from step {step}" for number, step in sorted(self.resumed.items()))
         return (f"recovered {', '.join(self.replaced) or 'no stage'} ({self.reason}) in {self.total:.2f} s: paused "
                 f"{self.pausing:.2f} s, replaced {self.replacing:.2f} s, caches back {self.transferring:.2f} s; "
-                f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}")
+                f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}"
+                + (f"; finished before it {self.finished}" if self.finished else ""))
 
 
 def resume_point(prompt: int, tokens: int, replicas: Sequence[int]) -> int | None:
@@ -152,7 +155,7 @@ class Recovery:
         self._await("relinked", {head.stage_table[index].name for index in survivors})
         replacing = time.monotonic() - started
         started = time.monotonic()
-        resumed, recomputed = self._plan(paused)
+        resumed, recomputed, finished = self._plan(paused)
         log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, resumed,
                  recomputed)
         decoding = head.decoding_stages()
@@ -163,7 +166,7 @@ class Recovery:
         self._rewind(resumed, decoding)
         transferring = time.monotonic() - started
         report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
-                                self.reason, resumed, recomputed, pausing, replacing, transferring,
+                                self.reason, resumed, recomputed, finished, pausing, replacing, transferring,
                                 time.monotonic() - self.detected, self.detected)
         log.warning("%s", report.describe())
         return report
@@ -200,14 +203,19 @@ class Recovery:
             self._send(index, Message("pause", fields))
         return self._await("paused", {head.stage_table[index].name for index in survivors})
 
-    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int]]:
-        """Each microbatch in flight: the step it resumes from, or that it starts over."""
+    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int], list[int]]:
+        """Each microbatch in flight: the step it resumes from, or that it starts over, or that it has all its
+        tokens already (its end crossed the recovery's start)."""
         head = self.head
         resumed: dict[int, int] = {}
         recomputed: list[int] = []
+        finished: list[int] = []
         decoding = head.decoding_stages()
         for number, batch, phase in head.in_flight_batches():
             prompt, tokens = batch.mask.shape[1], len(batch.generated[0])
+            if tokens and bool(ended_rows(batch.generated, tokens, batch.max_new_tokens, head.eos).all()):
+                finished.append(number)
+                continue
             point: int | None = None
             if head.recovery == "replicas" and phase == "decoding":
                 survivors_hold = all(str(number) in paused[head.stage_table[index].name].fields["caches"]
@@ -220,7 +228,7 @@ class Recovery:
                 recomputed.append(number)
             else:
                 resumed[number] = point - prompt + 1
-        return resumed, recomputed
+        return resumed, recomputed, finished
 
     def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
         """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
