@@ -8,6 +8,7 @@ import random
 import signal
 import time
 from collections import defaultdict
+from typing import ClassVar
 
 import expectations
 import pytest
@@ -16,7 +17,11 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.recovery import ended_rows, resume_point
+from dejavu_sdk.serving.batching import Microbatch, Request
+from dejavu_sdk.serving.decoding import Decoding
+from dejavu_sdk.serving.messages import Message
+from dejavu_sdk.serving.pipeline import StageInfo
+from dejavu_sdk.serving.recovery import Recovery, ended_rows, resume_point
 from dejavu_sdk.serving.replication import Replicator, assemble, held_positions, replica_stream
 from dejavu_sdk.stores.memory import MemoryStore
 
@@ -41,6 +46,51 @@ def test_rows_end_at_their_end_of_sequence_token_or_their_limit() -> None:
     generated = [[5, 2, 0], [5, 6, 7], [5, 6, 7]]
     assert ended_rows(generated, 1, [9, 9, 1], eos=[2]).tolist() == [0, 0, 1]
     assert ended_rows(generated, 2, [9, 9, 1], eos=[2]).tolist() == [1, 0, 1]
+
+
+class _Head:
+    """What `Recovery._plan` reads of a pipeline's head: two token stages, stage 2 dead, stage 1 alive."""
+
+    recovery, replica_store, eos = "replicas", None, (2,)
+    stage_table: ClassVar[list[StageInfo]] = [StageInfo("prompt stage 0", "prompt", 0, (0, 3)), StageInfo("token stage 0", "token", 0, (0, 2)),
+                   StageInfo("token stage 1", "token", 1, (2, 3))]
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def in_flight_batches(self):
+        return self.batches
+
+    def decoding_stages(self):
+        return [1, 2]
+
+    def replica_holder(self, index):
+        return {1: 2, 2: 1}[index]
+
+
+def _batch(number: int, generated: list[list[int]], sampled: bool = False, rng_steps=()) -> Microbatch:
+    requests = [Request(torch.tensor([5, 6, 7]), 8, Decoding.of(sampled, 3 if sampled else None))
+                for _ in generated]
+    batch = Microbatch.of(number, requests, pad=0)
+    batch.generated = [list(row) for row in generated]
+    batch.rng_states = {step: torch.empty(0) for step in rng_steps}
+    return batch
+
+
+def test_the_plan_resumes_what_it_can_settles_what_ended_and_starts_the_rest_over() -> None:
+    ended = _batch(1, [[4, 2], [3, 2]])  # every row ended at an end-of-sequence token: nothing to redo
+    decoding = _batch(2, [[4, 5, 6, 7], [3, 3, 3, 3]])  # 4 tokens; the dead stage's replica reaches 5 positions
+    prompting = _batch(3, [[], []])
+    sampled = _batch(4, [[4, 5, 6, 7]], sampled=True, rng_steps=(4,))  # the state at step 3 is not kept
+    head = _Head([(1, ended, "decoding"), (2, decoding, "decoding"), (3, prompting, "prompting"),
+                  (4, sampled, "decoding")])
+    recovery = Recovery(head, {2}, "a test", detected=0.0)
+    survivor = {"caches": {"1": 4, "2": 6, "4": 6}, "holds": {"2": 5, "4": 5}}
+    paused = {"token stage 0": Message("paused", survivor)}
+    resumed, recomputed, finished = recovery._plan(paused)
+    assert resumed == {2: 3}  # 5 positions = 3 prompt + 2 steps: fed the token of step 3 again
+    assert recomputed == [3, 4]
+    assert finished == [1]
 
 
 def _cache(positions: int, layers: int = 3, seed: int = 0) -> torch.Tensor:
