@@ -52,8 +52,9 @@ class _Head:
     """What `Recovery._plan` reads of a pipeline's head: two token stages, stage 2 dead, stage 1 alive."""
 
     recovery, replica_store, eos = "replicas", None, (2,)
-    stage_table: ClassVar[list[StageInfo]] = [StageInfo("prompt stage 0", "prompt", 0, (0, 3)), StageInfo("token stage 0", "token", 0, (0, 2)),
-                   StageInfo("token stage 1", "token", 1, (2, 3))]
+    stage_table: ClassVar[list[StageInfo]] = [StageInfo("prompt stage 0", "prompt", 0, (0, 3)),
+                                              StageInfo("token stage 0", "token", 0, (0, 2)),
+                                              StageInfo("token stage 1", "token", 1, (2, 3))]
 
     def __init__(self, batches) -> None:
         self.batches = batches
