@@ -68,8 +68,9 @@ def test_a_decode_step_writes_one_block_and_one_record_of_the_same_size_early_an
         assert [kind for kind in map(_kind, (name for name, _ in batch))] == ["block", "progress"]
     sizes = [batch[1][1] for batch in decode]
     # A record holds the tokens since the previous one (usually one per row) and the generator state after
-    # them: the last records are no bigger than the first, bar a few more digits in the positions.
-    assert max(sizes[-20:]) <= max(sizes[:20]) + 16, sizes
+    # them: the last records are no bigger than the first, bar more digits in the positions and the block's
+    # name, and token ids of up to 5 digits each (a log that kept every token would add ~1 KB by now).
+    assert max(sizes[-20:]) <= max(sizes[:20]) + 64, sizes
     manifest_writes = [batch for batch in records.batches if _kind(batch[0][0]) == "manifest"]
     assert len(manifest_writes) == 2  # once at the start, once finished
 
