@@ -23,6 +23,7 @@ from dejavu_sdk.serving.messages import Message
 from dejavu_sdk.serving.pipeline import StageInfo
 from dejavu_sdk.serving.recovery import Recovery, ended_rows, resume_point
 from dejavu_sdk.serving.replication import Replicator, assemble, held_positions, replica_stream
+from dejavu_sdk.store import Store
 from dejavu_sdk.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
@@ -106,7 +107,7 @@ def test_a_replica_streamed_step_by_step_comes_back_bit_for_bit() -> None:
         cache = DynamicCache()
         for layer in range(3):
             cache.update(full[layer, 0, :, :, :6], full[layer, 1, :, :, :6], layer)
-        replicator = Replicator(link, stage=1, layers=3)
+        replicator = Replicator(Store(link), stage=1, layers=3)
         replicator.start(4, cache)  # the prompt, one block per layer
         for position in range(6, 9):  # then one block per step over every layer
             for layer in range(3):

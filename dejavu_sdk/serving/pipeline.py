@@ -783,9 +783,9 @@ class Pipeline:
             self._held = True
             self._recovering = threading.Thread(target=self._recover, args=(dead, reason),
                                                 name="dejavu-pipeline-recovery", daemon=True)
+            self._recovering.start()  # started as it is set: whoever sees it may join it
         log.warning("recovering: %s", reason)
         _call_quietly(self.on_failure, reason)
-        self._recovering.start()
 
     def _recover(self, dead: set[int], reason: str) -> None:
         """The recovery thread: up to ATTEMPTS recoveries (another stage may die meanwhile), then the pipeline
