@@ -175,7 +175,9 @@ def _run(pipe: Pipeline, prompts: list[torch.Tensor], new_tokens: int,
     if killed_at is None:
         return seconds, None
     (report,) = pipe.recoveries[recoveries:]
-    after = next(arrival for arrival in arrivals if arrival > killed_at)
+    # Tokens that arrive between the kill and its detection were on their way before it: the pipeline serves
+    # again with the first one after the detection.
+    after = next(arrival for arrival in arrivals if arrival > report.detected)
     return seconds, _timing(report, killed_at, after)
 
 
