@@ -10,7 +10,8 @@
     ├── TransportError (ConnectionError)  moving blocks between workers failed
     │   └── ServerBusy                    the server refused the request for now (too many connections, inbox full)
     ├── AccessDenied (PermissionError)    a server refused the token, or a stream outside the token's prefix
-    └── ReplicationError                  streaming a live cache to its replica failed (a gap)
+    ├── ReplicationError                  streaming a live cache to its replica failed (a gap)
+    └── RequestFailed                     one request's own input or computation failed it (its neighbours go on)
 """
 
 from __future__ import annotations
@@ -65,3 +66,13 @@ class AccessDenied(DejaVuError, PermissionError):
 
 class ReplicationError(DejaVuError):
     """Streaming a live cache to its replica failed; the replica has a gap from the named block on."""
+
+
+class RequestFailed(DejaVuError):
+    """One request failed on its own: its input (`input_error`: a setting the warpers reject, say) or its
+    computation (non-finite probabilities, a stage that raised on its microbatch). Requests beside it go on.
+    `request` numbers it as the pipeline does (`Result` and `Pipeline.status` use the same numbers)."""
+
+    def __init__(self, message: str, request: int | None = None, input_error: bool = False) -> None:
+        super().__init__(message if request is None else f"request {request}: {message}")
+        self.request, self.input_error = request, input_error

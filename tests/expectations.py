@@ -7,6 +7,14 @@ from collections import defaultdict
 
 import tiny_models
 import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 def prompts(count: int, seed: int = 3) -> list[torch.Tensor]:
@@ -60,6 +68,57 @@ def sampled(model, prompts, members, new_tokens, pad, eos, seed, **settings) -> 
     rows = []
     for row in range(len(members)):
         tokens = out[row].tolist()
+        end = next((position for position, token in enumerate(tokens) if token in eos), None)
+        rows.append(torch.tensor(tokens if end is None else tokens[:end + 1], dtype=torch.long))
+    return rows
+
+
+class _RowDraws(LogitsProcessor):
+    """Makes `generate` pick each row's token its own way: greedy rows keep their logits (generate's argmax picks),
+    a sampled row's token is drawn from its own `torch.Generator().manual_seed(seed)` over its logits warped by
+    transformers' warpers in generate's order; the drawn token is then the only one left."""
+
+    def __init__(self, decodings: list[dict]) -> None:
+        self.rows = []
+        for decoding in decodings:
+            if not decoding.get("do_sample"):
+                self.rows.append(None)
+                continue
+            warpers = LogitsProcessorList()
+            if decoding.get("temperature", 1.0) != 1.0:
+                warpers.append(TemperatureLogitsWarper(decoding["temperature"]))
+            if decoding.get("top_k", 0):
+                warpers.append(TopKLogitsWarper(decoding["top_k"]))
+            if decoding.get("top_p", 1.0) < 1.0:
+                warpers.append(TopPLogitsWarper(decoding["top_p"]))
+            if decoding.get("min_p"):
+                warpers.append(MinPLogitsWarper(decoding["min_p"]))
+            self.rows.append((warpers, torch.Generator().manual_seed(decoding["seed"])))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        picked = scores.clone()
+        for row, sampler in enumerate(self.rows):
+            if sampler is not None:
+                warpers, generator = sampler
+                probabilities = torch.softmax(warpers(input_ids[row:row + 1], scores[row:row + 1]), dim=-1)
+                token = int(torch.multinomial(probabilities, 1, generator=generator))
+                picked[row] = float("-inf")
+                picked[row, token] = 0.0
+        return picked
+
+
+def replayed(model, prompts, members, decodings: list[dict], max_new_tokens: list[int], pad: int,
+             eos: list[int]) -> list[torch.Tensor]:
+    """Each row of one microbatch (`prompts[members]`, left-padded) run through `model` in this process, every
+    row decoded its own way (`decodings`: greedy, or `do_sample` with explicit `temperature`, `top_k`, `top_p`,
+    `min_p` and a `seed`), cut at its own end (any of `eos`, or its `max_new_tokens`)."""
+    ids, mask = left_padded(prompts, members, pad)
+    longest = ids.shape[1]
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(max_new_tokens),
+                         logits_processor=LogitsProcessorList([_RowDraws(decodings)]), pad_token_id=pad)[:, longest:]
+    rows = []
+    for row, limit in enumerate(max_new_tokens):
+        tokens = out[row, :limit].tolist()
         end = next((position for position, token in enumerate(tokens) if token in eos), None)
         rows.append(torch.tensor(tokens if end is None else tokens[:end + 1], dtype=torch.long))
     return rows

@@ -67,12 +67,37 @@ def test_a_prompt_outside_the_vocabulary_or_not_a_row_of_ids_is_refused(ids) -> 
         check_prompt(torch.tensor(ids), context=64, vocabulary=96)
 
 
-def test_a_microbatch_takes_requests_that_decode_alike_and_the_others_keep_their_places() -> None:
+def test_a_microbatch_takes_requests_of_any_decoding_in_turns_between_submissions() -> None:
+    """Rows of different settings and seeds share a microbatch; a submission of many prompts does not hold back
+    one that comes after it; cancelled requests leave the queue."""
     greedy, sampled = Decoding.of(), Decoding.of(do_sample=True, seed=1, temperature=0.5)
-    waiting = deque(Request(torch.tensor([index + 1]), 4, decoding)
-                    for index, decoding in enumerate([sampled, greedy, sampled, greedy, sampled]))
-    assert [int(request.ids) for request in take_microbatch(waiting, 2)] == [1, 3]
-    assert [int(request.ids) for request in waiting] == [2, 4, 5]
-    assert [int(request.ids) for request in take_microbatch(waiting, 4)] == [2, 4]
-    assert [int(request.ids) for request in waiting] == [5]
+    big = [Request(torch.tensor([index + 1]), 4, sampled if index % 2 else greedy, group=-7) for index in range(6)]
+    late = Request(torch.tensor([50]), 4, Decoding.of(do_sample=True, seed=2))
+    gone = Request(torch.tensor([60]), 4)
+    gone.future.cancel()
+    waiting = deque([*big, gone, late])
+    assert [int(request.ids) for request in take_microbatch(waiting, 3)] == [1, 50, 2]
+    assert [int(request.ids) for request in waiting] == [3, 4, 5, 6]
+    assert [int(request.ids) for request in take_microbatch(waiting, 3, fits=lambda rows: len(rows) < 3)] == [3, 4]
+    assert [int(request.ids) for request in waiting] == [5, 6]
     assert Decoding.of(do_sample=True).seed is not None  # drawn, so the result can say it
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "finite"), ({"top_p": float("inf")}, "finite"), ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": True}, "seed"),
+    ({"typical_p": 0.5}, "unknown"),
+])
+def test_decoding_settings_are_checked_as_vllm_checks_them(settings, match) -> None:
+    with pytest.raises(dv.ConfigError, match=match):
+        Decoding.of(do_sample=True, **settings)
+
+
+def test_decoding_settings_vllm_accepts_are_taken() -> None:
+    assert Decoding.of(do_sample=True, temperature=1e-39) == Decoding()  # below 1e-5: greedy, never overflowing
+    assert Decoding.of(do_sample=True, temperature=0.0, seed=4) == Decoding()
+    assert dict(Decoding.of(do_sample=True, top_k=-1, seed=1).settings) == {"top_k": 0}  # -1 is off, as 0 is
+    assert Decoding.of(do_sample=True, top_p=1, min_p=0, top_k=1, seed=-(2**63)).seed == -(2**63)
+    assert Decoding.of(do_sample=True, seed=2**64 - 1).seed == 2**64 - 1

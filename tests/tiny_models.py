@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -104,4 +105,41 @@ def llama_repetition_penalty() -> Any:
     """The llama of `llama()`, whose generation config penalises repetitions (a logits processor)."""
     model = seeded("llama")
     model.generation_config.repetition_penalty = 1.3
+    return model
+
+
+#: A prompt holding this id makes `llama_poisoned`'s logits NaN for its row (and only its row).
+POISON = 95
+#: A prompt holding this id makes `llama_fatal`'s first stage process exit, every time it runs it.
+FATAL = 94
+
+
+def llama_poisoned() -> Any:
+    """The llama of `llama()`, whose embeddings are NaN for every position of a prompt holding `POISON` (a
+    decode step's token never poisons): its row gets non-finite logits, as a numerically broken request would,
+    while the other rows of its microbatch are untouched."""
+    model = seeded("llama")
+
+    def poison(_: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        ids = inputs[0]
+        if ids.shape[1] > 1:
+            output = output.masked_fill((ids == POISON).any(1)[:, None, None], float("nan"))
+        return output
+
+    model.get_input_embeddings().register_forward_hook(poison)
+    return model
+
+
+def llama_fatal() -> Any:
+    """The llama of `llama()`, whose process exits when its embedding sees a prompt holding `FATAL` (a decode
+    step's token never kills): a request that kills the stage running it, as a poison input to a buggy kernel
+    would, every time it is run."""
+    model = seeded("llama")
+
+    def exit_on_fatal(_: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+        ids = inputs[0]
+        if ids.shape[1] > 1 and bool((ids == FATAL).any()):
+            os._exit(3)
+
+    model.get_input_embeddings().register_forward_pre_hook(exit_on_fatal)
     return model

@@ -9,10 +9,13 @@
     GET  /metrics          Prometheus text format
 
 Every request carries `Authorization: Bearer <token>` (401 otherwise). Bodies are capped (413); malformed
-JSON or arguments get a 400 that says what is wrong, an unknown model a 404, a failed pipeline a 503; nothing
-a client sends can take the controller down. Errors have OpenAI's shape: `{"error": {"message", "type",
-"code"}}`. `temperature: 0` decodes greedily; otherwise tokens are sampled (temperature, top_p, top_k: off
-unless given, as OpenAI's API has none) from a generator seeded with `seed` (drawn when not given).
+JSON or arguments get a 400 that says what is wrong, an unknown model a 404, a request whose own computation
+failed a 500 (a setting the sampler refuses: 400), a failed pipeline a 503; nothing a client sends can take the
+controller down, and a request's failure is its own. Errors have OpenAI's shape: `{"error": {"message",
+"type", "code"}}`. `temperature` below 1e-5 decodes greedily; otherwise tokens are sampled (temperature, top_p,
+top_k and min_p: off unless given, as OpenAI's API has none) from the request's own generator seeded with
+`seed` (drawn when not given). A client that leaves, streamed or not, cancels its request: a waiting one is
+never computed, a running one ends at its next step.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, Protocol
 import attrs
 from aiohttp import web
 
-from ..errors import ConfigError, DejaVuError
+from ..errors import ConfigError, DejaVuError, RequestFailed
 from ..serving.batching import Result
 from .metrics import CONTENT_TYPE, ControllerMetrics
 
@@ -157,6 +160,7 @@ class _Run:
         self.backend, self.completion, self.loop = backend, completion, loop
         self.id, self.created, self.started = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
         self.events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()  # (choice, token or None: done)
+        self.counted = False  # in the metrics as ok, failed or cancelled (once)
         self.futures = backend.submit(completion.prompts, completion.max_tokens, completion.decoding,
                                       self._on_token)  # ConfigError: a bad prompt, and none is queued
         backend.metrics.in_flight.inc(len(self.futures))
@@ -170,7 +174,11 @@ class _Run:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None))
 
     async def complete(self) -> dict[str, Any]:
-        results = await self._results()
+        try:
+            results = await self._results()
+        except asyncio.CancelledError:  # the client left: nothing computes for nobody
+            self._cancel("a client left %s before its answer")
+            raise
         choices = [{"index": index, "text": self._text(result.tokens.tolist()), "logprobs": None,
                     "finish_reason": self._finish(result.tokens.tolist()), "token_ids": result.tokens.tolist()}
                    for index, result in enumerate(results)]
@@ -183,12 +191,21 @@ class _Run:
             await self._stream_events(response)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:  # the client left: its requests finish unheard, and are counted then
-            log.info("a client left %s before its stream ended", self.id)
-            task = asyncio.get_running_loop().create_task(self._results())
-            _UNHEARD.add(task)
-            task.add_done_callback(_forget)
+        except (ConnectionResetError, asyncio.CancelledError) as left:  # the client left: its requests end
+            self._cancel("a client left %s before its stream ended")
+            if isinstance(left, asyncio.CancelledError):
+                raise
         return response
+
+    def _cancel(self, why: str) -> None:
+        """Cancel every choice not answered yet (a waiting one is never computed, a running one ends at its next
+        step), and count the request as cancelled, once."""
+        log.info(why, self.id)
+        cancelled = [future.cancel() for future in self.futures]
+        if any(cancelled) and not self.counted:
+            self.counted = True
+            self.backend.metrics.in_flight.dec(len(self.futures))
+            self.backend.metrics.requests.labels("cancelled").inc()
 
     async def _stream_events(self, response: web.StreamResponse) -> None:
         """A chunk per token as it comes, and one per choice when it ends; an error event if one fails."""
@@ -210,11 +227,12 @@ class _Run:
                 texts[index] += delta
                 await _send(response, {**self._head(), "choices": [{"index": index, "text": delta, "logprobs": None,
                                                                     "finish_reason": None, "token_ids": [token]}]})
-            error = self.futures[index].exception()
+            error = None if self.futures[index].cancelled() else self.futures[index].exception()
             if error is not None:
                 self._count_failure()
-                await _send(response, {"error": {"message": f"generation failed: {error}", "type": "server_error",
-                                                 "code": None}})
+                _, kind, code = _failure(error)
+                await _send(response, {"error": {"message": f"generation failed: {error}", "type": kind,
+                                                 "code": code}})
                 return
             await _send(response, {**self._head(), "choices": [{"index": index, "text": "", "logprobs": None,
                                                                 "finish_reason": self._finish(generated[index]),
@@ -223,14 +241,19 @@ class _Run:
 
     async def _results(self) -> list[Result]:
         try:
-            results = [await asyncio.wrap_future(future) for future in self.futures]
+            results = [await asyncio.shield(asyncio.wrap_future(future)) for future in self.futures]
         except DejaVuError as error:
             self._count_failure()
-            raise ApiError(503, f"the serving pipeline failed: {error}", "server_error", "pipeline_failed") from None
+            status, kind, code = _failure(error)
+            raise ApiError(status, str(error) if isinstance(error, RequestFailed) else
+                           f"the serving pipeline failed: {error}", kind, code) from None
         self._count(results)
         return results
 
     def _count(self, results: list[Result]) -> None:
+        if self.counted:
+            return
+        self.counted = True
         metrics = self.backend.metrics
         metrics.in_flight.dec(len(self.futures))
         metrics.requests.labels("ok").inc()
@@ -241,6 +264,9 @@ class _Run:
             metrics.first_token.observe(min(result.first_token for result in results) - self.started)
 
     def _count_failure(self) -> None:
+        if self.counted:
+            return
+        self.counted = True
         self.backend.metrics.in_flight.dec(len(self.futures))
         self.backend.metrics.requests.labels("failed").inc()
 
@@ -260,14 +286,13 @@ class _Run:
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-#: Requests whose clients left mid-stream, until they are counted (a task nobody holds may be collected).
-_UNHEARD: set[asyncio.Task[Any]] = set()
-
-
-def _forget(task: asyncio.Task[Any]) -> None:
-    _UNHEARD.discard(task)
-    if not task.cancelled():
-        task.exception()  # an ApiError for a failed pipeline is already counted: nobody to tell
+def _failure(error: BaseException) -> tuple[int, str, str | None]:
+    """The HTTP status, error type and code of a failed request: its own input (400) or computation (500), or
+    the pipeline's failure (503)."""
+    if isinstance(error, RequestFailed):
+        return (400, "invalid_request_error", "bad_request") if error.input_error else \
+            (500, "server_error", "request_failed")
+    return 503, "server_error", "pipeline_failed"
 
 
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
@@ -345,14 +370,14 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def _decoding(body: dict[str, Any]) -> dict[str, Any]:
-    """Greedy at temperature 0; else sampled with the request's temperature, top_p and top_k (off unless
-    given: OpenAI's API has none, and -1 means off as in vLLM) from a generator seeded with `seed`."""
+    """Greedy at a temperature below 1e-5; else sampled with the request's temperature, top_p, top_k and min_p
+    (off unless given: OpenAI's API has none, and top_k -1 means off as in vLLM) from a generator seeded with
+    `seed`. Ranges as vLLM checks them (`Decoding.of`: ConfigError, a 400)."""
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    top_k = body.get("top_k", -1)
-    if not _is_id(top_k) or top_k < -1:
-        raise ApiError(400, f"'top_k' must be -1 (off) or a non-negative integer, got {top_k!r}")
-    seed = _integer(body, "seed", None, minimum=0)
     if temperature == 0:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": max(top_k, 0), "seed": seed}
+    seed = body.get("seed")
+    if seed is not None and not _is_id(seed):
+        raise ApiError(400, f"'seed' must be an integer, got {seed!r}")
+    return {"do_sample": True, "temperature": temperature, "top_p": body.get("top_p", 1.0),
+            "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed}

@@ -138,7 +138,8 @@ class Controller:
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(build_app(self, self._tokens, self.max_body_bytes), access_log=None)
+            runner = web.AppRunner(build_app(self, self._tokens, self.max_body_bytes), access_log=None,
+                                   handler_cancellation=True)  # a client that leaves cancels its request
             try:
                 loop.run_until_complete(runner.setup())
                 loop.run_until_complete(web.SockSite(runner, listener).start())

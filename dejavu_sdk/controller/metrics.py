@@ -15,7 +15,8 @@ class ControllerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("dejavu_requests", "Completion requests, by outcome (ok, bad_request, failed)",
+        self.requests = Counter("dejavu_requests",
+                                "Completion requests, by outcome (ok, bad_request, failed, cancelled)",
                                 ["outcome"], registry=self.registry)
         self.prompt_tokens = Counter("dejavu_prompt_tokens", "Prompt tokens of served requests",
                                      registry=self.registry)

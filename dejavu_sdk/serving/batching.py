@@ -1,7 +1,9 @@
-"""Requests and microbatches, as the paper's baseline schedules them.
+"""Requests and microbatches, as the paper's baseline schedules them, each row with a life of its own.
 
-Requests wait in arrival order; a microbatch takes up to `size` of them, left-pads their prompts to the
-longest, and runs until every row has ended (its end-of-sequence token, or its own `max_new_tokens`). A row
+Requests wait in arrival order; a microbatch takes up to `size` of them, taking turns between the submissions
+they came in (one large submission does not hold back a later one), left-pads their prompts to the longest,
+and runs until every row has ended. Each row has its own decoding and its own end: its end-of-sequence token,
+its own `max_new_tokens`, a failure of its own or a cancellation; its request is answered at that step. A row
 that ended keeps producing padding until the microbatch ends, as in `model.generate`.
 """
 
@@ -37,6 +39,8 @@ class Request:
     #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
     on_token: Callable[[int], None] | None = None
     streamed: int = 0  # tokens given to `on_token` so far
+    #: The submission it came in (requests submitted together share it): admission takes turns between them.
+    group: int = attrs.field(default=attrs.Factory(lambda self: self.number, takes_self=True))
 
 
 @attrs.frozen
@@ -112,8 +116,16 @@ class Microbatch:
     pad: int
     generated: list[list[int]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # when each step's tokens reached the head
-    #: Sampling with recovery: the last stage's generator state after each step (by step number), to resume at.
+    #: Sampling with recovery: the last stage's generator states (a row each) after each step, to resume at.
     rng_states: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    #: Rows whose request is answered: with its tokens (its end came), an error of its own, or cancelled.
+    settled: set[int] = attrs.field(factory=set)
+    #: Rows the last stage must end before their own end: failed or cancelled.
+    dropped: set[int] = attrs.field(factory=set)
+    #: Steps that reached the head, rewinds included: a recovery tells from it whether the microbatch progressed.
+    steps_received: int = 0
+    #: `steps_received` when the last recovery found it in flight (None: no recovery did).
+    seen_by_recovery: int | None = None
 
     def rewind(self, steps: int) -> None:
         """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
@@ -125,6 +137,7 @@ class Microbatch:
     def add_step(self, tokens: Sequence[int]) -> None:
         """One step's tokens, a row each, as they reach the head."""
         self.arrived.append(time.monotonic())
+        self.steps_received += 1
         for row, token in zip(self.generated, tokens, strict=True):
             row.append(token)
 
@@ -132,8 +145,8 @@ class Microbatch:
         """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
         `max_new_tokens`), with the callback to give them to; they count as given from now on."""
         calls = []
-        for request, row in zip(self.requests, self.generated, strict=True):
-            if request.on_token is not None:
+        for index, (request, row) in enumerate(zip(self.requests, self.generated, strict=True)):
+            if request.on_token is not None and index not in self.dropped:
                 kept = _kept(row, request.max_new_tokens, eos)
                 calls += [(request.on_token, token) for token in kept[request.streamed:]]
                 request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
@@ -149,24 +162,43 @@ class Microbatch:
         return [request.max_new_tokens for request in self.requests]
 
     @property
-    def decoding(self) -> Decoding:
-        return self.requests[0].decoding
+    def sampled(self) -> bool:
+        return any(request.decoding.do_sample for request in self.requests)
 
     def fields(self) -> dict[str, Any]:
-        """What the stages need to know of it, as message fields."""
-        return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens, "decoding": self.decoding.fields()}
+        """What the stages need to know of it, as message fields (each row's limit and decoding)."""
+        return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens,
+                "decoding": [request.decoding.fields() for request in self.requests]}
+
+    def row_ended(self, row: int, eos: Sequence[int]) -> bool:
+        """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
+        `max_new_tokens`."""
+        limit = self.requests[row].max_new_tokens
+        kept = _kept(self.generated[row], limit, eos)
+        return len(kept) == limit or bool(kept and kept[-1] in eos)
+
+    def ended_rows(self, eos: Sequence[int]) -> list[int]:
+        """The rows not answered yet whose tokens have come to their end."""
+        return [row for row in range(len(self.requests)) if row not in self.settled and self.row_ended(row, eos)]
+
+    @property
+    def live(self) -> bool:
+        """Whether some row is still unanswered."""
+        return len(self.settled) < len(self.requests)
+
+    def result(self, row: int, eos: Sequence[int]) -> Result:
+        """Row `row`'s tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
+        `max_new_tokens`."""
+        request = self.requests[row]
+        kept = _kept(self.generated[row], request.max_new_tokens, eos)
+        padding = int((self.mask[row] == 0).sum())
+        return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), padding,
+                      request.decoding.seed, request.submitted, self.arrived[0] if self.arrived else 0.0,
+                      self.arrived[len(kept) - 1] if kept else 0.0)
 
     def results(self, eos: Sequence[int]) -> list[Result]:
-        """Each row's tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
-        `max_new_tokens`."""
-        results = []
-        for row, (request, tokens) in enumerate(zip(self.requests, self.generated, strict=True)):
-            kept = _kept(tokens, request.max_new_tokens, eos)
-            padding = int((self.mask[row] == 0).sum())
-            results.append(Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
-                                  padding, request.decoding.seed, request.submitted, self.arrived[0],
-                                  self.arrived[len(kept) - 1]))
-        return results
+        """Every row's result (`result`)."""
+        return [self.result(row, eos) for row in range(len(self.requests))]
 
 
 def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
@@ -186,16 +218,27 @@ def _kept(tokens: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[in
 
 def take_microbatch(waiting: deque[Request], size: int,
                     fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
-    """The first waiting request and, in arrival order, up to `size - 1` more that decode as it does (the
-    same greedy or sampled settings and seed: a microbatch has one way of picking tokens). With `fits`, only
-    as many as fit (none when the first alone does not). The others keep their places."""
-    first = waiting.popleft()
-    taken: list[Request] = [first]
-    kept: list[Request] = []
-    while waiting and len(taken) < size:
-        request = waiting.popleft()
-        (taken if request.decoding == first.decoding else kept).append(request)
+    """Up to `size` waiting requests, taking turns between the submissions they came in: one from each, the
+    submission of the oldest request first, then a second from each, and so on, in arrival order within each
+    (rows of any decoding share a microbatch). With `fits`, only as many as fit (none when the first alone does
+    not). The others keep their places; cancelled requests leave the queue."""
+    submissions: dict[int, list[Request]] = {}
+    for request in waiting:
+        if not request.future.cancelled():
+            submissions.setdefault(request.group, []).append(request)
+    queues = [iter(requests) for requests in submissions.values()]
+    taken: list[Request] = []
+    while queues and len(taken) < size:
+        for turn in list(queues):
+            request = next(turn, None)
+            if request is None:
+                queues.remove(turn)
+            elif len(taken) < size:
+                taken.append(request)
     while fits is not None and taken and not fits(taken):
-        kept.append(taken.pop())
-    waiting.extendleft(sorted(kept, key=lambda request: request.number, reverse=True))
+        taken.pop()
+    chosen = {id(request) for request in taken}
+    kept = [request for request in waiting if id(request) not in chosen and not request.future.cancelled()]
+    waiting.clear()
+    waiting.extend(kept)
     return taken

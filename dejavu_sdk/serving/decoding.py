@@ -2,15 +2,18 @@
 
 Sampling follows `generate`: the model's generation config, updated by the request's settings, gives the
 warpers in generate's order (temperature, top-k, top-p, min-p), then softmax and one multinomial draw per
-row. Each microbatch draws from its own generator seeded with its `seed`, so a microbatch's tokens equal
-`torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True, ...)` on that microbatch.
+row. Each row draws from its own generator seeded with its request's `seed`, so rows of different settings
+and seeds share a microbatch, and a request alone in its microbatch gets the tokens of `torch.manual_seed(seed)`
+followed by `model.generate(..., do_sample=True, ...)`. A row whose logits or probabilities are not finite
+fails alone (`RowFailure`); the other rows of its microbatch go on.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import secrets
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -29,10 +32,14 @@ from ..errors import ConfigError
 SETTINGS = ("temperature", "top_k", "top_p", "min_p")
 
 
+#: Below this temperature a request is decoded greedily (as vLLM does): dividing logits by less overflows them.
+GREEDY_BELOW = 1e-5
+
+
 @attrs.frozen
 class Decoding:
     """A request's decoding: greedy, or sampled with `settings` (unset ones come from the model's generation
-    config) from a generator seeded with `seed`. Requests share a microbatch only with equal decodings."""
+    config) from a generator of its own seeded with `seed`. Rows of different decodings share a microbatch."""
 
     do_sample: bool = False
     settings: tuple[tuple[str, float | int], ...] = ()
@@ -40,29 +47,56 @@ class Decoding:
 
     @classmethod
     def of(cls, do_sample: bool = False, seed: int | None = None, **settings: Any) -> Decoding:
-        """Check a request's decoding arguments; sampled requests without a seed get a random one."""
+        """Check a request's decoding arguments as vLLM checks them (ConfigError): `temperature` >= 0, below
+        1e-5 greedy; `top_p` in (0, 1]; `top_k` -1 or 0 (off) or >= 1; `min_p` in [0, 1]; `seed` any integer a
+        `torch.Generator` takes. Sampled requests without a seed get a random one."""
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ConfigError(f"unknown decoding settings {unknown}; pipelines take do_sample, seed and "
                               f"{', '.join(SETTINGS)}")
-        given = {name: value for name, value in settings.items() if value is not None}
+        given = {name: _checked(name, value) for name, value in settings.items() if value is not None}
         if not do_sample:
             if given or seed is not None:
                 raise ConfigError(f"{', '.join(sorted(given) + (['seed'] if seed is not None else []))} apply to "
                                   "sampling: pass do_sample=True as well")
             return cls()
-        for name, value in given.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if given.get("temperature", 1.0) < GREEDY_BELOW:
+            return cls()
         if seed is None:
             seed = secrets.randbits(63)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ConfigError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+        else:
+            _check_seed(seed)
         return cls(True, tuple(sorted(given.items())), seed)
 
     def fields(self) -> dict[str, Any]:
         """As message fields, for the last stage."""
         return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed}
+
+
+def _checked(name: str, value: Any) -> float | int:
+    """One sampling setting, in the range vLLM accepts (top_k -1 becomes 0: off, as transformers reads it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if name == "temperature" and value < 0:
+        raise ConfigError(f"temperature must be 0 or more (below {GREEDY_BELOW} is greedy), got {value!r}")
+    if name == "top_p" and not 0 < value <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {value!r}")
+    if name == "min_p" and not 0 <= value <= 1:
+        raise ConfigError(f"min_p must be in [0, 1], got {value!r}")
+    if name == "top_k":
+        if value != int(value) or value < -1:
+            raise ConfigError(f"top_k must be -1 or 0 (off) or a positive integer, got {value!r}")
+        return max(int(value), 0)
+    return value
+
+
+def _check_seed(seed: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    try:
+        torch.Generator().manual_seed(seed)
+    except (ValueError, RuntimeError, OverflowError):
+        raise ConfigError(f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}") from None
 
 
 @attrs.frozen
@@ -95,40 +129,110 @@ class TokenRules:
                    refused)
 
 
+@attrs.frozen
+class RowFailure:
+    """Why a row could not get its next token: `reason`, and whether its input caused it (`input_error`: a setting
+    the warpers refuse) or its computation did (non-finite logits or probabilities)."""
+
+    reason: str
+    input_error: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return {"reason": self.reason, "input_error": self.input_error}
+
+
 def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int, limits: list[int],
-                eos: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `steps`-th new token of each row (padding for rows that ended before), and which rows have ended
-    with it: at any of the `eos` ids, or at their own `limits` (max_new_tokens)."""
-    tokens = picker(logits).masked_fill(ended, pad)
-    ended = ended | torch.isin(tokens, eos.to(tokens.device))
-    return tokens, ended | torch.tensor([steps >= limit for limit in limits], device=ended.device)
+                eos: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure]]:
+    """The `steps`-th new token of each row (padding for rows that ended before), which rows have ended with it
+    (at any of the `eos` ids, at their own `limits` (max_new_tokens), or failed), and why each row that failed
+    now did. A failed row ends: the others go on."""
+    tokens, failures = picker(logits)
+    failures = {row: failure for row, failure in failures.items() if not bool(ended[row])}
+    failed = torch.zeros_like(ended)
+    failed[list(failures)] = True
+    tokens = tokens.masked_fill(ended | failed, pad)
+    ended = ended | failed | torch.isin(tokens, eos.to(tokens.device))
+    return tokens, ended | torch.tensor([steps >= limit for limit in limits], device=ended.device), failures
+
+
+class _Sampler(NamedTuple):
+    warpers: LogitsProcessorList
+    generator: torch.Generator
 
 
 class TokenPicker:
-    """One microbatch's next-token choice at the last stage (greedy, or sampled from its own generator)."""
+    """One microbatch's next-token choice at the last stage: each row greedy, or sampled with its own settings
+    from its own generator seeded with its seed (`rows`: each row's `Decoding.fields()`)."""
 
-    def __init__(self, generation_config: Any, fields: dict[str, Any]) -> None:
-        self.sampled = bool(fields.get("do_sample"))
-        self.warpers = LogitsProcessorList()
-        self.generator: torch.Generator | None = None
-        if self.sampled:
-            config = copy.deepcopy(generation_config)
-            for name, value in {**_unset_defaults(config), **fields.get("settings", {})}.items():
-                setattr(config, name, value)
-            self.warpers = _warpers(config)
-            self.generator = torch.Generator().manual_seed(int(fields["seed"]))
+    def __init__(self, generation_config: Any, rows: list[dict[str, Any]]) -> None:
+        self.samplers: list[_Sampler | None] = []
+        self.refused: dict[int, RowFailure] = {}  # rows whose settings the warpers refuse
+        built: dict[str, LogitsProcessorList] = {}  # rows of equal settings share their warpers
+        for row, fields in enumerate(rows):
+            if not fields.get("do_sample"):
+                self.samplers.append(None)
+                continue
+            settings = dict(fields.get("settings", {}))
+            key = repr(sorted(settings.items()))
+            try:
+                if key not in built:
+                    config = copy.deepcopy(generation_config)
+                    for name, value in {**_unset_defaults(config), **settings}.items():
+                        setattr(config, name, value)
+                    built[key] = _warpers(config)
+            except (ValueError, TypeError) as error:
+                self.refused[row] = RowFailure(f"its sampling settings are refused: {error}", input_error=True)
+                self.samplers.append(None)
+                continue
+            self.samplers.append(_Sampler(built[key], torch.Generator().manual_seed(int(fields["seed"]))))
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token from float32 logits `[B, vocab]` (the warpers here read no input ids)."""
-        if not self.sampled:
-            return logits.argmax(-1)
-        no_ids = cast(torch.LongTensor, torch.empty((len(logits), 0), dtype=torch.long))
-        scores = self.warpers(no_ids, logits)
+    @property
+    def sampled(self) -> bool:
+        return any(sampler is not None for sampler in self.samplers)
+
+    def states(self) -> torch.Tensor | None:
+        """Every row's generator state `[rows, n]` (zeros for greedy rows); None when no row samples."""
+        states = [None if sampler is None else sampler.generator.get_state() for sampler in self.samplers]
+        size = next((state.numel() for state in states if state is not None), None)
+        if size is None:
+            return None
+        return torch.stack([torch.zeros(size, dtype=torch.uint8) if state is None else state for state in states])
+
+    def set_states(self, states: torch.Tensor) -> None:
+        """Put each sampled row's generator back in the state `states()` gave (a recovery resumes there)."""
+        for sampler, state in zip(self.samplers, states, strict=True):
+            if sampler is not None:
+                sampler.generator.set_state(state.clone())
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, RowFailure]]:
+        """Each row's next token from float32 logits `[B, vocab]`, and the rows that could get none (their token
+        is then meaningless). The warpers here read no input ids."""
+        tokens = logits.argmax(-1)
+        failures = dict(self.refused)
+        broken = (torch.isnan(logits) | torch.isposinf(logits)).any(-1).tolist()
+        for row, sampler in enumerate(self.samplers):
+            if broken[row]:
+                failures[row] = RowFailure("the model's logits for it are not finite (NaN or +inf)")
+            elif sampler is not None and row not in failures:
+                drawn = _draw(sampler, logits[row:row + 1])
+                if isinstance(drawn, RowFailure):
+                    failures[row] = drawn
+                else:
+                    tokens[row] = drawn
+        return tokens, failures
+
+
+def _draw(sampler: _Sampler, logits: torch.Tensor) -> int | RowFailure:
+    """One row's token drawn from its warped distribution with its own generator, as `generate` draws it."""
+    no_ids = cast(torch.LongTensor, torch.empty((1, 0), dtype=torch.long))
+    try:
+        scores = sampler.warpers(no_ids, logits)
         probabilities = torch.nn.functional.softmax(scores, dim=-1)
-        # The draw is on the CPU generator's side, wherever the logits are: reproducible from the seed (on a GPU
-        # it does not repeat `generate`, which draws from the GPU's generator).
-        draw = torch.multinomial(probabilities.cpu(), num_samples=1, generator=self.generator).squeeze(1)
-        return draw.to(logits.device)
+        # On the CPU generator's side, wherever the logits are: reproducible from the seed (on a GPU it does not
+        # repeat `generate`, which draws from the GPU's generator).
+        return int(torch.multinomial(probabilities.cpu(), num_samples=1, generator=sampler.generator))
+    except (RuntimeError, ValueError) as error:  # non-finite or negative probabilities, a warper's refusal
+        return RowFailure(f"its next token could not be drawn: {error}")
 
 
 def _warpers(config: Any) -> LogitsProcessorList:

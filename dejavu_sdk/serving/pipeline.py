@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from ..backends import open_store, open_transport, serve
-from ..errors import ConfigError, StoreError, TransportError
+from ..errors import ConfigError, RequestFailed, StoreError, TransportError
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
@@ -76,6 +76,10 @@ WATCH_PERIOD = 0.1
 #: Sampling with recovery: the last steps whose generator state the head keeps (a microbatch whose replicas
 #: lag further behind starts over).
 RNG_STEPS_KEPT = 64
+#: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
+#: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
+POISON = ("it was in flight at two recoveries in a row without making progress; it is not tried again, so that "
+          "no request can hold the pipeline in recoveries")
 
 
 @attrs.frozen
@@ -276,6 +280,8 @@ class Pipeline:
         self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._inbox: Server | None = None
         self._receiver: threading.Thread | None = None
+        self._starting = False  # start() is under way: submissions wait for it (bounded by `timeout`)
+        self._running = threading.Event()
         self._closed = False
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -296,6 +302,7 @@ class Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
         loaded them."""
         self.listen()
+        self._starting = True
         try:
             if self.launch:
                 self._processes = [self._launch() for _ in self.layers]
@@ -308,6 +315,7 @@ class Pipeline:
             raise
         self._receiver = threading.Thread(target=self._receive, name="dejavu-pipeline-head", daemon=True)
         self._receiver.start()
+        self._running.set()
         return self
 
     def _assign_stages(self) -> None:
@@ -424,6 +432,7 @@ class Pipeline:
             if self._closed:
                 return
             self._closed = True
+        self._running.set()  # submissions waiting for the start see it closed
         holding = self.holding_numbers()
         self._fail(TransportError("the pipeline was closed"))
         recovering = self._recovering
@@ -461,11 +470,15 @@ class Pipeline:
                on_token: Callable[[int], None] | None = None, **settings: Any) -> Future[Result]:
         """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
-        Greedy by default; `do_sample=True` samples with `temperature`, `top_k`, `top_p`, `min_p` (unset ones
-        from the model's generation config) from a generator seeded with `seed` (drawn when not given, and
-        returned in the result): the microbatch's tokens equal `torch.manual_seed(seed)` followed by
-        `model.generate(..., do_sample=True)` on it. Requests share a microbatch only with equal settings.
-        `on_token(id)` gets each new token as it arrives, on the head's receiver thread (keep it short).
+        Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`,
+        `min_p` (unset ones from the model's generation config) from a generator of the request's own seeded with
+        `seed` (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
+        `torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True)`. Requests of any settings
+        share microbatches. `on_token(id)` gets each new token as it arrives, on the head's receiver thread
+        (keep it short). The future is answered at the step its request ends, with its `Result`, or a
+        `RequestFailed` of its own (the other requests go on), or the `TransportError` that stopped the
+        pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request off the queue, and ends a
+        running one at its next step. A pipeline still starting queues the request once it is running.
         """
         listener = None if on_token is None else (lambda _, token: on_token(token))
         return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
@@ -475,8 +488,9 @@ class Pipeline:
                    seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
                    **settings: Any) -> list[Future[Result]]:
         """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
-        decoding as in `submit`, one seed for them all; `on_token(index, id)` gets the new tokens of
-        `prompts[index]` as they arrive."""
+        decoding as in `submit`, each prompt from its own generator seeded with `seed`; `on_token(index, id)`
+        gets the new tokens of `prompts[index]` as they arrive. Admission takes turns between submissions: a
+        long list does not hold back a submission that comes after it."""
         return self._queue(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings), on_token)
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
@@ -486,25 +500,120 @@ class Pipeline:
         futures = self.submit_all(prompts, max_new_tokens, do_sample=do_sample, seed=seed, **settings)
         return [future.result().tokens for future in futures]
 
+    def cancel(self, future: Future[Result]) -> bool:
+        """Cancel the request `future` belongs to (as `future.cancel()` does): a waiting request is never
+        computed, a running one ends at its next step. False when it had its answer already."""
+        return future.cancel()
+
     def _queue(self, prompts: Sequence[Any], max_new_tokens: int, decoding: Decoding,
                on_token: Callable[[int, int], None] | None = None) -> list[Future[Result]]:
-        if self._receiver is None or self._closed:
-            raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
+        self._wait_until_running()
         if decoding.do_sample and self._sampling_refused is not None:
             raise self._sampling_refused
-        requests = []
+        requests: list[Request] = []
         for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
             listener = None if on_token is None else functools.partial(on_token, index)
-            requests.append(Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context),
-                                    decoding, on_token=listener))
+            request = Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context), decoding,
+                              on_token=listener, **({"group": requests[0].group} if requests else {}))
+            requests.append(request)
             check_fits_alone(cache_bytes(requests[-1:], self.kv_bytes_per_token), self.kv_budget, self.swapping)
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             self._waiting.extend(requests)
+        for request in requests:
+            request.future.add_done_callback(functools.partial(self._answered, request))
         self._admit()
         return [request.future for request in requests]
+
+    def _wait_until_running(self) -> None:
+        """Return once the pipeline runs: at once, or when a start under way ends (within `timeout`)."""
+        if self._closed or not (self._starting or self._running.is_set()):
+            raise ConfigError("the pipeline is not running: use it in a with block, or call start()")
+        if not self._running.wait(self.timeout):
+            raise TransportError(f"the pipeline did not finish starting within {self.timeout:.0f} s")
+        if self._closed:
+            raise ConfigError("the pipeline is closed")
+
+    def _answered(self, request: Request, future: Future[Result]) -> None:
+        """A request's future is done: when its caller cancelled it, take it off the queue, or end its row."""
+        if not future.cancelled():
+            return
+        with self._lock:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                return
+            found = next(((batch, row) for batch in self._in_flight.values()
+                          for row, member in enumerate(batch.requests) if member is request), None)
+            if found is None:
+                return
+            batch, row = found
+            batch.dropped.add(row)
+            batch.settled.add(row)
+            decoding = self._phase(batch) == "decoding"
+        if decoding:  # else its start on the token pipeline carries the row as ended
+            self._send_quietly(self.decoding_stages()[0], Message("cancel", {
+                "microbatch": batch.number, "rows": [row], "epoch": self._epoch}))
+
+    def _phase(self, batch: Microbatch) -> str:
+        """Where a microbatch in flight is: "prompting" (in the prompt pipeline), "staged" (prefilled, waiting
+        for the token pipeline) or "decoding" (a mixed pipeline's microbatches always are)."""
+        if not self.disaggregated:
+            return "decoding"
+        if any(number == batch.number for number, _ in self._staged):
+            return "staged"
+        return "decoding" if batch.arrived else "prompting"
+
+    def _microbatch_failed(self, number: int, error: str) -> None:
+        """A stage's computation failed on microbatch `number`: its unanswered requests fail with that error,
+        every decoding stage lets it go, and its room is given back. The stage and the other microbatches go on."""
+        with self._lock:
+            batch = self._in_flight.get(number)
+            if batch is None:
+                return
+            phase = self._phase(batch)
+            del self._in_flight[number]
+            self._prompting -= self.disaggregated and phase == "prompting"
+            self._decoding -= self.disaggregated and phase == "decoding"
+            for table in (self._reserved, self._progress):
+                table.pop(number, None)
+            self._freed_early.discard(number)
+            answers = self._fail_rows(batch, error)
+        _answer(answers)
+        for index in self.decoding_stages():
+            self._send_quietly(index, Message("drop", {"microbatches": [number], "epoch": self._epoch}))
+        self._admit()
+
+    @staticmethod
+    def _fail_rows(batch: Microbatch, error: str) -> list[tuple[Future[Result], Any]]:
+        """Under the lock: a `RequestFailed` for each row of `batch` not answered yet, which now are."""
+        rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
+        batch.settled.update(rows)
+        return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
+
+    def _send_quietly(self, index: int, message: Message) -> None:
+        """Send a message whose loss a stage failure makes moot (the watchdog finds the stage)."""
+        try:
+            self.send(index, message)
+        except (TransportError, StoreError) as error:
+            log.warning("%s did not take %r: %s", self.stage_table[index].name, message.kind, error)
+
+    def _settle_rows(self, batch: Microbatch, failures: dict[str, Any]) -> list[tuple[Future[Result], Any]]:
+        """Under the lock: the answers due to the rows of `batch` that failed (by row, as the last stage reported
+        them) or came to their end with its latest step; they are settled from now on."""
+        answers: list[tuple[Future[Result], Any]] = []
+        for key, failure in failures.items():
+            row = int(key)
+            if row not in batch.settled:
+                batch.settled.add(row)
+                batch.dropped.add(row)
+                error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
+                answers.append((batch.requests[row].future, error))
+        for row in batch.ended_rows(self.eos):
+            batch.settled.add(row)
+            answers.append((batch.requests[row].future, batch.result(row, self.eos)))
+        return answers
 
     # ---- the head's scheduling --------------------------------------------------------------------
     def _admit(self) -> None:
@@ -518,7 +627,7 @@ class Pipeline:
                     number, start = self._staged.popleft()
                     self._decoding += 1
                     self._progress[number] = time.monotonic()
-                    stage, message = len(self.layouts[0]), start
+                    stage, message = len(self.layouts[0]), _without(start, self._in_flight[number].dropped)
                 elif self._waiting and self._room_for_a_prefill():
                     taken = take_microbatch(self._waiting, self.microbatch, self._fits_beside_those_in_flight)
                     if not taken:  # the budget is full: wait for a microbatch to end
@@ -652,33 +761,37 @@ class Pipeline:
             self._start_recovery(set(), f"{message.fields['stage']} lost a link: {message.fields['error']}")
         elif message.kind == "tokens":
             number = int(message.fields["microbatch"])
-            calls = []
+            calls, answers = [], []
             with self._lock:
                 batch = self._in_flight.get(number)
                 if batch is not None:
                     self._progress[number] = time.monotonic()
                     batch.add_step(message.tensors[0].tolist())
-                    if len(message.tensors) > 1:  # sampling with recovery: the generator's state after this step
+                    if len(message.tensors) > 1:  # sampling with recovery: the generators' states after this step
                         step = len(batch.arrived)
                         batch.rng_states[step] = message.tensors[1].clone()
                         batch.rng_states.pop(step - RNG_STEPS_KEPT, None)  # replicas are never that far behind
                     calls = batch.unstreamed(self.eos)
+                    answers = self._settle_rows(batch, message.fields.get("failed", {}))
             _stream(calls)
+            _answer(answers)
         elif message.kind == "prefilled":  # disaggregated: the prompt pipeline's first tokens; decoding waits
             number = int(message.fields["microbatch"])
             with self._lock:
                 batch = self._in_flight.get(number)
                 self._prompting -= 1
                 self._progress.pop(number, None)  # not watched while it waits for a token stage
-                calls = []
+                calls, answers = [], []
                 if batch is not None:
                     tokens, mask, ended, rng = message.tensors
                     batch.add_step(tokens[:, 0].tolist())
                     if rng.numel() and self.recovery is not None:
                         batch.rng_states[1] = rng.clone()
                     calls = batch.unstreamed(self.eos)
+                    answers = self._settle_rows(batch, message.fields.get("failed", {}))
                     self._staged.append((number, Message("start", batch.fields(), (tokens, mask, ended, rng))))
             _stream(calls)
+            _answer(answers)
             self._admit()
         elif message.kind == "ended":
             number = int(message.fields["microbatch"])
@@ -692,10 +805,12 @@ class Pipeline:
                 else:
                     self._progress.pop(number, None)
                 self._decoding -= self.disaggregated
-            if batch is not None:
-                for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
-                    _settle(request.future, result=result)
+            if batch is not None:  # every row was answered at its end; this answers any the stages ended early
+                _answer([(batch.requests[row].future, batch.result(row, self.eos))
+                         for row in range(len(batch.requests)) if row not in batch.settled])
             self._admit()
+        elif message.kind == "microbatch_failed":
+            self._microbatch_failed(int(message.fields["microbatch"]), str(message.fields["error"]))
         elif message.kind == "heartbeat":
             name = str(message.fields["stage"])
             with self._lock:  # a standby's beats only show it is there; a replaced worker's are no one's
@@ -796,7 +911,7 @@ class Pipeline:
             if report is None:
                 return
             try:
-                self.resume(report.epoch, report.resumed, report.recomputed, report.finished)
+                self.resume(report.epoch, report.resumed, report.recomputed, report.finished, report.failed)
             except TransportError as lost:  # a stage died as the pipeline went on: recover again
                 again = f"resuming after a recovery failed: {lost}"
             _call_quietly(self.on_recovery, report)
@@ -922,20 +1037,22 @@ class Pipeline:
         """Each microbatch in flight and where it is: "prompting", "staged" (prefilled, waiting for the token
         pipeline) or "decoding"."""
         with self._lock:
-            staged = {number for number, _ in self._staged}
-            return [(number, batch, "staged" if number in staged else
-                     "prompting" if not batch.arrived else "decoding")
-                    for number, batch in sorted(self._in_flight.items())]
+            return [(number, batch, self._phase(batch)) for number, batch in sorted(self._in_flight.items())]
 
     def batch(self, number: int) -> Microbatch:
         return self._in_flight[number]
 
-    def resume(self, epoch: int, resumed: dict[int, int], recomputed: list[int], finished: list[int]) -> None:
+    def resume(self, epoch: int, resumed: dict[int, int], recomputed: list[int], finished: list[int],
+               failed: Sequence[int] = ()) -> None:
         """After a recovery: feed each resumed microbatch the token of the step it resumes at, start the
-        recomputed ones over from their prompts, settle the finished ones; then let new work in."""
+        recomputed ones over from their prompts, settle the finished ones, fail the `failed` ones (in flight at
+        two recoveries in a row without progress: poison); then let new work in."""
         first = self.decoding_stages()[0]
         sends: list[tuple[int, Message]] = []
+        answers: list[tuple[Future[Result], Any]] = []
         with self._lock:
+            for number in failed:
+                answers += self._fail_rows(self._in_flight.pop(number), POISON)
             done = [self._in_flight.pop(number) for number in finished]
             for number in [number for number in self._reserved if number not in self._in_flight]:
                 del self._reserved[number]  # ended: every stage dropped its cache
@@ -959,8 +1076,9 @@ class Pipeline:
                 self._progress[number] = now
             self._held = False
         for batch in done:
-            for request, result in zip(batch.requests, batch.results(self.eos), strict=True):
-                _settle(request.future, result=result)
+            answers += [(batch.requests[row].future, batch.result(row, self.eos))
+                        for row in range(len(batch.requests)) if row not in batch.settled]
+        _answer(answers)
         for index, message in sends:
             self.send(index, message)
 
@@ -979,7 +1097,7 @@ class Pipeline:
 
 
 #: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
-_STEPS = ("tokens", "prefilled", "ended", "freed", "link_lost")
+_STEPS = ("tokens", "prefilled", "ended", "freed", "link_lost", "microbatch_failed")
 #: The stages' answers to a recovery's steps, handed to the recovery thread.
 _REPLIES = ("paused", "relinked", "sent", "rewound", "ready")
 
@@ -1117,6 +1235,25 @@ def _stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
             callback(token)
         except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
             log.exception("a request's on_token callback failed")
+
+
+def _answer(answers: list[tuple[Future[Result], Any]]) -> None:
+    """Give each future its result or error (outside the head's lock)."""
+    for future, answer in answers:
+        if isinstance(answer, BaseException):
+            _settle(future, error=answer)
+        else:
+            _settle(future, result=answer)
+
+
+def _without(start: Message, rows: set[int]) -> Message:
+    """A `start` message whose `ended` rows include `rows` (failed or cancelled since it was made)."""
+    if not rows:
+        return start
+    tokens, mask, ended, rng = start.tensors
+    ended = ended.clone()
+    ended[sorted(rows)] = 1
+    return Message(start.kind, start.fields, (tokens, mask, ended, rng))
 
 
 def _settle(future: Future[Result], result: Result | None = None, error: BaseException | None = None) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -38,6 +38,7 @@ from .messages import Message
 from .replication import assemble, held_positions, replica_stream
 
 if TYPE_CHECKING:
+    from .batching import Microbatch
     from .pipeline import Pipeline
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ ATTEMPTS = 3
 class RecoveryReport:
     """What one recovery did: the `epoch` it began, the stages it replaced and why, which microbatches resumed
     at which step (`resumed`: microbatch -> the step whose token it was fed again), which started over from
-    their prompts (`recomputed`) and which had every token already (`finished`: their end crossed the
-    recovery), and how long each part took, in seconds: `pausing` the survivors,
+    their prompts (`recomputed`), which had every token already (`finished`: their end crossed the
+    recovery), which failed (`failed`: in flight at the recovery before too, without a new token since: the
+    poison bound), and how long each part took, in seconds: `pausing` the survivors,
     `replacing` (placing the replacements and relinking), `transferring` the caches and rewinding, and
     `total` from the detection until every stage was ready to go on; `detected` is the `time.monotonic()` of
     the detection."""
@@ -72,13 +74,15 @@ class RecoveryReport:
     transferring: float
     total: float
     detected: float
+    failed: list[int] = attrs.field(factory=list)
 
     def describe(self) -> str:
         resumed = ", ".join(f"microbatch {number} from step {step}" for number, step in sorted(self.resumed.items()))
         return (f"recovered {', '.join(self.replaced) or 'no stage'} ({self.reason}) in {self.total:.2f} s: paused "
                 f"{self.pausing:.2f} s, replaced {self.replacing:.2f} s, caches back {self.transferring:.2f} s; "
                 f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}"
-                + (f"; finished before it {self.finished}" if self.finished else ""))
+                + (f"; finished before it {self.finished}" if self.finished else "")
+                + (f"; failed (no progress since the recovery before) {self.failed}" if self.failed else ""))
 
 
 def resume_point(prompt: int, tokens: int, replicas: Sequence[int]) -> int | None:
@@ -89,11 +93,21 @@ def resume_point(prompt: int, tokens: int, replicas: Sequence[int]) -> int | Non
     return positions if positions >= prompt and tokens >= 1 else None
 
 
-def ended_rows(generated: Sequence[Sequence[int]], steps: int, limits: Sequence[int],
-               eos: Sequence[int]) -> torch.Tensor:
-    """Which rows had ended once `steps` tokens were picked (as the last stage tracks it)."""
-    return torch.tensor([any(token in eos for token in row[:steps]) or steps >= limit
-                         for row, limit in zip(generated, limits, strict=True)], dtype=torch.uint8)
+def ended_rows(generated: Sequence[Sequence[int]], steps: int, limits: Sequence[int], eos: Sequence[int],
+               dropped: Collection[int] = ()) -> torch.Tensor:
+    """Which rows had ended once `steps` tokens were picked (as the last stage tracks it), the `dropped` ones
+    (failed or cancelled) included."""
+    return torch.tensor([any(token in eos for token in row[:steps]) or steps >= limit or index in dropped
+                         for index, (row, limit) in enumerate(zip(generated, limits, strict=True))],
+                        dtype=torch.uint8)
+
+
+def no_progress(batch: Microbatch) -> bool:
+    """Whether `batch` was in flight at the previous recovery too and got no new token since (the poison
+    bound: it fails rather than be tried again). Marks it as seen by this recovery."""
+    stuck = batch.seen_by_recovery == batch.steps_received
+    batch.seen_by_recovery = batch.steps_received
+    return stuck
 
 
 class Recovery:
@@ -155,7 +169,7 @@ class Recovery:
         self._await("relinked", {head.stage_table[index].name for index in survivors})
         replacing = time.monotonic() - started
         started = time.monotonic()
-        resumed, recomputed, finished = self._plan(paused)
+        resumed, recomputed, finished, failed = self._plan(paused)
         log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, resumed,
                  recomputed)
         decoding = head.decoding_stages()
@@ -167,7 +181,7 @@ class Recovery:
         transferring = time.monotonic() - started
         report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
                                 self.reason, resumed, recomputed, finished, pausing, replacing, transferring,
-                                time.monotonic() - self.detected, self.detected)
+                                time.monotonic() - self.detected, self.detected, failed)
         log.warning("%s", report.describe())
         return report
 
@@ -203,18 +217,23 @@ class Recovery:
             self._send(index, Message("pause", fields))
         return self._await("paused", {head.stage_table[index].name for index in survivors})
 
-    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int], list[int]]:
+    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int], list[int], list[int]]:
         """Each microbatch in flight: the step it resumes from, or that it starts over, or that it has all its
-        tokens already (its end crossed the recovery's start)."""
+        tokens already (its end crossed the recovery's start), or that it fails (poison: `no_progress`)."""
         head = self.head
         resumed: dict[int, int] = {}
         recomputed: list[int] = []
         finished: list[int] = []
+        failed: list[int] = []
         decoding = head.decoding_stages()
         for number, batch, phase in head.in_flight_batches():
             prompt, tokens = batch.mask.shape[1], len(batch.generated[0])
-            if tokens and bool(ended_rows(batch.generated, tokens, batch.max_new_tokens, head.eos).all()):
+            if tokens and bool(ended_rows(batch.generated, tokens, batch.max_new_tokens, head.eos,
+                                          batch.dropped).all()):
                 finished.append(number)
+                continue
+            if phase != "staged" and no_progress(batch):  # a staged one waits: it computes nothing to blame
+                failed.append(number)
                 continue
             point: int | None = None
             if head.recovery == "replicas" and phase == "decoding":
@@ -222,13 +241,13 @@ class Recovery:
                                      for index in decoding if index not in self.dead)
                 replicas = [self._replica_reach(index, number, paused) for index in decoding if index in self.dead]
                 point = resume_point(prompt, tokens, replicas) if survivors_hold else None
-                if point is not None and batch.decoding.do_sample and point - prompt + 1 not in batch.rng_states:
+                if point is not None and batch.sampled and point - prompt + 1 not in batch.rng_states:
                     point = None  # the generator's state at that step is not known: start over
             if point is None:
                 recomputed.append(number)
             else:
                 resumed[number] = point - prompt + 1
-        return resumed, recomputed, finished
+        return resumed, recomputed, finished, failed
 
     def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
         """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
@@ -305,7 +324,7 @@ class Recovery:
         head = self.head
         for number, step in resumed.items():
             batch = head.batch(number)
-            ended = ended_rows(batch.generated, step, batch.max_new_tokens, head.eos)
+            ended = ended_rows(batch.generated, step, batch.max_new_tokens, head.eos, batch.dropped)
             rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))  # greedy: no generator
             for index in decoding:
                 holder = head.replica_holder(index)

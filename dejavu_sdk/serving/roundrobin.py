@@ -19,7 +19,7 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestFailed
 from ..swapping import (
     SwapChoice,
     SwappedCaches,
@@ -35,7 +35,7 @@ from ..swapping import (
 from ..timing import measure_times
 from .adapters import adapter_for
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
-from .decoding import Decoding, TokenPicker, TokenRules, next_tokens
+from .decoding import Decoding, RowFailure, TokenPicker, TokenRules, next_tokens
 from .stage import Stage, position_ids
 
 log = logging.getLogger(__name__)
@@ -177,9 +177,11 @@ class RoundRobin:
         cache = caches.new_cache(batch.number)
         logits = self._stage.forward(batch.ids.to(self.device), mask, positions, cache)
         caches.add(batch.number, positions_needed(batch.ids.shape[1], max(batch.max_new_tokens)))
-        picker = TokenPicker(self.model.generation_config, batch.decoding.fields())
+        picker = TokenPicker(self.model.generation_config, batch.fields()["decoding"])
         ended = torch.zeros(len(batch.requests), dtype=torch.bool, device=self.device)
-        tokens, ended = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos, self.rules.pad)
+        tokens, ended, failures = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos,
+                                              self.rules.pad)
+        _raise_first(batch, failures)
         batch.add_step(tokens.tolist())
         state = _InFlight(batch, cache_bytes(batch.requests, self.bytes_per_token), mask, positions[:, -1:], tokens,
                           ended, picker)
@@ -196,8 +198,9 @@ class RoundRobin:
         logits = self._stage.forward(state.tokens[:, None], state.mask, state.positions, cache)
         caches.release(number)
         state.steps += 1
-        state.tokens, state.ended = next_tokens(state.picker, logits, state.ended, state.steps,
-                                                state.batch.max_new_tokens, self._eos, self.rules.pad)
+        state.tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
+                                                          state.batch.max_new_tokens, self._eos, self.rules.pad)
+        _raise_first(state.batch, failures)
         state.batch.add_step(state.tokens.tolist())
 
     @property
@@ -207,6 +210,12 @@ class RoundRobin:
 
 def _results(batch: Microbatch, eos: list[int]) -> dict[int, Result]:
     return {request.number: result for request, result in zip(batch.requests, batch.results(eos), strict=True)}
+
+
+def _raise_first(batch: Microbatch, failures: dict[int, RowFailure]) -> None:
+    """One process serves one call: a row that could get no token fails the call, naming its request."""
+    for row, failure in failures.items():
+        raise RequestFailed(failure.reason, batch.requests[row].number, failure.input_error)
 
 
 def _layer_count(model: Any) -> int:

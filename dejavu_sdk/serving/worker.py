@@ -27,6 +27,7 @@ cache from the restored replica).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -49,14 +50,18 @@ from .messages import Message, pack, unpack
 from .replication import Replicator, assemble, cache_from, held_positions, replica_stream
 from .stage import Stage, position_ids
 
+log = logging.getLogger(__name__)
+
 #: Seconds a worker waits for its assignment after joining.
 ASSIGN_TIMEOUT = 120.0
 #: Seconds a worker keeps trying to reach a head that is not listening yet.
 JOIN_TIMEOUT = 120.0
 #: Seconds a worker's loop waits on a quiet inbox before it checks that its heartbeats and KV sends still go.
 QUIET = 2.0
-#: The head's recovery messages: a worker handles them whatever its epoch (`pause` sets it).
+#: The head's recovery messages (`pause` starts a new epoch); `drop` also forgets a microbatch that failed.
 RECOVERY = ("pause", "relink", "send_replica", "restore", "drop", "rewind")
+#: The messages that compute a step of a microbatch: what they raise fails that microbatch, not the stage.
+STEPS = ("prefill", "decode", "start")
 
 
 class _HeadGone(TransportError):
@@ -150,6 +155,7 @@ class StageWorker:
         self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
                                     swapping and role.kind != "prompt")  # a prompt stage keeps no cache
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
+        self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
 
     def run(self) -> None:
         while True:
@@ -186,12 +192,14 @@ class StageWorker:
     def handle(self, message: Message) -> None:
         number = int(message.fields.get("microbatch", -1))
         kind = message.kind
+        if int(message.fields.get("epoch", self.epoch)) < self.epoch:
+            log.debug("%s dropped a %r of epoch %s (now %d)", self.role.name, kind, message.fields["epoch"], self.epoch)
+            return  # sent before a recovery, which decided where its microbatch goes on from
         if kind in RECOVERY:
             getattr(self, f"_{kind}")(message)
-            return
-        if int(message.fields.get("epoch", self.epoch)) < self.epoch:
-            return  # sent before a recovery: the microbatch continues from where the recovery says
-        if kind == "end":
+        elif kind in STEPS:
+            self._compute(number, message)
+        elif kind == "end":
             self.microbatches.pop(number, None)
             self.caches.remove(number)
             if self.replicator is not None:
@@ -202,20 +210,54 @@ class StageWorker:
                 self._send(self.head, Message("freed", {"microbatch": number}))
         elif kind == KV and self.role.kind == "token":
             self._receive_kv(number, message)
-        elif kind == "start" and self.role.kind == "token":
-            self._start(number, message)
-        elif kind == "prefill" and self.role.kind != "token":
-            self._prefill(number, message)
-        elif kind == "decode" and self.role.kind != "prompt":
-            (inputs,) = message.tensors
-            state = self.microbatches[number]
-            state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
-            state.positions = state.positions[:, -1:] + 1
-            self._step(number, state, inputs, message, self.caches.acquire(number))
+        elif kind == "cancel":
+            self._cancel(number, message.fields["rows"])
         elif kind == "stats":
-            self.head.send_tensor(pack(Message("stats", {"stage": self.role.name, **self.caches.stats()})))
+            self.head.send_tensor(pack(Message("stats", {"stage": self.role.name, "row_steps": self.row_steps,
+                                                         **self.caches.stats()})))
         else:
             raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
+
+    def _compute(self, number: int, message: Message) -> None:
+        """Run a step of microbatch `number`. What its computation raises fails that microbatch alone (the head
+        hears `microbatch_failed` and its other stages drop it); a lost link is the stage's, and goes on up."""
+        kind = message.kind
+        try:
+            if kind == "start" and self.role.kind == "token":
+                self._start(number, message)
+            elif kind == "prefill" and self.role.kind != "token":
+                self._prefill(number, message)
+            elif kind == "decode" and self.role.kind != "prompt":
+                if number not in self.microbatches:  # ended or dropped meanwhile: nothing to continue
+                    log.warning("%s dropped a step of microbatch %d, which it does not hold", self.role.name, number)
+                    return
+                state = self.microbatches[number]
+                state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
+                state.positions = state.positions[:, -1:] + 1
+                self._step(number, state, message.tensors[0], message, self.caches.acquire(number))
+            else:
+                raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
+        except (TransportError, ReplicationError):
+            raise
+        except Exception as error:
+            log.exception("%s failed on microbatch %d", self.role.name, number)
+            self._forget(number)
+            self.head.send_tensor(pack(Message("microbatch_failed", {
+                "microbatch": number, "stage": self.role.name, "epoch": self.epoch,
+                "error": f"{self.role.name} failed on it: {type(error).__name__}: {error}"})))
+
+    def _cancel(self, number: int, rows: list[int]) -> None:
+        """End `rows` of microbatch `number` at its next step (their requests were cancelled): the head tells the
+        first decoding stage, and each passes it on behind the steps it sent, so that the last stage, which picks
+        the tokens, has the microbatch when it arrives. A microbatch with no live row left ends."""
+        if not self.stage.last:
+            self._send(self.following, Message("cancel", {"microbatch": number, "rows": rows}))
+            return
+        state = self.microbatches.get(number)
+        if state is None or state.ended is None:
+            log.debug("%s: no rows of microbatch %d to cancel here", self.role.name, number)
+            return
+        state.ended[rows] = True
 
     def _prefill(self, number: int, message: Message) -> None:
         inputs, mask = message.tensors
@@ -239,10 +281,10 @@ class StageWorker:
         if not self.stage.last:
             self._send(self.following, Message("prefill", message.fields, (output, state.mask)))
             return
-        tokens, ended = self._pick(state, output)  # the first new tokens; the token pipeline takes over from here
-        generator = state.picker.generator if state.picker is not None else None
-        rng = generator.get_state() if generator is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Message("prefilled", {"microbatch": number},
+        tokens, ended, failures = self._pick(state, output)  # the first tokens; the token pipeline takes over
+        states = state.picker.states() if state.picker is not None else None
+        rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
+        self._send(self.head, Message("prefilled", {"microbatch": number, "failed": failures},
                                       (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
 
     def _receive_kv(self, number: int, message: Message) -> None:
@@ -274,9 +316,9 @@ class StageWorker:
                             position_ids(prompt_mask)[:, -1:] + 1, dict(message.fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
-            if state.picker.generator is not None:
-                state.picker.generator.set_state(rng.clone())
-            state.ended, state.steps = ended.bool(), 1
+            if rng.numel():
+                state.picker.set_states(rng)
+            state.ended, state.steps = ended.bool().clone(), 1
         self.microbatches[number] = state
         cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
         output = self.stage.forward(inputs, state.mask, state.positions, cache)
@@ -315,22 +357,24 @@ class StageWorker:
         else:
             self.replicator.step(number, cache)
 
-    def _pick(self, state: _Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token (padding once the row has ended), and which rows have now ended."""
+    def _pick(self, state: _Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Each row's next token (padding once the row has ended), which rows have now ended, and why each row
+        that failed now did (by row, as message fields)."""
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         assert state.picker is not None  # made with the microbatch on the last stage
         state.steps += 1
-        tokens, state.ended = next_tokens(state.picker, logits, state.ended, state.steps,
-                                          state.fields["max_new_tokens"], self.eos, self.pad)
-        return tokens, state.ended
+        self.row_steps += int((~state.ended).sum())
+        tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
+                                                    state.fields["max_new_tokens"], self.eos, self.pad)
+        return tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()}
 
     def _next_tokens(self, number: int, state: _Microbatch, logits: torch.Tensor) -> None:
         """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
-        tokens, ended = self._pick(state, logits)
-        generator = state.picker.generator if state.picker is not None else None
-        rng = (generator.get_state(),) if generator is not None and self.recovery else ()
-        self._send(self.head, Message("tokens", {"microbatch": number}, (tokens, *rng)))
+        tokens, ended, failures = self._pick(state, logits)
+        states = state.picker.states() if state.picker is not None and self.recovery else None
+        rng = () if states is None else (states,)
+        self._send(self.head, Message("tokens", {"microbatch": number, "failed": failures}, (tokens, *rng)))
         if bool(ended.all()):
             del self.microbatches[number]
             self._send(self.head, Message("ended", {"microbatch": number, "freed": self.role.stages == 1}))
@@ -391,13 +435,18 @@ class StageWorker:
         self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
 
     def _drop(self, message: Message) -> None:
-        """Forget microbatches that start over from their prompts (or ended meanwhile)."""
+        """Forget microbatches that start over from their prompts, failed, or ended meanwhile."""
         for number in message.fields["microbatches"]:
-            self.microbatches.pop(number, None)
-            self.caches.remove(number)
-            self.restored.pop(number, None)
-            if self.replicator is not None:
-                self.replicator.end(number)
+            self._forget(number)
+
+    def _forget(self, number: int) -> None:
+        """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
+        self.microbatches.pop(number, None)
+        self.caches.remove(number)
+        self.restored.pop(number, None)
+        self.staged.pop(number, None)
+        if self.replicator is not None:
+            self.replicator.end(number)
 
     def _rewind(self, message: Message) -> None:
         """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of
@@ -419,8 +468,8 @@ class StageWorker:
                             position_ids(prompt_mask)[:, -1:] + steps - 1, dict(fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
-            if state.picker.generator is not None:
-                state.picker.generator.set_state(rng.clone())
+            if rng.numel():
+                state.picker.set_states(rng)
             state.ended, state.steps = ended.bool().clone(), steps
         self.microbatches[number] = state
         self.caches.add(number, state.capacity)
