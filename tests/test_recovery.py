@@ -185,16 +185,17 @@ def _wait_for_recoveries(pipe: Pipeline, count: int, timeout: float = 90) -> Non
 
 
 def _expected(results, prompts, pad, eos, decoding) -> list[torch.Tensor]:
-    """What each request gets from `model.generate` on its microbatch (greedy, or sampled after manual_seed)."""
+    """What each request gets from `model.generate` on its microbatch (greedy), or from a replay of its microbatch
+    with each row sampled from its own generator seeded with the request's seed."""
     model = tiny_models.llama()
     members = expectations.microbatches(results)
     if not decoding:
         return expectations.expected(model, members, prompts, [NEW] * len(prompts), pad, eos)
     expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-    settings = {name: value for name, value in decoding.items() if name not in ("do_sample", "seed")}
+    row = {"top_p": 1.0, **decoding}  # generate's default, which the tiny llama's generation config keeps
     for batch in members:
-        for index, tokens in zip(batch, expectations.sampled(model, prompts, batch, NEW, pad, eos, decoding["seed"],
-                                                             **settings), strict=True):
+        rows = expectations.replayed(model, prompts, batch, [row] * len(batch), [NEW] * len(batch), pad, eos)
+        for index, tokens in zip(batch, rows, strict=True):
             expected[index] = tokens
     return expected
 

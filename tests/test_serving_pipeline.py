@@ -243,33 +243,42 @@ def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) ->
         pad, eos = pipe.pad, pipe.eos
     assert {result.microbatch for result in results} == {results[0].microbatch}
     assert [result.seed for result in results] == [7, 7, 7]
-    expected = expectations.sampled(model, prompts, [0, 1, 2], 8, pad, eos, 7, **settings)
+    row = {"do_sample": True, "seed": 7, **_explicit(settings)}  # each row its own generator seeded with 7
+    expected = expectations.replayed(model, prompts, [0, 1, 2], [row] * 3, [8] * 3, pad, eos)
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
-    assert (lone.rows, lone.seed) == (1, None)
+    assert lone.seed is None
     assert drawn.seed is not None
-    assert drawn.rows == 1
-    assert torch.equal(drawn.tokens, expectations.sampled(model, prompts, [4], 8, pad, eos, drawn.seed, **settings)[0])
+    assert (lone.microbatch, lone.rows, drawn.microbatch) == (drawn.microbatch, 2, drawn.microbatch)  # shared
+    pair = [{"do_sample": False}, {"do_sample": True, "seed": drawn.seed, **_explicit(settings)}]
+    assert [result.tokens.tolist() for result in (lone, drawn)] == [
+        tokens.tolist() for tokens in expectations.replayed(model, prompts, [3, 4], pair, [8, 8], pad, eos)]
+
+
+def _explicit(settings: dict) -> dict:
+    """Sampling settings with generate's defaults (tiny llama's generation config sets none) filled in."""
+    return {"temperature": 1.0, "top_k": 50, "top_p": 1.0, **settings}
 
 
 @pytest.mark.parametrize("layout", ["1P+1T", "1P+2T"])
 def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout) -> None:
-    """The first token is sampled at the prompt pipeline's last stage, the rest at the token pipeline's: one
-    generator's draws, as in a seeded model.generate."""
+    """The first token is sampled at the prompt pipeline's last stage, the rest at the token pipeline's: each
+    row's generator goes on where the prompt pipeline left it."""
     model = tiny_models.llama()
     prompts = expectations.prompts(3, seed=12)
     settings = {"temperature": 0.8, "top_k": 20}
     with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
         outs = pipe.generate(prompts, max_new_tokens=9, do_sample=True, seed=21, **settings)
         pad, eos = pipe.pad, pipe.eos
-    expected = expectations.sampled(model, prompts, [0, 1, 2], 9, pad, eos, 21, **settings)
+    row = {"do_sample": True, "seed": 21, **_explicit(settings)}
+    expected = expectations.replayed(model, prompts, [0, 1, 2], [row] * 3, [9] * 3, pad, eos)
     assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
 
 
 @pytest.mark.parametrize(("arguments", "match"), [
     ({"temperature": 0.5}, "do_sample"),
     ({"seed": 3}, "do_sample"),
-    ({"do_sample": True, "top_k": -1}, "top_k"),
-    ({"do_sample": True, "seed": -1}, "seed"),
+    ({"do_sample": True, "top_k": -2}, "top_k"),
+    ({"do_sample": True, "seed": 2**64}, "seed"),
     ({"do_sample": True, "num_beams": 2}, "unknown"),
 ])
 def test_bad_decoding_settings_are_refused(arguments, match) -> None:

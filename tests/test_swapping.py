@@ -50,10 +50,10 @@ def test_swapped_sampling_equals_unswapped_sampling(family) -> None:
             for swapping in (True, False)]
     assert [result.tokens.tolist() for result in runs[0]] == [result.tokens.tolist() for result in runs[1]]
     assert {result.seed for result in runs[0]} == {7}
-    torch.manual_seed(7)  # the first microbatch, as model.generate samples it
-    ids, mask = expectations.left_padded(prompts, [0, 1], RoundRobin(model).rules.pad)
-    out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=20, max_new_tokens=10)[:, ids.shape[1]:]
-    assert runs[0][0].tokens.tolist() == out[0, :runs[0][0].tokens.numel()].tolist()
+    rules = RoundRobin(model).rules  # the first microbatch, each row from its own generator seeded with 7
+    row = {"do_sample": True, "seed": 7, "top_k": 20, "temperature": 1.0, "top_p": 1.0}
+    expected = expectations.replayed(model, prompts, [0, 1], [row, row], [10, 10], rules.pad, rules.eos)
+    assert [result.tokens.tolist() for result in runs[0][:2]] == [tokens.tolist() for tokens in expected]
 
 
 def _runner(budget_microbatches: float, swapping: bool, model=None) -> tuple[RoundRobin, list]:

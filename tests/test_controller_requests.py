@@ -1,0 +1,123 @@
+"""Through the controller, a request is the unit: one client's poison fails only its own request (a 500), the
+requests beside it in its microbatch complete exactly, and a client that leaves cancels its request."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import expectations
+import openai
+import pytest
+import tiny_models
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving.decoding import TokenRules
+
+pytestmark = pytest.mark.slow
+
+TESTS = str(Path(__file__).parent)
+MODEL = "tiny_models:llama_poisoned"
+
+
+@pytest.fixture(scope="module")
+def controller():
+    """One mixed stage, microbatches of three, every request generating its max_tokens."""
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, previous]))  # stage processes load tiny_models
+    try:
+        with dv.Controller(MODEL, stages=1, microbatch=3, port=0, timeout=60, ignore_eos=True) as running:
+            yield running
+    finally:
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def _client(controller) -> openai.OpenAI:
+    return openai.OpenAI(base_url=controller.url + "/v1", api_key=controller.token, max_retries=0, timeout=120)
+
+
+def _get(controller, path: str) -> str:
+    request = urllib.request.Request(controller.url + path, headers={"Authorization": f"Bearer {controller.token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
+
+
+def _status(controller) -> dict:
+    return json.loads(_get(controller, "/v1/status"))
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.01)
+
+
+def _cancelled(controller) -> float:
+    line = next((line for line in _get(controller, "/metrics").splitlines()
+                 if line.startswith('dejavu_requests_total{outcome="cancelled"}')), None)
+    return 0.0 if line is None else float(line.split()[-1])
+
+
+def test_a_poison_request_fails_alone_and_its_microbatch_neighbours_complete_exactly(controller) -> None:
+    prompts = [prompt.clamp(max=90) for prompt in expectations.prompts(4, seed=51)]
+    prompts = [prompt[:3] for prompt in prompts]  # one length: no row's padding depends on the others
+    prompts[0][1] = tiny_models.POISON
+    client = _client(controller)
+    outcomes: dict[int, object] = {}
+
+    def send(index: int, **options) -> None:
+        try:
+            outcomes[index] = client.completions.create(model=MODEL, prompt=[prompts[index].tolist()],
+                                                        **{"max_tokens": 10, **options}).choices[0].token_ids
+        except openai.APIError as error:
+            outcomes[index] = error
+
+    blocker = threading.Thread(target=send, args=(3,), kwargs={"max_tokens": 600, "temperature": 0})
+    blocker.start()
+    _wait(lambda: len(_status(controller)["microbatches"]) == 1, 30, "the blocker in flight")
+    senders = []
+    for index, options in enumerate([{"temperature": 0}, {"temperature": 0}, {"temperature": 1e-39, "seed": 3}]):
+        senders.append(threading.Thread(target=send, args=(index,), kwargs=options))
+        senders[-1].start()
+        _wait(lambda count=index + 1: _status(controller)["waiting"] == count, 30, f"{index + 1} requests waiting")
+    for thread in [*senders, blocker]:
+        thread.join(timeout=120)
+    assert isinstance(outcomes[0], openai.InternalServerError), outcomes[0]
+    assert "not finite" in str(outcomes[0])
+    model = tiny_models.llama_poisoned()
+    rules = TokenRules.of(model)
+    want = expectations.expected(model, [[0, 1, 2]], prompts, [10, 10, 10], rules.pad, rules.eos)
+    assert outcomes[1] == want[1].tolist()
+    assert outcomes[2] == want[2].tolist()  # temperature 1e-39 is greedy, not an overflow
+    assert _status(controller)["recoveries"] == []
+
+
+def test_a_client_that_leaves_cancels_its_request_streamed_or_not(controller) -> None:
+    prompt = expectations.prompts(1, seed=52)[0].clamp(max=90).tolist()
+    before = _cancelled(controller)
+    stream = _client(controller).completions.create(model=MODEL, prompt=[prompt], max_tokens=2000, temperature=0,
+                                                    stream=True)
+    chunks = [chunk for _, chunk in zip(range(3), stream, strict=False)]
+    assert len(chunks) == 3
+    stream.close()  # the client leaves after 3 tokens
+    _wait(lambda: _status(controller)["microbatches"] == [], 5, "the abandoned stream to stop")
+    _wait(lambda: _cancelled(controller) == before + 1, 5, "the stream counted as cancelled")
+
+    host, port = controller.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": [prompt], "max_tokens": 2000, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Authorization: Bearer {controller.token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body)
+        _wait(lambda: _status(controller)["microbatches"] != [], 10, "the request to start")
+    _wait(lambda: _status(controller)["microbatches"] == [], 5, "the abandoned request to stop")
+    _wait(lambda: _cancelled(controller) == before + 2, 5, "the request counted as cancelled")

@@ -1,0 +1,70 @@
+"""A stage worker trusts no message by its shape alone: stale epochs and unknown microbatches are dropped, and a
+microbatch whose computation fails is that microbatch's failure, not the worker's."""
+
+from __future__ import annotations
+
+import tiny_models
+import torch
+
+from dejavu_sdk.serving.messages import Message, pack, unpack
+from dejavu_sdk.serving.stage import Stage
+from dejavu_sdk.serving.worker import Role, StageWorker
+
+
+class _Link:
+    """A link that keeps what is sent on it."""
+
+    def __init__(self) -> None:
+        self.sent: list[Message] = []
+
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        self.sent.append(unpack(pack(unpack(tensor))))
+
+    post_tensor = send_tensor
+
+    def close(self) -> None:
+        pass
+
+
+def _worker(epoch: int = 2) -> tuple[StageWorker, _Link, _Link]:
+    head, first = _Link(), _Link()
+    worker = StageWorker(Stage(tiny_models.llama(), (0, 3)), Role("mixed", 0, 1, "stage 0"), None, head, None,  # type: ignore[arg-type]
+                         first, eos=[], pad=0, recovery=True, epoch=epoch)  # type: ignore[arg-type]
+    return worker, head, first
+
+
+def _prefill(number: int, ids: list[int], epoch: int = 2) -> Message:
+    return Message("prefill", {"microbatch": number, "max_new_tokens": [4], "decoding": [{"do_sample": False}],
+                               "epoch": epoch}, (torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)))
+
+
+def test_messages_of_an_older_epoch_are_dropped_whatever_their_kind() -> None:
+    worker, head, first = _worker(epoch=2)
+    worker.handle(Message("pause", {"epoch": 1, "microbatches": [], "replica_of": None}))
+    worker.handle(_prefill(5, [3, 4, 5], epoch=1))
+    worker.handle(Message("drop", {"epoch": 0, "microbatches": [5]}))
+    assert worker.epoch == 2  # a stale pause rolls nothing back
+    assert (head.sent, first.sent, worker.microbatches) == ([], [], {})
+
+
+def test_a_step_of_a_microbatch_the_worker_does_not_hold_is_dropped() -> None:
+    worker, head, first = _worker()
+    worker.handle(Message("decode", {"microbatch": 9, "epoch": 2}, (torch.tensor([[1]]),)))
+    worker.handle(Message("cancel", {"microbatch": 9, "rows": [0], "epoch": 2}))
+    worker.handle(Message("end", {"microbatch": 9, "epoch": 2}))
+    assert [message.kind for message in head.sent] == ["freed"]  # ending what is gone is harmless
+    assert first.sent == []
+
+
+def test_a_failing_computation_fails_its_microbatch_and_the_worker_goes_on() -> None:
+    worker, head, first = _worker()
+    worker.handle(_prefill(1, [3, 500, 5]))  # an id outside the embedding: the forward raises
+    (failed,) = head.sent
+    assert failed.kind == "microbatch_failed"
+    assert failed.fields["microbatch"] == 1
+    assert "IndexError" in failed.fields["error"]
+    assert 1 not in worker.microbatches
+    worker.handle(_prefill(2, [3, 4, 5]))
+    assert [message.kind for message in head.sent[1:]] == ["tokens"]
+    assert [message.kind for message in first.sent] == ["decode"]
+    assert 2 in worker.microbatches
