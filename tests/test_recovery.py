@@ -89,10 +89,20 @@ def test_the_plan_resumes_what_it_can_settles_what_ended_and_starts_the_rest_ove
     recovery = Recovery(head, {2}, "a test", detected=0.0)
     survivor = {"caches": {"1": 4, "2": 6, "4": 6}, "holds": {"2": 5, "4": 5}}
     paused = {"token stage 0": Message("paused", survivor)}
-    resumed, recomputed, finished = recovery._plan(paused)
+    resumed, recomputed, finished, failed = recovery._plan(paused)
     assert resumed == {2: 3}  # 5 positions = 3 prompt + 2 steps: fed the token of step 3 again
     assert recomputed == [3, 4]
     assert finished == [1]
+    assert failed == []
+
+
+def test_a_microbatch_at_two_recoveries_in_a_row_without_progress_fails_and_one_that_progressed_does_not() -> None:
+    moving, stuck, waiting = _batch(2, [[4, 5], [3, 3]]), _batch(3, [[], []]), _batch(5, [[], []])
+    head = _Head([(2, moving, "decoding"), (3, stuck, "prompting"), (5, waiting, "staged")])
+    paused = {"token stage 0": Message("paused", {"caches": {}, "holds": {}})}
+    assert Recovery(head, {2}, "first", detected=0.0)._plan(paused)[3] == []
+    moving.add_step([6, 3])  # a new token between the two recoveries
+    assert Recovery(head, {2}, "second", detected=0.0)._plan(paused)[3] == [3]  # a staged one waits: no blame
 
 
 def _cache(positions: int, layers: int = 3, seed: int = 0) -> torch.Tensor:
@@ -295,9 +305,9 @@ def test_closing_during_a_recovery_leaves_no_worker_behind() -> None:
         started = time.monotonic()
         pipe.close()
     assert time.monotonic() - started < 30
-    for future in futures:
-        with pytest.raises(dv.TransportError):
-            future.result(timeout=1)
+    errors = [future.exception(timeout=1) for future in futures]  # a row that ended before has its answer
+    assert any(isinstance(error, dv.TransportError) for error in errors)
+    assert all(error is None or isinstance(error, dv.TransportError) for error in errors)
     workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker_of(int(pid), pipe)]
     assert workers == []  # the stages, and the replacement launched for the recovery, are gone
 
