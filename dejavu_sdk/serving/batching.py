@@ -230,11 +230,11 @@ def take_microbatch(waiting: deque[Request], size: int,
     taken: list[Request] = []
     while queues and len(taken) < size:
         for turn in list(queues):
-            request = next(turn, None)
-            if request is None:
+            following = next(turn, None)
+            if following is None:
                 queues.remove(turn)
             elif len(taken) < size:
-                taken.append(request)
+                taken.append(following)
     while fits is not None and taken and not fits(taken):
         taken.pop()
     chosen = {id(request) for request in taken}

@@ -515,7 +515,9 @@ class Pipeline:
             prompt = check_prompt(ids, self.context, self.vocabulary)
             listener = None if on_token is None else functools.partial(on_token, index)
             request = Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context), decoding,
-                              on_token=listener, **({"group": requests[0].group} if requests else {}))
+                              on_token=listener)
+            if requests:  # prompts submitted together are one submission: admission takes turns between them
+                request.group = requests[0].group
             requests.append(request)
             check_fits_alone(cache_bytes(requests[-1:], self.kv_bytes_per_token), self.kv_budget, self.swapping)
         with self._lock:
