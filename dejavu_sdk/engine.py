@@ -39,7 +39,7 @@ from .stream import check_tiling, gather
 from .transports.base import Transport
 
 if TYPE_CHECKING:
-    from .serving.batching import Result
+    from .generation.batching import Result
 
 
 class _ManagerOptions(TypedDict):
@@ -131,8 +131,8 @@ class DejaVuEngine:
         seeded with `seed`: reproducible, but not `generate`'s GPU draws). The model is put in eval mode. These
         caches are not replicated to the engine's store: use `generate` for a replicated, resumable stream.
         """
-        from .serving.decoding import Decoding
-        from .serving.roundrobin import RoundRobin
+        from .generation.decoding import Decoding
+        from .generation.roundrobin import RoundRobin
 
         runner = RoundRobin(self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes, swapping=swapping,
                             progress=progress)

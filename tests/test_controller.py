@@ -22,7 +22,7 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.decoding import TokenRules
+from dejavu_sdk.generation.decoding import TokenRules
 
 TESTS = str(Path(__file__).parent)
 MODEL = "tiny_models:llama"

@@ -17,7 +17,7 @@ import pytest
 import tiny_models
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.decoding import TokenRules
+from dejavu_sdk.generation.decoding import TokenRules
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
+from dejavu_sdk.generation.batching import Microbatch, Request
+from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.batching import Microbatch, Request
-from dejavu_sdk.serving.decoding import Decoding
 from dejavu_sdk.serving.messages import Message
 from dejavu_sdk.serving.pipeline import StageInfo
 from dejavu_sdk.serving.recovery import Recovery, ended_rows, resume_point

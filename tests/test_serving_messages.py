@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.batching import Microbatch, Request, check_prompt, take_microbatch
-from dejavu_sdk.serving.decoding import Decoding
+from dejavu_sdk.generation.batching import Microbatch, Request, check_prompt, take_microbatch
+from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving.messages import Message, pack, unpack
 
 

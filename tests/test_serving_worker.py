@@ -6,8 +6,8 @@ from __future__ import annotations
 import tiny_models
 import torch
 
+from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.serving.messages import Message, pack, unpack
-from dejavu_sdk.serving.stage import Stage
 from dejavu_sdk.serving.worker import Role, StageWorker
 
 

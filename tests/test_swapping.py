@@ -11,8 +11,8 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.decoding import Decoding
-from dejavu_sdk.serving.roundrobin import RoundRobin
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.roundrobin import RoundRobin
 from dejavu_sdk.swapping import choose_swapping, kv_bytes_per_token, measure_host_bandwidth, positions_needed
 
 FAMILIES = ["llama", "mistral", "gpt2", "opt", "qwen2", "llama_two_ends"]
@@ -148,7 +148,7 @@ def test_swapping_is_off_where_it_is_not_needed_pointless_or_impossible_and_meas
 
 
 def test_auto_says_why_it_does_not_swap_on_a_cpu(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="dejavu_sdk.serving.roundrobin"):
+    with caplog.at_level(logging.INFO, logger="dejavu_sdk.generation.roundrobin"):
         roomy, _ = _runner(8, swapping="auto")  # type: ignore[arg-type]
         tight, results = _runner(2, swapping="auto")  # type: ignore[arg-type]
     assert roomy.choice is not None

@@ -38,10 +38,10 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError
+from ..generation.batching import left_pad
 from ..models import load_model
 from ..planner import plan
 from ..report import markdown_table
-from ..serving.batching import left_pad
 from ..timing import measure_times
 from ..traces import Trace, load_trace
 from .common import machine_description

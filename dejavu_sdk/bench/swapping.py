@@ -32,11 +32,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError
+from ..generation.decoding import Decoding
+from ..generation.roundrobin import RoundRobin
 from ..models import load_model
 from ..planner import swapping_pays_off
 from ..report import format_size, markdown_table
-from ..serving.decoding import Decoding
-from ..serving.roundrobin import RoundRobin
 from ..swapping import kv_bytes_per_token, measure_host_bandwidth, positions_needed
 from ..timing import measure_times
 from .common import machine_description

@@ -35,7 +35,7 @@ import attrs
 from aiohttp import web
 
 from ..errors import ConfigError, DejaVuError, RequestFailed
-from ..serving.batching import Result
+from ..generation.batching import Result
 from .metrics import CONTENT_TYPE, ControllerMetrics
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
+from ..generation.batching import Result
 from ..models import load_tokenizer
-from ..serving.batching import Result
 from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
 from .api import build_app

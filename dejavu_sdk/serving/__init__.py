@@ -1,10 +1,18 @@
-"""Serving across processes: a model cut into pipeline stages (`Stage`, one adapter per model family), stage
-worker processes, and the head that schedules microbatches through them (`Pipeline`)."""
+"""Serving across processes: stage worker processes, each holding a stage of the model
+(`dejavu_sdk.generation.Stage`), and the head that schedules requests through them (`Pipeline`)."""
 
-from .adapters import ADAPTERS, GPT2Adapter, LlamaAdapter, OPTAdapter, StageAdapter, adapter_for
-from .batching import Result
+from ..generation import (
+           ADAPTERS,
+           GPT2Adapter,
+           LlamaAdapter,
+           OPTAdapter,
+           Result,
+           Stage,
+           StageAdapter,
+           adapter_for,
+           position_ids,
+)
 from .pipeline import Pipeline
-from .stage import Stage, position_ids
 
 __all__ = ["ADAPTERS", "GPT2Adapter", "LlamaAdapter", "OPTAdapter", "Pipeline", "Result", "Stage", "StageAdapter",
            "adapter_for", "position_ids"]

@@ -38,6 +38,18 @@ from transformers import DynamicCache
 
 from ..backends import open_store, open_transport, serve
 from ..errors import ConfigError, RequestFailed, StoreError, TransportError
+from ..generation.adapters import adapter_for
+from ..generation.batching import (
+    Microbatch,
+    Request,
+    Result,
+    cache_bytes,
+    check_new_tokens,
+    check_prompt,
+    take_microbatch,
+)
+from ..generation.decoding import Decoding, TokenRules
+from ..generation.stage import check_layers
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
@@ -56,14 +68,10 @@ from ..swapping import (
 )
 from ..timing import measure_times
 from ..transports.base import Server, Transport
-from .adapters import adapter_for
-from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
-from .decoding import Decoding, TokenRules
 from .launchers import JoinedWorker, Launcher, LocalProcesses, WorkerHandle
 from .messages import Message, pack, unpack
 from .recovery import ATTEMPTS, RECOVERY, Recovery, RecoveryReport, RecoveryRetry
 from .replication import replica_stream
-from .stage import check_layers
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from .messages import Message
 from .replication import assemble, held_positions, replica_stream
 
 if TYPE_CHECKING:
-    from .batching import Microbatch
+    from ..generation.batching import Microbatch
     from .pipeline import Pipeline
 
 log = logging.getLogger(__name__)

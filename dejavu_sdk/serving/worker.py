@@ -39,16 +39,16 @@ import torch
 
 from ..backends import open_store, open_transport, serve
 from ..errors import DejaVuError, ReplicationError, TransportError
+from ..generation.decoding import TokenPicker, next_tokens
+from ..generation.stage import Stage, position_ids
 from ..models import load_model
 from ..store import Store
 from ..stream import LayerPartition
 from ..swapping import SwappedCaches, positions_needed
 from ..transports.base import Server, Transport
-from .decoding import TokenPicker, next_tokens
 from .handoff import KV, LayerSender, StagedKV
 from .messages import Message, pack, unpack
 from .replication import Replicator, assemble, cache_from, held_positions, replica_stream
-from .stage import Stage, position_ids
 
 log = logging.getLogger(__name__)
 

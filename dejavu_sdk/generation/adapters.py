@@ -231,7 +231,7 @@ def adapter_for(model: Any) -> StageAdapter:
     served = ", ".join(kind for adapter in ADAPTERS for kind in adapter.model_types)
     raise ConfigError(f"cannot cut a {type(model).__name__} (model_type {model_type!r}) into pipeline stages: "
                       f"adapters exist for {served}. Write a dejavu_sdk.serving.StageAdapter subclass for it (its "
-                      "embeddings, decoder layers, final norm and head) and add it to dejavu_sdk.serving.ADAPTERS")
+                      "embeddings, decoder layers, final norm and head) and add it to dejavu_sdk.generation.ADAPTERS")
 
 
 def _tied(model: Any) -> bool:
