@@ -1,17 +1,24 @@
 """The package's import rules, checked by reading its source with `ast` (nothing here imports it).
 
+- Layers: `LAYERS` places every module of the package in exactly one layer, from the bottom (the core data
+  model) to the top (cli/, bench/, testing/, the demos and the package's own `__init__`). A module imports
+  modules of its own layer or below, never above; a module that `LAYERS` does not place fails, so a new
+  module must be given its layer. `dejavu_sdk.engine` reaches nothing under `dejavu_sdk.serving`.
 - Backends depend on the core data model only: a module under stores/ or transports/ may import its own subpackage
   and `CORE`, nothing else of ours (not the engine, the cache, the CLI, the benchmarks, the registry...).
 - stores/ never imports transports/: a remote store is a Store over a record interface that a transport implements,
   so transports depend on that interface and no store depends on a transport.
-- No import circles, lazy ones included: an import inside a function closes a circle as surely as one at the top,
-  it only waits longer to fail.
+- No import circles at all, lazy and type-only ones included: an import inside a function closes a circle as
+  surely as one at the top, it only waits longer to fail, and a type-only one ties the two modules together
+  as much (neither can be read, checked or moved without the other).
 - No package reaches into another package's private names, neither by importing `_name` nor by `obj._name`.
 
-Every import counts, at any depth (module top, function bodies, `if TYPE_CHECKING:` blocks, which are type-only:
-they count for layering but not for circles), and so does a backend registered lazily as a string
-("dejavu_sdk.stores.memory:MemoryStore"): it is imported the first time someone asks for it. A module run in a
-subprocess (`python -m dejavu_sdk.x`) is not imported, and neither is a name built at run time (f-strings).
+Every import counts, at any depth (module top, function bodies, `if TYPE_CHECKING:` blocks, whose edges are
+marked type-only and count for the layers and for circles alike), and so does a backend registered lazily as a
+string ("dejavu_sdk.stores.memory:MemoryStore"): it is imported the first time someone asks for it. A module run
+in a subprocess (`python -m dejavu_sdk.x`) is not imported, and neither is a name built at run time (f-strings,
+or the package `__init__`'s lazy `_LAZY` names, which are relative names given to `importlib`): the package itself
+sits at the top, since those lazy names reach the engine, serving and the controller.
 """
 
 from __future__ import annotations
@@ -28,11 +35,24 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dejavu_sdk"
-BACKENDS = ("dejavu_sdk.stores", "dejavu_sdk.transports")
-CORE = frozenset({
-    "dejavu_sdk.errors", "dejavu_sdk.blocks", "dejavu_sdk.codec", "dejavu_sdk.records",
-    "dejavu_sdk.store", "dejavu_sdk.urls", "dejavu_sdk._version", "dejavu_sdk.tensors",
-})
+# The layers, from the bottom. Each name covers that module of the package and every module under it; "" is the
+# package's own `__init__` alone. docs/architecture.md draws the same layers.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core data model", ("errors", "blocks", "urls", "codec", "tensors", "records", "store", "_version")),
+    ("backends", ("stores", "transports")),
+    ("choosing by URL", ("registry", "backends")),
+    ("streaming the KV", ("stream", "cache", "manifest", "replica")),
+    ("models and planning", ("models", "timing", "planner", "profiles", "simulator", "sweep", "traces", "data",
+                             "report", "swapping")),
+    ("generation", ("generation",)),
+    ("engine", ("engine",)),
+    ("serving", ("serving",)),
+    ("controller", ("controller",)),
+    ("cluster", ("cluster",)),
+    ("top", ("cli", "bench", "testing", "demo", "demo_cluster", "")),
+]
+BACKENDS = tuple(f"{PACKAGE}.{name}" for name in LAYERS[1][1])
+CORE = frozenset(f"{PACKAGE}.{name}" for name in LAYERS[0][1])
 PUBLIC_UNDERSCORED = frozenset({"dejavu_sdk._version"})  # a module named with an underscore, public all the same
 MODULE_STRING = re.compile(r"(dejavu_sdk(?:\.\w+)+)(?::\w+)?")
 
@@ -189,15 +209,90 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+def representative_edges(edges: list[Edge]) -> dict[tuple[str, str], Edge]:
+    """One edge per pair of modules, to name in a report: the first that runs, else the first type-only one."""
+    chosen: dict[tuple[str, str], Edge] = {}
+    for edge in edges:
+        known = chosen.get((edge.source, edge.target))
+        if known is None or (known.type_only and not edge.type_only):
+            chosen[edge.source, edge.target] = edge
+    return chosen
+
+
+def describe(edge: Edge) -> str:
+    return f"{edge.where()}{', type-only' if edge.type_only else ''}"
+
+
 def test_no_import_cycles() -> None:
-    edges = [edge for edge in project()[1] if not edge.type_only]
-    graph, first = graph_of(edges), {(edge.source, edge.target): edge for edge in reversed(edges)}
+    edges = project()[1]
+    graph, first = graph_of(edges), representative_edges(edges)
     report = []
     for component in find_cycles(graph):
         cycle = shortest_cycle({m: graph[m] & set(component) for m in component}, component[0])
-        steps = [f"{a} ({first[a, b].where()}) -> {b}" for a, b in pairwise(cycle)]
-        report.append(f"{', '.join(component)}\n    e.g. " + "\n         ".join(steps))
-    assert not report, "import circles (lazy imports and registry strings included):\n  " + "\n  ".join(report)
+        steps = [f"{a} ({describe(first[a, b])}) -> {b}" for a, b in pairwise(cycle)]
+        report.append(f"{' <-> '.join(component)}\n    e.g. " + "\n         ".join(steps))
+    assert not report, "import circles (lazy, type-only and registry-string imports included):\n  " + "\n  ".join(
+        report)
+
+
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[int]:
+    """The indices of every layer that covers `module` (exactly one, for a module placed right)."""
+    found = []
+    for index, (_, names) in enumerate(layers):
+        for name in names:
+            full = f"{PACKAGE}.{name}" if name else PACKAGE
+            if module == full or (name and module.startswith(full + ".")):
+                found.append(index)
+    return found
+
+
+def layer_violations(modules: Collection[str], edges: list[Edge],
+                     layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    """Modules placed in no layer or in several, names that place nothing, and imports that go up."""
+    report = []
+    placed = {module: layer_of(module, layers) for module in sorted(modules)}
+    report.extend(f"{module} is in no layer of LAYERS: give it one" for module, found in placed.items() if not found)
+    report.extend(f"{module} is in several layers: " + ", ".join(layers[i][0] for i in found)
+                  for module, found in placed.items() if len(found) > 1)
+    for name, names in layers:
+        for short in names:
+            full = f"{PACKAGE}.{short}" if short else PACKAGE
+            if not any(module == full or (short and module.startswith(full + ".")) for module in modules):
+                report.append(f"LAYERS names {full!r} (layer {name!r}), which is no module")
+    for edge in representative_edges(edges).values():
+        source, target = placed.get(edge.source, []), placed.get(edge.target, [])
+        if len(source) == 1 and len(target) == 1 and target[0] > source[0]:
+            report.append(f"{describe(edge)}: {edge.source} ({layers[source[0]][0]}) imports {edge.target} "
+                          f"({layers[target[0]][0]}), a layer above")
+    return report
+
+
+def test_every_module_imports_only_its_own_layer_and_below() -> None:
+    modules, edges = project()
+    report = layer_violations(modules, edges)
+    assert not report, "layers (bottom to top: " + " < ".join(name for name, _ in LAYERS) + "):\n  " + "\n  ".join(
+        report)
+
+
+def test_the_engine_reaches_no_serving_code() -> None:
+    """Loading the one-process engine loads nothing of serving/, not even through the modules it imports."""
+    graph = graph_of(project()[1])
+    came_from: dict[str, str] = {"dejavu_sdk.engine": ""}
+    queue = deque(["dejavu_sdk.engine"])
+    while queue:
+        module = queue.popleft()
+        for other in sorted(graph.get(module, ())):
+            if other not in came_from:
+                came_from[other] = module
+                queue.append(other)
+    reached = sorted(module for module in came_from if under(module, "dejavu_sdk.serving"))
+    paths = []
+    for module in reached:
+        path = [module]
+        while came_from[path[-1]]:
+            path.append(came_from[path[-1]])
+        paths.append(" -> ".join(reversed(path)))
+    assert not paths, "dejavu_sdk.engine reaches serving/:\n  " + "\n  ".join(paths)
 
 
 def test_stores_never_import_transports() -> None:
@@ -259,23 +354,51 @@ def private_definitions(tree: ast.Module) -> set[str]:
 def test_the_walk_sees_lazy_imports(tmp_path: Path) -> None:
     (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"dejavu_sdk.stores" = "stores"\n')
     for name, text in {
-        "dejavu_sdk/__init__.py": "",
+        "dejavu_sdk/__init__.py": '_LAZY = {"B": "b"}\n',  # a relative name for importlib: no edge
         "dejavu_sdk/a.py": "def f():\n    from . import b\n",
         "dejavu_sdk/b.py": "def g():\n    import dejavu_sdk.a\n",
-        "dejavu_sdk/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "dejavu_sdk/c.py": "from .typed import T\n",
+        "dejavu_sdk/typed.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n"
+                                "else:\n    from .a import f\n"),
         "stores/__init__.py": 'BACKENDS = {"m": "dejavu_sdk.stores.memory:MemoryStore"}\n',
         "stores/memory.py": 'from .. import a\nRUN = ["python", "-m", "dejavu_sdk.b"]  # a subprocess\n',
     }.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     modules = module_files(tmp_path)
-    assert sorted(modules) == ["dejavu_sdk", "dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.stores",
+    assert sorted(modules) == ["dejavu_sdk", "dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.c", "dejavu_sdk.stores",
                                "dejavu_sdk.stores.memory", "dejavu_sdk.typed"]
     edges = {m: imports_of(m, path, modules) for m, path in modules.items()}
+    assert edges["dejavu_sdk"] == []
     assert [(e.target, e.line) for e in edges["dejavu_sdk.a"]] == [("dejavu_sdk.b", 2)]
     assert [(e.target, e.line) for e in edges["dejavu_sdk.stores"]] == [("dejavu_sdk.stores.memory", 1)]
     assert [e.target for e in edges["dejavu_sdk.stores.memory"]] == ["dejavu_sdk.a"]
-    assert [(e.target, e.type_only) for e in edges["dejavu_sdk.typed"]] == [("dejavu_sdk.a", True)]
-    all_edges = [e for module_edges in edges.values() for e in module_edges if not e.type_only]
-    assert find_cycles(graph_of(all_edges)) == [["dejavu_sdk.a", "dejavu_sdk.b"]]
+    assert [(e.target, e.type_only) for e in edges["dejavu_sdk.typed"]] == [("dejavu_sdk.c", True),
+                                                                            ("dejavu_sdk.a", False)]
+    all_edges = [e for module_edges in edges.values() for e in module_edges]
+    # a type-only edge is seen and marked, and it closes a circle as any other import does
+    assert find_cycles(graph_of(all_edges)) == [["dejavu_sdk.a", "dejavu_sdk.b"], ["dejavu_sdk.c", "dejavu_sdk.typed"]]
+    assert find_cycles(graph_of([e for e in all_edges if not e.type_only])) == [["dejavu_sdk.a", "dejavu_sdk.b"]]
     assert shortest_cycle(graph_of(all_edges), "dejavu_sdk.a") == ["dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.a"]
+    assert shortest_cycle(graph_of(all_edges), "dejavu_sdk.c") == ["dejavu_sdk.c", "dejavu_sdk.typed", "dejavu_sdk.c"]
+    assert representative_edges([*all_edges, *all_edges[::-1]])["dejavu_sdk.typed", "dejavu_sdk.a"].line == 5
+
+
+def test_the_layer_check_finds_upward_unplaced_and_doubly_placed_modules() -> None:
+    layers = [("low", ("a", "stores")), ("high", ("b", "")), ("stale", ("gone",)), ("again", ("stores.memory",))]
+    modules = ["dejavu_sdk", "dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.new", "dejavu_sdk.stores",
+               "dejavu_sdk.stores.memory"]
+    path = ROOT / "x.py"  # where() names it relative to the repository
+    edges = [Edge("dejavu_sdk.b", "dejavu_sdk.a", path, 1), Edge("dejavu_sdk.a", "dejavu_sdk.b", path, 2, True),
+             Edge("dejavu_sdk.a", "dejavu_sdk", path, 3)]
+    assert layer_of("dejavu_sdk.b.x", layers) == [1]
+    assert layer_of("dejavu_sdk.bx", layers) == []
+    report = layer_violations(modules, edges, layers)
+    assert report[:3] == ["dejavu_sdk.new is in no layer of LAYERS: give it one",
+                          "dejavu_sdk.stores.memory is in several layers: low, again",
+                          "LAYERS names 'dejavu_sdk.gone' (layer 'stale'), which is no module"]
+    assert [line.split(": ", 1)[1] for line in report[3:]] == [
+        "dejavu_sdk.a (low) imports dejavu_sdk.b (high), a layer above",
+        "dejavu_sdk.a (low) imports dejavu_sdk (high), a layer above"]
+    assert report[3].startswith("x.py:2, type-only: ")
+    assert report[4].startswith("x.py:3: ")
