@@ -183,7 +183,7 @@ def _worker(args: argparse.Namespace) -> int:
     from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
 
     from ..controller.workers import ask_where_to_join
-    from ..serving.worker import run_worker
+    from ..serving.bootstrap import run_worker
 
     if args.token:
         os.environ[TOKEN_VARIABLE] = args.token  # the links to the head and the neighbours present it too

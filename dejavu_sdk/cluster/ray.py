@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from typing import Any
 
 import attrs
@@ -37,23 +38,23 @@ START_TIMEOUT = 300.0
 
 
 class _StageWorkerActor:
-    """A Ray actor that runs one `dejavu worker`; `serve` returns when the worker ends."""
+    """A Ray actor that runs one stage worker (`bootstrap.run_worker`); `serve` returns when the worker ends."""
 
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, join: str, token: str, host: str | None) -> None:
-        from ..serving.worker import run_worker
+    def serve(self, join: str, token: str, host: str | None, worker_id: str) -> None:
+        from ..serving.bootstrap import run_worker
 
         os.environ[TOKEN_VARIABLE] = token
-        run_worker(join, host=host or ray.util.get_node_ip_address())
+        run_worker(join, host=host or ray.util.get_node_ip_address(), worker_id=worker_id)
 
 
 class RayWorkerHandle:
-    """A stage worker running in a Ray actor."""
+    """A stage worker running in a Ray actor; `id` is the one `RayWorkers` gave it (pids collide across nodes)."""
 
-    def __init__(self, actor: Any, pid: int, serving: Any) -> None:
-        self.actor, self.pid, self._serving = actor, pid, serving
+    def __init__(self, actor: Any, id: str, pid: int, serving: Any) -> None:
+        self.actor, self.id, self.pid, self._serving = actor, id, pid, serving
 
     def alive(self) -> bool:
         done, _ = ray.wait([self._serving], timeout=0)
@@ -94,7 +95,8 @@ class RayWorkers:
         except BaseException:  # not placed in time (no node with the resources), or interrupted: do not leak it
             ray.kill(actor, no_restart=True)
             raise
-        return RayWorkerHandle(actor, pid, actor.serve.remote(join, token, self.host))
+        worker_id = uuid.uuid4().hex
+        return RayWorkerHandle(actor, worker_id, pid, actor.serve.remote(join, token, self.host, worker_id))
 
 
 class _ControllerActor:

@@ -1,9 +1,10 @@
 """Launchers: how a pipeline starts the stage workers it needs (at start, and to replace a dead one).
 
 A launcher starts a worker that joins the head at a transport URL with the pipeline's token, and returns a
-`WorkerHandle`: the worker's process id (which the worker also sends when it joins, so the head knows which
-stage runs where), whether it still runs, and a way to stop it. `LocalProcesses` starts `dejavu worker
---join URL` processes on this machine (the default); `dejavu_sdk.cluster.ray.RayWorkers` starts Ray actors.
+`WorkerHandle`: the id the launcher gave the worker (which the worker sends when it joins, so that the head
+knows which launched worker is which: process ids collide across machines), its process id, whether it still
+runs, and a way to stop it. `LocalProcesses` starts `python -m dejavu_sdk.serving.bootstrap --join URL
+--worker-id ID` processes on this machine (the default); `dejavu_sdk.cluster.ray.RayWorkers` starts Ray actors.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from typing import Protocol
 
 from ..transports.access import TOKEN_VARIABLE
@@ -19,6 +21,7 @@ from ..transports.access import TOKEN_VARIABLE
 class WorkerHandle(Protocol):
     """A started worker."""
 
+    id: str  # given by its launcher, unique across machines; the worker sends it in `join` as `worker`
     pid: int
 
     def alive(self) -> bool:
@@ -44,8 +47,8 @@ class Launcher(Protocol):
 class ProcessHandle:
     """A worker process on this machine."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process = process
+    def __init__(self, process: subprocess.Popen[bytes], id: str) -> None:
+        self.process, self.id = process, id
         self.pid = process.pid
 
     def alive(self) -> bool:
@@ -67,10 +70,12 @@ class ProcessHandle:
 
 class JoinedWorker:
     """A worker that joined on its own (started by hand, or by a scheduler): nothing here can see its process,
-    so it counts as alive while its heartbeats come, and it cannot be stopped from here."""
+    so it counts as alive while its heartbeats come, and it cannot be stopped from here. `id`: the one its
+    `join` gave (`worker`), or `pid N` for a worker started by hand without one."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, id: str | None = None) -> None:
         self.pid = pid
+        self.id = id if id is not None else f"pid {pid}"
 
     def alive(self) -> bool:
         return True
@@ -86,9 +91,10 @@ class JoinedWorker:
 
 
 class LocalProcesses:
-    """Stage workers as `dejavu worker --join URL` processes of this machine, with this process's environment."""
+    """Stage workers as processes of this machine, with this process's environment, each with an id of its own."""
 
     def start(self, join: str, token: str) -> ProcessHandle:
         environment = {**os.environ, TOKEN_VARIABLE: token}
-        return ProcessHandle(subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", join],
-                                              env=environment))
+        worker_id = uuid.uuid4().hex
+        command = [sys.executable, "-m", "dejavu_sdk.serving.bootstrap", "--join", join, "--worker-id", worker_id]
+        return ProcessHandle(subprocess.Popen(command, env=environment), worker_id)

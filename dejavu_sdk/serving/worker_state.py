@@ -1,0 +1,144 @@
+"""What a stage worker holds between messages: where its stage sits (`Role`), each microbatch's state
+(`MicrobatchState`), its caches, its links to the stages around it (`open_links`), and what tells it that the
+head is gone (`HeadWatch`, raising `HeadGone`).
+
+`WorkerState` is the base of `worker.StageWorker`: both the step path (`worker`) and the head's recovery
+messages (`worker_recovery`) change this state, so it sits below them both; `bootstrap` opens a new worker's
+links with the same `open_links` that a recovery's `relink` uses, and its `Heartbeat` is the `HeadWatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from ..backends import open_store, open_transport
+from ..errors import TransportError
+from ..generation.decoding import TokenPicker
+from ..generation.stage import Stage
+from ..store import Store
+from ..stream import LayerPartition
+from ..swapping import SwappedCaches
+from ..transports.base import Server, Transport
+from .handoff import LayerSender, StagedKV
+from .replication import Replicator
+
+#: A stage's links: to the next stage, the last stage's back to the first, a prompt stage's to the token stages,
+#: and a decoding stage's to the holder of its replicas.
+Links = tuple[Transport | None, Transport | None, LayerSender | None, Replicator | None]
+
+
+class HeadGone(TransportError):
+    """The head no longer answers: the worker stops, whatever its recovery settings."""
+
+
+class HeadWatch(Protocol):
+    """What tells a worker's loop that the head is gone (`bootstrap.Heartbeat`)."""
+
+    def check(self) -> None:
+        """Raise `HeadGone` once the head no longer answers."""
+
+
+@attrs.frozen
+class Role:
+    """Where a stage sits: `kind` is "mixed" (prompts and tokens), "prompt" or "token"; `number` of `stages` in
+    its own pipeline; `name` as errors show it."""
+
+    kind: str
+    number: int
+    stages: int
+    name: str
+
+    @property
+    def last(self) -> bool:
+        return self.number == self.stages - 1
+
+    @property
+    def decodes(self) -> bool:
+        return self.kind != "prompt"
+
+
+@attrs.define
+class MicrobatchState:
+    """What one stage keeps of a microbatch between steps (its KV cache is in the worker's `caches`)."""
+
+    capacity: int  # cache positions it reaches at its end
+    mask: torch.Tensor
+    positions: torch.Tensor
+    fields: dict[str, Any]
+    ended: torch.Tensor | None = None  # the last stage's: rows that ended
+    picker: TokenPicker | None = None  # the last stage's: how the next tokens are chosen
+    steps: int = 0
+
+
+def open_links(fields: dict[str, Any], role: Role) -> Links:
+    """A stage's links, from its assignment (or a recovery's `relink`): to the next stage of its pipeline, the
+    last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
+    of its replicas."""
+    following = open_transport(fields["next"]) if fields.get("next") else None
+    first = open_transport(fields["first"]) if role.decodes and role.last else None
+    token_links = [open_transport(url) for url in fields.get("token_stages", [])]
+    sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
+    replicator = None
+    start, stop = fields["layers"]
+    prefix = fields.get("replica_prefix", "")
+    if fields.get("replica_store"):
+        replicator = Replicator(open_store(fields["replica_store"]), role.number, stop - start, prefix)
+    elif fields.get("holder"):
+        replicator = Replicator(Store(open_transport(fields["holder"])), role.number, stop - start, prefix)
+    return following, first, sender, replicator
+
+
+class WorkerState:
+    """One assigned stage's state: its microbatches, their caches and the KV received for them, its links.
+
+    `following` is the next stage of its pipeline; `first` the last stage's way back to its pipeline's first
+    stage (the next step's tokens); `sender` a prompt stage's link to the token stages.
+    """
+
+    def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
+                 first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
+                 swapping: bool = False, heartbeat: HeadWatch | None = None, replicator: Replicator | None = None,
+                 recovery: bool = False, epoch: int = 0, replica_prefix: str = "") -> None:
+        self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
+        self.following, self.first, self.sender, self.pad = following, first, sender, pad
+        #: Decoding stages with recovery: streams each microbatch's cache to the next decoding stage.
+        self.replicator = replicator
+        #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.
+        self.recovery, self.epoch = recovery, epoch
+        self.prefix = replica_prefix  # of the replica streams, this pipeline's
+        self._reported_epoch = -1  # the epoch in which a lost link was last reported
+        self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
+        self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
+        self.microbatches: dict[int, MicrobatchState] = {}
+        #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
+        self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
+                                    swapping and role.kind != "prompt")  # a prompt stage keeps no cache
+        self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
+        self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
+
+    def _forget(self, number: int) -> None:
+        """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
+        self.microbatches.pop(number, None)
+        self.caches.remove(number)
+        self.restored.pop(number, None)
+        self.staged.pop(number, None)
+        if self.replicator is not None:
+            self.replicator.end(number)
+
+    def close(self) -> None:
+        self._close_links()
+
+    def _close_links(self) -> None:
+        """Finish replicating, and close every link to another stage (not the head's)."""
+        if self.replicator is not None:
+            self.replicator.finish_all()
+            self.replicator.holder.close()
+        links = [self.following, self.first, *(self.sender.links if self.sender is not None else [])]
+        if self.sender is not None:
+            self.sender.close()
+        for link in links:
+            if link is not None:
+                link.close()
