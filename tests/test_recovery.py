@@ -8,7 +8,6 @@ import random
 import signal
 import time
 from collections import defaultdict
-from typing import ClassVar
 
 import expectations
 import pytest
@@ -19,10 +18,9 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation.batching import Microbatch, Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.messages import Message
-from dejavu_sdk.serving.pipeline import StageInfo
-from dejavu_sdk.serving.recovery import Recovery, ended_rows, resume_point
+from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.replication import Replicator, assemble, held_positions, replica_stream
+from dejavu_sdk.serving.resume import ended_rows, plan_resume, resume_point
 from dejavu_sdk.store import Store
 from dejavu_sdk.stores.memory import MemoryStore
 
@@ -49,25 +47,14 @@ def test_rows_end_at_their_end_of_sequence_token_or_their_limit() -> None:
     assert ended_rows(generated, 2, [9, 9, 1], eos=[2]).tolist() == [1, 0, 1]
 
 
-class _Head:
-    """What `Recovery._plan` reads of a pipeline's head: two token stages, stage 2 dead, stage 1 alive."""
+#: Two token stages after a prompt stage, replicating around a ring: token stage 1 (index 2) is the dead one.
+LAYOUT = Layout([[(0, 3)], [(0, 2), (2, 3)]], ring=True)
 
-    recovery, replica_store, eos = "replicas", None, (2,)
-    stage_table: ClassVar[list[StageInfo]] = [StageInfo("prompt stage 0", "prompt", 0, (0, 3)),
-                                              StageInfo("token stage 0", "token", 0, (0, 2)),
-                                              StageInfo("token stage 1", "token", 1, (2, 3))]
 
-    def __init__(self, batches) -> None:
-        self.batches = batches
-
-    def in_flight_batches(self):
-        return self.batches
-
-    def decoding_stages(self):
-        return [1, 2]
-
-    def replica_holder(self, index):
-        return {1: 2, 2: 1}[index]
+def _plan(in_flight, survivor: dict):
+    """`plan_resume` with token stage 1 dead and token stage 0 reporting `survivor`'s caches and holds."""
+    return plan_resume(in_flight, {2}, LAYOUT, "replicas", (2,), lambda number: str(number) in survivor["caches"],
+                       lambda index, number: survivor["holds"].get(str(number), -1))
 
 
 def _batch(number: int, generated: list[list[int]], sampled: bool = False, rng_steps=()) -> Microbatch:
@@ -84,25 +71,24 @@ def test_the_plan_resumes_what_it_can_settles_what_ended_and_starts_the_rest_ove
     decoding = _batch(2, [[4, 5, 6, 7], [3, 3, 3, 3]])  # 4 tokens; the dead stage's replica reaches 5 positions
     prompting = _batch(3, [[], []])
     sampled = _batch(4, [[4, 5, 6, 7]], sampled=True, rng_steps=(4,))  # the state at step 3 is not kept
-    head = _Head([(1, ended, "decoding"), (2, decoding, "decoding"), (3, prompting, "prompting"),
-                  (4, sampled, "decoding")])
-    recovery = Recovery(head, {2}, "a test", detected=0.0)
-    survivor = {"caches": {"1": 4, "2": 6, "4": 6}, "holds": {"2": 5, "4": 5}}
-    paused = {"token stage 0": Message("paused", survivor)}
-    resumed, recomputed, finished, failed = recovery._plan(paused)
-    assert resumed == {2: 3}  # 5 positions = 3 prompt + 2 steps: fed the token of step 3 again
-    assert recomputed == [3, 4]
-    assert finished == [1]
-    assert failed == []
+    in_flight = [(1, ended, "decoding"), (2, decoding, "decoding"), (3, prompting, "prompting"),
+                 (4, sampled, "decoding")]
+    plan = _plan(in_flight, {"caches": {"1": 4, "2": 6, "4": 6}, "holds": {"2": 5, "4": 5}})
+    assert plan.resumed == {2: 3}  # 5 positions = 3 prompt + 2 steps: fed the token of step 3 again
+    assert plan.recomputed == [3, 4]
+    assert plan.finished == [1]
+    assert plan.failed == []
 
 
 def test_a_microbatch_at_two_recoveries_in_a_row_without_progress_fails_and_one_that_progressed_does_not() -> None:
     moving, stuck, waiting = _batch(2, [[4, 5], [3, 3]]), _batch(3, [[], []]), _batch(5, [[], []])
-    head = _Head([(2, moving, "decoding"), (3, stuck, "prompting"), (5, waiting, "staged")])
-    paused = {"token stage 0": Message("paused", {"caches": {}, "holds": {}})}
-    assert Recovery(head, {2}, "first", detected=0.0)._plan(paused)[3] == []
+    in_flight = [(2, moving, "decoding"), (3, stuck, "prompting"), (5, waiting, "staged")]
+    survivor = {"caches": {}, "holds": {}}
+    assert _plan(in_flight, survivor).failed == []
+    for batch in (moving, stuck):  # seen by that recovery (a staged one is not judged: it computes nothing)
+        batch.seen_by_recovery = batch.steps_received
     moving.add_step([6, 3])  # a new token between the two recoveries
-    assert Recovery(head, {2}, "second", detected=0.0)._plan(paused)[3] == [3]  # a staged one waits: no blame
+    assert _plan(in_flight, survivor).failed == [3]
 
 
 def _cache(positions: int, layers: int = 3, seed: int = 0) -> torch.Tensor:

@@ -27,6 +27,7 @@ from aiohttp import web
 from ..errors import ConfigError, TransportError
 from ..generation.batching import Result
 from ..models import load_tokenizer
+from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
 from .api import build_app
@@ -57,8 +58,7 @@ class Controller:
                  tokens: Sequence[str] = (), tokenizer: Any = "auto", max_body_bytes: int = MAX_BODY_BYTES,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
                  **pipeline_options: Any) -> None:
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
-            raise ConfigError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
+        check_body_limit(max_body_bytes)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         self.model_id = model
         self.pipeline = Pipeline(model, token=self.token, recovery=recovery, host=worker_host, port=worker_port,

@@ -30,11 +30,11 @@ from ..swapping import (
     kv_bytes_per_token,
     measure_host_bandwidth,
     positions_needed,
-    slots_needed,
 )
 from ..timing import measure_times
 from .adapters import adapter_for
-from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt, take_microbatch
+from .admission import Admission
+from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt
 from .decoding import Decoding, RowFailure, TokenPicker, TokenRules, next_tokens
 from .stage import Stage, position_ids
 
@@ -102,14 +102,15 @@ class RoundRobin:
         """Serve `requests` to the end; their results in the same order."""
         swapping = self._decide(requests)
         self.caches = caches = SwappedCaches(self.model.config, self.device, swapping)
+        admission = Admission(self.budget, swapping, self.bytes_per_token)
         waiting, flight, results = deque(requests), deque[_InFlight](), {}
         numbers = iter(range(len(requests)))
         with tqdm(total=sum(request.max_new_tokens for request in requests), desc="round robin", unit="token",
                   disable=not self.progress) as bar:
             while waiting or flight:
                 while waiting:
-                    taken = self._take(waiting, [state.reserved for state in flight])
-                    if taken is None:
+                    taken = admission.take(waiting, self.microbatch, [state.reserved for state in flight])
+                    if not taken:
                         break
                     batch = Microbatch.of(next(numbers), taken, self.rules.pad)
                     state = self._prefill(batch, caches)
@@ -132,16 +133,6 @@ class RoundRobin:
         return [results[request.number] for request in requests]
 
     # ---- admission --------------------------------------------------------------------------------------
-    def _fits(self, reservations: list[int]) -> bool:
-        return self.budget is None or slots_needed(reservations, self.caches is not None and
-                                                   self.caches.swapping) <= self.budget
-
-    def _take(self, waiting: deque[Request], in_flight: list[int]) -> list[Request] | None:
-        """The next microbatch whose cache fits beside those in flight (as many rows as fit), or None."""
-        taken = take_microbatch(waiting, self.microbatch,
-                                lambda rows: self._fits([*in_flight, cache_bytes(rows, self.bytes_per_token)]))
-        return taken or None
-
     def _decide(self, requests: list[Request]) -> bool:
         """Swap or not; ConfigError when the budget cannot hold one request (two with `swapping=True`)."""
         alone = max(cache_bytes([request], self.bytes_per_token) for request in requests)

@@ -26,7 +26,7 @@ from ..generation.stage import Stage
 from ..models import load_model
 from ..transports.access import TOKEN_VARIABLE
 from ..transports.base import Server, Transport
-from .messages import Message, pack, unpack
+from .messages import Kind, Message, pack, unpack
 from .worker import QUIET, StageWorker, failure_message
 from .worker_state import HeadGone, Role, open_links
 
@@ -51,7 +51,7 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                self.head.post_tensor(pack(Message("heartbeat", {"stage": self.stage, "epoch": self.epoch()})))
+                self.head.post_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch()})))
         except Exception as error:  # the head is gone: the worker stops
             self.error = error
 
@@ -71,15 +71,15 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
     token = os.environ.get(TOKEN_VARIABLE) or None
     scheme = join.partition("://")[0]
     with serve(f"{scheme}://{host}:0", token=token) as inbox, open_transport(join) as head:
-        _join(head, Message("join", {"url": inbox.url, "pid": os.getpid(), "worker": worker_id}))
+        _join(head, Message(Kind.JOIN, {"url": inbox.url, "pid": os.getpid(), "worker": worker_id}))
         assign = unpack(inbox.recv_tensor(timeout=ASSIGN_TIMEOUT))
         model = None
-        if assign.kind == "standby":  # load the model now, and wait (beating) until a stage needs this worker
+        if assign.kind == Kind.STANDBY:  # load the model now, and wait (beating) until a stage needs this worker
             torch.set_num_threads(threads if threads is not None else assign.fields["threads"])
             model = load_model(assign.fields["model"])
-            head.send_tensor(pack(Message("warm", {"url": inbox.url})))
+            head.send_tensor(pack(Message(Kind.WARM, {"url": inbox.url})))
             assign = _wait_for_assignment(inbox, head)
-        if assign.kind == "shutdown":
+        if assign.kind == Kind.SHUTDOWN:
             return
         if assign.kind != "assign":
             raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
@@ -97,7 +97,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                              int(fields.get("epoch", 0)), fields.get("replica_prefix", ""))
         heartbeat: Heartbeat | None = None
         try:
-            head.send_tensor(pack(Message("ready", {"stage": fields["stage"], "epoch": worker.epoch})))
+            head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))
             worker.heartbeat = heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch)
             worker.run()
         finally:
@@ -125,7 +125,7 @@ def _wait_for_assignment(inbox: Server, head: Transport) -> Message:
         try:
             return unpack(inbox.recv_tensor(timeout=QUIET))
         except TransportError:  # noqa: PERF203 - a quiet inbox: is the head still there?
-            head.send_tensor(pack(Message("heartbeat", {"stage": "standby"})))
+            head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "standby"})))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,10 +21,7 @@ from ..blocks import BlockKey
 from ..errors import TransportError
 from ..stream import LayerPartition, stream_out
 from ..transports.base import Transport
-from .messages import Message, pack
-
-#: A layer's piece in a `kv` message: `[layers, 2, B, H_kv, positions, D]` of the microbatch's prompt.
-KV = "kv"
+from .messages import Kind, Message, pack
 
 
 class _OneBlock:
@@ -82,7 +79,7 @@ class LayerSender:
         key = BlockKey(f"microbatch-{microbatch}", layers=(layer, layer + 1), tokens=(0, positions))
         block = torch.stack((keys, values)).unsqueeze(0)
         for stage, piece_key, piece in stream_out(_OneBlock(key, block), [key], self.destination):
-            self.links[stage].post_tensor(pack(Message(KV, {"microbatch": microbatch, "epoch": epoch,
+            self.links[stage].post_tensor(pack(Message(Kind.KV, {"microbatch": microbatch, "epoch": epoch,
                                                             "layers": list(piece_key.layers)}, (piece,))))
 
 

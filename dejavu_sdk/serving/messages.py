@@ -12,6 +12,7 @@ it came from a peer, not from the caller.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import struct
@@ -26,6 +27,48 @@ from ..errors import ConfigError, TransportError
 
 _LENGTH = struct.Struct("<I")
 _ALIGN = 8
+
+
+class Kind(str, enum.Enum):
+    """Every kind of message, by who sends it to whom. A kind travels as its string value."""
+
+    # a worker's life: worker -> head, head -> worker
+    JOIN = "join"  # a worker's inbox, pid and launcher-given id
+    STANDBY = "standby"  # head: load the model and wait as a spare
+    WARM = "warm"  # a spare has loaded the model
+    ASSIGN = "assign"  # head: be this stage, with these links
+    READY = "ready"  # the stage is loaded and linked
+    HEARTBEAT = "heartbeat"
+    FAILED = "failed"  # a stage could not go on (its process stops)
+    SHUTDOWN = "shutdown"
+    STATS = "stats"  # head: report your caches; stage: here they are
+    # a microbatch's steps: head -> first stage, stage -> stage, last stage -> head
+    PREFILL = "prefill"
+    DECODE = "decode"
+    START = "start"  # head -> first token stage: decode a microbatch the prompt pipeline prefilled
+    KV = "kv"  # prompt stage -> token stage: a layer's prompt KV
+    CANCEL = "cancel"  # end some rows at their next step
+    END = "end"  # free the microbatch's cache
+    TOKENS = "tokens"
+    PREFILLED = "prefilled"
+    ENDED = "ended"
+    FREED = "freed"
+    MICROBATCH_FAILED = "microbatch_failed"  # its computation raised: it fails, the stage goes on
+    LINK_LOST = "link_lost"
+    # a recovery: head -> stage, and each step's answer
+    PAUSE = "pause"
+    PAUSED = "paused"
+    RELINK = "relink"
+    RELINKED = "relinked"
+    SEND_REPLICA = "send_replica"
+    SENT = "sent"
+    RESTORE = "restore"  # replica holder -> replacement
+    DROP = "drop"
+    REWIND = "rewind"
+    REWOUND = "rewound"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @attrs.frozen

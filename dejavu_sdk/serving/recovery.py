@@ -19,32 +19,34 @@ The head runs one recovery at a time on a thread of its own, in the paper's four
 
 A microbatch that cannot resume (still in the prompt pipeline, its replica lost with two adjacent stages,
 or `recovery="recompute"`) starts over from its prompt, and gives the same tokens again; a request's
-callback never sees a token twice. Each recovery is described by a `RecoveryReport`.
+callback never sees a token twice. A microbatch in flight at the previous recovery too, without a new token
+since, fails instead (the poison bound). Each recovery is described by a `RecoveryReport`.
+
+The coordinator (`Recovery`) works through the ledger (what is in flight), the fleet (the processes, links and
+spares) and the layout (who holds whose replicas); where each microbatch goes on from is decided by
+`plan_resume`, a pure function of what the survivors and replicas hold.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
 
 from ..errors import DejaVuError, TransportError
-from .messages import Message
+from .fleet import Fleet
+from .ledger import Ledger, answer
+from .messages import Kind, Message
 from .replication import assemble, held_positions, replica_stream
-
-if TYPE_CHECKING:
-    from ..generation.batching import Microbatch
-    from .pipeline import Pipeline
+from .resume import ResumePlan, ended_rows, plan_resume
 
 log = logging.getLogger(__name__)
-
-#: The ways a pipeline may recover from a dead stage.
-RECOVERY = ("replicas", "recompute")
 #: Seconds each wait of a recovery may take (for a replacement to join, to load the model, for answers).
 STEP_TIMEOUT = 120.0
 #: Attempts at one recovery (another stage dying or not answering meanwhile adds it to those replaced)
@@ -85,42 +87,24 @@ class RecoveryReport:
                 + (f"; failed (no progress since the recovery before) {self.failed}" if self.failed else ""))
 
 
-def resume_point(prompt: int, tokens: int, replicas: Sequence[int]) -> int | None:
-    """The cache positions a microbatch resumes from: its `prompt` (padded) positions and the `tokens` the head
-    holds give P + tokens - 1 positions on every surviving stage; each dead stage's replica reaches
-    `replicas[i]`. None when some replica lacks part of the prompt (the microbatch starts over)."""
-    positions = min([prompt + tokens - 1, *replicas])
-    return positions if positions >= prompt and tokens >= 1 else None
-
-
-def ended_rows(generated: Sequence[Sequence[int]], steps: int, limits: Sequence[int], eos: Sequence[int],
-               dropped: Collection[int] = ()) -> torch.Tensor:
-    """Which rows had ended once `steps` tokens were picked (as the last stage tracks it), the `dropped` ones
-    (failed or cancelled) included."""
-    return torch.tensor([any(token in eos for token in row[:steps]) or steps >= limit or index in dropped
-                         for index, (row, limit) in enumerate(zip(generated, limits, strict=True))],
-                        dtype=torch.uint8)
-
-
-def no_progress(batch: Microbatch) -> bool:
-    """Whether `batch` was in flight at the previous recovery too and got no new token since (the poison
-    bound: it fails rather than be tried again). Marks it as seen by this recovery."""
-    stuck = batch.seen_by_recovery == batch.steps_received
-    batch.seen_by_recovery = batch.steps_received
-    return stuck
-
-
 class Recovery:
-    """One recovery of `head`, run on its own thread: `run()` returns its report once every stage is ready to
-    go on (the head then resumes the microbatches: `Pipeline.resume`)."""
+    """One recovery, run on the head's recovery thread: `run()` returns its report once every stage is ready to
+    go on (the ledger then resumes the microbatches). `replies` are the stages' answers, routed here by the
+    head's receiver; `assignment(index)` is what a replacement for stage `index` is told; `closed()` whether
+    the pipeline was closed meanwhile."""
 
-    def __init__(self, head: Pipeline, dead: set[int], reason: str, detected: float) -> None:
-        self.head, self.dead, self.reason, self.detected = head, set(dead), reason, detected
+    def __init__(self, ledger: Ledger, fleet: Fleet, replies: queue.SimpleQueue[Message], dead: set[int],
+                 reason: str, detected: float, assignment: Callable[[int], dict[str, Any]],
+                 closed: Callable[[], bool]) -> None:
+        self.ledger, self.fleet, self.layout, self.replies = ledger, fleet, fleet.layout, replies
+        self.options = fleet.options
+        self.dead, self.reason, self.detected = set(dead), reason, detected
+        self.assignment, self.closed = assignment, closed
         self.epoch = 0
         self.replaced: set[int] = set()  # dead stages whose replacement process has started
 
     # ---- messages from the stages, routed here by the head's receiver -----------------------------------
-    def _await(self, kind: str, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
+    def _await(self, kind: Kind, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
         """The replies of `kind` from every one of `senders` (by the field `key`), within STEP_TIMEOUT; a stage
         that fails or does not answer is dead (RecoveryRetry names it: the sender, or `blame` when the senders
         are not stages)."""
@@ -128,9 +112,9 @@ class Recovery:
         deadline = time.monotonic() + STEP_TIMEOUT
         while len(replies) < len(senders):
             self._check_open()
-            exited = [index for index in self.head.exited() if index not in self.dead or index in self.replaced]
+            exited = [index for index in self.fleet.exited() if index not in self.dead or index in self.replaced]
             if exited:
-                raise RecoveryRetry(exited, f"the process of {self.head.stage_table[exited[0]].name} exited")
+                raise RecoveryRetry(exited, f"the process of {self.layout.stages[exited[0]].name} exited")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(senders - replies.keys(), key=str)
@@ -138,10 +122,10 @@ class Recovery:
                 raise RecoveryRetry(stages, f"no {kind} from {', '.join(map(str, stages))} within "
                                     f"{STEP_TIMEOUT:.0f} s")
             try:
-                message = self.head.replies.get(timeout=min(remaining, 0.5))
+                message = self.replies.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
-            if message.kind == "failed":
+            if message.kind == Kind.FAILED:
                 raise RecoveryRetry([message.fields["stage"]], f"stage {message.fields['stage']} failed: "
                                     f"{message.fields['error']}")
             if message.kind == kind and int(message.fields.get("epoch", self.epoch)) == self.epoch:
@@ -150,135 +134,116 @@ class Recovery:
 
     # ---- the steps ------------------------------------------------------------------------------------
     def run(self) -> RecoveryReport:
-        head = self.head
-        self.epoch = head.new_epoch()
-        self.dead |= set(head.exited())
+        fleet, stages = self.fleet, self.layout.stages
+        self.epoch = fleet.new_epoch()
+        self.dead |= set(fleet.exited())
         for stage in self.dead:
-            head.fence(stage)
+            fleet.fence(stage)
         started = time.monotonic()
-        survivors = [index for index in range(len(head.stage_table)) if index not in self.dead]
-        log.info("epoch %d: pausing %s", self.epoch, [head.stage_table[index].name for index in survivors])
+        survivors = [index for index in range(len(stages)) if index not in self.dead]
+        log.info("epoch %d: pausing %s", self.epoch, [stages[index].name for index in survivors])
         paused = self._pause(survivors)
         pausing = time.monotonic() - started
         log.info("epoch %d: paused in %.3f s; replacing %s", self.epoch, pausing,
-                 [head.stage_table[index].name for index in sorted(self.dead)])
+                 [stages[index].name for index in sorted(self.dead)])
         started = time.monotonic()
         self._replace(sorted(self.dead))
         for index in survivors:
-            self._send(index, Message("relink", {"epoch": self.epoch, **head.links_of(index)}))
-        self._await("relinked", {head.stage_table[index].name for index in survivors})
+            self._send(index, Message(Kind.RELINK, {"epoch": self.epoch, **fleet.links_of(index)}))
+        self._await(Kind.RELINKED, {stages[index].name for index in survivors})
         replacing = time.monotonic() - started
         started = time.monotonic()
-        resumed, recomputed, finished, failed = self._plan(paused)
-        log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, resumed,
-                 recomputed)
-        decoding = head.decoding_stages()
-        self._transfer(resumed, recomputed)
-        gone = [number for number in head.holding_numbers() if number not in resumed]
+        plan = self._plan(paused)
+        log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, plan.resumed,
+                 plan.recomputed)
+        decoding = self.layout.decoding_stages()
+        self._transfer(plan.resumed, plan.recomputed)
+        gone = [number for number in self.ledger.holding_numbers() if number not in plan.resumed]
         for index in decoding:
-            self._send(index, Message("drop", {"epoch": self.epoch, "microbatches": gone}))
-        self._rewind(resumed, decoding)
+            self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": gone}))
+        self._rewind(plan.resumed, decoding)
         transferring = time.monotonic() - started
-        report = RecoveryReport(self.epoch, [head.stage_table[index].name for index in sorted(self.dead)],
-                                self.reason, resumed, recomputed, finished, pausing, replacing, transferring,
-                                time.monotonic() - self.detected, self.detected, failed)
+        report = RecoveryReport(self.epoch, [stages[index].name for index in sorted(self.dead)], self.reason,
+                                plan.resumed, plan.recomputed, plan.finished, pausing, replacing, transferring,
+                                time.monotonic() - self.detected, self.detected, plan.failed)
         log.warning("%s", report.describe())
         return report
 
-    def _replace(self, stages: list[int]) -> None:
-        """New workers for `stages`: standbys, or processes launched now (or started by someone else)."""
-        head = self.head
-        self.replaced.update(stages)
-        head.launch_replacements(stages)
+    def _replace(self, dead: list[int]) -> None:
+        """New workers for the `dead` stages: standbys, or processes launched now (or started by someone else)."""
+        fleet = self.fleet
+        self.replaced.update(dead)
+        fleet.launch_replacements(dead)
         deadline = time.monotonic() + STEP_TIMEOUT
-        for index in stages:  # every replacement in place before any is told its links
-            while (spare := head.take_spare()) is None:
+        for index in dead:  # every replacement in place before any is told its links
+            while (spare := fleet.take_spare()) is None:
                 self._check_open()
                 if time.monotonic() > deadline:
-                    raise RecoveryRetry([index], f"no worker joined to replace {head.stage_table[index].name} "
+                    raise RecoveryRetry([index], f"no worker joined to replace {self.layout.stages[index].name} "
                                         f"within {STEP_TIMEOUT:.0f} s")
                 time.sleep(0.01)
-            head.place(index, *spare)
-        for index in stages:
-            self._send(index, Message("assign", head.assignment(index)))
-        self._await("ready", set(stages))
-        for index in stages:
-            head.heard_from(index)
+            fleet.place(index, spare)
+        for index in dead:
+            self._send(index, Message(Kind.ASSIGN, self.assignment(index)))
+        self._await(Kind.READY, set(dead))
+        for index in dead:
+            fleet.heard_from(index)
 
     def _pause(self, survivors: list[int]) -> dict[str, Message]:
-        head = self.head
-        numbers = head.holding_numbers()
+        numbers = self.ledger.holding_numbers()
         for index in survivors:
-            previous = head.replica_owner(index)
+            previous = self.layout.replica_owner(index)
             fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None}
             if previous is not None:
-                fields.update(replica_of=head.stage_table[previous].number,
-                              replica_layers=head.stage_table[previous].layer_count)
-            self._send(index, Message("pause", fields))
-        return self._await("paused", {head.stage_table[index].name for index in survivors})
+                fields.update(replica_of=self.layout.stages[previous].number,
+                              replica_layers=self.layout.stages[previous].layer_count)
+            self._send(index, Message(Kind.PAUSE, fields))
+        return self._await(Kind.PAUSED, {self.layout.stages[index].name for index in survivors})
 
-    def _plan(self, paused: dict[str, Message]) -> tuple[dict[int, int], list[int], list[int], list[int]]:
-        """Each microbatch in flight: the step it resumes from, or that it starts over, or that it has all its
-        tokens already (its end crossed the recovery's start), or that it fails (poison: `no_progress`)."""
-        head = self.head
-        resumed: dict[int, int] = {}
-        recomputed: list[int] = []
-        finished: list[int] = []
-        failed: list[int] = []
-        decoding = head.decoding_stages()
-        for number, batch, phase in head.in_flight_batches():
-            prompt, tokens = batch.mask.shape[1], len(batch.generated[0])
-            if tokens and bool(ended_rows(batch.generated, tokens, batch.max_new_tokens, head.eos,
-                                          batch.dropped).all()):
-                finished.append(number)
-                continue
-            if phase != "staged" and no_progress(batch):  # a staged one waits: it computes nothing to blame
-                failed.append(number)
-                continue
-            point: int | None = None
-            if head.recovery == "replicas" and phase == "decoding":
-                survivors_hold = all(str(number) in paused[head.stage_table[index].name].fields["caches"]
-                                     for index in decoding if index not in self.dead)
-                replicas = [self._replica_reach(index, number, paused) for index in decoding if index in self.dead]
-                point = resume_point(prompt, tokens, replicas) if survivors_hold else None
-                if point is not None and batch.sampled and point - prompt + 1 not in batch.rng_states:
-                    point = None  # the generator's state at that step is not known: start over
-            if point is None:
-                recomputed.append(number)
-            else:
-                resumed[number] = point - prompt + 1
-        return resumed, recomputed, finished, failed
+    def _plan(self, paused: dict[str, Message]) -> ResumePlan:
+        """`plan_resume` over what the survivors reported; every microbatch in flight counts as seen by this
+        recovery from now on (the poison bound)."""
+        in_flight = self.ledger.in_flight()
+        survivors = [index for index in self.layout.decoding_stages() if index not in self.dead]
+        plan = plan_resume(
+            in_flight, self.dead, self.layout, self.options.recovery, self.ledger.eos,
+            lambda number: all(str(number) in paused[self.layout.stages[index].name].fields["caches"]
+                               for index in survivors),
+            lambda index, number: self._replica_reach(index, number, paused))
+        for _, batch, phase in in_flight:
+            if phase != "staged":
+                batch.seen_by_recovery = batch.steps_received
+        return plan
 
     def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
         """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
         holder reported it (-1: gone with its holder)."""
-        head, stage = self.head, self.head.stage_table[index]
-        if head.replica_store is not None:
-            stream = replica_stream(stage.number, number, head.replica_prefix)
-            return held_positions(head.replica_store.keys(stream), stage.layer_count)
+        stage, store = self.layout.stages[index], self.options.replica_store
+        if store is not None:
+            return held_positions(store.keys(replica_stream(stage.number, number, self.options.replica_prefix)),
+                                  stage.layer_count)
         holder = self._holder(index)
         if holder in self.dead:
             return -1
-        return int(paused[head.stage_table[holder].name].fields["holds"].get(str(number), -1))
+        return int(paused[self.layout.stages[holder].name].fields["holds"].get(str(number), -1))
 
     def _transfer(self, resumed: dict[int, int], recomputed: list[int]) -> None:
         """Each replacement's caches, from the replicas its next decoding stage holds (or the replica store). A
         replica that cannot be read back sends its microbatch back to its prompt; a replacement that cannot be
         reached is dead too."""
-        head = self.head
         for index in sorted(self.dead):
-            if index not in head.decoding_stages() or not resumed:
+            if index not in self.layout.decoding_stages() or not resumed:
                 continue
-            if head.replica_store is not None:
+            if self.options.replica_store is not None:
                 self._restore_from_store(index, resumed, recomputed)
                 continue
-            holder, stage = self._holder(index), head.stage_table[index]
+            holder, stage = self._holder(index), self.layout.stages[index]
             for number, step in resumed.items():
-                prompt = head.batch(number).mask.shape[1]
-                self._send(holder, Message("send_replica", {
+                prompt = self.ledger.batch(number).mask.shape[1]
+                self._send(holder, Message(Kind.SEND_REPLICA, {
                     "epoch": self.epoch, "microbatch": number, "owner": stage.number, "layers": stage.layer_count,
-                    "positions": prompt + step - 1, "to": head.url_of(index)}))
-            sent = self._await("sent", set(resumed), key="microbatch", blame=holder)
+                    "positions": prompt + step - 1, "to": self.fleet.url_of(index)}))
+            sent = self._await(Kind.SENT, set(resumed), key="microbatch", blame=holder)
             for number, reply in sent.items():
                 if reply.fields.get("unreachable"):
                     raise RecoveryRetry([index], f"{stage.name}'s replacement is unreachable: {reply.fields['error']}")
@@ -289,51 +254,49 @@ class Recovery:
                     recomputed.append(number)
 
     def _restore_from_store(self, index: int, resumed: dict[int, int], recomputed: list[int]) -> None:
-        head, stage = self.head, self.head.stage_table[index]
-        assert head.replica_store is not None  # only called with one
+        stage, store = self.layout.stages[index], self.options.replica_store
+        assert store is not None  # only called with one
         for number, step in list(resumed.items()):
-            positions = head.batch(number).mask.shape[1] + step - 1
-            stream = replica_stream(stage.number, number, head.replica_prefix)
+            positions = self.ledger.batch(number).mask.shape[1] + step - 1
+            stream = replica_stream(stage.number, number, self.options.replica_prefix)
             try:
-                block = assemble(head.replica_store, stream, stage.layer_count, positions)
+                block = assemble(store, stream, stage.layer_count, positions)
             except DejaVuError as error:  # short or damaged: that microbatch starts over
                 log.warning("the replica of microbatch %d could not be read back (%s): it starts over", number, error)
                 del resumed[number]
                 recomputed.append(number)
                 continue
-            self._send(index, Message("restore", {"microbatch": number, "epoch": self.epoch}, (block,)))
+            self._send(index, Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch}, (block,)))
 
     def _check_open(self) -> None:
-        if self.head.closed:
+        if self.closed():
             raise TransportError("the pipeline was closed during its recovery")
 
     def _send(self, index: int, message: Message) -> None:
         """Send stage `index` a recovery message; one that cannot be reached is dead too."""
         try:
-            self.head.send(index, message)
+            self.fleet.send(index, message)
         except TransportError as error:
-            name = self.head.stage_table[index].name
-            raise RecoveryRetry([index], f"{name} is unreachable: {error}") from None
+            raise RecoveryRetry([index], f"{self.layout.stages[index].name} is unreachable: {error}") from None
 
     def _holder(self, index: int) -> int:
-        holder = self.head.replica_holder(index)
+        holder = self.layout.replica_holder(index)
         assert holder is not None  # every decoding stage has one when recovering from replicas
         return holder
 
     def _rewind(self, resumed: dict[int, int], decoding: list[int]) -> None:
-        head = self.head
         for number, step in resumed.items():
-            batch = head.batch(number)
-            ended = ended_rows(batch.generated, step, batch.max_new_tokens, head.eos, batch.dropped)
+            batch = self.ledger.batch(number)
+            ended = ended_rows(batch.generated, step, batch.max_new_tokens, self.ledger.eos, batch.dropped)
             rng = batch.rng_states.get(step, torch.empty(0, dtype=torch.uint8))  # greedy: no generator
             for index in decoding:
-                holder = head.replica_holder(index)
-                kept = head.replica_store is not None or (holder is not None and holder not in self.dead)
+                holder = self.layout.replica_holder(index)
+                kept = self.options.replica_store is not None or (holder is not None and holder not in self.dead)
                 replicated = batch.mask.shape[1] + step - 1 if kept else 0  # else streamed anew from 0
-                self._send(index, Message("rewind", {
+                self._send(index, Message(Kind.REWIND, {
                     **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
                     "steps": step, "replicated": replicated}, (batch.mask, ended, rng)))
-            self._await("rewound", {head.stage_table[index].name for index in decoding})
+            self._await(Kind.REWOUND, {self.layout.stages[index].name for index in decoding})
 
 
 class RecoveryRetry(TransportError):
@@ -344,3 +307,92 @@ class RecoveryRetry(TransportError):
         super().__init__(text)
         self.stages = stages
 
+
+class Recoveries:
+    """Runs the pipeline's recoveries, one at a time, each on a thread of its own (the head's receiver keeps
+    taking the stages' answers meanwhile, and hands them over as `replies`), and keeps their `reports`.
+
+    A recovery holds the ledger (nothing new starts), replaces the dead stages (up to ATTEMPTS times, as more
+    die meanwhile), and resumes the ledger's microbatches; or fails every request (`fail`), never staying held.
+    A failure reported while one runs is looked at again once it ends. `send(index, message)` sends a step's
+    message, `admit()` lets new work in, `closed()` says whether the pipeline was closed; `notify_failure` and
+    `notify_recovery` pass each failure's description and each report to the user's callbacks."""
+
+    def __init__(self, ledger: Ledger, fleet: Fleet, replies: queue.SimpleQueue[Message],
+                 fail: Callable[[TransportError], None], send: Callable[[int, Message], None],
+                 admit: Callable[[], None], closed: Callable[[], bool], notify_failure: Callable[[str], None],
+                 notify_recovery: Callable[[RecoveryReport], None], eos: list[int], pad: int) -> None:
+        self.ledger, self.fleet, self.replies = ledger, fleet, replies
+        self.fail, self.send, self.admit, self.closed = fail, send, admit, closed
+        self.notify_failure, self.notify_recovery = notify_failure, notify_recovery
+        self.assignment = lambda index: fleet.assignment(index, eos, pad, True)
+        self.reports: list[RecoveryReport] = []
+        self.thread: threading.Thread | None = None
+        self._meanwhile: str | None = None  # a failure reported during a recovery, to look at after it
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None
+
+    def start(self, dead: set[int], reason: str) -> None:
+        with self.ledger.lock:
+            if self.thread is not None:
+                self._meanwhile = self._meanwhile or reason
+                return
+            if self.ledger.failure is not None or self.closed():
+                return
+            self.ledger.held = True
+            self.thread = threading.Thread(target=self._run, args=(dead, reason), name="dejavu-pipeline-recovery",
+                                           daemon=True)
+            self.thread.start()  # started as it is set: whoever sees it may join it
+        log.warning("recovering: %s", reason)
+        self.notify_failure(reason)
+
+    def join(self, timeout: float) -> None:
+        thread = self.thread
+        if thread is not None:  # it sees the pipeline closed (its waits are bounded), so no spare is left
+            thread.join(timeout=timeout)
+
+    def _run(self, dead: set[int], reason: str) -> None:
+        again: str | None = None
+        try:
+            report = self._attempts(dead, reason)
+            if report is None:
+                return
+            outcome = self.ledger.resume(report.resumed, report.recomputed, report.finished, report.failed)
+            answer(outcome.answers)
+            try:
+                for index, message in outcome.sends:
+                    self.send(index, message)
+            except TransportError as lost:  # a stage died as the pipeline went on: recover again
+                again = f"resuming after a recovery failed: {lost}"
+            self.notify_recovery(report)
+            self.fleet.top_up()
+        except Exception as error:  # whatever else stops a recovery fails the requests, rather than hang them
+            self.fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
+        finally:
+            with self.ledger.lock:
+                self.thread = None
+                again = again or self._meanwhile
+                self._meanwhile = None
+        if again is not None:
+            self.start(set(), again)
+        self.admit()
+
+    def _attempts(self, dead: set[int], reason: str) -> RecoveryReport | None:
+        error: Exception | None = None
+        detected = time.monotonic()
+        for _ in range(ATTEMPTS):
+            while not self.replies.empty():  # answers to an earlier attempt are of no use to this one
+                self.replies.get_nowait()
+            try:
+                report = Recovery(self.ledger, self.fleet, self.replies, dead, reason, detected, self.assignment,
+                                  self.closed).run()
+            except RecoveryRetry as retry:  # another stage died meanwhile: replace it too
+                dead |= {self.fleet.layout.index_of(name) for name in retry.stages}
+                reason, error = f"{reason}; then {retry}", retry
+                continue
+            self.reports.append(report)
+            return report
+        self.fail(TransportError(f"recovery failed after {ATTEMPTS} attempts: {error}"))
+        return None

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from ..blocks import BlockKey
 from ..cache import CacheManager
-from ..errors import DejaVuError, ReplicationError
+from ..errors import DejaVuError, ReplicationError, StoreError
 from ..store import Store
 
 
@@ -138,3 +138,13 @@ def _quietly_finish(manager: CacheManager) -> None:
     """Finish a manager whose holder may be gone (a recovery is under way): its error then says nothing new."""
     with contextlib.suppress(ReplicationError):
         manager.finish()
+
+
+def delete_replicas(store: Store, stages: list[int], microbatches: list[int], prefix: str) -> None:
+    """Delete what the decoding `stages` (numbers in the token pipeline) replicated of `microbatches` into a shared
+    replica store, and close it: a closing pipeline leaves nothing behind."""
+    for number in microbatches:
+        for stage in stages:
+            with contextlib.suppress(StoreError):
+                store.delete(replica_stream(stage, number, prefix))
+    store.close()

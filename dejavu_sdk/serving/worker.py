@@ -34,8 +34,8 @@ from ..generation.decoding import TokenPicker, next_tokens
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from ..transports.base import Transport
-from .handoff import KV, StagedKV
-from .messages import Message, pack, unpack
+from .handoff import StagedKV
+from .messages import Kind, Message, pack, unpack
 from .worker_recovery import RECOVERY, RecoveryHandlers
 from .worker_state import HeadGone, MicrobatchState, Role
 
@@ -51,7 +51,7 @@ STEPS = ("prefill", "decode", "start")
 
 def failure_message(stage: str | int, error: BaseException, epoch: int = 0) -> torch.Tensor:
     """The `failed` message that tells the head which stage failed (in which epoch), and why."""
-    return pack(Message("failed", {"stage": stage, "epoch": epoch, "error": f"{type(error).__name__}: {error}"}))
+    return pack(Message(Kind.FAILED, {"stage": stage, "epoch": epoch, "error": f"{type(error).__name__}: {error}"}))
 
 
 class StageWorker(RecoveryHandlers):
@@ -69,7 +69,7 @@ class StageWorker(RecoveryHandlers):
                     self.heartbeat.check()
                 if packed is not None:  # handled before the KV sender's check: a failed send loses no message
                     message = unpack(packed)
-                    if message.kind == "shutdown":
+                    if message.kind == Kind.SHUTDOWN:
                         return
                     self.handle(message)
                 if self.sender is not None:
@@ -87,7 +87,7 @@ class StageWorker(RecoveryHandlers):
         """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
         if self._reported_epoch < self.epoch:
             self._reported_epoch = self.epoch
-            self.head.send_tensor(pack(Message("link_lost", {"stage": self.role.name, "epoch": self.epoch,
+            self.head.send_tensor(pack(Message(Kind.LINK_LOST, {"stage": self.role.name, "epoch": self.epoch,
                                                              "error": str(error)})))
 
     def handle(self, message: Message) -> None:
@@ -100,7 +100,7 @@ class StageWorker(RecoveryHandlers):
             getattr(self, f"_{kind}")(message)
         elif kind in STEPS:
             self._compute(number, message)
-        elif kind == "end":
+        elif kind == Kind.END:
             self.microbatches.pop(number, None)
             self.caches.remove(number)
             if self.replicator is not None:
@@ -108,13 +108,13 @@ class StageWorker(RecoveryHandlers):
             if self.role.number + 2 < self.role.stages:  # the last stage ended it and freed its own already
                 self._send(self.following, message)
             else:  # every stage has freed its cache: the head may give its room to another
-                self._send(self.head, Message("freed", {"microbatch": number}))
-        elif kind == KV and self.role.kind == "token":
+                self._send(self.head, Message(Kind.FREED, {"microbatch": number}))
+        elif kind == Kind.KV and self.role.kind == "token":
             self._receive_kv(number, message)
-        elif kind == "cancel":
+        elif kind == Kind.CANCEL:
             self._cancel(number, message.fields["rows"])
-        elif kind == "stats":
-            self.head.send_tensor(pack(Message("stats", {"stage": self.role.name, "row_steps": self.row_steps,
+        elif kind == Kind.STATS:
+            self.head.send_tensor(pack(Message(Kind.STATS, {"stage": self.role.name, "row_steps": self.row_steps,
                                                          **self.caches.stats()})))
         else:
             raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
@@ -124,11 +124,11 @@ class StageWorker(RecoveryHandlers):
         hears `microbatch_failed` and its other stages drop it); a lost link is the stage's, and goes on up."""
         kind = message.kind
         try:
-            if kind == "start" and self.role.kind == "token":
+            if kind == Kind.START and self.role.kind == "token":
                 self._start(number, message)
-            elif kind == "prefill" and self.role.kind != "token":
+            elif kind == Kind.PREFILL and self.role.kind != "token":
                 self._prefill(number, message)
-            elif kind == "decode" and self.role.kind != "prompt":
+            elif kind == Kind.DECODE and self.role.kind != "prompt":
                 if number not in self.microbatches:  # ended or dropped meanwhile: nothing to continue
                     log.warning("%s dropped a step of microbatch %d, which it does not hold", self.role.name, number)
                     return
@@ -143,7 +143,7 @@ class StageWorker(RecoveryHandlers):
         except Exception as error:
             log.exception("%s failed on microbatch %d", self.role.name, number)
             self._forget(number)
-            self.head.send_tensor(pack(Message("microbatch_failed", {
+            self.head.send_tensor(pack(Message(Kind.MICROBATCH_FAILED, {
                 "microbatch": number, "stage": self.role.name, "epoch": self.epoch,
                 "error": f"{self.role.name} failed on it: {type(error).__name__}: {error}"})))
 
@@ -152,7 +152,7 @@ class StageWorker(RecoveryHandlers):
         first decoding stage, and each passes it on behind the steps it sent, so that the last stage, which picks
         the tokens, has the microbatch when it arrives. A microbatch with no live row left ends."""
         if not self.stage.last:
-            self._send(self.following, Message("cancel", {"microbatch": number, "rows": rows}))
+            self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": rows}))
             return
         state = self.microbatches.get(number)
         if state is None or state.ended is None:
@@ -180,12 +180,12 @@ class StageWorker(RecoveryHandlers):
 
         output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer)
         if not self.stage.last:
-            self._send(self.following, Message("prefill", message.fields, (output, state.mask)))
+            self._send(self.following, Message(Kind.PREFILL, message.fields, (output, state.mask)))
             return
         tokens, ended, failures = self._pick(state, output)  # the first tokens; the token pipeline takes over
         states = state.picker.states() if state.picker is not None else None
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Message("prefilled", {"microbatch": number, "failed": failures},
+        self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures},
                                       (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
 
     def _receive_kv(self, number: int, message: Message) -> None:
@@ -208,7 +208,7 @@ class StageWorker(RecoveryHandlers):
         inputs, prompt_mask, ended, rng = message.tensors
         if bool(ended.all()):  # every row ended with its first token: nothing to decode
             if self.role.last:  # no token stage kept its KV
-                self._send(self.head, Message("ended", {"microbatch": number, "freed": True}))
+                self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": True}))
             else:
                 self._send(self.following, message)
             return
@@ -224,7 +224,7 @@ class StageWorker(RecoveryHandlers):
         cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
         output = self.stage.forward(inputs, state.mask, state.positions, cache)
         if not self.stage.last:
-            self._send(self.following, Message("start", message.fields, (output, prompt_mask, ended, rng)))
+            self._send(self.following, Message(Kind.START, message.fields, (output, prompt_mask, ended, rng)))
         else:
             self._next_tokens(number, state, output)
         self._after_step(number, cache, first=True)
@@ -233,11 +233,11 @@ class StageWorker(RecoveryHandlers):
         """Run the stage on the microbatch's new positions in `cache`, and pass the result on."""
         output = self.stage.forward(inputs, state.mask, state.positions, cache)
         if not self.stage.last:
-            tensors = (output, state.mask) if message.kind == "prefill" else (output,)
+            tensors = (output, state.mask) if message.kind == Kind.PREFILL else (output,)
             self._send(self.following, Message(message.kind, message.fields, tensors))
         else:
             self._next_tokens(number, state, output)
-        self._after_step(number, cache, first=message.kind == "prefill")
+        self._after_step(number, cache, first=message.kind == Kind.PREFILL)
 
     def _after_step(self, number: int, cache: Any, first: bool) -> None:
         """Hand a stepped cache back (after its first step, with its final size), or free it if it ended here;
@@ -275,14 +275,14 @@ class StageWorker(RecoveryHandlers):
         tokens, ended, failures = self._pick(state, logits)
         states = state.picker.states() if state.picker is not None and self.recovery else None
         rng = () if states is None else (states,)
-        self._send(self.head, Message("tokens", {"microbatch": number, "failed": failures}, (tokens, *rng)))
+        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "failed": failures}, (tokens, *rng)))
         if bool(ended.all()):
             del self.microbatches[number]
-            self._send(self.head, Message("ended", {"microbatch": number, "freed": self.role.stages == 1}))
+            self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": self.role.stages == 1}))
             if self.role.stages > 1:
-                self._send(self.first, Message("end", {"microbatch": number}))
+                self._send(self.first, Message(Kind.END, {"microbatch": number}))
         else:
-            self._send(self.first, Message("decode", {"microbatch": number}, (tokens[:, None],)))
+            self._send(self.first, Message(Kind.DECODE, {"microbatch": number}, (tokens[:, None],)))
 
     def _send(self, link: Transport | None, message: Message) -> None:
         """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the

@@ -24,7 +24,7 @@ from ..errors import DejaVuError, TransportError
 from ..generation.decoding import TokenPicker
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
-from .messages import Message, pack
+from .messages import Kind, Message, pack
 from .replication import assemble, cache_from, held_positions, replica_stream
 from .worker_state import MicrobatchState, WorkerState, open_links
 
@@ -53,7 +53,7 @@ class RecoveryHandlers(WorkerState):
             for number in message.fields["microbatches"]:
                 holds[str(number)] = held_positions(store.keys(replica_stream(owner, number, self.prefix)),
                                                     int(message.fields["replica_layers"]))
-        self.head.send_tensor(pack(Message("paused", {"stage": self.role.name, "epoch": self.epoch,
+        self.head.send_tensor(pack(Message(Kind.PAUSED, {"stage": self.role.name, "epoch": self.epoch,
                                                       "caches": caches, "holds": holds})))
 
     def _relink(self, message: Message) -> None:
@@ -61,7 +61,7 @@ class RecoveryHandlers(WorkerState):
         self._close_links()
         self.following, self.first, self.sender, self.replicator = open_links(message.fields, self.role)
         self._reported_epoch = self.epoch - 1  # from here on, a lost link is news again
-        self.head.send_tensor(pack(Message("relinked", {"stage": self.role.name, "epoch": self.epoch})))
+        self.head.send_tensor(pack(Message(Kind.RELINKED, {"stage": self.role.name, "epoch": self.epoch})))
 
     def _send_replica(self, message: Message) -> None:
         """Send the replica held here of stage `owner`'s microbatch back to that stage's replacement at `to`."""
@@ -76,11 +76,11 @@ class RecoveryHandlers(WorkerState):
         else:
             try:
                 with open_transport(fields["to"]) as replacement:
-                    replacement.send_tensor(pack(Message("restore", {"microbatch": number, "epoch": self.epoch},
+                    replacement.send_tensor(pack(Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch},
                                                          (block,))))
             except TransportError as error:  # the replacement is gone too
                 answer.update(error=str(error), unreachable=True)
-        self.head.send_tensor(pack(Message("sent", answer)))
+        self.head.send_tensor(pack(Message(Kind.SENT, answer)))
 
     def _restore(self, message: Message) -> None:
         self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
@@ -117,5 +117,5 @@ class RecoveryHandlers(WorkerState):
         self.caches.add(number, state.capacity)
         if self.replicator is not None:
             self.replicator.start(number, cache, int(fields["replicated"]))
-        self.head.send_tensor(pack(Message("rewound", {"stage": self.role.name, "microbatch": number,
+        self.head.send_tensor(pack(Message(Kind.REWOUND, {"stage": self.role.name, "microbatch": number,
                                                        "epoch": self.epoch})))

@@ -1,0 +1,316 @@
+"""The pipeline's worker processes: launching them, their joining, stage assignment, heartbeats, fencing by
+epoch, and the pool of spare workers that replace dead stages.
+
+A worker joins with its inbox's address, its pid and the id its launcher gave it (`worker`; None for a worker
+started by hand). Spares (launched for a recovery, or kept warm as `standby`) are known by that id: pids collide
+across machines. Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
+still sends (a heartbeat, a failure) is ignored; a replaced process the pipeline launched is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..backends import open_transport
+from ..errors import ConfigError, TransportError
+from ..transports.base import Server, Transport
+from .launchers import JoinedWorker, WorkerHandle
+from .messages import Kind, Message, pack, unpack
+from .options import PipelineOptions
+
+log = logging.getLogger(__name__)
+
+#: Seconds the head waits for every worker to join and load its stage.
+START_TIMEOUT = 300.0
+
+
+@attrs.frozen
+class Spare:
+    """A worker that joined while no stage needed it: its inbox, its launcher-given id (`pid N` for one started
+    by hand) and its process id."""
+
+    url: str
+    worker: str
+    pid: int
+
+
+class Fleet:
+    """The stage workers of one pipeline (`options`), reached through the head's inbox at `url()`."""
+
+    def __init__(self, options: PipelineOptions, url: Callable[[], str]) -> None:
+        self.options, self.layout, self.url = options, options.layout, url
+        self.lock = threading.Lock()
+        self.epoch = 0  # raised by each recovery: messages of older epochs are dropped
+        self.processes: list[WorkerHandle] = []  # each stage's process, when the pipeline launched it
+        self.links: list[Transport] = []  # to each stage's inbox
+        self.urls: list[str] = []  # each stage's inbox
+        self.beats: dict[str, float] = {}  # per stage name: when its last heartbeat (or `ready`) arrived
+        self.assigned: dict[str, int] = {}  # per stage name: the epoch its worker was assigned in
+        self.spares: dict[str, WorkerHandle] = {}  # launched workers not serving a stage, by launcher-given id
+        self.pool: list[Spare] = []  # spares with the model loaded, oldest first
+        self.warming: dict[str, Spare] = {}  # spares loading the model, by inbox
+        self.closed = False
+        self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
+        self._stats_arrived = threading.Condition()
+
+    @property
+    def launch(self) -> bool:
+        return self.options.launcher is not None
+
+    # ---- starting ---------------------------------------------------------------------------------------
+    def start(self, inbox: Server, eos: list[int], pad: int, recovery: bool) -> None:
+        """Launch a worker per stage (and the standbys), assign each worker its stage in the order they join
+        the head's `inbox`, and return once every stage is loaded."""
+
+        def next_message(deadline: float, waiting_for: str) -> Message:
+            while True:
+                self.check_processes()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(f"waited {START_TIMEOUT:.0f} s for {waiting_for}")
+                with contextlib.suppress(TransportError):  # a quiet inbox
+                    return unpack(inbox.recv_tensor(timeout=min(1.0, remaining)))
+
+        if self.launch:
+            self.processes = [self._launch() for _ in self.layout.stages]
+            for _ in range(self.options.standby):
+                self._launch_spare()
+        deadline = time.monotonic() + START_TIMEOUT
+        joined: list[tuple[str, str | None]] = []
+        while len(joined) < len(self.layout.stages):
+            message = next_message(deadline, "every stage worker to join")
+            if message.kind == Kind.JOIN and message.fields.get("worker") in self.spares:
+                self.pool_spare(message)
+            elif message.kind == Kind.WARM:
+                self.warmed(str(message.fields["url"]))
+            elif message.kind == Kind.JOIN:
+                joined.append((message.fields["url"], message.fields.get("worker")))
+        if self.launch:  # stages go in the order workers joined: each stage's process is the one that joined as it
+            by_id = {process.id: process for process in self.processes}
+            self.processes = [by_id[worker] for _, worker in joined if worker in by_id]
+        self.urls = [url for url, _ in joined]
+        self.links = [open_transport(url, token=self.options.token) for url in self.urls]
+        for index in range(len(self.layout.stages)):
+            self.send(index, Message(Kind.ASSIGN, self.assignment(index, eos, pad, recovery)))
+        ready: set[int] = set()
+        while len(ready) < len(self.layout.stages):
+            message = next_message(deadline, "every stage worker to load its stage")
+            if message.kind == Kind.JOIN:  # a standby that joined after the stage workers
+                self.pool_spare(message)
+            elif message.kind == Kind.WARM:
+                self.warmed(str(message.fields["url"]))
+            elif message.kind == Kind.FAILED:
+                raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
+            elif message.kind == Kind.READY:
+                ready.add(message.fields["stage"])
+        self.beats = {stage.name: time.monotonic() for stage in self.layout.stages}
+
+    def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> dict[str, Any]:
+        """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
+        stage, options = self.layout.stages[index], self.options
+        return {"model": options.model, "stage": index, "threads": options.threads, "eos": eos, "pad": pad,
+                "swapping": options.swapping, "heartbeat": options.heartbeat, "recovery": recovery,
+                "epoch": self.epoch, "role": stage.role, "number": stage.number, "name": stage.name,
+                "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
+                **self.links_of(index)}
+
+    def links_of(self, index: int) -> dict[str, Any]:
+        store = self.options.replica_store
+        return self.layout.links(index, self.urls, None if store is None else store.url, self.options.replica_prefix)
+
+    # ---- talking to the stages -------------------------------------------------------------------------
+    def send(self, index: int, message: Message) -> None:
+        """Send stage `index` a message and wait until its inbox has it."""
+        self.links[index].send_tensor(pack(message))
+
+    def url_of(self, index: int) -> str:
+        return self.urls[index]
+
+    def new_epoch(self) -> int:
+        with self.lock:
+            self.epoch += 1
+            return self.epoch
+
+    # ---- watching them -----------------------------------------------------------------------------------
+    def beat(self, name: str, epoch: int) -> None:
+        """A heartbeat: a standby's beats only show it is there; a replaced worker's are no one's."""
+        with self.lock:
+            if name in self.beats and epoch >= self.assigned.get(name, 0):
+                self.beats[name] = time.monotonic()
+
+    def heard_from(self, index: int) -> None:
+        with self.lock:
+            self.beats[self.layout.stages[index].name] = time.monotonic()
+
+    def silent(self, now: float) -> list[tuple[float, str]]:
+        """The stages that missed `missed_beats` heartbeats in a row: (last beat, name), oldest first."""
+        limit = self.options.heartbeat * self.options.missed_beats
+        with self.lock:
+            return sorted((last, name) for name, last in self.beats.items() if now - last > limit)
+
+    def replaced_since(self, stage: str, epoch: int) -> bool:
+        """Whether `stage`'s worker was replaced after `epoch` (what its old worker says is no one's)."""
+        return epoch < self.assigned.get(stage, 0)
+
+    def exited(self) -> list[int]:
+        """The stages whose launched process has exited."""
+        if self.closed:
+            return []
+        return [index for index, process in enumerate(self.processes) if not process.alive()]
+
+    def check_processes(self) -> None:
+        for number in self.exited():
+            raise TransportError(f"the process of stage {number} exited with "
+                                 f"{self.processes[number].exit_status()}")
+
+    def fence(self, index: int) -> None:
+        """Make sure stage `index`'s launched process is gone (a stopped one would wake and speak out of turn)."""
+        if index < len(self.processes) and self.processes[index].alive():
+            self.processes[index].kill()
+
+    # ---- spares ----------------------------------------------------------------------------------------
+    def _launch(self) -> WorkerHandle:
+        """A worker that joins this head, started by the launcher."""
+        assert self.options.launcher is not None  # only launched pipelines start workers
+        return self.options.launcher.start(self.url(), self.options.token)
+
+    def _launch_spare(self) -> None:
+        spare = self._launch()
+        with self.lock:
+            self.spares[spare.id] = spare
+
+    def pool_spare(self, join: Message) -> None:
+        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`.
+        One that cannot be reached is left out (a launched one is dropped with the next pruning)."""
+        url = join.fields["url"]
+        try:
+            with open_transport(url, token=self.options.token) as link:
+                link.send_tensor(pack(Message(Kind.STANDBY, {"model": self.options.model,
+                                                             "threads": self.options.threads})))
+        except TransportError as error:
+            log.warning("a spare worker at %s is unreachable: %s", url, error)
+            return
+        with self.lock:
+            self.warming[url] = Spare(url, join.fields.get("worker") or f"pid {join.fields['pid']}",
+                                      int(join.fields["pid"]))
+
+    def warmed(self, url: str) -> None:
+        with self.lock:
+            if url in self.warming:
+                self.pool.append(self.warming.pop(url))
+
+    def prune_spares(self) -> None:
+        """Forget spares whose launched process has ended (they would be counted, or taken, in vain)."""
+        with self.lock:
+            gone = {worker for worker, spare in self.spares.items() if not spare.alive()}
+            for worker in gone:
+                del self.spares[worker]
+            self.pool = [spare for spare in self.pool if spare.worker not in gone]
+            self.warming = {url: spare for url, spare in self.warming.items() if spare.worker not in gone}
+
+    def launch_replacements(self, stages: list[int]) -> None:
+        """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched
+        pipelines); otherwise workers started elsewhere must join (`dejavu worker --join URL`)."""
+        self.prune_spares()
+        if self.launch:
+            while len(self.spares) < len(stages):  # every spare is joined already, or on its way
+                self._launch_spare()
+            return
+        with self.lock:
+            missing = len(stages) - len(self.pool)
+        if missing > 0:
+            log.warning("%s gone: start %d worker(s) with `dejavu worker --join %s` to replace them",
+                        ", ".join(self.layout.stages[index].name for index in stages), missing, self.url())
+
+    def take_spare(self) -> Spare | None:
+        """A spare worker that joined and loaded the model, now taken off the pool; None when none has."""
+        self.prune_spares()
+        with self.lock:
+            return self.pool.pop(0) if self.pool else None
+
+    def top_up(self) -> None:
+        """Launch spare workers until `standby` of them are joined or on their way."""
+        self.prune_spares()
+        while self.launch and len(self.spares) < self.options.standby and not self.closed:
+            self._launch_spare()
+
+    def place(self, index: int, spare: Spare) -> None:
+        """The `spare` will be stage `index`: its links and process are now the stage's (its assignment follows,
+        once every replacement is placed)."""
+        with self.lock:
+            if self.launch:  # a worker started by hand has no handle here: heartbeats watch it
+                self.processes[index] = (self.spares.pop(spare.worker) if spare.worker in self.spares
+                                         else JoinedWorker(spare.pid, spare.worker))
+            self.assigned[self.layout.stages[index].name] = self.epoch
+        self.links[index].close()
+        self.urls[index] = spare.url
+        self.links[index] = open_transport(spare.url, token=self.options.token)
+
+    def stage_status(self) -> list[dict[str, Any]]:
+        """Each stage: its name, role and layers, its launched process (pid, alive) and its last heartbeat."""
+        stages: list[dict[str, Any]] = [{"name": stage.name, "role": stage.role, "layers": list(stage.layers)}
+                                        for stage in self.layout.stages]
+        for stage, process in zip(stages, self.processes, strict=False):
+            stage.update(pid=process.pid, alive=process.alive())
+        now = time.monotonic()
+        with self.lock:
+            for stage in stages:
+                if stage["name"] in self.beats:
+                    stage["last_heartbeat_seconds_ago"] = round(now - self.beats[stage["name"]], 3)
+        return stages
+
+    def collect_stats(self, timeout: float, failed: Callable[[], BaseException | None]) -> dict[str, dict[str, Any]]:
+        """Ask every stage for its caches' figures and wait (up to `timeout`, or until `failed()` says the
+        pipeline failed) for every answer, which the head's receiver hands to `stats_arrived`."""
+        with self._stats_arrived:
+            self._stats.clear()
+        for index in range(len(self.layout.stages)):
+            self.send(index, Message(Kind.STATS))
+        deadline = time.monotonic() + timeout
+        with self._stats_arrived:
+            while len(self._stats) < len(self.layout.stages):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or failed() is not None:
+                    raise TransportError(f"the stages did not all report within {timeout} s") from failed()
+                self._stats_arrived.wait(remaining)
+            return dict(self._stats)
+
+    def stats_arrived(self, message: Message) -> None:
+        with self._stats_arrived:
+            self._stats[str(message.fields["stage"])] = dict(message.fields)
+            self._stats_arrived.notify_all()
+
+    def spare_pids(self) -> list[int]:
+        """The processes of the spares ready to take a stage."""
+        with self.lock:
+            return [spare.pid for spare in self.pool]
+
+    # ---- stopping ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tell every worker to stop, and make sure every process the pipeline launched is gone."""
+        self.closed = True
+        for link in self.links:
+            with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
+                link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+            link.close()
+        with self.lock:
+            joined = {spare.worker: spare.url for spare in [*self.pool, *self.warming.values()]}
+            stages, spares = list(self.processes), dict(self.spares)
+        for url in joined.values():
+            with contextlib.suppress(TransportError), open_transport(url, token=self.options.token) as link:
+                link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+        for worker, process in spares.items():
+            if worker not in joined:
+                process.kill()  # launched, not joined yet: nothing to tell it
+            else:
+                process.stop(timeout=10)
+        for process in stages:
+            process.stop(timeout=10)
+

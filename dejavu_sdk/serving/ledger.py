@@ -1,0 +1,373 @@
+"""The head's ledger: every waiting request and every microbatch in flight, one record each, and the decisions.
+
+A microbatch in flight is one `Flight`: its rows (`Microbatch`: requests, tokens so far, which rows are
+answered), its `Phase`, the KV bytes it reserved on each stage, and when it last made progress. The ledger
+decides: what to admit (`admit`), what each stage report means (`on_tokens`, `on_prefilled`, `on_ended`,
+`on_freed`, `on_microbatch_failed`), what a cancellation needs (`cancel`), how a recovery's plan resumes
+(`resume`). Each returns an `Outcome`: the messages to send (by stage index), the futures to answer and the
+tokens to stream. It never sends, answers or calls anything itself, so it is tested without processes; the
+pipeline carries its outcomes out, outside the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import attrs
+import torch
+
+from ..errors import RequestFailed, TransportError
+from ..generation.admission import Admission
+from ..generation.batching import Microbatch, Request, Result
+from .layout import Layout
+from .messages import Kind, Message
+
+log = logging.getLogger(__name__)
+
+#: Sampling with recovery: the last steps whose generator states the ledger keeps (a microbatch whose replicas
+#: lag further behind starts over).
+RNG_STEPS_KEPT = 64
+#: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
+#: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
+POISON = ("it was in flight at two recoveries in a row without making progress; it is not tried again, so that "
+          "no request can hold the pipeline in recoveries")
+
+
+class Phase(enum.Enum):
+    """Where a microbatch in flight is."""
+
+    PROMPTING = "prompting"  # in the prompt pipeline (disaggregated)
+    STAGED = "staged"  # prefilled, waiting for a token stage to start it (disaggregated)
+    DECODING = "decoding"  # in the mixed or token pipeline
+    ENDED = "ended"  # every row ended; its caches are being freed
+
+
+@attrs.define(eq=False)
+class Flight:
+    """One microbatch in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its last
+    progress (None: not watched, as while it waits for a token stage), its `start` while staged, and whether
+    every stage freed its cache already."""
+
+    batch: Microbatch
+    phase: Phase
+    reserved: int
+    progress: float | None
+    start: Message | None = None
+    staged_at: int = 0
+    freed: bool = False
+
+
+Answer = tuple["Future[Result]", Any]  # a future and its result or error
+
+
+@attrs.define
+class Outcome:
+    """What a decision asks the pipeline to do: `sends` (stage index, message), `answers` (future, result or
+    error) and `calls` (a request's on_token callback, token)."""
+
+    sends: list[tuple[int, Message]] = attrs.field(factory=list)
+    answers: list[Answer] = attrs.field(factory=list)
+    calls: list[tuple[Callable[[int], None], int]] = attrs.field(factory=list)
+
+
+class Ledger:
+    """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
+    the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold."""
+
+    def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
+                 admission: Admission) -> None:
+        self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
+        self.eos, self.pad, self.admission = eos, pad, admission
+        self.lock = threading.Lock()
+        self.waiting: deque[Request] = deque()
+        self.flights: dict[int, Flight] = {}
+        self.failure: TransportError | None = None
+        self.held = False  # a recovery is under way: nothing new starts
+        #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
+        self.most_in_flight = 0
+        self._numbers = 0
+        self._staging = 0  # orders staged microbatches
+
+    # ---- what is held --------------------------------------------------------------------------------
+    def holding(self) -> list[Flight]:
+        """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""
+        return [flight for flight in self.flights.values() if not flight.freed]
+
+    def in_flight(self) -> list[tuple[int, Microbatch, str]]:
+        """Each microbatch not yet ended, with its phase's name."""
+        with self.lock:
+            return [(number, flight.batch, flight.phase.value) for number, flight in sorted(self.flights.items())
+                    if flight.phase is not Phase.ENDED]
+
+    def holding_numbers(self) -> list[int]:
+        with self.lock:
+            return sorted(self.flights)
+
+    def batch(self, number: int) -> Microbatch:
+        return self.flights[number].batch
+
+    def stalled_since(self) -> float | None:
+        """The oldest last progress of a watched microbatch."""
+        with self.lock:
+            return min((flight.progress for flight in self.flights.values() if flight.progress is not None),
+                       default=None)
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {"microbatches": [{"microbatch": number, "rows": len(flight.batch.requests),
+                                      "steps": len(flight.batch.arrived)}
+                                     for number, flight in sorted(self.flights.items())
+                                     if flight.phase is not Phase.ENDED],
+                    "waiting": len(self.waiting)}
+
+    # ---- requests in -------------------------------------------------------------------------------
+    def queue(self, requests: Sequence[Request]) -> None:
+        with self.lock:
+            if self.failure is not None:
+                raise self.failure
+            self.waiting.extend(requests)
+
+    def admit(self) -> list[tuple[int, Message]]:
+        """What may start now: staged microbatches on free token stages, and waiting requests as new microbatches
+        while the first stage's pipeline has room (disaggregated: and the token side a free slot)."""
+        sends: list[tuple[int, Message]] = []
+        with self.lock:
+            while self.failure is None and not self.held:
+                staged = sorted((flight for flight in self.flights.values() if flight.phase is Phase.STAGED),
+                                key=lambda flight: flight.staged_at)
+                if staged and self._count(Phase.DECODING) < self.layout.token_depth:
+                    flight = staged[0]
+                    flight.phase, flight.progress = Phase.DECODING, time.monotonic()
+                    assert flight.start is not None  # kept from its `prefilled`
+                    sends.append((self.layout.prompt_depth, _with_ended(flight.start, flight.batch.dropped)))
+                    flight.start = None
+                elif self.waiting and self._room_for_a_prefill():
+                    taken = self.admission.take(self.waiting, self.microbatch,
+                                                [flight.reserved for flight in self.holding()])
+                    if not taken:  # the budget is full: wait for a microbatch to end
+                        break
+                    batch = Microbatch.of(self._numbers, taken, self.pad)
+                    self._numbers += 1
+                    phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
+                    self.flights[batch.number] = Flight(batch, phase, self.admission.reserve(taken), time.monotonic())
+                    self.most_in_flight = max(self.most_in_flight, len(self.holding()))
+                    sends.append((0, Message(Kind.PREFILL, batch.fields(), (batch.ids, batch.mask))))
+                else:
+                    break
+        return sends
+
+    def cancel(self, request: Request) -> list[tuple[int, Message]]:
+        """A request's caller cancelled it: a waiting one leaves the queue; a running row is ended at its next
+        step (the first decoding stage passes the word on to the last; a microbatch not decoding yet carries
+        the row as ended when it starts)."""
+        with self.lock:
+            if request in self.waiting:
+                self.waiting.remove(request)
+                return []
+            for number, flight in self.flights.items():
+                rows = [row for row, member in enumerate(flight.batch.requests) if member is request]
+                if rows and flight.phase is not Phase.ENDED:
+                    flight.batch.dropped.update(rows)
+                    flight.batch.settled.update(rows)
+                    if flight.phase is Phase.DECODING:
+                        stage = self.layout.decoding_stages()[0]
+                        return [(stage, Message(Kind.CANCEL, {"microbatch": number, "rows": rows}))]
+        return []
+
+    # ---- reports from the stages -----------------------------------------------------------------------
+    def on_tokens(self, number: int, tokens: list[int], states: torch.Tensor | None,
+                  failures: dict[str, Any]) -> Outcome:
+        """A step's tokens (a row each) from the last stage, with the generators' states after it (sampling
+        with recovery) and the rows that failed."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None or flight.phase is Phase.ENDED:
+                return outcome
+            flight.progress = time.monotonic()
+            batch = flight.batch
+            batch.add_step(tokens)
+            if states is not None:
+                step = len(batch.arrived)
+                batch.rng_states[step] = states.clone()
+                batch.rng_states.pop(step - RNG_STEPS_KEPT, None)  # replicas are never that far behind
+            outcome.calls = batch.unstreamed(self.eos)
+            outcome.answers = self._settle_rows(batch, failures)
+        return outcome
+
+    def on_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
+                     keep_states: bool) -> Outcome:
+        """Disaggregated: the prompt pipeline's first tokens; the microbatch waits for a token stage."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None or flight.phase is not Phase.PROMPTING:
+                return outcome
+            tokens, mask, ended, rng = tensors
+            flight.batch.add_step(tokens[:, 0].tolist())
+            if rng.numel() and keep_states:
+                flight.batch.rng_states[1] = rng.clone()
+            outcome.calls = flight.batch.unstreamed(self.eos)
+            outcome.answers = self._settle_rows(flight.batch, failures)
+            self._staging += 1
+            flight.phase, flight.progress, flight.staged_at = Phase.STAGED, None, self._staging
+            flight.start = Message(Kind.START, flight.batch.fields(), (tokens, mask, ended, rng))
+        return outcome
+
+    def on_ended(self, number: int, freed: bool) -> Outcome:
+        """Every row of a microbatch ended at the last stage (`freed`: no other stage holds its cache)."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None:
+                return outcome
+            batch = flight.batch
+            outcome.answers = [(batch.requests[row].future, batch.result(row, self.eos))
+                               for row in range(len(batch.requests)) if row not in batch.settled]
+            batch.settled.update(range(len(batch.requests)))
+            flight.freed = flight.freed or freed
+            if flight.freed:
+                del self.flights[number]
+            else:  # watched until `freed` comes: a stage that never frees it fails
+                flight.phase, flight.progress = Phase.ENDED, time.monotonic()
+        return outcome
+
+    def on_freed(self, number: int) -> None:
+        """Every decoding stage let a microbatch's cache go: its room is free (its `ended` may still be coming)."""
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None:
+                return
+            flight.freed = True
+            if flight.phase is Phase.ENDED:
+                del self.flights[number]
+
+    def on_microbatch_failed(self, number: int, error: str) -> Outcome:
+        """A stage's computation failed on a microbatch: its unanswered requests fail with that error, every
+        decoding stage drops it, and its room is free. The other microbatches go on."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.pop(number, None)
+            if flight is None:
+                return outcome
+            outcome.answers = _fail_rows(flight.batch, error)
+        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number]}))
+                         for stage in self.layout.decoding_stages()]
+        return outcome
+
+    # ---- failures and recoveries ---------------------------------------------------------------------------
+    def fail_all(self, error: TransportError) -> list[Answer]:
+        """Fail every request in flight or waiting with `error`; later submissions raise it too."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = error
+            self.held = False
+            flights, self.flights = list(self.flights.values()), {}
+            waiting, self.waiting = list(self.waiting), deque()
+        return [(request.future, error) for request in
+                [request for flight in flights for request in flight.batch.requests] + waiting]
+
+    def resume(self, resumed: dict[int, int], recomputed: list[int], finished: list[int],
+               failed: Sequence[int]) -> Outcome:
+        """After a recovery: feed each resumed microbatch the token of the step it resumes at, start the
+        recomputed ones over from their prompts, settle the finished ones, fail the `failed` ones (poison), forget
+        those that ended (every stage dropped them); then let new work in."""
+        outcome = Outcome()
+        first = self.layout.decoding_stages()[0]
+        now = time.monotonic()
+        with self.lock:
+            for number in failed:
+                outcome.answers += _fail_rows(self.flights.pop(number).batch, POISON)
+            for number in finished:
+                batch = self.flights.pop(number).batch
+                outcome.answers += [(batch.requests[row].future, batch.result(row, self.eos))
+                                    for row in range(len(batch.requests)) if row not in batch.settled]
+            for number in [number for number, flight in self.flights.items() if flight.phase is Phase.ENDED]:
+                del self.flights[number]
+            for number, step in resumed.items():
+                flight = self.flights[number]
+                flight.batch.rewind(step)
+                tokens = torch.tensor([[row[-1]] for row in flight.batch.generated], dtype=torch.long)
+                flight.phase, flight.progress, flight.start, flight.freed = Phase.DECODING, now, None, False
+                outcome.sends.append((first, Message(Kind.DECODE, {"microbatch": number}, (tokens,))))
+            for number in recomputed:
+                flight = self.flights[number]
+                flight.batch.rewind(0)
+                flight.phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
+                flight.progress, flight.start, flight.freed = now, None, False
+                flight.reserved = self.admission.reserve(flight.batch.requests)  # freed, taken again
+                outcome.sends.append((0, Message(Kind.PREFILL, flight.batch.fields(),
+                                                 (flight.batch.ids, flight.batch.mask))))
+            self.held = False
+        return outcome
+
+    # ---- under the lock ---------------------------------------------------------------------------------
+    def _count(self, phase: Phase) -> int:
+        return sum(1 for flight in self.flights.values() if flight.phase is phase)
+
+    def _room_for_a_prefill(self) -> bool:
+        if not self.layout.disaggregated:
+            return len(self.holding()) < len(self.layout.stages)  # one microbatch per stage
+        return self._count(Phase.PROMPTING) < self.layout.prompt_depth and len(self.holding()) < self.token_slots
+
+    def _settle_rows(self, batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
+        """The answers due to the rows of `batch` that failed (by row, as the last stage reported them) or came
+        to their end with its latest step; they count as answered from now on."""
+        answers: list[Answer] = []
+        for key, failure in failures.items():
+            row = int(key)
+            if row not in batch.settled:
+                batch.settled.add(row)
+                batch.dropped.add(row)
+                error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
+                answers.append((batch.requests[row].future, error))
+        for row in batch.ended_rows(self.eos):
+            batch.settled.add(row)
+            answers.append((batch.requests[row].future, batch.result(row, self.eos)))
+        return answers
+
+
+def answer(answers: list[Answer]) -> None:
+    """Give each future its result or error (outside the ledger's lock), unless its caller cancelled it or it is
+    answered already."""
+    for future, result in answers:
+        with contextlib.suppress(InvalidStateError):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
+    """Give requests their new tokens (outside the ledger's lock); a failing callback stops none of the others."""
+    for callback, token in calls:
+        try:
+            callback(token)
+        except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
+            log.exception("a request's on_token callback failed")
+
+
+def _fail_rows(batch: Microbatch, error: str) -> list[Answer]:
+    """A `RequestFailed` for each row of `batch` not answered yet, which now are."""
+    rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
+    batch.settled.update(rows)
+    return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
+
+
+def _with_ended(start: Message, rows: set[int]) -> Message:
+    """A `start` message whose `ended` rows include `rows` (failed or cancelled since it was made)."""
+    if not rows:
+        return start
+    tokens, mask, ended, rng = start.tensors
+    ended = ended.clone()
+    ended[sorted(rows)] = 1
+    return Message(start.kind, start.fields, (tokens, mask, ended, rng))
+

@@ -1,0 +1,293 @@
+"""Every option of a `Pipeline` (and the controller's own), checked once, here, before any process starts.
+
+`PipelineOptions.check(...)` loads the model once to read what the options depend on (its layers, tokens,
+KV geometry), asks the planner for a layout when `machines=` is given, decides swapping when it is "auto", and
+returns one frozen record that the pipeline's parts read. Every refusal is a `ConfigError` that says what to
+change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+from transformers import DynamicCache
+
+from ..backends import open_store
+from ..errors import ConfigError
+from ..generation.adapters import adapter_for
+from ..generation.decoding import TokenRules
+from ..models import load_model
+from ..planner import Plan
+from ..planner import plan as make_plan
+from ..store import Store
+from ..swapping import (
+    SwapChoice,
+    check_budget,
+    check_swapping,
+    choose_swapping,
+    kv_bytes_per_token,
+    measure_host_bandwidth,
+    positions_needed,
+)
+from ..timing import measure_times
+from ..transports.access import TOKEN_VARIABLE
+from .launchers import Launcher, LocalProcesses
+from .layout import Layout, pipelines_for
+
+log = logging.getLogger(__name__)
+
+#: The transports a pipeline's links can use.
+TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
+#: The ways a pipeline may recover from a dead stage.
+RECOVERY = ("replicas", "recompute")
+#: The smallest body cap a controller takes.
+MIN_BODY_BYTES = 1024
+
+
+@attrs.frozen
+class PipelineOptions:
+    """A pipeline's checked options. The layout's (`stages`, `layers`, `prompt_stages`, `token_stages`,
+    `token_slots`, `machines`, `plan`, `workload`) and `microbatch` are described on `Pipeline`; the others:
+
+    `kv_budget_bytes`: device memory each stage may give its microbatches' KV caches (None: no cap); a new
+    microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight.
+    `swapping=True` keeps the decoding stages' caches in host memory with two on the device, brought in while
+    the previous microbatch computes, so about twice as many fit; `"auto"` swaps when the in-flight
+    microbatches of the `workload` would not fit, the stages run on a GPU and the planner's condition says
+    the copies keep up, from a step time and host bandwidth measured here (`swap_choice` says what it chose
+    and why).
+
+    `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
+    flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
+    `heartbeat`: seconds between each worker's heartbeats (sent from a thread of their own); a worker that
+    misses `missed_beats` in a row (a process stopped or hung, or gone) fails the requests in flight.
+    `recovery`: what a dead or hung stage costs. None (default): the requests in flight fail with
+    `TransportError`. `"replicas"`: each decoding stage streams its caches to the next decoding stage's memory
+    (a ring; needs two decoding stages or more), and a dead stage is replaced by a new process that gets its
+    caches back from there: every microbatch resumes from its last replicated step (`recoveries` describes
+    each recovery). `"recompute"`: the stage is replaced and the microbatches in flight start over from their
+    prompts. Either way every request completes with the tokens it would have had without the failure.
+    `"auto"`: from replicas where the layout allows it, else by recomputing, else None.
+    `replica_store`: with recovery from replicas, a store every stage process reaches (`file://` on a shared
+    file system, `s3://`, ...) that keeps the replicas instead of the next decoding stage: they outlive any
+    stage, so even two neighbouring stages lost at once resume from there (and one decoding stage is enough).
+    `standby`: spare worker processes kept with the model loaded, so that a replacement starts at once (the
+    pool is topped up after each recovery; 0: a replacement process starts when needed).
+    `on_recovery(report)` is called after each recovery (on its thread).
+    `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
+    `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
+    `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
+    (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
+    `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
+    `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
+    """
+
+    model: str
+    layout: Layout
+    plan: Plan | None
+    microbatch: int
+    token_slots: int
+    kv_budget: int | None
+    swapping: bool
+    swap_choice: SwapChoice | None
+    transport: str
+    timeout: float
+    heartbeat: float
+    missed_beats: int
+    recovery: str | None
+    replica_store: Store | None
+    replica_prefix: str
+    standby: int
+    threads: int
+    launcher: Launcher | None
+    host: str
+    port: int
+    token: str
+    rules: TokenRules
+    eos: list[int]
+    kv_bytes_per_token: int
+
+    @classmethod
+    def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
+              prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
+              machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
+              microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
+              transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
+              recovery: str | None = None, replica_store: str | None = None, standby: int = 0,
+              ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
+              host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> PipelineOptions:
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
+        _positive_integer(microbatch, "microbatch")
+        _seconds(timeout, "timeout")
+        _seconds(heartbeat, "heartbeat", most=60)
+        _positive_integer(missed_beats, "missed_beats")
+        budget = check_budget(kv_budget_bytes)
+        check_swapping(swapping)
+        reference = load_model(model)  # ConfigError for a bad name, before any process starts
+        total = len(adapter_for(reference).decoder_layers())  # ConfigError for an architecture without an adapter
+        chosen: Plan | None = None
+        if machines is not None:
+            if stages is not None or layers is not None or prompt_stages is not None or token_stages is not None:
+                raise ConfigError("machines= lets the planner choose the stages: give it alone, or give stages= "
+                                  "(mixed) or prompt_stages= and token_stages= (disaggregated) instead")
+            chosen = plan_for(reference, machines, plan, workload, microbatch, threads)
+            if chosen.disaggregate:
+                prompt_stages, token_stages = chosen.prompt_machines, chosen.token_machines
+            else:
+                stages = machines
+        pipelines = pipelines_for(stages, layers, prompt_stages, token_stages, total)
+        slots = _token_slots(token_slots, pipelines)
+        threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, pipelines)))
+        widest = max(stop - start for start, stop in pipelines[-1])
+        per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
+        choice: SwapChoice | None = None
+        if swapping == "auto" and recovery is not None:  # recovery="auto" included: it never swaps
+            choice = SwapChoice(False, "recovery keeps every cache where its replica streams from")
+        elif swapping == "auto":
+            limit = slots if len(pipelines) == 2 else len(pipelines[0])
+            choice = _choose_swapping(reference, workload, microbatch, widest / total, budget, per_token, limit,
+                                      threads)
+            log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
+        swaps = choice.swapping if choice is not None else bool(swapping)
+        recovery = check_recovery(recovery, transport, pipelines, swaps, reference, replica_store is not None)
+        if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
+            raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
+        if standby and (recovery is None or not launch):
+            raise ConfigError("standby workers replace dead stages: give recovery=, and let the pipeline launch them")
+        if not launch and not (token or os.environ.get(TOKEN_VARIABLE)):
+            raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
+                              f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
+        rules = TokenRules.of(reference)
+        store = open_replica_store(replica_store, recovery)
+        return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
+                   budget, swaps, choice, transport, float(timeout), float(heartbeat), missed_beats, recovery, store,
+                   f"p{secrets.token_hex(4)}-", standby, threads,
+                   LocalProcesses() if launch is True else (launch or None), host, port,
+                   token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
+                   [] if ignore_eos else rules.eos, per_token)
+
+
+def check_body_limit(max_body_bytes: Any) -> int:
+    """The controller's cap on a request body, in bytes."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < MIN_BODY_BYTES:
+        raise ConfigError(f"max_body_bytes must be an integer of at least {MIN_BODY_BYTES}, got {max_body_bytes!r}")
+    return max_body_bytes
+
+
+def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]], swapping: bool,
+                   model: Any, replica_store: bool = False) -> str | None:
+    """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
+    if recovery is None:
+        if replica_store:
+            raise ConfigError("replica_store keeps replicas to recover from: give recovery='replicas' too")
+        return None
+    if recovery not in (*RECOVERY, "auto"):
+        raise ConfigError(f"recovery={recovery!r}: use {', '.join(map(repr, RECOVERY))} or 'auto', or None to fail "
+                          "the requests in flight when a stage dies")
+    refusals = {"transport": None if transport == "tcp" else
+                f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet",
+                "swapping": "recovery and swapping=True do not combine yet: recovery keeps every cache on the device"
+                if swapping else None}
+    replicas = {"ring": None if len(pipelines[-1]) >= 2 or replica_store else
+                "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
+                "stages or more (or use recovery='recompute')",
+                "window": "recovery='replicas' does not cover sliding-window attention layers yet; use "
+                "recovery='recompute'" if any(getattr(layer, "sliding_window", None)
+                                              for layer in DynamicCache(config=model.config).layers) else None}
+    if recovery == "auto":
+        if any(refusals.values()):
+            return None
+        return "recompute" if any(replicas.values()) and not replica_store else "replicas"
+    if recovery == "recompute" and replica_store:
+        raise ConfigError("replica_store keeps replicas to recover from, which recovery='recompute' never reads")
+    for refusal in [*refusals.values(), *(replicas.values() if recovery == "replicas" else [])]:
+        if refusal:
+            raise ConfigError(refusal)
+    return str(recovery)
+
+
+def open_replica_store(url: str | None, recovery: str | None) -> Store | None:
+    """The store every stage replicates into, checked: other processes must see what one puts there."""
+    if url is None:
+        return None
+    if recovery != "replicas":
+        raise ConfigError("replica_store keeps replicas to recover from: it needs recovery='replicas'")
+    store = open_store(url)
+    if not store.shared:
+        store.close()
+        raise ConfigError(f"replica_store={url!r}: every stage process writes there and the head reads it, so it "
+                          "must be a store other processes see (file:// on a shared file system, s3://, ...)")
+    return store
+
+
+def plan_for(model: Any, machines: Any, plan: str, workload: tuple[int, int], microbatch: int,
+             threads: int | None) -> Plan:
+    """The planner's choice for `machines` stage processes, from this machine's measured prompt time Y and
+    token time t of `model` on a microbatch of the `workload`'s (prompt tokens, new tokens), timed with the
+    threads each stage process will have (on one machine, its share of the cores)."""
+    if plan != "auto":
+        raise ConfigError(f"plan={plan!r}: the only plan is 'auto' (the planner chooses from measured Y and t)")
+    if isinstance(machines, bool) or not isinstance(machines, int) or machines < 1:
+        raise ConfigError(f"machines must be a positive integer, got {machines!r}")
+    prompt_tokens, new_tokens = check_workload(workload)
+    if machines == 1:
+        return Plan(False, 0, 0, 1.0, "Keep one mixed pipeline: one machine cannot be split.", 1.0, 1.0,
+                    float("inf"))
+    prompt_time, token_time = measure_times(model, microbatch, prompt_tokens,
+                                            threads=threads or max(1, (os.cpu_count() or 1) // machines))
+    return make_plan(machines, prompt_time, token_time, new_tokens)
+
+
+def check_workload(workload: Any) -> tuple[int, int]:
+    pair = tuple(workload) if isinstance(workload, (tuple, list)) else ()
+    if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair):
+        raise ConfigError(f"workload is (prompt tokens, new tokens) of a typical request, got {workload!r}")
+    return pair[0], pair[1]
+
+
+def _choose_swapping(reference: Any, workload: Any, microbatch: int, share: float, budget: int | None,
+                     per_token: int, limit: int, threads: int) -> SwapChoice:
+    """Swap when the `limit` in-flight microbatches of the workload would not fit in the budget, the stages'
+    device is not the host, and the copies keep up with a decoding stage's step (timed on the whole model here,
+    scaled to the stage's `share` of layers)."""
+    prompt_tokens, new_tokens = check_workload(workload)
+    alone = positions_needed(prompt_tokens, new_tokens) * per_token
+    device = next(reference.parameters()).device  # where stage processes load the model too
+
+    def measure() -> tuple[float, float]:
+        _, token_time = measure_times(reference, microbatch, prompt_tokens, threads=threads)
+        return token_time * share, measure_host_bandwidth(device, microbatch * alone)
+
+    return choose_swapping(fits_without=budget is None or limit * microbatch * alone <= budget, batch=microbatch,
+                           prompt_tokens=prompt_tokens, new_tokens=new_tokens, cache_bytes_per_token=per_token,
+                           device_is_host=device.type != "cuda", two_slots=budget is None or 2 * alone <= budget,
+                           measure=measure)
+
+
+def _token_slots(token_slots: Any, pipelines: list[list[tuple[int, int]]]) -> int:
+    depth, disaggregated = len(pipelines[-1]), len(pipelines) == 2
+    if token_slots is None:
+        return depth + len(pipelines[0]) if disaggregated else depth
+    if isinstance(token_slots, bool) or not isinstance(token_slots, int) or token_slots < depth:
+        raise ConfigError(f"token_slots must be an integer of at least {depth} (one microbatch per token "
+                          f"stage), got {token_slots!r}")
+    if token_slots != depth and not disaggregated:
+        raise ConfigError("token_slots applies to disaggregated pipelines (prompt_stages= and token_stages=)")
+    return token_slots
+
+
+def _positive_integer(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _seconds(value: Any, name: str, most: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (most and value > most):
+        raise ConfigError(f"{name} must be a number of seconds in (0, {most}], got {value!r}" if most else
+                          f"{name} must be a positive number of seconds, got {value!r}")

@@ -1,0 +1,131 @@
+"""The head's ledger decides without processes: what starts, what each report means, what to send."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.generation.admission import Admission
+from dejavu_sdk.generation.batching import Request
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.serving.layout import Layout
+from dejavu_sdk.serving.ledger import Ledger, Phase
+from dejavu_sdk.serving.messages import Kind
+
+EOS = [2]
+MIXED = Layout([[(0, 1), (1, 3)]])
+DISAGGREGATED = Layout([[(0, 3)], [(0, 2), (2, 3)]])
+
+
+def _ledger(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 2, slots: int = 2) -> Ledger:
+    return Ledger(layout, microbatch, slots, EOS, 0, Admission(budget, False, bytes_per_token=1))
+
+
+def _requests(*limits: int) -> list[Request]:
+    return [Request(torch.tensor([5, 6, 7]), limit, Decoding()) for limit in limits]
+
+
+def test_a_mixed_pipeline_admits_one_microbatch_per_stage_and_the_next_when_one_is_freed() -> None:
+    ledger = _ledger()
+    ledger.queue(_requests(3, 3, 3, 3, 3))
+    sends = ledger.admit()
+    assert [(stage, message.kind) for stage, message in sends] == [(0, Kind.PREFILL), (0, Kind.PREFILL)]
+    assert ledger.admit() == []  # both stages hold a microbatch
+    ledger.on_ended(0, freed=False)
+    assert ledger.admit() == []  # ended, but a stage still holds its cache
+    ledger.on_freed(0)
+    assert [message.fields["microbatch"] for _, message in ledger.admit()] == [2]
+
+
+def test_a_budget_admits_only_what_fits() -> None:
+    ledger = _ledger(budget=2 * 5)  # one row of 3 prompt + 3 new positions - 1, twice
+    ledger.queue(_requests(3, 3, 3))
+    (first,) = ledger.admit()
+    assert first[1].tensors[0].shape[0] == 2  # two rows fit together, the third waits
+    assert ledger.admit() == []
+
+
+def test_a_row_is_answered_at_its_own_end_and_a_failed_row_alone_fails() -> None:
+    ledger = _ledger(microbatch=3)
+    requests = _requests(2, 5, 5)
+    ledger.queue(requests)
+    ledger.admit()
+    ledger.on_tokens(0, [7, 8, 9], None, {})
+    outcome = ledger.on_tokens(0, [4, 8, 9], None, {"2": {"reason": "its logits are not finite", "input_error": False}})
+    answered = {requests.index(next(r for r in requests if r.future is future)): result
+                for future, result in outcome.answers}
+    assert answered[0].tokens.tolist() == [7, 4]  # its own max_new_tokens
+    assert isinstance(answered[2], dv.RequestFailed)
+    assert not answered[2].input_error
+    assert 1 not in answered  # the long row goes on
+    ending = ledger.on_ended(0, freed=True)
+    assert [future for future, _ in ending.answers] == [requests[1].future]  # only the one not answered yet
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_and_a_running_row_is_ended_by_the_last_stage() -> None:
+    ledger = _ledger(microbatch=1)
+    requests = _requests(5, 5, 5)
+    ledger.queue(requests)
+    ledger.admit()
+    assert ledger.cancel(requests[2]) == []
+    assert len(ledger.waiting) == 0
+    ((stage, message),) = ledger.cancel(requests[0])
+    assert (stage, message.kind, message.fields) == (0, Kind.CANCEL, {"microbatch": 0, "rows": [0]})
+
+
+def test_a_staged_microbatch_starts_on_a_free_token_stage_carrying_rows_cancelled_meanwhile() -> None:
+    ledger = _ledger(DISAGGREGATED, microbatch=2, slots=3)
+    requests = _requests(4, 4)
+    ledger.queue(requests)
+    assert [stage for stage, _ in ledger.admit()] == [0]
+    tensors = (torch.tensor([[7], [8]]), torch.ones(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.uint8),
+               torch.empty(0, dtype=torch.uint8))
+    ledger.on_prefilled(0, tensors, {}, keep_states=False)
+    assert ledger.flights[0].phase is Phase.STAGED
+    assert ledger.cancel(requests[1]) == []  # not decoding yet: its start will carry it
+    ((stage, start),) = ledger.admit()
+    assert (stage, start.kind) == (1, Kind.START)  # the first token stage
+    assert start.tensors[2].tolist() == [0, 1]
+
+
+def test_a_failed_microbatch_is_dropped_everywhere_and_its_room_comes_back() -> None:
+    ledger = _ledger(microbatch=1)
+    requests = _requests(5, 5, 5)
+    ledger.queue(requests)
+    ledger.admit()
+    outcome = ledger.on_microbatch_failed(0, "stage 1 failed on it: RuntimeError: boom")
+    assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DROP), (1, Kind.DROP)]
+    ((future, error),) = outcome.answers
+    assert future is requests[0].future
+    assert isinstance(error, dv.RequestFailed)
+    assert [message.fields["microbatch"] for _, message in ledger.admit()] == [2]  # its room went to the next
+
+
+def test_a_failed_pipeline_fails_everything_and_refuses_more() -> None:
+    ledger = _ledger(microbatch=1)
+    requests = _requests(5, 5, 5)
+    ledger.queue(requests)
+    ledger.admit()
+    error = dv.TransportError("gone")
+    assert [future for future, _ in ledger.fail_all(error)] == [request.future for request in requests]
+    with pytest.raises(dv.TransportError):
+        ledger.queue(_requests(1))
+
+
+def test_resuming_feeds_resumed_microbatches_their_step_restarts_the_others_and_fails_poison() -> None:
+    ledger = _ledger(microbatch=1)
+    requests = _requests(9, 9, 9)
+    ledger.queue(requests)
+    ledger.admit()
+    for tokens in ([4], [5], [6]):
+        ledger.on_tokens(0, tokens, None, {})
+    ledger.held = True
+    outcome = ledger.resume({0: 2}, [1], [], [])
+    assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DECODE), (0, Kind.PREFILL)]
+    assert outcome.sends[0][1].tensors[0].tolist() == [[5]]  # the token of step 2, fed again
+    assert not ledger.held
+    ledger.held = True
+    failed = ledger.resume({}, [], [], [1])
+    assert isinstance(failed.answers[0][1], dv.RequestFailed)
+    assert "two recoveries in a row" in str(failed.answers[0][1])
