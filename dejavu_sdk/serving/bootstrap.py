@@ -90,7 +90,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
         except Exception as error:  # whatever stops the stage from loading, the head must hear of it
             head.send_tensor(failure_message(fields["stage"], error, int(fields.get("epoch", 0))))
             raise
-        role = Role(fields["role"], fields["number"], fields["stages"], fields["name"])
+        role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
         following, first, sender, replicator = open_links(fields, role)
         worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
                              bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),

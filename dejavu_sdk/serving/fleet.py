@@ -115,9 +115,9 @@ class Fleet:
     def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> dict[str, Any]:
         """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
         stage, options = self.layout.stages[index], self.options
-        return {"model": options.model, "stage": index, "threads": options.threads, "eos": eos, "pad": pad,
+        return {"model": options.model, "stage": stage.name, "threads": options.threads, "eos": eos, "pad": pad,
                 "swapping": options.swapping, "heartbeat": options.heartbeat, "recovery": recovery,
-                "epoch": self.epoch, "role": stage.role, "number": stage.number, "name": stage.name,
+                "epoch": self.epoch, "role": stage.role, "number": stage.number,
                 "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
                 **self.links_of(index)}
 

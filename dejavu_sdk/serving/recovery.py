@@ -185,7 +185,7 @@ class Recovery:
             fleet.place(index, spare)
         for index in dead:
             self._send(index, Message(Kind.ASSIGN, self.assignment(index)))
-        self._await(Kind.READY, set(dead))
+        self._await(Kind.READY, {self.layout.stages[index].name for index in dead})
         for index in dead:
             fleet.heard_from(index)
 
