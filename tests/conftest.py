@@ -67,8 +67,20 @@ def s3_options(s3_endpoint: str) -> dict:
     return {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing", "use_listings_cache": False}
 
 
+def _with_tests_on_path(patch: pytest.MonkeyPatch) -> None:
+    tests = os.path.dirname(__file__)
+    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+
+
 @pytest.fixture
 def workers_import_tiny_models(monkeypatch) -> None:
     """Stage processes load `tiny_models:<family>` themselves: let them import it."""
-    tests = os.path.dirname(__file__)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    _with_tests_on_path(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def module_workers_import_tiny_models():
+    """As `workers_import_tiny_models`, for the pipelines and controllers a module's tests share."""
+    with pytest.MonkeyPatch.context() as patch:
+        _with_tests_on_path(patch)
+        yield

@@ -29,18 +29,10 @@ MODEL = "tiny_models:llama"
 
 
 @pytest.fixture(scope="module")
-def controller():
+def controller(module_workers_import_tiny_models):
     """One controller (two mixed stages, microbatches of two) for the tests that only send requests."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, previous]))  # stage processes load tiny_models
-    try:
-        with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=60) as running:
-            yield running
-    finally:
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
+    with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=60) as running:
+        yield running
 
 
 def _listening(controller) -> bool:

@@ -4,12 +4,10 @@ requests beside it in its microbatch complete exactly, and a client that leaves 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import expectations
 import openai
@@ -21,23 +19,14 @@ from dejavu_sdk.generation.decoding import TokenRules
 
 pytestmark = pytest.mark.slow
 
-TESTS = str(Path(__file__).parent)
 MODEL = "tiny_models:llama_poisoned"
 
 
 @pytest.fixture(scope="module")
-def controller():
+def controller(module_workers_import_tiny_models):
     """One mixed stage, microbatches of three, every request generating its max_tokens."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, previous]))  # stage processes load tiny_models
-    try:
-        with dv.Controller(MODEL, stages=1, microbatch=3, port=0, timeout=60, ignore_eos=True) as running:
-            yield running
-    finally:
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
+    with dv.Controller(MODEL, stages=1, microbatch=3, port=0, timeout=60, ignore_eos=True) as running:
+        yield running
 
 
 def _client(controller) -> openai.OpenAI:
