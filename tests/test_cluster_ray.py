@@ -33,6 +33,7 @@ def _is_ray_actor(pid: int) -> bool:
     return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::_StageWorkerActor")
 
 
+@pytest.mark.slow
 def test_stage_workers_are_ray_actors_and_a_killed_one_is_replaced_by_a_new_actor(one_node_ray) -> None:
     prompts = expectations.prompts(4, seed=14)
     with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, microbatch=2, heartbeat=0.5,
@@ -54,6 +55,7 @@ def test_stage_workers_are_ray_actors_and_a_killed_one_is_replaced_by_a_new_acto
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_the_controller_serves_from_a_ray_actor(one_node_ray) -> None:
     served = serve_on_ray("tiny_models:llama", stages=2, microbatch=2, port=0, host="127.0.0.1")
     try:

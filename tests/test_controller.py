@@ -68,6 +68,7 @@ def _two_prompts() -> list[list[int]]:
     return [ids.tolist() for ids in expectations.prompts(2, seed=41)]
 
 
+@pytest.mark.slow
 def test_completions_give_the_tokens_generate_gives_the_microbatch(controller) -> None:
     prompts = _two_prompts()
     answer = _client(controller).completions.create(model=MODEL, prompt=prompts, max_tokens=7, temperature=0)
@@ -84,6 +85,7 @@ def test_completions_give_the_tokens_generate_gives_the_microbatch(controller) -
     assert answer.object == "text_completion"
 
 
+@pytest.mark.slow
 def test_streamed_tokens_arrive_one_event_each_and_add_up_to_the_answer(controller) -> None:
     prompts = _two_prompts()
     client = _client(controller)
@@ -102,6 +104,7 @@ def test_streamed_tokens_arrive_one_event_each_and_add_up_to_the_answer(controll
     assert events == 12 + 2  # a chunk per token, and one that ends each choice
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_seed_as_generate_does(controller) -> None:
     prompt = _two_prompts()[0]
     client = _client(controller)
@@ -116,6 +119,7 @@ def test_sampling_follows_the_seed_as_generate_does(controller) -> None:
     assert other != first
 
 
+@pytest.mark.slow
 def test_models_status_and_metrics(controller) -> None:
     assert [model.id for model in _client(controller).models.list().data] == [MODEL]
     status, body = _raw(controller, "/v1/status")
@@ -132,6 +136,7 @@ def test_models_status_and_metrics(controller) -> None:
     assert "dejavu_time_to_first_token_seconds_bucket" in text
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_mid_stream_harms_nobody(controller) -> None:
     import http.client
 
@@ -155,6 +160,7 @@ def test_a_client_that_leaves_mid_stream_harms_nobody(controller) -> None:
     assert len(answer.choices[0].token_ids) == 2
 
 
+@pytest.mark.slow
 def test_a_wrong_or_missing_token_is_401(controller) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(controller, token="not-the-token").models.list()
@@ -163,6 +169,7 @@ def test_a_wrong_or_missing_token_is_401(controller) -> None:
     assert _raw(controller, "/v1/completions", b"{}", token="wrong")[0] == 401
 
 
+@pytest.mark.slow
 def test_bad_requests_get_a_reason_and_the_controller_keeps_serving(controller) -> None:
     huge = json.dumps({"model": MODEL, "prompt": [[1] * 2_000_000]}).encode()
     cases = [
@@ -196,6 +203,7 @@ def test_bad_requests_get_a_reason_and_the_controller_keeps_serving(controller) 
     assert re.search(r'^dejavu_requests_total\{outcome="bad_request"\} [1-9]', text, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_a_killed_stage_fails_its_requests_with_503_and_counts_a_failure(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
     with dv.Controller(MODEL, stages=2, microbatch=2, port=0, timeout=30, recovery=None) as controller:
@@ -213,6 +221,7 @@ def test_a_killed_stage_fails_its_requests_with_503_and_counts_a_failure(monkeyp
         assert _raw(controller, "/v1/status")[1]["failure"]
 
 
+@pytest.mark.slow
 def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
     prompt = [[5, 6, 7, 8]]
@@ -237,6 +246,7 @@ def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged
         assert report["resumed"]
 
 
+@pytest.mark.slow
 def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
     monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
@@ -271,6 +281,7 @@ def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch,
             worker.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_dejavu_controller_waits_for_dejavu_worker_controller_and_then_serves(tmp_path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text("cluster-secret\n")
@@ -307,6 +318,7 @@ def test_dejavu_controller_waits_for_dejavu_worker_controller_and_then_serves(tm
                 process.wait()
 
 
+@pytest.mark.slow
 def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tmp_path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text("client-secret\n")

@@ -214,6 +214,7 @@ def _serve_through_failures(pipe: Pipeline, prompts, victims: list[str], how: si
     return [future.result(timeout=120) for future in futures], streamed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> None:
@@ -235,6 +236,7 @@ def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> 
         assert streamed[index] == want.tolist(), f"request {index} streamed tokens lost or twice"
 
 
+@pytest.mark.slow
 def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> None:
     prompts = expectations.prompts(8, seed=9)
     for arguments, victim in ((DISAGGREGATED, "prompt stage 0"), ({"stages": 2}, "stage 0")):
@@ -252,6 +254,7 @@ def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> Non
         assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> None:
     prompts = expectations.prompts(4, seed=13)
     with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas", standby=1,
@@ -276,6 +279,7 @@ def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> N
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_closing_during_a_recovery_leaves_no_worker_behind() -> None:
     pipe = Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
                     **DISAGGREGATED).start()
@@ -312,6 +316,7 @@ def test_standby_workers_need_recovery() -> None:
         Pipeline("tiny_models:llama", stages=2, recovery="replicas", standby=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recovery", ["replicas", "recompute"])
 def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(recovery) -> None:
     prompts = expectations.prompts(4, seed=10)
@@ -336,6 +341,7 @@ def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(r
     assert [streamed[index] for index in range(len(prompts))] == [want.tolist() for want in expected]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "victims"), [
     (DISAGGREGATED, ["token stage 0", "token stage 1"]),  # neighbours: each held the other's ring replicas
     ({"prompt_stages": 1, "token_stages": 1}, ["token stage 0"]),  # a ring of one cannot hold its own replica
@@ -371,6 +377,7 @@ def test_replica_store_settings_it_cannot_honour_are_refused() -> None:
         Pipeline("tiny_models:llama", stages=2, recovery="recompute", replica_store="memory://")
 
 
+@pytest.mark.slow
 def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None:
     prompts = expectations.prompts(4, seed=12)
     with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60, heartbeat=0.5,

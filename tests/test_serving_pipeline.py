@@ -52,6 +52,7 @@ def _served_as_generate_serves_them(family: str, arguments: dict, prompts, max_n
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "gloo"])
 @pytest.mark.parametrize("layout", ["mixed", "1P+1T", "1P+2T"])
 @pytest.mark.parametrize("family", list(MIXED))
@@ -66,12 +67,14 @@ def test_every_request_gets_the_tokens_generate_gives_its_microbatch(family, lay
         assert any(result.tokens[-1] == 49 for result in results)
 
 
+@pytest.mark.slow
 def test_prompt_and_token_pipelines_may_cut_the_model_differently() -> None:
     """Two prompt stages feed one token stage: its KV arrives from both, layer by layer."""
     prompts = expectations.prompts(7, seed=5)
     _served_as_generate_serves_them("mistral", LAYOUTS["2P+1T"], prompts, [6] * len(prompts))
 
 
+@pytest.mark.slow
 def test_a_full_token_side_holds_the_prompt_side_back() -> None:
     """One token slot: no prompt runs while a microbatch decodes; the default slots let the next prompt run
     meanwhile. Nothing is dropped either way."""
@@ -88,6 +91,7 @@ def test_a_full_token_side_holds_the_prompt_side_back() -> None:
         assert any(start < end for start, end in zip(starts[1:], ends, strict=False)) == overlapped
 
 
+@pytest.mark.slow
 def test_generate_queues_its_prompts_together_in_order() -> None:
     """Five prompts, microbatches of two, two stages: (0, 1) and (2, 3) start together, (4) when one ends."""
     prompts = expectations.prompts(5, seed=4)
@@ -122,6 +126,7 @@ def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -
         Pipeline(**arguments)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("machines", [1, 2, 3])
 def test_the_planner_lays_out_the_machines(machines) -> None:
     """machines=N: the planner measures Y and t here and picks one mixed pipeline or a prompt/token split."""
@@ -137,11 +142,13 @@ def test_the_planner_lays_out_the_machines(machines) -> None:
         assert all(out.numel() == 3 for out in pipe.generate(prompts, max_new_tokens=3))
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_context_is_refused() -> None:
     with Pipeline("tiny_models:gpt2", stages=1, timeout=60) as pipe, pytest.raises(dv.ConfigError, match="context"):
         pipe.submit(torch.ones(200, dtype=torch.long), max_new_tokens=4)  # GPT-2 here holds 128 positions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "killed"), [("mixed", 1), ("1P+2T", 0), ("1P+2T", 2)],
                          ids=["mixed-stage-1", "prompt-stage", "last-token-stage"])
 def test_a_killed_worker_fails_its_requests_within_the_timeout(layout, killed) -> None:
@@ -157,6 +164,7 @@ def test_a_killed_worker_fails_its_requests_within_the_timeout(layout, killed) -
         assert time.monotonic() - started < 15
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_misses_its_heartbeats_and_fails_its_requests_long_before_the_timeout() -> None:
     """SIGSTOP: the process lives, its neighbours' links stay open, only its missing heartbeats tell."""
     with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=120, heartbeat=0.5, missed_beats=3) as pipe:
@@ -181,6 +189,7 @@ def test_bad_heartbeat_settings_are_refused() -> None:
             Pipeline("tiny_models:llama", stages=2, **options)
 
 
+@pytest.mark.slow
 def test_workers_started_by_hand_through_the_cli_join_the_head(tmp_path, monkeypatch) -> None:
     """As on other machines: `dejavu worker --join` twice, the head listening with launch=False, one token."""
     monkeypatch.setenv("DEJAVU_TOKEN", "a-shared-secret")
@@ -202,6 +211,7 @@ def test_workers_started_by_hand_through_the_cli_join_the_head(tmp_path, monkeyp
             worker.kill()
 
 
+@pytest.mark.slow
 def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
     monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
     with Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe:
@@ -212,6 +222,7 @@ def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
         assert pipe.generate([expectations.prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
 
 
+@pytest.mark.slow
 def test_a_cancelled_request_leaves_the_others_served() -> None:
     prompts = expectations.prompts(4, seed=6)
     with Pipeline("tiny_models:llama", stages=1, microbatch=1, timeout=60) as pipe:
@@ -227,6 +238,7 @@ def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
         Pipeline("tiny_models:llama", stages=1, launch=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [{"temperature": 0.7, "top_p": 0.9}, {"top_k": 5, "min_p": 0.05}, {}],
                          ids=["temperature+top_p", "top_k+min_p", "the model's defaults"])
 def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) -> None:
@@ -259,6 +271,7 @@ def _explicit(settings: dict) -> dict:
     return {"temperature": 1.0, "top_k": 50, "top_p": 1.0, **settings}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["1P+1T", "1P+2T"])
 def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout) -> None:
     """The first token is sampled at the prompt pipeline's last stage, the rest at the token pipeline's: each
@@ -274,6 +287,7 @@ def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout)
     assert all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arguments", "match"), [
     ({"temperature": 0.5}, "do_sample"),
     ({"seed": 3}, "do_sample"),

@@ -24,6 +24,7 @@ def _check_against_generate(family: str, prompts, limits, results, pipe) -> None
         assert torch.equal(result.tokens, tokens)
 
 
+@pytest.mark.slow
 def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_microbatches_in() -> None:
     """Three one-layer stages, one-row microbatches, a budget of two microbatches' caches per stage: unswapped,
     two microbatches are in flight; swapped, three (one per stage), two at a time on each stage's device. Same
@@ -53,6 +54,7 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
     assert served[True] == served[False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"prompt_stages": 1, "token_stages": 2}, {"layers": [(0, 2), (2, 3)]}])
 def test_swapped_stages_serve_every_request_as_generate_serves_its_microbatch(layout) -> None:
     """Sliding-window layers (Mistral), rows ending at different steps, KV arriving from a prompt stage."""
