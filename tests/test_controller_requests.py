@@ -1,20 +1,25 @@
-"""Through the controller, a request is the unit: one client's poison fails only its own request (a 500), the
+"""Through `dejavu serve`, a request is the unit: one client's poison fails only its own request (a 500), the
 requests beside it in its microbatch complete exactly, and a client that leaves cancels its request."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 
+import attrs
 import expectations
 import openai
 import pytest
 import tiny_models
 
-import dejavu_sdk as dv
 from dejavu_sdk.generation.decoding import TokenRules
 
 pytestmark = pytest.mark.slow
@@ -22,11 +27,34 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny_models:llama_poisoned"
 
 
+@attrs.frozen
+class _Served:
+    url: str
+    token: str
+
+
 @pytest.fixture(scope="module")
-def controller(module_workers_import_tiny_models):
-    """One mixed stage, microbatches of three, every request generating its max_tokens."""
-    with dv.Controller(MODEL, stages=1, microbatch=3, port=0, timeout=60, ignore_eos=True) as running:
-        yield running
+def controller(tmp_path_factory):
+    """`dejavu serve`: one mixed stage, microbatches of three, every request generating its max_tokens."""
+    token_file = tmp_path_factory.mktemp("serve") / "tokens"
+    token_file.write_text("client-secret\n")
+    tests = os.path.dirname(__file__)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--microbatch", "3",
+                                "--listen", "127.0.0.1:0", "--token-file", str(token_file), "--ignore-eos"],
+                               stdout=subprocess.PIPE, text=True, env=environment)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+        assert match, line
+        yield _Served(match.group(1), "client-secret")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _client(controller) -> openai.OpenAI:

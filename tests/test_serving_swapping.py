@@ -73,7 +73,7 @@ def test_swapped_stages_serve_every_request_as_generate_serves_its_microbatch(la
 def test_auto_says_whether_it_swaps_and_why_before_any_process_starts(caplog) -> None:
     model = tiny_models.llama()
     each = 4 * positions_needed(32, 16) * kv_bytes_per_token(model.config, torch.float32, layers=2)
-    with caplog.at_level(logging.INFO, logger="dejavu_sdk.serving.pipeline"):
+    with caplog.at_level(logging.INFO, logger="dejavu_sdk.serving.options"):
         roomy = Pipeline("tiny_models:llama", stages=2, microbatch=4, workload=(32, 16))
         tight = Pipeline("tiny_models:llama", stages=2, microbatch=4, workload=(32, 16), kv_budget_bytes=each)
     assert roomy.swap_choice is not None

@@ -87,6 +87,8 @@ def _controller_arguments(parser: Any) -> None:
                         "token stage, so that they outlive any stage")
     parser.add_argument("--worker-listen", default="127.0.0.1:0", help="host:port where stage workers join "
                         "(default: loopback, any free port)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every request generates its max_tokens, past "
+                        "end-of-sequence tokens (benchmarks)")
 
 
 def add_serving_commands(commands: Any) -> None:
@@ -167,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
-                    replica_store=args.replica_store,
+                    replica_store=args.replica_store, ignore_eos=args.ignore_eos,
                     worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
