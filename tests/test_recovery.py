@@ -215,8 +215,8 @@ def _serve_through_failures(pipe: Pipeline, prompts, victims: list[str], how: si
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(("how", "sampled"), [(signal.SIGKILL, False), (signal.SIGSTOP, True)],
+                         ids=["SIGKILL-greedy", "SIGSTOP-sampled"])
 def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> None:
     rng = random.Random(f"{how.name}-{sampled}")  # a failing run replays with the same victims and steps
     victims = [rng.choice(["token stage 0", "token stage 1"]) for _ in range(3)]
