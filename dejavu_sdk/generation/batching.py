@@ -181,11 +181,6 @@ class Microbatch:
         """The rows not answered yet whose tokens have come to their end."""
         return [row for row in range(len(self.requests)) if row not in self.settled and self.row_ended(row, eos)]
 
-    @property
-    def live(self) -> bool:
-        """Whether some row is still unanswered."""
-        return len(self.settled) < len(self.requests)
-
     def result(self, row: int, eos: Sequence[int]) -> Result:
         """Row `row`'s tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
         `max_new_tokens`."""
