@@ -96,6 +96,7 @@ def test_a_failed_microbatch_is_dropped_everywhere_and_its_room_comes_back() -> 
     ledger.admit()
     outcome = ledger.on_microbatch_failed(0, "stage 1 failed on it: RuntimeError: boom")
     assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DROP), (1, Kind.DROP)]
+    assert all(message.fields["failed"] for _, message in outcome.sends)
     ((future, error),) = outcome.answers
     assert future is requests[0].future
     assert isinstance(error, dv.RequestFailed)
@@ -124,8 +125,12 @@ def test_resuming_feeds_resumed_microbatches_their_step_restarts_the_others_and_
     outcome = ledger.resume({0: 2}, [1], [], [])
     assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DECODE), (0, Kind.PREFILL)]
     assert outcome.sends[0][1].tensors[0].tolist() == [[5]]  # the token of step 2, fed again
+    assert outcome.sends[1][1].fields["ended"] == []
     assert not ledger.held
+    ledger.cancel(requests[1])  # a row cancelled before its microbatch starts over is not computed again
     ledger.held = True
-    failed = ledger.resume({}, [], [], [1])
+    assert ledger.resume({}, [1], [], []).sends[0][1].fields["ended"] == [0]
+    ledger.held = True
+    failed = ledger.resume({}, [], [], [0])
     assert isinstance(failed.answers[0][1], dv.RequestFailed)
     assert "two recoveries in a row" in str(failed.answers[0][1])

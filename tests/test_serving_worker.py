@@ -7,7 +7,7 @@ import tiny_models
 import torch
 
 from dejavu_sdk.generation.stage import Stage
-from dejavu_sdk.serving.messages import Message, pack, unpack
+from dejavu_sdk.serving.messages import Kind, Message, pack, unpack
 from dejavu_sdk.serving.worker import Role, StageWorker
 
 
@@ -56,6 +56,17 @@ def test_a_step_of_a_microbatch_the_worker_does_not_hold_is_dropped() -> None:
     assert first.sent == []
 
 
+def test_a_prefill_does_not_compute_rows_ended_before_it() -> None:
+    worker, head, _ = _worker()
+    message = _prefill(3, [3, 4, 5])
+    worker.handle(Message(message.kind, {**message.fields, "max_new_tokens": [4, 4], "ended": [1],
+                                         "decoding": [{"do_sample": False}] * 2},
+                          (message.tensors[0].repeat(2, 1), message.tensors[1].repeat(2, 1))))
+    (tokens,) = head.sent
+    assert tokens.tensors[0][1] == 0  # padding: the row was cancelled
+    assert worker.row_steps == 1
+
+
 def test_a_failing_computation_fails_its_microbatch_and_the_worker_goes_on() -> None:
     worker, head, first = _worker()
     worker.handle(_prefill(1, [3, 500, 5]))  # an id outside the embedding: the forward raises
@@ -68,3 +79,15 @@ def test_a_failing_computation_fails_its_microbatch_and_the_worker_goes_on() -> 
     assert [message.kind for message in head.sent[1:]] == ["tokens"]
     assert [message.kind for message in first.sent] == ["decode"]
     assert 2 in worker.microbatches
+
+
+def test_prompt_kv_of_a_failed_microbatch_arriving_after_its_drop_is_not_kept() -> None:
+    head = _Link()
+    worker = StageWorker(Stage(tiny_models.llama(), (0, 3)), Role("token", 0, 1, "token stage 0"), None, head,  # type: ignore[arg-type]
+                         None, _Link(), eos=[], pad=0, recovery=True, epoch=2)  # type: ignore[arg-type]
+    piece = torch.zeros(1, 2, 1, 2, 3, 16)
+    worker.handle(Message(Kind.DROP, {"microbatches": [7], "failed": True, "epoch": 2}))
+    worker.handle(Message(Kind.KV, {"microbatch": 7, "layers": [0, 1], "epoch": 2}, (piece,)))
+    assert worker.staged == {}
+    worker.handle(Message(Kind.KV, {"microbatch": 8, "layers": [0, 1], "epoch": 2}, (piece,)))
+    assert list(worker.staged) == [8]  # another microbatch's pieces are kept as before

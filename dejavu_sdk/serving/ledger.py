@@ -259,7 +259,7 @@ class Ledger:
             if flight is None:
                 return outcome
             outcome.answers = _fail_rows(flight.batch, error)
-        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number]}))
+        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True}))
                          for stage in self.layout.decoding_stages()]
         return outcome
 
@@ -304,8 +304,8 @@ class Ledger:
                 flight.phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
                 flight.progress, flight.start, flight.freed = now, None, False
                 flight.reserved = self.admission.reserve(flight.batch.requests)  # freed, taken again
-                outcome.sends.append((0, Message(Kind.PREFILL, flight.batch.fields(),
-                                                 (flight.batch.ids, flight.batch.mask))))
+                fields = {**flight.batch.fields(), "ended": sorted(flight.batch.dropped)}  # cancelled: not computed
+                outcome.sends.append((0, Message(Kind.PREFILL, fields, (flight.batch.ids, flight.batch.mask))))
             self.held = False
         return outcome
 

@@ -166,6 +166,8 @@ class StageWorker(RecoveryHandlers):
                             position_ids(mask), dict(message.fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
+            state.ended = torch.zeros(len(mask), dtype=torch.bool)
+            state.ended[message.fields.get("ended", [])] = True  # rows cancelled before it was (re)computed
         if self.role.kind == "mixed":
             self.microbatches[number] = state
             self._step(number, state, inputs, message, self.caches.new_cache(number))
@@ -189,6 +191,8 @@ class StageWorker(RecoveryHandlers):
                                       (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
 
     def _receive_kv(self, number: int, message: Message) -> None:
+        if number in self.failed:  # a piece a failed microbatch's prompt stage sent before it failed
+            return
         staged = self._staged(number)
         staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
         if staged.complete and staged.start is not None:

@@ -86,9 +86,12 @@ class RecoveryHandlers(WorkerState):
         self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
 
     def _drop(self, message: Message) -> None:
-        """Forget microbatches that start over from their prompts, failed, or ended meanwhile."""
+        """Forget microbatches that start over from their prompts, failed, or ended meanwhile. A failed one's
+        prompt KV still on its way is ignored when it comes (a recovery's own is of an older epoch)."""
         for number in message.fields["microbatches"]:
             self._forget(number)
+            if message.fields.get("failed"):
+                self.failed.append(number)
 
     def _rewind(self, message: Message) -> None:
         """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of

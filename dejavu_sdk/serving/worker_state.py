@@ -9,6 +9,7 @@ links with the same `open_links` that a recovery's `relink` uses, and its `Heart
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Protocol
 
 import attrs
@@ -118,6 +119,7 @@ class WorkerState:
                                     swapping and role.kind != "prompt")  # a prompt stage keeps no cache
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
         self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
+        self.failed: deque[int] = deque(maxlen=1024)  # microbatches that failed lately (numbers are never reused)
 
     def _forget(self, number: int) -> None:
         """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
