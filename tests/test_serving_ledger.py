@@ -49,10 +49,13 @@ def test_a_budget_admits_only_what_fits() -> None:
 def test_a_row_is_answered_at_its_own_end_and_a_failed_row_alone_fails() -> None:
     ledger = _ledger(microbatch=3)
     requests = _requests(2, 5, 5)
+    streamed: list[int] = []
+    requests[2].on_token = streamed.append
     ledger.queue(requests)
     ledger.admit()
     ledger.on_tokens(0, [7, 8, 9], None, {})
-    outcome = ledger.on_tokens(0, [4, 8, 9], None, {"2": {"reason": "its logits are not finite", "input_error": False}})
+    outcome = ledger.on_tokens(0, [4, 8, 0], None, {"2": {"reason": "its logits are not finite", "input_error": False}})
+    assert [token for _, token in outcome.calls] == []  # the failed row's padding is no token of its own
     answered = {requests.index(next(r for r in requests if r.future is future)): result
                 for future, result in outcome.answers}
     assert answered[0].tokens.tolist() == [7, 4]  # its own max_new_tokens
@@ -71,7 +74,22 @@ def test_a_cancelled_waiting_request_leaves_the_queue_and_a_running_row_is_ended
     assert ledger.cancel(requests[2]) == []
     assert len(ledger.waiting) == 0
     ((stage, message),) = ledger.cancel(requests[0])
-    assert (stage, message.kind, message.fields) == (0, Kind.CANCEL, {"microbatch": 0, "rows": [0]})
+    assert (stage, message.kind, message.fields) == (0, Kind.CANCEL, {"microbatch": 0, "rows": [0], "epoch": 0})
+
+
+def test_a_cancel_during_a_recovery_sends_nothing_and_the_resumed_microbatch_carries_it() -> None:
+    ledger = _ledger(microbatch=2)
+    requests = _requests(5, 5)
+    ledger.queue(requests)
+    ledger.admit()
+    ledger.on_tokens(0, [4, 4], None, {})
+    ledger.held = True  # a recovery is under way: its stages may be replacements not yet assigned
+    assert ledger.cancel(requests[1]) == []
+    sends = ledger.resume({0: 1}, [], [], []).sends
+    assert [(message.kind, message.fields.get("rows")) for _, message in sends] == [(Kind.DECODE, None),
+                                                                                   (Kind.CANCEL, [1])]
+    ledger.seen_by_recovery(0)
+    assert ledger.flights[0].batch.seen_by_recovery == 1
 
 
 def test_a_staged_microbatch_starts_on_a_free_token_stage_carrying_rows_cancelled_meanwhile() -> None:

@@ -3,12 +3,15 @@ microbatch whose computation fails is that microbatch's failure, not the worker'
 
 from __future__ import annotations
 
+import pytest
 import tiny_models
 import torch
 
 from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.serving.messages import Kind, Message, pack, unpack
 from dejavu_sdk.serving.worker import Role, StageWorker
+
+GREEDY = {"do_sample": False}
 
 
 class _Link:
@@ -56,11 +59,14 @@ def test_a_step_of_a_microbatch_the_worker_does_not_hold_is_dropped() -> None:
     assert first.sent == []
 
 
-def test_a_prefill_does_not_compute_rows_ended_before_it() -> None:
+@pytest.mark.parametrize("how", ["in its prefill", "before it came"])
+def test_a_prefill_does_not_compute_rows_cancelled_before_it(how) -> None:
     worker, head, _ = _worker()
     message = _prefill(3, [3, 4, 5])
-    worker.handle(Message(message.kind, {**message.fields, "max_new_tokens": [4, 4], "ended": [1],
-                                         "decoding": [{"do_sample": False}] * 2},
+    if how == "before it came":  # a cancel that overtook its microbatch is kept for it
+        worker.handle(Message(Kind.CANCEL, {"microbatch": 3, "rows": [1], "epoch": 2}))
+    worker.handle(Message(message.kind, {**message.fields, "max_new_tokens": [4, 4], "decoding": [GREEDY] * 2,
+                                         "ended": [1] if how == "in its prefill" else []},
                           (message.tensors[0].repeat(2, 1), message.tensors[1].repeat(2, 1))))
     (tokens,) = head.sent
     assert tokens.tensors[0][1] == 0  # padding: the row was cancelled

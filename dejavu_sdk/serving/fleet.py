@@ -83,7 +83,7 @@ class Fleet:
             for _ in range(self.options.standby):
                 self._launch_spare()
         deadline = time.monotonic() + START_TIMEOUT
-        joined: list[tuple[str, str | None]] = []
+        joined: list[tuple[str, str | None, int]] = []
         while len(joined) < len(self.layout.stages):
             message = next_message(deadline, "every stage worker to join")
             if message.kind == Kind.JOIN and message.fields.get("worker") in self.spares:
@@ -91,11 +91,13 @@ class Fleet:
             elif message.kind == Kind.WARM:
                 self.warmed(str(message.fields["url"]))
             elif message.kind == Kind.JOIN:
-                joined.append((message.fields["url"], message.fields.get("worker")))
+                joined.append((message.fields["url"], message.fields.get("worker"), int(message.fields["pid"])))
         if self.launch:  # stages go in the order workers joined: each stage's process is the one that joined as it
             by_id = {process.id: process for process in self.processes}
-            self.processes = [by_id[worker] for _, worker in joined if worker in by_id]
-        self.urls = [url for url, _ in joined]
+            self.processes = [by_id.pop(worker) if worker in by_id else JoinedWorker(pid, worker)
+                              for _, worker, pid in joined]
+            self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
+        self.urls = [url for url, _, _ in joined]
         self.links = [open_transport(url, token=self.options.token) for url in self.urls]
         for index in range(len(self.layout.stages)):
             self.send(index, Message(Kind.ASSIGN, self.assignment(index, eos, pad, recovery)))

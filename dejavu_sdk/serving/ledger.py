@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
@@ -83,9 +83,12 @@ class Ledger:
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold."""
 
     def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
-                 admission: Admission) -> None:
+                 admission: Admission, epoch: Callable[[], int] = lambda: 0) -> None:
         self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
         self.eos, self.pad, self.admission = eos, pad, admission
+        #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
+        #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).
+        self.epoch = epoch
         self.lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.flights: dict[int, Flight] = {}
@@ -140,6 +143,7 @@ class Ledger:
         while the first stage's pipeline has room (disaggregated: and the token side a free slot)."""
         sends: list[tuple[int, Message]] = []
         with self.lock:
+            epoch = self.epoch()
             while self.failure is None and not self.held:
                 staged = sorted((flight for flight in self.flights.values() if flight.phase is Phase.STAGED),
                                 key=lambda flight: flight.staged_at)
@@ -147,7 +151,8 @@ class Ledger:
                     flight = staged[0]
                     flight.phase, flight.progress = Phase.DECODING, time.monotonic()
                     assert flight.start is not None  # kept from its `prefilled`
-                    sends.append((self.layout.prompt_depth, _with_ended(flight.start, flight.batch.dropped)))
+                    sends.append((self.layout.prompt_depth, _stamped(_with_ended(flight.start, flight.batch.dropped),
+                                                                     epoch)))
                     flight.start = None
                 elif self.waiting and self._room_for_a_prefill():
                     taken = self.admission.take(self.waiting, self.microbatch,
@@ -159,7 +164,8 @@ class Ledger:
                     phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
                     self.flights[batch.number] = Flight(batch, phase, self.admission.reserve(taken), time.monotonic())
                     self.most_in_flight = max(self.most_in_flight, len(self.holding()))
-                    sends.append((0, Message(Kind.PREFILL, batch.fields(), (batch.ids, batch.mask))))
+                    sends.append((0, Message(Kind.PREFILL, {**batch.fields(), "epoch": epoch},
+                                             (batch.ids, batch.mask))))
                 else:
                     break
         return sends
@@ -167,7 +173,7 @@ class Ledger:
     def cancel(self, request: Request) -> list[tuple[int, Message]]:
         """A request's caller cancelled it: a waiting one leaves the queue; a running row is ended at its next
         step (the first decoding stage passes the word on to the last; a microbatch not decoding yet carries
-        the row as ended when it starts)."""
+        the row as ended when it starts, and so does one that a recovery resumes)."""
         with self.lock:
             if request in self.waiting:
                 self.waiting.remove(request)
@@ -177,10 +183,13 @@ class Ledger:
                 if rows and flight.phase is not Phase.ENDED:
                     flight.batch.dropped.update(rows)
                     flight.batch.settled.update(rows)
-                    if flight.phase is Phase.DECODING:
-                        stage = self.layout.decoding_stages()[0]
-                        return [(stage, Message(Kind.CANCEL, {"microbatch": number, "rows": rows}))]
+                    if flight.phase is Phase.DECODING and not self.held:
+                        return [self._cancel(number, rows)]
         return []
+
+    def _cancel(self, number: int, rows: Collection[int]) -> tuple[int, Message]:
+        return self.layout.decoding_stages()[0], Message(Kind.CANCEL, {"microbatch": number, "rows": sorted(rows),
+                                                                       "epoch": self.epoch()})
 
     # ---- reports from the stages -----------------------------------------------------------------------
     def on_tokens(self, number: int, tokens: list[int], states: torch.Tensor | None,
@@ -199,8 +208,9 @@ class Ledger:
                 step = len(batch.arrived)
                 batch.rng_states[step] = states.clone()
                 batch.rng_states.pop(step - RNG_STEPS_KEPT, None)  # replicas are never that far behind
+            outcome.answers = self._failed_rows(batch, failures)  # before streaming: a failed row's token is none
             outcome.calls = batch.unstreamed(self.eos)
-            outcome.answers = self._settle_rows(batch, failures)
+            outcome.answers += self._ended_rows(batch)
         return outcome
 
     def on_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
@@ -215,8 +225,9 @@ class Ledger:
             flight.batch.add_step(tokens[:, 0].tolist())
             if rng.numel() and keep_states:
                 flight.batch.rng_states[1] = rng.clone()
+            outcome.answers = self._failed_rows(flight.batch, failures)
             outcome.calls = flight.batch.unstreamed(self.eos)
-            outcome.answers = self._settle_rows(flight.batch, failures)
+            outcome.answers += self._ended_rows(flight.batch)
             self._staging += 1
             flight.phase, flight.progress, flight.staged_at = Phase.STAGED, None, self._staging
             flight.start = Message(Kind.START, flight.batch.fields(), (tokens, mask, ended, rng))
@@ -259,7 +270,8 @@ class Ledger:
             if flight is None:
                 return outcome
             outcome.answers = _fail_rows(flight.batch, error)
-        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True}))
+            epoch = self.epoch()
+        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True, "epoch": epoch}))
                          for stage in self.layout.decoding_stages()]
         return outcome
 
@@ -284,6 +296,7 @@ class Ledger:
         first = self.layout.decoding_stages()[0]
         now = time.monotonic()
         with self.lock:
+            epoch = self.epoch()
             for number in failed:
                 outcome.answers += _fail_rows(self.flights.pop(number).batch, POISON)
             for number in finished:
@@ -297,17 +310,27 @@ class Ledger:
                 flight.batch.rewind(step)
                 tokens = torch.tensor([[row[-1]] for row in flight.batch.generated], dtype=torch.long)
                 flight.phase, flight.progress, flight.start, flight.freed = Phase.DECODING, now, None, False
-                outcome.sends.append((first, Message(Kind.DECODE, {"microbatch": number}, (tokens,))))
+                outcome.sends.append((first, Message(Kind.DECODE, {"microbatch": number, "epoch": epoch}, (tokens,))))
+                if flight.batch.dropped:  # rows cancelled during the recovery, maybe after their rewind was sent
+                    outcome.sends.append(self._cancel(number, flight.batch.dropped))
             for number in recomputed:
                 flight = self.flights[number]
                 flight.batch.rewind(0)
                 flight.phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
                 flight.progress, flight.start, flight.freed = now, None, False
                 flight.reserved = self.admission.reserve(flight.batch.requests)  # freed, taken again
-                fields = {**flight.batch.fields(), "ended": sorted(flight.batch.dropped)}  # cancelled: not computed
+                fields = {**flight.batch.fields(), "ended": sorted(flight.batch.dropped), "epoch": epoch}  # cancelled
                 outcome.sends.append((0, Message(Kind.PREFILL, fields, (flight.batch.ids, flight.batch.mask))))
             self.held = False
         return outcome
+
+    def seen_by_recovery(self, number: int) -> None:
+        """A recovery resumed microbatch `number` (its messages went out): if the next recovery finds it without
+        a new step since, it fails (the poison bound)."""
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is not None:
+                flight.batch.seen_by_recovery = flight.batch.steps_received
 
     # ---- under the lock ---------------------------------------------------------------------------------
     def _count(self, phase: Phase) -> int:
@@ -318,9 +341,10 @@ class Ledger:
             return len(self.holding()) < len(self.layout.stages)  # one microbatch per stage
         return self._count(Phase.PROMPTING) < self.layout.prompt_depth and len(self.holding()) < self.token_slots
 
-    def _settle_rows(self, batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
-        """The answers due to the rows of `batch` that failed (by row, as the last stage reported them) or came
-        to their end with its latest step; they count as answered from now on."""
+    @staticmethod
+    def _failed_rows(batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
+        """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
+        count as answered, and dropped, from now on."""
         answers: list[Answer] = []
         for key, failure in failures.items():
             row = int(key)
@@ -329,10 +353,13 @@ class Ledger:
                 batch.dropped.add(row)
                 error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
                 answers.append((batch.requests[row].future, error))
-        for row in batch.ended_rows(self.eos):
-            batch.settled.add(row)
-            answers.append((batch.requests[row].future, batch.result(row, self.eos)))
         return answers
+
+    def _ended_rows(self, batch: Microbatch) -> list[Answer]:
+        """The results due to the rows of `batch` that came to their end with its latest step."""
+        rows = batch.ended_rows(self.eos)
+        batch.settled.update(rows)
+        return [(batch.requests[row].future, batch.result(row, self.eos)) for row in rows]
 
 
 def answer(answers: list[Answer]) -> None:
@@ -360,6 +387,10 @@ def _fail_rows(batch: Microbatch, error: str) -> list[Answer]:
     rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
     batch.settled.update(rows)
     return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
+
+
+def _stamped(message: Message, epoch: int) -> Message:
+    return Message(message.kind, {**message.fields, "epoch": epoch}, message.tensors)
 
 
 def _with_ended(start: Message, rows: set[int]) -> Message:

@@ -91,7 +91,8 @@ class Pipeline:
         self.on_failure: Callable[[str], None] | None = None
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
-                             Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token))
+                             Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
+                             lambda: self.fleet.epoch)
         #: The stages' answers to a recovery's steps, for the recovery thread.
         self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._recoveries = Recoveries(self.ledger, self.fleet, self.replies, self._fail, self._send, self._admit,
@@ -107,7 +108,8 @@ class Pipeline:
         self._handlers: dict[str, Callable[[Message], None]] = {
             Kind.JOIN: self.fleet.pool_spare, Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
             Kind.LINK_LOST: lambda message: self._recoveries.start(
-                set(), f"{message.fields['stage']} lost a link: {message.fields['error']}"),
+                set(), f"{message.fields['stage']} lost a link: {message.fields['error']}",
+                int(message.fields.get("epoch", 0))),
             Kind.TOKENS: self._on_tokens, Kind.PREFILLED: self._on_prefilled, Kind.ENDED: self._on_ended,
             Kind.FREED: self._on_freed, Kind.MICROBATCH_FAILED: self._on_microbatch_failed,
             Kind.HEARTBEAT: lambda message: self.fleet.beat(str(message.fields["stage"]),
@@ -162,9 +164,10 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the workers and fail whatever is still waiting. Closing twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
+        with self.ledger.lock:  # a recovery starts under it, or sees the pipeline closed
+            if self._closed:
+                return
+            self._closed = True
         self._running.set()  # submissions waiting for the start see it closed
         holding = self.ledger.holding_numbers()
         self._fail(TransportError("the pipeline was closed"))
@@ -268,8 +271,8 @@ class Pipeline:
                 return
 
     def _send(self, index: int, message: Message) -> None:
-        """Send a step's message, stamped with the current epoch."""
-        self.fleet.send(index, Message(message.kind, {**message.fields, "epoch": self.fleet.epoch}, message.tensors))
+        """Send a step's message, stamped with the epoch it was decided in (else with the current one)."""
+        self.fleet.send(index, Message(message.kind, {"epoch": self.fleet.epoch, **message.fields}, message.tensors))
 
     def _carry_out(self, outcome: Outcome) -> None:
         """Stream the outcome's tokens, answer its futures, and send its messages (a stage that does not take
@@ -351,7 +354,7 @@ class Pipeline:
         elif self._recoveries.running:
             self.replies.put(message)
         else:
-            self._recoveries.start({index}, failure)
+            self._recoveries.start({index}, failure, int(message.fields.get("epoch", 0)))
 
     def _watch(self) -> None:
         """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`

@@ -135,7 +135,8 @@ class Recovery:
     # ---- the steps ------------------------------------------------------------------------------------
     def run(self) -> RecoveryReport:
         fleet, stages = self.fleet, self.layout.stages
-        self.epoch = fleet.new_epoch()
+        with self.ledger.lock:  # what the ledger decided before carries the old epoch, and is dropped
+            self.epoch = fleet.new_epoch()
         self.dead |= set(fleet.exited())
         for stage in self.dead:
             fleet.fence(stage)
@@ -201,19 +202,13 @@ class Recovery:
         return self._await(Kind.PAUSED, {self.layout.stages[index].name for index in survivors})
 
     def _plan(self, paused: dict[str, Message]) -> ResumePlan:
-        """`plan_resume` over what the survivors reported; every microbatch in flight counts as seen by this
-        recovery from now on (the poison bound)."""
-        in_flight = self.ledger.in_flight()
+        """`plan_resume` over what the survivors reported."""
         survivors = [index for index in self.layout.decoding_stages() if index not in self.dead]
-        plan = plan_resume(
-            in_flight, self.dead, self.layout, self.options.recovery, self.ledger.eos,
+        return plan_resume(
+            self.ledger.in_flight(), self.dead, self.layout, self.options.recovery, self.ledger.eos,
             lambda number: all(str(number) in paused[self.layout.stages[index].name].fields["caches"]
                                for index in survivors),
             lambda index, number: self._replica_reach(index, number, paused))
-        for _, batch, phase in in_flight:
-            if phase != "staged":
-                batch.seen_by_recovery = batch.steps_received
-        return plan
 
     def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
         """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
@@ -328,16 +323,19 @@ class Recoveries:
         self.assignment = lambda index: fleet.assignment(index, eos, pad, True)
         self.reports: list[RecoveryReport] = []
         self.thread: threading.Thread | None = None
-        self._meanwhile: str | None = None  # a failure reported during a recovery, to look at after it
+        #: A failure reported during a recovery, with the epoch it was seen in, to look at after it.
+        self._meanwhile: tuple[str, int | None] | None = None
 
     @property
     def running(self) -> bool:
         return self.thread is not None
 
-    def start(self, dead: set[int], reason: str) -> None:
+    def start(self, dead: set[int], reason: str, epoch: int | None = None) -> None:
+        """Recover from the `dead` stages (and whatever else is found dead) for `reason`, which a stage reported in
+        `epoch` (None: the head found it now)."""
         with self.ledger.lock:
             if self.thread is not None:
-                self._meanwhile = self._meanwhile or reason
+                self._meanwhile = self._meanwhile or (reason, epoch)
                 return
             if self.ledger.failure is not None or self.closed():
                 return
@@ -355,25 +353,31 @@ class Recoveries:
 
     def _run(self, dead: set[int], reason: str) -> None:
         again: str | None = None
+        recovered = -1  # the epoch of the recovery that succeeded: failures seen before it are mended
         try:
             report = self._attempts(dead, reason)
             if report is None:
                 return
+            recovered = report.epoch
             outcome = self.ledger.resume(report.resumed, report.recomputed, report.finished, report.failed)
             answer(outcome.answers)
             try:
                 for index, message in outcome.sends:
                     self.send(index, message)
+                    self.ledger.seen_by_recovery(int(message.fields["microbatch"]))  # the poison bound
             except TransportError as lost:  # a stage died as the pipeline went on: recover again
                 again = f"resuming after a recovery failed: {lost}"
             self.notify_recovery(report)
-            self.fleet.top_up()
+            if not self.closed():
+                self.fleet.top_up()
         except Exception as error:  # whatever else stops a recovery fails the requests, rather than hang them
             self.fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
         finally:
             with self.ledger.lock:
                 self.thread = None
-                again = again or self._meanwhile
+                if again is None and self._meanwhile is not None:
+                    reported, epoch = self._meanwhile
+                    again = None if epoch is not None and epoch < recovered else reported
                 self._meanwhile = None
         if again is not None:
             self.start(set(), again)

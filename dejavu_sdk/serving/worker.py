@@ -150,13 +150,14 @@ class StageWorker(RecoveryHandlers):
     def _cancel(self, number: int, rows: list[int]) -> None:
         """End `rows` of microbatch `number` at its next step (their requests were cancelled): the head tells the
         first decoding stage, and each passes it on behind the steps it sent, so that the last stage, which picks
-        the tokens, has the microbatch when it arrives. A microbatch with no live row left ends."""
+        the tokens, has the microbatch when it arrives; one that overtook the microbatch anyway (a `start` waiting
+        for its prompt KV) is kept until the microbatch comes. A microbatch with no live row left ends."""
         if not self.stage.last:
             self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": rows}))
             return
         state = self.microbatches.get(number)
         if state is None or state.ended is None:
-            log.debug("%s: no rows of microbatch %d to cancel here", self.role.name, number)
+            self.keep_cancel(number, rows)
             return
         state.ended[rows] = True
 
@@ -167,7 +168,7 @@ class StageWorker(RecoveryHandlers):
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
             state.ended = torch.zeros(len(mask), dtype=torch.bool)
-            state.ended[message.fields.get("ended", [])] = True  # rows cancelled before it was (re)computed
+            state.ended[[*message.fields.get("ended", []), *self.kept_cancels(number)]] = True  # cancelled before
         if self.role.kind == "mixed":
             self.microbatches[number] = state
             self._step(number, state, inputs, message, self.caches.new_cache(number))
@@ -224,6 +225,7 @@ class StageWorker(RecoveryHandlers):
             if rng.numel():
                 state.picker.set_states(rng)
             state.ended, state.steps = ended.bool().clone(), 1
+            state.ended[self.kept_cancels(number)] = True
         self.microbatches[number] = state
         cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
         output = self.stage.forward(inputs, state.mask, state.positions, cache)

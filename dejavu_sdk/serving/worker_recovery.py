@@ -116,6 +116,7 @@ class RecoveryHandlers(WorkerState):
             if rng.numel():
                 state.picker.set_states(rng)
             state.ended, state.steps = ended.bool().clone(), steps
+            state.ended[self.kept_cancels(number)] = True
         self.microbatches[number] = state
         self.caches.add(number, state.capacity)
         if self.replicator is not None:

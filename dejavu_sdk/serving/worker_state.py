@@ -120,6 +120,18 @@ class WorkerState:
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
         self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
         self.failed: deque[int] = deque(maxlen=1024)  # microbatches that failed lately (numbers are never reused)
+        self._cancels: dict[int, set[int]] = {}  # the last stage's: rows cancelled before their microbatch came
+
+    def keep_cancel(self, number: int, rows: list[int]) -> None:
+        """Keep the rows of a microbatch not here yet (its start may be waiting for its prompt KV elsewhere);
+        the oldest are let go past a few hundred (a microbatch that never comes: it ended or failed)."""
+        self._cancels.setdefault(number, set()).update(rows)
+        while len(self._cancels) > 256:
+            del self._cancels[next(iter(self._cancels))]
+
+    def kept_cancels(self, number: int) -> list[int]:
+        """The rows of microbatch `number` cancelled before it came, now taken."""
+        return sorted(self._cancels.pop(number, ()))
 
     def _forget(self, number: int) -> None:
         """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
