@@ -117,7 +117,8 @@ class DejaVuEngine:
 
     def generate_many(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 32, *, microbatch: int = 4,
                       kv_budget_bytes: int | None = None, swapping: bool | str = "auto", do_sample: bool = False,
-                      seed: int | None = None, progress: bool = False, **settings: Any) -> list[Result]:
+                      seed: int | None = None, batching: str = "static", max_prefill_tokens: int | None = None,
+                      progress: bool = False, **settings: Any) -> list[Result]:
         """Serve many prompts `[T]` on this one model: microbatches of up to `microbatch` of them (in order,
         left-padded) decoded round robin, each request's `Result` (new tokens, and where it was served) in order.
         `max_new_tokens`: one limit for all, or one per prompt.
@@ -130,12 +131,17 @@ class DejaVuEngine:
         `min_p`): a microbatch's tokens equal `model.generate` on it (on a GPU, sampled rows draw from a CPU generator
         seeded with `seed`: reproducible, but not `generate`'s GPU draws). The model is put in eval mode. These
         caches are not replicated to the engine's store: use `generate` for a replicated, resumable stream.
-        """
-        from .generation.decoding import Decoding
-        from .generation.roundrobin import RoundRobin
 
-        runner = RoundRobin(self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes, swapping=swapping,
-                            progress=progress)
+        `batching="continuous"` lets rows leave their microbatch (a slot) as they end and waiting prompts join it
+        (their prompts prefilled beside its steps, at most `max_prefill_tokens` positions a step; None: at once);
+        each `Result.schedule` then records the slot's rounds, and `dejavu_sdk.generation.replay` on them gives
+        the same tokens. Admission then counts rows: a slot reserves its rows at its longest row's final length.
+        """
+        from .generation.continuous import runner_for
+        from .generation.decoding import Decoding
+
+        runner = runner_for(batching, self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes,
+                            swapping=swapping, max_prefill_tokens=max_prefill_tokens, progress=progress)
         return runner.run(runner.requests(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings)))
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:

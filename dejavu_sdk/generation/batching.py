@@ -22,6 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..swapping import positions_needed
 from .decoding import Decoding
+from .slots import Round
 
 _ids = itertools.count()
 
@@ -51,6 +52,10 @@ class Result:
 
     `submitted`, `first_token` and `finished` are `time.monotonic()` readings at the head: when the request
     was queued, when its first token and its last token arrived (time to first token, time per output token).
+
+    Under continuous batching `microbatch` is the slot it was served in, `request` its request's number there,
+    and `schedule` the slot's rounds (`slots.Round`) up to its end: `replay.replay` gives its tokens from
+    them. Static microbatches have no schedule: they are `model.generate` on the microbatch.
     """
 
     tokens: torch.Tensor
@@ -62,6 +67,8 @@ class Result:
     submitted: float = 0.0
     first_token: float = 0.0
     finished: float = 0.0
+    request: int = -1
+    schedule: tuple[Round, ...] = ()
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,3 +244,78 @@ def take_microbatch(waiting: deque[Request], size: int,
     waiting.clear()
     waiting.extend(kept)
     return taken
+
+
+@attrs.define(eq=False)
+class SlotBatch(Microbatch):
+    """A slot of a continuous pipeline, as the head keeps it: every request that entered it (a row each, in the
+    order they entered), their tokens and when each arrived, the slot's rounds so far (its schedule), and which
+    rows are in the slot's cache (`present`) or on their way in (`entering`: sent, not joined yet)."""
+
+    rounds: list[Round] = attrs.field(factory=list)
+    stamps: list[list[float]] = attrs.field(factory=list)
+    rows_of: dict[int, int] = attrs.field(factory=dict)  # request number -> row
+    present: set[int] = attrs.field(factory=set)
+    entering: set[int] = attrs.field(factory=set)
+    prefilled: set[int] = attrs.field(factory=set)  # entering rows that have their first token: they join next
+
+    @classmethod
+    def open(cls, number: int, pad: int) -> SlotBatch:
+        empty = torch.zeros((0, 0), dtype=torch.long)
+        return cls(number, [], empty, empty, pad)
+
+    def enter(self, requests: Sequence[Request]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+        """Take `requests` in as new rows: what the first stage needs of them (fields, and their prompts
+        left-padded to each other with their mask)."""
+        for request in requests:
+            row = len(self.requests)
+            self.requests.append(request)
+            self.generated.append([])
+            self.stamps.append([])
+            self.rows_of[request.number] = row
+            self.entering.add(row)
+        ids, mask = left_pad([request.ids for request in requests], self.pad)
+        return ({"members": [request.number for request in requests],
+                 "max_new_tokens": [request.max_new_tokens for request in requests],
+                 "decoding": [request.decoding.fields() for request in requests]}, ids, mask)
+
+    def leave_unentered(self, members: Sequence[int]) -> list[Request]:
+        """The requests of `members` that did not get in (the slot ended first), still unanswered: no longer
+        this slot's to answer."""
+        back = []
+        for member in members:
+            row = self.rows_of[member]
+            self.entering.discard(row)
+            if row not in self.settled:
+                self.settled.add(row)
+                self.dropped.add(row)
+                back.append(self.requests[row])
+        return back
+
+    def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int]) -> None:
+        """A round as the last stage reports it: rows left, a group joined, and each member's new token."""
+        self.rounds.append(step)
+        self.steps_received += 1
+        self.present -= {self.rows_of[member] for member in step.left}
+        joined = {self.rows_of[member] for member in step.joined}
+        self.present |= self.prefilled & joined
+        self.entering -= self.prefilled
+        self.prefilled = set()
+        now = time.monotonic()
+        for member, token in zip(members, tokens, strict=True):
+            row = self.rows_of[member]
+            if row in self.entering:
+                self.prefilled.add(row)
+            self.generated[row].append(token)
+            self.stamps[row].append(now)
+
+    def held(self) -> list[Request]:
+        """The requests whose rows the slot's caches hold or are taking in."""
+        return [self.requests[row] for row in sorted(self.present | self.entering)]
+
+    def result(self, row: int, eos: Sequence[int]) -> Result:
+        request, stamps = self.requests[row], self.stamps[row]
+        kept = _kept(self.generated[row], request.max_new_tokens, eos)
+        return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
+                      request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
+                      stamps[len(kept) - 1] if kept else 0.0, request.number, tuple(self.rounds))

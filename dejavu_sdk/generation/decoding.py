@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import secrets
+from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import attrs
@@ -141,18 +142,22 @@ class RowFailure:
         return {"reason": self.reason, "input_error": self.input_error}
 
 
-def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int, limits: list[int],
-                eos: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure]]:
-    """The `steps`-th new token of each row (padding for rows that ended before), which rows have ended with it
-    (at any of the `eos` ids, at their own `limits` (max_new_tokens), or failed), and why each row that failed
-    now did. A failed row ends: the others go on."""
+def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int | Sequence[int],
+                limits: list[int], eos: torch.Tensor,
+                pad: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure]]:
+    """The `steps`-th new token of each row (one count for all, or a count per row: rows of a slot joined at
+    different steps), padding for rows that ended before; which rows have ended with it (at any of the `eos` ids,
+    at their own `limits` (max_new_tokens), or failed), and why each row that failed now did. A failed row
+    ends: the others go on."""
     tokens, failures = picker(logits)
     failures = {row: failure for row, failure in failures.items() if not bool(ended[row])}
     failed = torch.zeros_like(ended)
     failed[list(failures)] = True
     tokens = tokens.masked_fill(ended | failed, pad)
     ended = ended | failed | torch.isin(tokens, eos.to(tokens.device))
-    return tokens, ended | torch.tensor([steps >= limit for limit in limits], device=ended.device), failures
+    counts = [steps] * len(limits) if isinstance(steps, int) else list(steps)
+    reached = [count >= limit for count, limit in zip(counts, limits, strict=True)]
+    return tokens, ended | torch.tensor(reached, dtype=torch.bool, device=ended.device), failures
 
 
 class _Sampler(NamedTuple):
@@ -189,6 +194,17 @@ class TokenPicker:
     @property
     def sampled(self) -> bool:
         return any(sampler is not None for sampler in self.samplers)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only `rows`, in that order (the others left a slot)."""
+        self.refused = {new: self.refused[old] for new, old in enumerate(rows) if old in self.refused}
+        self.samplers = [self.samplers[row] for row in rows]
+
+    def extend(self, other: TokenPicker) -> None:
+        """Take `other`'s rows after these (a group joined a slot), with their generators as they stand."""
+        offset = len(self.samplers)
+        self.refused.update({offset + row: failure for row, failure in other.refused.items()})
+        self.samplers += other.samplers
 
     def states(self) -> torch.Tensor | None:
         """Every row's generator state `[rows, n]` (zeros for greedy rows); None when no row samples."""

@@ -94,7 +94,8 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
         following, first, sender, replicator = open_links(fields, role)
         worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
                              bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
-                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""))
+                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
+                             fields.get("batching", "static"), fields.get("max_prefill_tokens"))
         heartbeat: Heartbeat | None = None
         try:
             head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))

@@ -119,6 +119,7 @@ class Fleet:
         stage, options = self.layout.stages[index], self.options
         return {"model": options.model, "stage": stage.name, "threads": options.threads, "eos": eos, "pad": pad,
                 "swapping": options.swapping, "heartbeat": options.heartbeat, "recovery": recovery,
+                "batching": options.batching, "max_prefill_tokens": options.max_prefill_tokens,
                 "epoch": self.epoch, "role": stage.role, "number": stage.number,
                 "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
                 **self.links_of(index)}

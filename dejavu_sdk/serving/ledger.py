@@ -12,22 +12,19 @@ pipeline carries its outcomes out, outside the lock.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import InvalidStateError
 from typing import Any
 
-import attrs
 import torch
 
-from ..errors import RequestFailed, TransportError
-from ..generation.admission import Admission
-from ..generation.batching import Microbatch, Request, Result
-from .layout import Layout
+from ..errors import TransportError
+from ..generation.batching import Microbatch, Request, SlotBatch
+from .ledger_slots import SlotDecisions
+from .ledger_state import Answer, Flight, Outcome, Phase, _fail_rows
 from .messages import Kind, Message
 
 log = logging.getLogger(__name__)
@@ -41,68 +38,10 @@ POISON = ("it was in flight at two recoveries in a row without making progress; 
           "no request can hold the pipeline in recoveries")
 
 
-class Phase(enum.Enum):
-    """Where a microbatch in flight is."""
-
-    PROMPTING = "prompting"  # in the prompt pipeline (disaggregated)
-    STAGED = "staged"  # prefilled, waiting for a token stage to start it (disaggregated)
-    DECODING = "decoding"  # in the mixed or token pipeline
-    ENDED = "ended"  # every row ended; its caches are being freed
-
-
-@attrs.define(eq=False)
-class Flight:
-    """One microbatch in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its last
-    progress (None: not watched, as while it waits for a token stage), its `start` while staged, and whether
-    every stage freed its cache already."""
-
-    batch: Microbatch
-    phase: Phase
-    reserved: int
-    progress: float | None
-    start: Message | None = None
-    staged_at: int = 0
-    freed: bool = False
-
-
-Answer = tuple["Future[Result]", Any]  # a future and its result or error
-
-
-@attrs.define
-class Outcome:
-    """What a decision asks the pipeline to do: `sends` (stage index, message), `answers` (future, result or
-    error) and `calls` (a request's on_token callback, token)."""
-
-    sends: list[tuple[int, Message]] = attrs.field(factory=list)
-    answers: list[Answer] = attrs.field(factory=list)
-    calls: list[tuple[Callable[[int], None], int]] = attrs.field(factory=list)
-
-
-class Ledger:
-    """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
-    the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold."""
-
-    def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
-                 admission: Admission, epoch: Callable[[], int] = lambda: 0) -> None:
-        self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
-        self.eos, self.pad, self.admission = eos, pad, admission
-        #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
-        #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).
-        self.epoch = epoch
-        self.lock = threading.Lock()
-        self.waiting: deque[Request] = deque()
-        self.flights: dict[int, Flight] = {}
-        self.failure: TransportError | None = None
-        self.held = False  # a recovery is under way: nothing new starts
-        #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
-        self.most_in_flight = 0
-        self._numbers = 0
-        self._staging = 0  # orders staged microbatches
-
-    # ---- what is held --------------------------------------------------------------------------------
-    def holding(self) -> list[Flight]:
-        """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""
-        return [flight for flight in self.flights.values() if not flight.freed]
+class Ledger(SlotDecisions):
+    """The decisions over every request the pipeline holds (its state is `LedgerState`'s: built with the layout,
+    `microbatch`, `token_slots`, `eos`, `pad`, the `admission` rule and the `epoch`); continuous batching's
+    are `SlotDecisions`'."""
 
     def in_flight(self) -> list[tuple[int, Microbatch, str]]:
         """Each microbatch not yet ended, with its phase's name."""
@@ -144,6 +83,8 @@ class Ledger:
         sends: list[tuple[int, Message]] = []
         with self.lock:
             epoch = self.epoch()
+            if self.continuous:
+                return self._slot_admissions(epoch) if self.failure is None and not self.held else []
             while self.failure is None and not self.held:
                 staged = sorted((flight for flight in self.flights.values() if flight.phase is Phase.STAGED),
                                 key=lambda flight: flight.staged_at)
@@ -179,6 +120,10 @@ class Ledger:
                 self.waiting.remove(request)
                 return []
             for number, flight in self.flights.items():
+                if isinstance(flight.batch, SlotBatch):
+                    if request.number in flight.batch.rows_of and flight.phase is not Phase.ENDED:
+                        return self._cancel_member(flight, request)
+                    continue
                 rows = [row for row, member in enumerate(flight.batch.requests) if member is request]
                 if rows and flight.phase is not Phase.ENDED:
                     flight.batch.dropped.update(rows)
@@ -241,6 +186,8 @@ class Ledger:
             if flight is None:
                 return outcome
             batch = flight.batch
+            if isinstance(batch, SlotBatch):  # a group still on its way in never started: it waits again
+                self._return_unentered(batch)
             outcome.answers = [(batch.requests[row].future, batch.result(row, self.eos))
                                for row in range(len(batch.requests)) if row not in batch.settled]
             batch.settled.update(range(len(batch.requests)))
@@ -341,26 +288,6 @@ class Ledger:
             return len(self.holding()) < len(self.layout.stages)  # one microbatch per stage
         return self._count(Phase.PROMPTING) < self.layout.prompt_depth and len(self.holding()) < self.token_slots
 
-    @staticmethod
-    def _failed_rows(batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
-        """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
-        count as answered, and dropped, from now on."""
-        answers: list[Answer] = []
-        for key, failure in failures.items():
-            row = int(key)
-            if row not in batch.settled:
-                batch.settled.add(row)
-                batch.dropped.add(row)
-                error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
-                answers.append((batch.requests[row].future, error))
-        return answers
-
-    def _ended_rows(self, batch: Microbatch) -> list[Answer]:
-        """The results due to the rows of `batch` that came to their end with its latest step."""
-        rows = batch.ended_rows(self.eos)
-        batch.settled.update(rows)
-        return [(batch.requests[row].future, batch.result(row, self.eos)) for row in rows]
-
 
 def answer(answers: list[Answer]) -> None:
     """Give each future its result or error (outside the ledger's lock), unless its caller cancelled it or it is
@@ -380,13 +307,6 @@ def stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
             callback(token)
         except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
             log.exception("a request's on_token callback failed")
-
-
-def _fail_rows(batch: Microbatch, error: str) -> list[Answer]:
-    """A `RequestFailed` for each row of `batch` not answered yet, which now are."""
-    rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
-    batch.settled.update(rows)
-    return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
 
 
 def _stamped(message: Message, epoch: int) -> Message:

@@ -48,6 +48,8 @@ class Kind(str, enum.Enum):
     START = "start"  # head -> first token stage: decode a microbatch the prompt pipeline prefilled
     KV = "kv"  # prompt stage -> token stage: a layer's prompt KV
     CANCEL = "cancel"  # end some rows at their next step
+    ENTER = "enter"  # head -> first stage: a group of requests joins a slot (continuous batching)
+    NOT_ENTERED = "not_entered"  # first stage -> head: the slot ended before the group could join
     END = "end"  # free the microbatch's cache
     TOKENS = "tokens"
     PREFILLED = "prefilled"

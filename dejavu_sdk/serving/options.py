@@ -20,7 +20,9 @@ from transformers import DynamicCache
 from ..backends import open_store
 from ..errors import ConfigError
 from ..generation.adapters import adapter_for
+from ..generation.continuous import check_batching, check_max_prefill_tokens
 from ..generation.decoding import TokenRules
+from ..generation.slots import full_attention
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 #: The ways a pipeline may recover from a dead stage.
 RECOVERY = ("replicas", "recompute")
+#: A joining prompt's positions run per step beside decoding rows, by default (vLLM's chunked-prefill budget).
+DEFAULT_PREFILL_TOKENS = 256
 #: The smallest body cap a controller takes.
 MIN_BODY_BYTES = 1024
 
@@ -79,6 +83,13 @@ class PipelineOptions:
     `standby`: spare worker processes kept with the model loaded, so that a replacement starts at once (the
     pool is topped up after each recovery; 0: a replacement process starts when needed).
     `on_recovery(report)` is called after each recovery (on its thread).
+    `batching`: `"continuous"` (the default where the pipeline can) refills each microbatch, a slot of up to
+    `microbatch` rows, between steps: a row that ended leaves at the next step and a waiting request joins,
+    its prompt prefilled beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x
+    prompt columns) a step while rows decode (None: all at once); each `Result.schedule` records the slot's
+    rounds. `"static"` runs each microbatch until its last row ends, as `model.generate` runs a batch. Left
+    unset, disaggregated layouts, recovery and sliding-window models keep static microbatches (they do not
+    take continuous batching yet; asked for explicitly, that is a ConfigError).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
@@ -111,6 +122,8 @@ class PipelineOptions:
     rules: TokenRules
     eos: list[int]
     kv_bytes_per_token: int
+    batching: str = "static"
+    max_prefill_tokens: int | None = None
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -120,7 +133,8 @@ class PipelineOptions:
               transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
               recovery: str | None = None, replica_store: str | None = None, standby: int = 0,
               ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
-              host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> PipelineOptions:
+              host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
+              max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> PipelineOptions:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         _positive_integer(microbatch, "microbatch")
@@ -164,13 +178,27 @@ class PipelineOptions:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         rules = TokenRules.of(reference)
+        chosen_batching = check_pipeline_batching(batching, len(pipelines) == 2, recovery, reference)
+        prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
                    budget, swaps, choice, transport, float(timeout), float(heartbeat), missed_beats, recovery, store,
                    f"p{secrets.token_hex(4)}-", standby, threads,
                    LocalProcesses() if launch is True else (launch or None), host, port,
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
-                   [] if ignore_eos else rules.eos, per_token)
+                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens)
+
+
+def check_pipeline_batching(batching: Any, disaggregated: bool, recovery: str | None, model: Any) -> str:
+    """The pipeline's batching: continuous unless asked for static, or (left unset) where it does not apply yet;
+    ConfigError when continuous is asked for there."""
+    if batching is not None:
+        check_batching(batching)
+    why = ("disaggregated layouts" if disaggregated else "recovery" if recovery is not None else
+           "sliding-window attention layers" if not full_attention(model.config) else None)
+    if batching == "continuous" and why is not None:
+        raise ConfigError(f"batching='continuous' does not cover {why} yet: use batching='static'")
+    return "static" if why is not None or batching == "static" else "continuous"
 
 
 def check_body_limit(max_body_bytes: Any) -> int:

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 #: Seconds between the head's checks of its stages' processes, heartbeats and progress.
 WATCH_PERIOD = 0.1
 #: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
-STEP_REPORTS = (Kind.TOKENS, Kind.PREFILLED, Kind.ENDED, Kind.FREED, Kind.LINK_LOST, Kind.MICROBATCH_FAILED)
+STEP_REPORTS = (Kind.TOKENS, Kind.PREFILLED, Kind.ENDED, Kind.FREED, Kind.LINK_LOST, Kind.MICROBATCH_FAILED,
+                Kind.NOT_ENTERED)
 #: The stages' answers to a recovery's steps, handed to the recovery thread.
 RECOVERY_REPLIES = (Kind.PAUSED, Kind.RELINKED, Kind.SENT, Kind.REWOUND, Kind.READY)
 
@@ -92,7 +93,9 @@ class Pipeline:
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
-                             lambda: self.fleet.epoch)
+                             lambda: self.fleet.epoch, continuous=checked.batching == "continuous")
+        #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
+        self.batching = checked.batching
         #: The stages' answers to a recovery's steps, for the recovery thread.
         self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._recoveries = Recoveries(self.ledger, self.fleet, self.replies, self._fail, self._send, self._admit,
@@ -114,7 +117,8 @@ class Pipeline:
             Kind.FREED: self._on_freed, Kind.MICROBATCH_FAILED: self._on_microbatch_failed,
             Kind.HEARTBEAT: lambda message: self.fleet.beat(str(message.fields["stage"]),
                                                             int(message.fields.get("epoch", 0))),
-            Kind.STATS: self.fleet.stats_arrived, Kind.FAILED: self._on_failed}
+            Kind.STATS: self.fleet.stats_arrived, Kind.FAILED: self._on_failed,
+            Kind.NOT_ENTERED: self._on_not_entered}
 
     @property
     def most_in_flight(self) -> int:
@@ -319,8 +323,16 @@ class Pipeline:
 
     def _on_tokens(self, message: Message) -> None:
         states = message.tensors[1] if len(message.tensors) > 1 else None  # sampling with recovery
-        self._carry_out(self.ledger.on_tokens(int(message.fields["microbatch"]), message.tensors[0].tolist(), states,
-                                              message.fields.get("failed", {})))
+        number, tokens = int(message.fields["microbatch"]), message.tensors[0].tolist()
+        if "round" in message.fields:  # a slot's round: rows may have left, and room for others be free
+            self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
+            self._admit()
+            return
+        self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {})))
+
+    def _on_not_entered(self, message: Message) -> None:
+        self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))
+        self._admit()
 
     def _on_prefilled(self, message: Message) -> None:
         self._carry_out(self.ledger.on_prefilled(int(message.fields["microbatch"]), message.tensors,

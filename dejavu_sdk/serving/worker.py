@@ -33,10 +33,10 @@ from ..errors import ReplicationError, TransportError
 from ..generation.decoding import TokenPicker, next_tokens
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
-from ..transports.base import Transport
 from .handoff import StagedKV
 from .messages import Kind, Message, pack, unpack
 from .worker_recovery import RECOVERY, RecoveryHandlers
+from .worker_slots import SlotHandlers
 from .worker_state import HeadGone, MicrobatchState, Role
 
 __all__ = ["QUIET", "Role", "StageWorker", "failure_message"]  # Role is worker_state's, named here with the worker
@@ -54,9 +54,10 @@ def failure_message(stage: str | int, error: BaseException, epoch: int = 0) -> t
     return pack(Message(Kind.FAILED, {"stage": stage, "epoch": epoch, "error": f"{type(error).__name__}: {error}"}))
 
 
-class StageWorker(RecoveryHandlers):
+class StageWorker(RecoveryHandlers, SlotHandlers):
     """Runs one assigned stage: `run()` returns when the head says `shutdown`. Its constructor and state are
-    `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`."""
+    `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`, a continuous pipeline's
+    slots by `SlotHandlers`."""
 
     def run(self) -> None:
         while True:
@@ -100,8 +101,11 @@ class StageWorker(RecoveryHandlers):
             getattr(self, f"_{kind}")(message)
         elif kind in STEPS:
             self._compute(number, message)
+        elif kind == Kind.ENTER and self.continuous and self.stage.first:
+            self._enter(number, message)
         elif kind == Kind.END:
             self.microbatches.pop(number, None)
+            self._end_slot(number)
             self.caches.remove(number)
             if self.replicator is not None:
                 self.replicator.end(number)
@@ -112,7 +116,10 @@ class StageWorker(RecoveryHandlers):
         elif kind == Kind.KV and self.role.kind == "token":
             self._receive_kv(number, message)
         elif kind == Kind.CANCEL:
-            self._cancel(number, message.fields["rows"])
+            if self.continuous:
+                self._cancel_rows(number, message.fields["rows"])
+            else:
+                self._cancel(number, message.fields["rows"])
         elif kind == Kind.STATS:
             self.head.send_tensor(pack(Message(Kind.STATS, {"stage": self.role.name, "row_steps": self.row_steps,
                                                          **self.caches.stats()})))
@@ -124,7 +131,11 @@ class StageWorker(RecoveryHandlers):
         hears `microbatch_failed` and its other stages drop it); a lost link is the stage's, and goes on up."""
         kind = message.kind
         try:
-            if kind == Kind.START and self.role.kind == "token":
+            if self.continuous and kind == Kind.PREFILL and self.stage.first:
+                self._open_slot(number, message)
+            elif self.continuous and kind == Kind.DECODE:
+                self._round(number, message)
+            elif kind == Kind.START and self.role.kind == "token":
                 self._start(number, message)
             elif kind == Kind.PREFILL and self.role.kind != "token":
                 self._prefill(number, message)
@@ -289,9 +300,3 @@ class StageWorker(RecoveryHandlers):
                 self._send(self.first, Message(Kind.END, {"microbatch": number}))
         else:
             self._send(self.first, Message(Kind.DECODE, {"microbatch": number}, (tokens[:, None],)))
-
-    def _send(self, link: Transport | None, message: Message) -> None:
-        """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
-        head's progress watchdog."""
-        assert link is not None  # set for every message this stage sends on
-        link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))

@@ -18,12 +18,14 @@ import torch
 from ..backends import open_store, open_transport
 from ..errors import TransportError
 from ..generation.decoding import TokenPicker
+from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage
 from ..store import Store
 from ..stream import LayerPartition
 from ..swapping import SwappedCaches
 from ..transports.base import Server, Transport
 from .handoff import LayerSender, StagedKV
+from .messages import Message, pack
 from .replication import Replicator
 
 #: A stage's links: to the next stage, the last stage's back to the first, a prompt stage's to the token stages,
@@ -74,6 +76,31 @@ class MicrobatchState:
     steps: int = 0
 
 
+@attrs.define
+class SlotState:
+    """What one stage keeps of a slot between rounds (its cache is in the worker's `caches` once it has rows).
+
+    `finals` is each member's cache length at its end (the slot's capacity). The first stage keeps the groups
+    waiting to enter (`queued`); the last stage the slot's picker, which rows have ended, each member's token
+    count, limit and decoding, the requests cancelled, and a finished group's picker and first tokens."""
+
+    rows: SlotRows = attrs.field(factory=SlotRows)
+    joining: Joining | None = None
+    ready: tuple[Any, SlotRows] | None = None
+    finals: dict[int, int] = attrs.field(factory=dict)
+    queued: deque[Message] = attrs.field(factory=deque)
+    # the last stage's
+    picker: TokenPicker | None = None
+    ended: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.bool))
+    counts: dict[int, int] = attrs.field(factory=dict)
+    limits: dict[int, int] = attrs.field(factory=dict)
+    decodings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    cancelled: set[int] = attrs.field(factory=set)
+    joining_picker: TokenPicker | None = None
+    ready_picker: TokenPicker | None = None
+    ready_tokens: torch.Tensor | None = None
+
+
 def open_links(fields: dict[str, Any], role: Role) -> Links:
     """A stage's links, from its assignment (or a recovery's `relink`): to the next stage of its pipeline, the
     last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
@@ -102,7 +129,8 @@ class WorkerState:
     def __init__(self, stage: Stage, role: Role, inbox: Server, head: Transport, following: Transport | None,
                  first: Transport | None, eos: list[int], pad: int, sender: LayerSender | None = None,
                  swapping: bool = False, heartbeat: HeadWatch | None = None, replicator: Replicator | None = None,
-                 recovery: bool = False, epoch: int = 0, replica_prefix: str = "") -> None:
+                 recovery: bool = False, epoch: int = 0, replica_prefix: str = "", batching: str = "static",
+                 max_prefill_tokens: int | None = None) -> None:
         self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
         #: Decoding stages with recovery: streams each microbatch's cache to the next decoding stage.
@@ -114,6 +142,9 @@ class WorkerState:
         self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, MicrobatchState] = {}
+        #: Continuous batching: each microbatch is a slot whose rows come and go (`worker_slots`).
+        self.continuous, self.max_prefill_tokens = batching == "continuous", max_prefill_tokens
+        self.slots: dict[int, SlotState] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
         self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
                                     swapping and role.kind != "prompt")  # a prompt stage keeps no cache
@@ -136,11 +167,18 @@ class WorkerState:
     def _forget(self, number: int) -> None:
         """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
         self.microbatches.pop(number, None)
+        self.slots.pop(number, None)
         self.caches.remove(number)
         self.restored.pop(number, None)
         self.staged.pop(number, None)
         if self.replicator is not None:
             self.replicator.end(number)
+
+    def _send(self, link: Transport | None, message: Message) -> None:
+        """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
+        head's progress watchdog."""
+        assert link is not None  # set for every message this stage sends on
+        link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))
 
     def close(self) -> None:
         self._close_links()

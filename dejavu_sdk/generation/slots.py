@@ -1,0 +1,174 @@
+"""Continuous batching's slot: a microbatch whose rows come and go between steps.
+
+A slot's rows share one KV cache, left-padded: each row's positions sit at the right of the cache and its
+mask is 0 over its padding. A slot lives in rounds, and each round runs, in this order:
+1. `left`: rows that ended at the round before leave; their rows of the cache, mask and positions go, and so
+   do the leading columns that are padding for every row still there (the cache is compacted);
+2. `joined`: a group of requests whose prompts were prefilled together (left-padded to each other) and
+   whose first tokens were picked at the round before is stacked under the slot's rows, the shorter of the
+   two caches left-padded to the longer;
+3. `decoded`: every row takes one decode step;
+4. `prefill`: columns [start, stop) of a joining group's prompts run into the group's own cache, at most
+   `max_prefill_tokens` positions (rows x columns) when rows are decoding beside it, all at once when none
+   are; after its last columns the group's first tokens are picked, and it joins at the next round.
+
+The rounds of a slot are its `Round`s, the schedule: replaying them through the model in one process
+(`replay.replay`) gives every row's tokens exactly, since the stages of a pipeline compute what the whole model
+computes on the same inputs. A row alone in its slot all its life is `model.generate` on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from transformers import DynamicCache
+
+from ..errors import ConfigError
+from .stage import position_ids
+
+
+@attrs.frozen
+class Round:
+    """One round of a slot (the module's order): the requests whose rows `left`, the group that `joined`, the
+    requests `decoded` (the slot's rows, in order), and the joining group's `prefill`: its requests and the
+    columns [start, stop) of their left-padded prompts run this round."""
+
+    left: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    decoded: tuple[int, ...] = ()
+    prefill: tuple[tuple[int, ...], int, int] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> Round:
+        prefill = fields.get("prefill")
+        return cls(tuple(fields.get("left", ())), tuple(fields.get("joined", ())), tuple(fields.get("decoded", ())),
+                   None if prefill is None else (tuple(prefill[0]), int(prefill[1]), int(prefill[2])))
+
+
+@attrs.define
+class SlotRows:
+    """What a stage keeps of a slot's rows beside its cache: each row's request number (`members`), the mask over
+    the cache's positions `[rows, length]` (0 at padding) and each row's last position `[rows, 1]`."""
+
+    members: list[int] = attrs.field(factory=list)
+    mask: torch.Tensor = attrs.field(factory=lambda: torch.zeros((0, 0), dtype=torch.long))
+    positions: torch.Tensor = attrs.field(factory=lambda: torch.zeros((0, 1), dtype=torch.long))
+
+    def index(self, members: Sequence[int]) -> list[int]:
+        """The rows of `members`, in their order."""
+        where = {member: row for row, member in enumerate(self.members)}
+        return [where[member] for member in members]
+
+    def next_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask and positions of a decode step (one more position per row), now kept."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.mask), 1)], dim=1)
+        self.positions = self.positions + 1
+        return self.mask, self.positions
+
+
+def full_attention(config: Any) -> bool:
+    """Whether every layer of a model of `config` attends to the whole sequence: sliding-window layers keep only
+    the window in their caches, which stacking rows of different lengths would misalign."""
+    return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
+
+
+def check_full_attention(config: Any) -> None:
+    """ConfigError for a model with sliding-window layers (`full_attention`)."""
+    if not full_attention(config):
+        raise ConfigError("continuous batching needs every layer to attend to the whole sequence; this model has "
+                          "sliding-window layers: use batching='static'")
+
+
+def leave(cache: DynamicCache, rows: SlotRows, leaving: Sequence[int]) -> SlotRows:
+    """Drop the rows of the requests `leaving` from the cache (in place) and the rows, then the leading columns
+    that are padding for every row kept."""
+    if not leaving:
+        return rows
+    gone = set(leaving)
+    keep = [row for row, member in enumerate(rows.members) if member not in gone]
+    mask = rows.mask[keep]
+    trim = int((mask == 0).all(0).long().cumprod(0).sum()) if keep else mask.shape[1]
+    index = torch.tensor(keep, dtype=torch.long)
+    for layer in _kv_layers(cache):
+        layer.keys = layer.keys[index.to(layer.keys.device), :, trim:].contiguous()
+        layer.values = layer.values[index.to(layer.values.device), :, trim:].contiguous()
+    return SlotRows([rows.members[row] for row in keep], mask[:, trim:].contiguous(), rows.positions[keep])
+
+
+def stack(cache: DynamicCache, rows: SlotRows, group: DynamicCache, group_rows: SlotRows) -> SlotRows:
+    """Stack a prefilled group's cache under the slot's rows (in place), the shorter left-padded to the longer
+    with zeros (masked out)."""
+    if not rows.members:
+        for layer, joining in zip(_kv_layers(cache), _kv_layers(group), strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(joining.keys, joining.values)
+            layer.keys, layer.values = joining.keys, joining.values
+        return SlotRows(list(group_rows.members), group_rows.mask, group_rows.positions)
+    length = max(rows.mask.shape[1], group_rows.mask.shape[1])
+    for layer, joining in zip(_kv_layers(cache), _kv_layers(group), strict=True):
+        layer.keys = torch.cat([_left_pad(layer.keys, length), _left_pad(joining.keys, length)])
+        layer.values = torch.cat([_left_pad(layer.values, length), _left_pad(joining.values, length)])
+    mask = torch.cat([_left_pad(rows.mask, length), _left_pad(group_rows.mask, length)])
+    return SlotRows([*rows.members, *group_rows.members], mask, torch.cat([rows.positions, group_rows.positions]))
+
+
+@attrs.define
+class Joining:
+    """A group of requests prefilled together, a chunk of columns per round, before it joins a slot: its
+    requests (`members`), their prompts' mask `[rows, P]` (left-padded to each other), its own cache, and the
+    columns run so far (`done`). The first stage also keeps the prompts' ids (`ids`)."""
+
+    members: list[int]
+    mask: torch.Tensor
+    cache: DynamicCache
+    ids: torch.Tensor | None = None
+    done: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= self.mask.shape[1]
+
+    def columns(self, max_prefill_tokens: int | None, beside_decoding: bool) -> tuple[int, int]:
+        """The columns to run next: all that are left when no row decodes beside them (nothing to hold up) or
+        without a budget; else as many as `max_prefill_tokens` positions allow (one at least)."""
+        width = self.mask.shape[1]
+        if max_prefill_tokens is None or not beside_decoding:
+            return self.done, width
+        return self.done, min(width, self.done + max(1, max_prefill_tokens // len(self.members)))
+
+    def run(self, forward: Callable[..., torch.Tensor], inputs: torch.Tensor, start: int,
+            stop: int) -> torch.Tensor:
+        """Run columns [start, stop) through `forward(inputs, mask, positions, cache)` (a stage's, or the whole
+        model's); `inputs` are those columns' ids or hidden states."""
+        if start != self.done:
+            raise ConfigError(f"a joining group has run {self.done} columns; columns from {start} were asked for")
+        positions = position_ids(self.mask)[:, start:stop]
+        output = forward(inputs, self.mask[:, :stop], positions, self.cache)
+        self.done = stop
+        return output
+
+    def rows(self) -> SlotRows:
+        """The group's rows once its prompts are in: to be stacked under a slot's."""
+        return SlotRows(list(self.members), self.mask, position_ids(self.mask)[:, -1:])
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """`tensor` (rows first; positions along dim 2 for KV `[B, H, L, D]`, dim 1 for a mask `[B, L]`) with zeros
+    before its positions up to `length`."""
+    dim = 1 if tensor.dim() == 2 else 2
+    missing = length - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _kv_layers(cache: DynamicCache) -> list[Any]:
+    return list(cache.layers)

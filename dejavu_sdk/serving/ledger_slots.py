@@ -1,0 +1,125 @@
+"""The head's decisions under continuous batching: which waiting requests enter which slot, and what a round's
+report means.
+
+A slot (`SlotBatch`) opens with a group of waiting requests (`prefill` to the first stage), and takes another
+group (`enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
+its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
+longest row's final length (`admission.row_bytes`). A slot stops taking groups after `SLOT_ROUNDS` rounds (its
+schedule, which every result carries, stays bounded) and drains; a new one opens in its place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..generation.admission import Slot, row_bytes
+from ..generation.batching import Request, SlotBatch
+from ..generation.slots import Round
+from .ledger_state import Flight, LedgerState, Outcome, Phase
+from .messages import Kind, Message
+
+#: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
+SLOT_ROUNDS = 1024
+
+
+class SlotDecisions(LedgerState):
+    """The ledger's continuous-batching decisions (on `LedgerState`, under its lock); `Ledger` inherits them."""
+
+    def _slot_admissions(self, epoch: int) -> list[tuple[int, Message]]:
+        """Groups of waiting requests into slots with room, then new slots while the stages have room for one
+        each (under the lock)."""
+        sends: list[tuple[int, Message]] = []
+        slots = [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
+                 and flight.phase is Phase.DECODING]
+        for flight in slots:
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            held = batch.held()
+            if not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS:
+                continue
+            taken = self._take(self.microbatch - len(held), held, flight)
+            if taken:
+                fields, ids, mask = batch.enter(taken)
+                flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+                sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **fields, "epoch": epoch},
+                                         (ids, mask))))
+        while self.waiting and len(self.holding()) < len(self.layout.stages):
+            taken = self._take(self.microbatch, [], None)
+            if not taken:
+                break
+            batch = SlotBatch.open(self._numbers, self.pad)
+            self._numbers += 1
+            fields, ids, mask = batch.enter(taken)
+            self.flights[batch.number] = Flight(batch, Phase.DECODING, row_bytes(taken, self.admission.bytes_per_token),
+                                                time.monotonic())
+            self.most_in_flight = max(self.most_in_flight, len(self.holding()))
+            sends.append((0, Message(Kind.PREFILL, {"microbatch": batch.number, **fields, "epoch": epoch},
+                                     (ids, mask))))
+        return sends
+
+    def _take(self, room: int, held: list[Request], flight: Flight | None) -> list[Request]:
+        """Up to `room` waiting requests that fit beside `held` (a slot's rows) and every other slot's."""
+        others = [self._admitted(other) for other in self.holding() if other is not flight]
+        return self.admission.take_rows(self.waiting, room, held, others)
+
+    def _admitted(self, flight: Flight) -> Slot:
+        """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""
+        batch = flight.batch
+        if not isinstance(batch, SlotBatch):
+            return Slot(flight.reserved)
+        entering = [batch.requests[row] for row in sorted(batch.entering)]
+        return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
+
+    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int],
+                 states: torch.Tensor | None) -> Outcome:
+        """A slot's round from the last stage: its schedule grows, its members' tokens stream, ended rows are
+        answered and failed ones fail."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None or flight.phase is Phase.ENDED:
+                return outcome
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            flight.progress = time.monotonic()
+            batch.add_round(Round.of(fields["round"]), fields["members"], tokens)
+            failures = {str(batch.rows_of[int(member)]): failure
+                        for member, failure in fields.get("failed", {}).items()}
+            outcome.answers = self._failed_rows(batch, failures)
+            outcome.calls = batch.unstreamed(self.eos)
+            outcome.answers += self._ended_rows(batch)
+            flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        return outcome
+
+    def on_not_entered(self, number: int, members: list[int]) -> None:
+        """A group reached its slot after the slot ended: its requests wait again, first in the queue."""
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is not None and isinstance(flight.batch, SlotBatch):
+                self._requeue(flight.batch.leave_unentered(members))
+
+    def _return_unentered(self, batch: SlotBatch) -> None:
+        """The slot ended: the rows still on their way in never started (the last stage ends a slot only with
+        no group prefilling), so their requests wait again, first in the queue (under the lock)."""
+        entering = [batch.requests[row].number for row in sorted(batch.entering - batch.prefilled)]
+        self._requeue(batch.leave_unentered(entering))
+
+    def _requeue(self, requests: list[Request]) -> None:
+        self.waiting.extendleft(reversed([request for request in requests if not request.future.done()]))
+
+    def _cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
+        """A request of a slot cancelled: the first stage takes it out of a queued group, or the last ends its
+        row at the next round."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        row = batch.rows_of.get(request.number)
+        if row is None or row in batch.settled:
+            return []
+        batch.dropped.add(row)
+        batch.settled.add(row)
+        return [(0, Message(Kind.CANCEL, {"microbatch": batch.number, "rows": [request.number],
+                                          "epoch": self.epoch()}))]
+

@@ -1,0 +1,116 @@
+"""What the head's ledger holds, below its decisions: each microbatch in flight (`Flight`, with its `Phase`),
+what a decision asks the pipeline to do (`Outcome`), and the ledger's state with the helpers that both the
+static decisions (`ledger.Ledger`) and continuous batching's (`ledger_slots.SlotDecisions`) use."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+
+from ..errors import RequestFailed, TransportError
+from ..generation.admission import Admission
+from ..generation.batching import Microbatch, Request, Result
+from .layout import Layout
+from .messages import Message
+
+
+class Phase(enum.Enum):
+    """Where a microbatch in flight is."""
+
+    PROMPTING = "prompting"  # in the prompt pipeline (disaggregated)
+    STAGED = "staged"  # prefilled, waiting for a token stage to start it (disaggregated)
+    DECODING = "decoding"  # in the mixed or token pipeline
+    ENDED = "ended"  # every row ended; its caches are being freed
+
+
+@attrs.define(eq=False)
+class Flight:
+    """One microbatch in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its last
+    progress (None: not watched, as while it waits for a token stage), its `start` while staged, and whether
+    every stage freed its cache already."""
+
+    batch: Microbatch
+    phase: Phase
+    reserved: int
+    progress: float | None
+    start: Message | None = None
+    staged_at: int = 0
+    freed: bool = False
+
+
+Answer = tuple["Future[Result]", Any]  # a future and its result or error
+
+
+@attrs.define
+class Outcome:
+    """What a decision asks the pipeline to do: `sends` (stage index, message), `answers` (future, result or
+    error) and `calls` (a request's on_token callback, token)."""
+
+    sends: list[tuple[int, Message]] = attrs.field(factory=list)
+    answers: list[Answer] = attrs.field(factory=list)
+    calls: list[tuple[Callable[[int], None], int]] = attrs.field(factory=list)
+
+
+class LedgerState:
+    """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
+    the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
+    `continuous` whether microbatches are slots that rows join and leave."""
+
+    def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
+                 admission: Admission, epoch: Callable[[], int] = lambda: 0, continuous: bool = False) -> None:
+        self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
+        #: Continuous batching: microbatches are slots whose rows come and go (`ledger_slots`).
+        self.continuous = continuous
+        self.eos, self.pad, self.admission = eos, pad, admission
+        #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
+        #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).
+        self.epoch = epoch
+        self.lock = threading.Lock()
+        self.waiting: deque[Request] = deque()
+        self.flights: dict[int, Flight] = {}
+        self.failure: TransportError | None = None
+        self.held = False  # a recovery is under way: nothing new starts
+        #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
+        self.most_in_flight = 0
+        self._numbers = 0
+        self._staging = 0  # orders staged microbatches
+
+    def holding(self) -> list[Flight]:
+        """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""
+        return [flight for flight in self.flights.values() if not flight.freed]
+
+    # ---- under the lock ---------------------------------------------------------------------------------
+    @staticmethod
+    def _failed_rows(batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
+        """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
+        count as answered, and dropped, from now on."""
+        answers: list[Answer] = []
+        for key, failure in failures.items():
+            row = int(key)
+            if row not in batch.settled:
+                batch.settled.add(row)
+                batch.dropped.add(row)
+                error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
+                answers.append((batch.requests[row].future, error))
+        return answers
+
+    def _ended_rows(self, batch: Microbatch) -> list[Answer]:
+        """The results due to the rows of `batch` that came to their end with its latest step."""
+        rows = batch.ended_rows(self.eos)
+        batch.settled.update(rows)
+        return [(batch.requests[row].future, batch.result(row, self.eos)) for row in rows]
+
+
+def _fail_rows(batch: Microbatch, error: str) -> list[Answer]:
+    """A `RequestFailed` for each row of `batch` not answered yet, which now are."""
+    rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
+    batch.settled.update(rows)
+    return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
+
+

@@ -1,0 +1,292 @@
+"""A stage worker's side of continuous batching: slots whose rows come and go between rounds.
+
+Under `batching="continuous"` a microbatch is a slot (`generation.slots`), and every stage runs its rounds in
+the same order, so that each stage's part of the slot's cache changes as every other stage's does:
+- `prefill` from the head opens a slot on the first stage with its first group of requests; `enter` adds a
+  group to a slot the first stage holds (queued until the group before it has joined);
+- a round's message (`decode`) carries what changes before it (`left`: requests whose rows ended, `joined`:
+  the group prefilled at the round before, less its rows that ended with their first token), the slot's
+  next tokens, and the part of a joining group's prompts that the first stage chose to run (`prefill`,
+  `max_prefill_tokens` positions while rows decode beside it, with the group's mask and settings at its
+  first columns). Each stage drops, stacks, decodes and prefills, and passes the outputs on;
+- the last stage picks each row's token and a finished group's first tokens, reports the round to the
+  head (`tokens`, with the round's `Round` fields: the schedule), and sends the next round to the first
+  stage, or ends the slot (`ended`, and `end` through the other stages) once it has no row and nothing
+  joining. A group still queued on the first stage then goes back to the head (`not_entered`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..generation.decoding import TokenPicker, next_tokens
+from ..generation.slots import Joining, Round, leave, stack
+from ..swapping import positions_needed
+from .messages import Kind, Message
+from .worker_state import SlotState, WorkerState
+
+_EMPTY = torch.zeros(0)
+
+
+class SlotHandlers(WorkerState):
+    """The handlers of a continuous pipeline's step messages; `StageWorker` inherits them."""
+
+    def _open_slot(self, number: int, message: Message) -> None:
+        """The first stage: a new slot, its first group entering at once (a round with nothing else in it)."""
+        state = self.slots[number] = SlotState()
+        state.queued.append(message)
+        self._round(number, Message(Kind.DECODE, {"microbatch": number, "left": [], "joined": None}, (_EMPTY,)))
+
+    def _enter(self, number: int, message: Message) -> None:
+        """The first stage: a group for slot `number`, run from its next round on (after any group before it)."""
+        state = self.slots.get(number)
+        if state is None:  # the slot ended meanwhile: back to the head's queue
+            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number,
+                                                           "members": message.fields["members"]}))
+            return
+        state.queued.append(Message(message.kind, message.fields, tuple(tensor.clone() for tensor in message.tensors)))
+
+    def _end_slot(self, number: int) -> None:
+        """The slot ended: free it; the groups still queued for it (first stage) go back to the head's queue."""
+        state = self.slots.pop(number, None)
+        self.caches.remove(number)
+        for group in state.queued if state is not None else ():
+            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number, "members": group.fields["members"]}))
+
+    def _cancel_rows(self, number: int, members: list[int]) -> None:
+        """Requests cancelled: the first stage takes them out of a group still queued; the last stage ends their
+        rows (or, joining, their rows once their first token comes)."""
+        state = self.slots.get(number)
+        if state is not None and self.stage.first:
+            members = self._unqueue(number, state, set(members))
+        if not self.stage.last:
+            if members:
+                self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": members}))
+            return
+        if state is None:
+            return
+        state.cancelled.update(members)
+        for row, member in enumerate(state.rows.members):
+            if member in state.cancelled:
+                state.ended[row] = True
+
+    def _unqueue(self, number: int, state: SlotState, cancelled: set[int]) -> list[int]:
+        """Take the `cancelled` requests out of the queued groups; those not queued here."""
+        kept: deque[Message] = deque()
+        for group in state.queued:
+            members = group.fields["members"]
+            rows = [row for row, member in enumerate(members) if member not in cancelled]
+            if rows:
+                kept.append(_group_rows(group, rows) if len(rows) < len(members) else group)
+            cancelled -= set(members)
+        state.queued = kept
+        return sorted(cancelled)
+
+    # ---- a round --------------------------------------------------------------------------------------------
+    def _round(self, number: int, message: Message) -> None:
+        """Run a round of slot `number` on this stage: rows leave, a group joins, the rows decode, a group's
+        prompts run; then pass it on (or, on the last stage, pick the tokens and start the next)."""
+        state = self.slots.get(number)
+        if state is None and not self.stage.first and message.fields.get("group") is not None:
+            state = self.slots[number] = SlotState()  # the slot's first round reaches this stage
+        if state is None:
+            return  # ended or dropped meanwhile
+        fields = dict(message.fields)
+        decode_in = message.tensors[0]
+        prefill_in = message.tensors[1] if len(message.tensors) > 1 else _EMPTY
+        cache = self.caches.acquire(number) if number in self.caches else None
+        cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
+        decoded = list(state.rows.members)
+        if self.stage.first:
+            fields["prefill"], prefill_in = self._next_columns(state, fields, bool(decoded))
+        decode_out = self._decode_rows(state, decode_in, cache) if decoded else _EMPTY
+        group_mask = _EMPTY  # a group's first columns carry its mask on
+        if fields.get("group") is not None:
+            group_mask = state.joining.mask if self.stage.first and state.joining is not None else message.tensors[2]
+        if fields.get("prefill") is not None:
+            prefill_out = self._prefill_columns(state, fields, prefill_in, message)
+        else:
+            prefill_out = _EMPTY
+        if cache is not None:
+            self._put_slot_back(number, state, cache, changed)
+        if not self.stage.last:
+            self._send(self.following, Message(Kind.DECODE, fields, (decode_out, prefill_out, group_mask)))
+            return
+        self._pick_round(number, state, fields, decoded, decode_out, prefill_out)
+
+    def _change_rows(self, number: int, state: SlotState, cache: Any, left: list[int],
+                joined: list[int] | None) -> tuple[Any, bool]:
+        """Rows that ended leave; a prefilled group joins (its rows that ended with their first token left out).
+        The slot's cache (made here for its first rows), and whether its rows changed."""
+        if left and cache is not None:
+            keep = [row for row, member in enumerate(state.rows.members) if member not in set(left)]
+            state.rows = leave(cache, state.rows, left)
+            if self.stage.last:
+                assert state.picker is not None  # rows have decoded
+                state.picker.keep(keep)
+                state.ended = state.ended[keep]
+            for member in left:
+                state.finals.pop(member, None)
+        ready, state.ready = (state.ready, None) if joined is not None else (None, state.ready)
+        if not joined or ready is None:
+            return cache, bool(left)
+        group_cache, group_rows = ready
+        gone = [member for member in group_rows.members if member not in set(joined)]
+        group_rows = leave(group_cache, group_rows, gone)
+        for member in gone:
+            state.finals.pop(member, None)
+        if cache is None:  # the slot's first rows: its cache starts as theirs
+            cache = self.stage.new_cache()
+            state.rows = stack(cache, state.rows, group_cache, group_rows)
+            self.caches.new_cache(number, cache)
+            self.caches.add(number, self._slot_capacity(state))
+            cache = self.caches.acquire(number)
+        else:
+            state.rows = stack(cache, state.rows, group_cache, group_rows)
+        if self.stage.last:
+            assert state.ready_picker is not None
+            if state.picker is None or not len(state.ended):
+                state.picker = state.ready_picker
+            else:
+                state.picker.extend(state.ready_picker)
+            state.ended = torch.cat([state.ended, torch.tensor([member in state.cancelled for member in joined],
+                                                               dtype=torch.bool)])
+            state.ready_picker, state.ready_tokens = None, None
+        return cache, True
+
+    def _next_columns(self, state: SlotState, fields: dict[str, Any],
+                      beside_decoding: bool) -> tuple[list[Any] | None, torch.Tensor]:
+        """The first stage: which columns of which group run this round (starting the next queued group when none
+        is joining), and their ids."""
+        if state.joining is None and state.queued:
+            group = state.queued.popleft()
+            ids, mask = (tensor.clone() for tensor in group.tensors)
+            state.joining = Joining(list(group.fields["members"]), mask, self.stage.new_cache(), ids)
+            fields["group"] = {"max_new_tokens": group.fields["max_new_tokens"], "decoding": group.fields["decoding"]}
+        if state.joining is None:
+            return None, _EMPTY
+        start, stop = state.joining.columns(self.max_prefill_tokens, beside_decoding)
+        assert state.joining.ids is not None  # the first stage keeps them
+        return [state.joining.members, start, stop], state.joining.ids[:, start:stop]
+
+    def _decode_rows(self, state: SlotState, inputs: torch.Tensor, cache: Any) -> torch.Tensor:
+        mask, positions = state.rows.next_step()
+        return self.stage.forward(inputs, mask, positions, cache)
+
+    def _prefill_columns(self, state: SlotState, fields: dict[str, Any], inputs: torch.Tensor,
+                         message: Message) -> torch.Tensor:
+        members, start, stop = fields["prefill"]
+        group = fields.get("group")
+        if group is not None and not self.stage.first:  # the group's first columns: its mask came with them
+            mask = message.tensors[2].clone()
+            state.joining = Joining(list(members), mask, self.stage.new_cache())
+        joining = state.joining
+        assert joining is not None
+        assert joining.members == list(members)
+        if group is not None:
+            prompts = joining.mask.sum(1).tolist()
+            for member, prompt, limit in zip(members, prompts, group["max_new_tokens"], strict=True):
+                state.finals[member] = positions_needed(int(prompt), limit)
+            if self.stage.last:
+                state.limits.update(zip(members, group["max_new_tokens"], strict=True))
+                state.decodings.update(zip(members, group["decoding"], strict=True))
+                state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
+        output = joining.run(self.stage.forward, inputs, start, stop)
+        if joining.complete:
+            state.ready, state.joining = (joining.cache, joining.rows()), None
+        return output
+
+    def _put_slot_back(self, number: int, state: SlotState, cache: Any, changed: bool) -> None:
+        if not state.rows.members:
+            self.caches.remove(number)
+        elif changed:
+            self.caches.remove(number)
+            self.caches.new_cache(number, cache)
+            self.caches.add(number, self._slot_capacity(state))
+        else:
+            self.caches.release(number)
+
+    @staticmethod
+    def _slot_capacity(state: SlotState) -> int:
+        return max((state.finals.get(member, 0) for member in state.rows.members), default=0)
+
+    # ---- the last stage ----------------------------------------------------------------------------------
+    def _pick_round(self, number: int, state: SlotState, fields: dict[str, Any], decoded: list[int],
+              logits: torch.Tensor, first_logits: torch.Tensor) -> None:
+        """Pick the round's tokens, report the round, and start the next one (or end the slot)."""
+        members: list[int] = []
+        tokens: list[torch.Tensor] = []
+        failed: dict[str, Any] = {}
+        if decoded:
+            assert state.picker is not None
+            counts = [state.counts[member] + 1 for member in decoded]
+            limits = [state.limits[member] for member in decoded]
+            self.row_steps += int((~state.ended).sum())
+            picked, state.ended, failures = next_tokens(state.picker, logits, state.ended, counts, limits, self.eos,
+                                                        self.pad)
+            members += decoded
+            tokens.append(picked)
+            failed.update({str(decoded[row]): failure.fields() for row, failure in failures.items()})
+            for member in decoded:
+                state.counts[member] += 1
+        joined: list[int] | None = None
+        if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
+            group_members = state.ready[1].members
+            picker = state.joining_picker
+            assert picker is not None
+            limits = [state.limits[member] for member in group_members]
+            ended = torch.tensor([member in state.cancelled for member in group_members])
+            picked, ended, failures = next_tokens(picker, first_logits, ended, 1, limits, self.eos, self.pad)
+            members += group_members
+            tokens.append(picked)
+            failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
+            for member in group_members:
+                state.counts[member] = 1
+            keep = [row for row, done in enumerate(ended.tolist()) if not done]
+            picker.keep(keep)
+            state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
+            joined = [group_members[row] for row in keep]
+        step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
+                     None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]))
+        report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "members": members, "failed": failed,
+                                                  "round": step.fields()}, (report,)))
+        left = [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
+        for member in left:
+            for table in (state.counts, state.limits, state.decodings):
+                table.pop(member, None)
+        staying = [row for row, member in enumerate(decoded) if member not in set(left)]
+        following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
+                                           else None) if decode is not None]
+        if joined is not None and not joined:
+            state.ready, state.ready_picker, state.ready_tokens = None, None, None
+        if not staying and not joined and state.joining is None:
+            self._finish_slot(number)
+            return
+        next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
+        self._send(self.first, Message(Kind.DECODE, {"microbatch": number, "left": left, "joined": joined},
+                                       (next_tokens_in,)))
+
+    def _finish_slot(self, number: int) -> None:
+        """The slot has no row and nothing joining: free it here, and tell the head and the other stages."""
+        self.slots.pop(number, None)
+        self.caches.remove(number)
+        self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": self.role.stages == 1}))
+        if self.role.stages > 1:
+            self._send(self.first, Message(Kind.END, {"microbatch": number}))
+        else:  # the first stage too: its queued groups go back
+            self._end_slot(number)
+
+
+def _group_rows(group: Message, rows: list[int]) -> Message:
+    """A queued group's message with only `rows` (its others were cancelled)."""
+    ids, mask = group.tensors
+    ids, mask = ids[rows], mask[rows]
+    trim = int((mask == 0).all(0).long().cumprod(0).sum())  # left-padded to the longest of those left
+    fields = dict(group.fields)
+    for name in ("members", "max_new_tokens", "decoding"):
+        fields[name] = [fields[name][row] for row in rows]
+    return Message(group.kind, fields, (ids[:, trim:], mask[:, trim:]))
