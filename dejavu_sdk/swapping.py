@@ -145,9 +145,10 @@ class SwappedCaches:
 
     `add` a microbatch's cache after its prefill (with its final length, `capacity`), `acquire` it before each
     step and `release` it after, `remove` it when it ends. Without swapping every cache stays on the device.
-    `held_bytes` counts the device memory the caches hold now (their tensors' storage), `peak_bytes` the most
-    it held after any call; `wait_seconds` is the time `acquire` spent waiting for swap-ins, `copy_seconds` the
-    time spent issuing copies (on a CPU the copies themselves; on a GPU only their launch).
+    `held_bytes` counts the device memory the caches hold now (their tensors' storage; `pin`ned ones
+    included), `peak_bytes` the most it held after any call; `wait_seconds` is the time `acquire` spent waiting
+    for swap-ins, `copy_seconds` the time spent issuing copies (on a CPU the copies themselves; on a GPU only
+    their launch).
     """
 
     def __init__(self, config: Any, device: torch.device | str, swapping: bool) -> None:
@@ -156,6 +157,7 @@ class SwappedCaches:
         self._resident: dict[int, DynamicCache] = {}
         self._ready: dict[int, Any] = {}  # a resident cache's swap-in: a CUDA event, or None once done
         self._recency: OrderedDict[int, None] = OrderedDict()  # least recently stepped first: the next to come in
+        self._pinned: dict[object, DynamicCache] = {}  # caches held on the device besides, never swapped (`pin`)
         self._copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.peak_bytes = 0
         self.wait_seconds = 0.0
@@ -214,6 +216,16 @@ class SwappedCaches:
             self._write_back(number, self._resident.pop(number))
         self._account()
 
+    def pin(self, key: object, cache: DynamicCache | None) -> None:
+        """Count `cache` as held on the device under `key` until it is pinned as None (a cache of its own that
+        never swaps: a group's, while its prompts are prefilled and until it joins its slot); pinning it again
+        after it grew counts it anew."""
+        if cache is None:
+            self._pinned.pop(key, None)
+        else:
+            self._pinned[key] = cache
+        self._account()
+
     def remove(self, number: int) -> None:
         """Microbatch `number` ended: free its cache everywhere."""
         self._recency.pop(number, None)
@@ -233,7 +245,7 @@ class SwappedCaches:
     def held_bytes(self) -> int:
         """Device memory the resident caches hold now: the storage of their tensors, each counted once."""
         storages: dict[int, int] = {}
-        for cache in self._resident.values():
+        for cache in [*self._resident.values(), *self._pinned.values()]:
             for layer in _layers(cache):
                 for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                     if isinstance(tensor, torch.Tensor) and tensor.numel():

@@ -38,7 +38,8 @@ def _served_as_generate_serves_them(family: str, arguments: dict, prompts, max_n
     """Serve the prompts (submitted one by one) and check each result against `model.generate` on its
     microbatch; returns the results."""
     model = getattr(tiny_models, family)()
-    with Pipeline(f"tiny_models:{family}", microbatch=3, timeout=60, **arguments, **options) as pipe:
+    with Pipeline(f"tiny_models:{family}", microbatch=3, timeout=60, batching="static", **arguments,
+                  **options) as pipe:
         futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, max_new_tokens, strict=True)]
         results = [future.result(timeout=120) for future in futures]
         pad, eos = pipe.pad, pipe.eos
@@ -248,7 +249,7 @@ def test_workers_by_hand_need_a_shared_token(monkeypatch) -> None:
 def test_sampled_requests_equal_seeded_generate_on_their_microbatch(settings) -> None:
     model = tiny_models.llama()
     prompts = expectations.prompts(5, seed=11)
-    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60) as pipe:
+    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60, batching="static") as pipe:
         busy = [pipe.submit(ids, max_new_tokens=40) for ids in prompts[:2]]  # both slots taken: the rest wait
         sampled = [pipe.submit(ids, max_new_tokens=8, do_sample=True, seed=7, **settings) for ids in prompts[:3]]
         greedy = pipe.submit(prompts[3], max_new_tokens=8)  # another decoding: never in a sampled microbatch
@@ -283,7 +284,7 @@ def test_disaggregated_sampling_continues_the_prompt_pipelines_generator(layout)
     model = tiny_models.llama()
     prompts = expectations.prompts(3, seed=12)
     settings = {"temperature": 0.8, "top_k": 20}
-    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
+    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, batching="static", **LAYOUTS[layout]) as pipe:
         outs = pipe.generate(prompts, max_new_tokens=9, do_sample=True, seed=21, **settings)
         pad, eos = pipe.pad, pipe.eos
     row = {"do_sample": True, "seed": 21, **_explicit(settings)}

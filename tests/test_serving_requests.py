@@ -71,7 +71,7 @@ def test_rows_of_different_settings_share_a_microbatch_each_exact_and_answered_a
     equals `torch.manual_seed(seed)` + `model.generate(do_sample=True)`; temperature 1e-39 is greedy."""
     prompts = _prompts(6, seed=21)
     limits = [3, 40, 20]
-    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60) as pipe:
+    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60, batching="static") as pipe:
         alone = pipe.submit(prompts[3], max_new_tokens=8, do_sample=True, temperature=0.8, top_k=10, seed=5)
         alone.result(timeout=60)
         futures = _serve_rows_together(pipe, prompts, limits, blockers=2)
@@ -153,7 +153,7 @@ def test_a_request_in_two_recoveries_in_a_row_without_progress_fails_and_the_nex
 def test_cancelled_requests_are_never_computed_or_stop_being_stepped_and_give_their_room_back() -> None:
     prompts = _prompts(6, seed=25)
     streamed: dict[int, list[int]] = {0: [], 1: []}
-    with Pipeline("tiny_models:llama", stages=1, microbatch=2, timeout=60, ignore_eos=True) as pipe:
+    with Pipeline("tiny_models:llama", stages=1, microbatch=2, timeout=60, ignore_eos=True, batching="static") as pipe:
         first = pipe.submit_all(prompts[:2], 60, on_token=lambda index, token: streamed[index].append(token))
         waiting = pipe.submit(prompts[2], max_new_tokens=5)  # one stage: it waits for the first microbatch
         assert pipe.cancel(waiting)

@@ -36,7 +36,7 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
     served = {}
     for swapping in (False, True):
         with Pipeline("tiny_models:llama", stages=3, microbatch=1, kv_budget_bytes=2 * each, swapping=swapping,
-                      timeout=60) as pipe:
+                      timeout=60, batching="static") as pipe:
             futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, limits, strict=True)]
             results = [future.result(timeout=120) for future in futures]
             stats = pipe.stage_stats()

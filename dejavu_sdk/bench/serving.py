@@ -1,26 +1,35 @@
-"""`dejavu bench serving`: one model served four ways, side by side, on requests from a real trace.
+"""`dejavu bench serving`: one model served several ways, side by side, on requests from a real trace.
 
 Requests take their prompt and output lengths, and their arrival gaps, from the shipped sample of the Azure
 LLM inference trace 2023 (conversation; CC-BY-4.0, see `dejavu_sdk/data/README.md`), scaled to this CPU:
 lengths are scaled so that their medians hit a workload's targets and clipped to [2/3, 3/2] of them, and
-gaps are scaled so that requests arrive at a given rate. Each workload is served, at each rate, by:
+gaps are scaled so that requests arrive at a given rate. Each workload is served, at each rate, by some of:
 
-    static        Hugging Face `model.generate` on batches of up to two microbatches' rows (as many as the
-                  pipelines have in flight) of the requests waiting, one process
-    continuous    Hugging Face continuous batching (`init_continuous_batching`) of up to as many requests at
-                  once, one process
-    mixed         `Pipeline(stages=2)`: prompts and tokens share two stage processes
-    disaggregated `Pipeline(prompt_stages=1, token_stages=1)`
+    static                Hugging Face `model.generate` on batches of up to `rows` waiting requests, one process
+    continuous            Hugging Face continuous batching (`init_continuous_batching`, the engine behind
+                          `generate_batch`) of at most `rows` requests per batch, one process
+    one-stage-static      `Pipeline(stages=1, batching="static", microbatch=rows)`: the serving machinery (head,
+    one-stage-continuous  stage process, links) without a split; `batching="continuous"` beside it
+    mixed-static          `Pipeline(stages=2, batching="static")`: prompts and tokens share two stage processes
+    mixed-continuous      `Pipeline(stages=2, batching="continuous")`
+    disaggregated-static  `Pipeline(prompt_stages=1, token_stages=1)`, static (disaggregated layouts do not take
+                          continuous batching yet)
 
-all on the same cores: each stage process gets its share of the threads, the one-process baselines all of
-them. Every variant runs once per repeat and rate, back to back, in turns. The model's end-of-sequence
-token is dropped (`bench_model`), so that every request generates exactly its trace length.
+where `rows` is two microbatches' rows: every variant keeps at most as many rows in flight (a two-stage
+pipeline two microbatches of `microbatch` rows, disaggregated two on its token side, one stage one slot of
+`rows`). All run on the same cores: each stage process of a two-stage pipeline gets half the threads, one
+stage and the one-process baselines all of them. Every variant runs once per repeat and rate, back to back, in
+turns, so that ratios are taken per repeat. The model's end-of-sequence token is dropped (`bench_model`), so
+that every request generates exactly its trace length.
 
-Two workloads: `gain`, long prompts and about as many new tokens as the prefill takes decode steps (by
-default 256 and 32: the planner predicts 1P+1T ahead of the mixed pipeline), and `loss`, short prompts and
-long outputs (64 and 64: the planner predicts it behind). The prediction comes from Y and t measured here,
-with a stage's threads. (With one thread per stage, 256-token prompts and 64 new tokens sit at the
-planner's break-even on this kind of machine, so they cannot show an order.)
+Three workloads: `gain`, long prompts and about as many new tokens as the prefill takes decode steps (by
+default 256 and 32: the planner predicts 1P+1T ahead of the mixed pipeline), `loss`, short prompts and long
+outputs (64 and 64: the planner predicts it behind), both greedy; and `openai`, what an OpenAI client sends by
+default (128 and 64): sampled with the API's defaults (temperature 1, top_p 1, no top-k), each request with a
+seed of its own. The pipelines draw each row from its own generator; Hugging Face's continuous batching draws
+every row from the process's generator (seeded once per manager: it takes no per-request seed) and
+`model.generate` from one seeded per batch. The bench checks no tokens: what it measures is speed. The
+planner's prediction comes from Y and t measured here, with a stage's threads.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +56,27 @@ from ..timing import measure_times
 from ..traces import Trace, load_trace
 from .common import machine_description
 
-VARIANTS = ("static", "continuous", "mixed", "disaggregated")
+#: The pipelines, by variant: the layout, the batching asked for, and whether the one stage takes all the rows
+#: (and all the threads) in one slot.
+PIPELINES: dict[str, tuple[dict[str, int], str]] = {
+    "one-stage-static": ({"stages": 1}, "static"),
+    "one-stage-continuous": ({"stages": 1}, "continuous"),
+    "mixed-static": ({"stages": 2}, "static"),
+    "mixed-continuous": ({"stages": 2}, "continuous"),
+    "disaggregated-static": ({"prompt_stages": 1, "token_stages": 1}, "static"),
+}
+#: Hugging Face's ways, in one process.
+BASELINES = ("static", "continuous")
+VARIANTS = (*BASELINES, *PIPELINES)
+#: What runs unless `variants` says otherwise: the ones the targets are about, in about 30 minutes here.
+DEFAULT_VARIANTS = ("continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-static")
+#: The baseline every variant's tokens/s is divided by.
+REFERENCE = "continuous"
+#: The least tokens/s each pipeline should reach against `REFERENCE`, with the same row cap.
+TARGETS = {"one-stage-continuous": 1.0, "mixed-static": 0.95, "mixed-continuous": 0.95, "disaggregated-static": 0.95}
+WORKLOADS = ("gain", "loss", "openai")
+#: The OpenAI API's sampling defaults (temperature 1, top_p 1) and no top-k (transformers' default would be 50).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 #: The environment variable naming the model `bench_model` loads (stage processes inherit it).
 MODEL_VARIABLE = "DEJAVU_BENCH_MODEL"
 
@@ -62,16 +92,18 @@ def bench_model() -> Any:
 
 @attrs.frozen
 class Workload:
-    """Requests as the trace gives them, scaled: prompt and output lengths, and arrival gaps of mean 1."""
+    """Requests as the trace gives them, scaled: prompt and output lengths, and arrival gaps of mean 1; greedy,
+    or `sampled` with `OPENAI_SAMPLING` and a seed per request."""
 
     name: str
     prompt_tokens: tuple[int, ...]
     new_tokens: tuple[int, ...]
     gaps: tuple[float, ...]
+    sampled: bool = False
 
     @classmethod
     def from_trace(cls, name: str, trace: Trace, count: int, prompt_median: int, output_median: int,
-                   context: int, start: int = 0) -> Workload:
+                   context: int, start: int = 0, sampled: bool = False) -> Workload:
         """`count` consecutive requests of `trace` from `start`, lengths scaled to the given medians."""
         if count < 1 or start + count > len(trace):
             raise ConfigError(f"the trace has {len(trace)} requests; asked for {count} from {start}")
@@ -81,13 +113,14 @@ class Workload:
         gaps = np.diff(trace.arrivals[start:start + count + 1]) if start + count < len(trace) else \
             np.diff(trace.arrivals[window], prepend=trace.arrivals[start])
         gaps = gaps / gaps.mean() if gaps.mean() > 0 else np.ones(count)
-        return cls(name, prompts, outputs, tuple(float(gap) for gap in gaps))
+        return cls(name, prompts, outputs, tuple(float(gap) for gap in gaps), sampled)
 
     @property
     def scaling(self) -> str:
         return (f"{len(self.prompt_tokens)} requests, prompts median {statistics.median(self.prompt_tokens):.0f} "
                 f"({min(self.prompt_tokens)}-{max(self.prompt_tokens)}) tokens, outputs median "
-                f"{statistics.median(self.new_tokens):.0f} ({min(self.new_tokens)}-{max(self.new_tokens)})")
+                f"{statistics.median(self.new_tokens):.0f} ({min(self.new_tokens)}-{max(self.new_tokens)})"
+                + (", sampled (temperature 1, top_p 1, a seed per request)" if self.sampled else ", greedy"))
 
     def arrivals(self, rate: float) -> list[float]:
         """Seconds from the first arrival: the trace's gaps at `rate` requests per second (inf: all at once)."""
@@ -98,6 +131,10 @@ class Workload:
     def prompts(self, vocabulary: int, seed: int = 0) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         return [torch.randint(1, vocabulary, (length,), generator=generator) for length in self.prompt_tokens]
+
+    def seeds(self, repeat: int) -> list[int] | None:
+        """Each request's sampling seed in a repeat (None: greedy)."""
+        return [1000 * repeat + number for number in range(len(self.prompt_tokens))] if self.sampled else None
 
     def batch_shape(self, microbatch: int) -> tuple[float, float]:
         """The mean longest prompt and the mean longest output of microbatches taken in arrival order: the
@@ -117,7 +154,8 @@ def _scaled(lengths: np.ndarray, median: int, most: int) -> tuple[int, ...]:
 
 @attrs.frozen
 class Served:
-    """One request's times in seconds from its arrival: first token, last token; and how many it generated."""
+    """One request's times in seconds from its submission (its arrival): first token, last token; and how many
+    it generated."""
 
     first: float
     last: float
@@ -161,6 +199,24 @@ class Prediction:
     speedup: float
 
 
+@attrs.frozen
+class Spread:
+    """A median over repeats, and the least and most of them."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values))
+
+    def text(self, digits: int = 2) -> str:
+        if len({round(self.low, digits), round(self.high, digits)}) == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+
 @attrs.define
 class ServingReport:
     machine: str
@@ -170,21 +226,63 @@ class ServingReport:
     workloads: dict[str, str]  # name -> its scaling
     predictions: dict[str, Prediction]
     runs: list[Run] = attrs.field(factory=list)
+    max_prefill_tokens: int | None = None
+    notes: list[str] = attrs.field(factory=list)  # what the baselines were set up with
+
+    @property
+    def rows(self) -> int:
+        """The rows every variant keeps in flight at most."""
+        return 2 * self.microbatch
 
     def of(self, variant: str, workload: str, rate: float) -> list[Run]:
         return [run for run in self.runs if (run.variant, run.workload, run.rate) == (variant, workload, rate)]
 
+    def variants(self) -> list[str]:
+        ran = {run.variant for run in self.runs}
+        return [variant for variant in VARIANTS if variant in ran]
+
+    def ratios(self, variant: str, workload: str, rate: float, reference: str = REFERENCE) -> list[float]:
+        """`variant`'s tokens/s over `reference`'s, per repeat (both ran back to back in it)."""
+        theirs = {run.repeat: run.tokens_per_second for run in self.of(reference, workload, rate)}
+        return [run.tokens_per_second / theirs[run.repeat] for run in self.of(variant, workload, rate)
+                if run.repeat in theirs]
+
+    def mixed_for_planner(self) -> str | None:
+        """The mixed variant the disaggregated one is compared with: static (as the planner models both) when it
+        ran, else continuous."""
+        ran = self.variants()
+        return next((name for name in ("mixed-static", "mixed-continuous") if name in ran), None)
+
     def measured_speedups(self, workload: str, rate: float) -> list[float]:
         """Disaggregated over mixed tokens/s, per repeat (both ran back to back); none unless both ran."""
-        pairs = zip(self.of("disaggregated", workload, rate), self.of("mixed", workload, rate), strict=False)
-        return [dis.tokens_per_second / mixed.tokens_per_second for dis, mixed in pairs]
+        mixed = self.mixed_for_planner()
+        return [] if mixed is None else self.ratios("disaggregated-static", workload, rate, mixed)
+
+    def target_rows(self) -> list[list[str]]:
+        """Each pipeline variant with a target, per workload and rate: its median ratio to `REFERENCE` and
+        whether it meets the target."""
+        rows = []
+        for variant, target in TARGETS.items():
+            for name in self.workloads:
+                for rate in self.rates:
+                    ratios = self.ratios(variant, name, rate)
+                    if ratios:
+                        spread = Spread.of(ratios)
+                        verdict = "met" if spread.median >= target else \
+                            f"missed by {100 * (target - spread.median) / target:.1f}%"
+                        rows.append([variant, name, _rate(rate), f">= {target:.2f}x", spread.text(), verdict])
+        return rows
 
     def to_markdown(self) -> str:
-        lines = [f"Machine: {self.machine}. Microbatch {self.microbatch}; each of the 2 stage processes has "
-                 f"{max(1, self.threads // 2)} thread(s), the one-process baselines {self.threads}. Trace: "
-                 f"Azure LLM inference 2023 (conversation), CC-BY-4.0.", ""]
+        lines = [f"Machine: {self.machine}. At most {self.rows} rows in flight in every variant (microbatch "
+                 f"{self.microbatch}; one-stage pipelines one slot of {self.rows}); each stage process of a "
+                 f"two-stage pipeline has {max(1, self.threads // 2)} thread(s), one-stage pipelines and the "
+                 f"one-process baselines {self.threads}; continuous pipelines prefill at most "
+                 f"{self.max_prefill_tokens} prompt positions a step beside decoding. Trace: Azure LLM inference "
+                 "2023 (conversation), CC-BY-4.0.", *self.notes, ""]
+        header = ["rate (req/s)", "variant", "tokens/s", f"vs {REFERENCE}", "makespan (s)", "TTFT p50 / p99 (s)",
+                  "TPOT p50 / p99 (ms)"]
         for name, scaling in self.workloads.items():
-            prediction = self.predictions[name]
             lines += [f"### Workload `{name}`: {scaling}", ""]
             rows = []
             for rate in self.rates:
@@ -192,31 +290,49 @@ class ServingReport:
                     runs = self.of(variant, name, rate)
                     if not runs:
                         continue
-                    rows.append([_rate(rate), variant, f"{_median([r.tokens_per_second for r in runs]):.1f}",
+                    ratios = self.ratios(variant, name, rate) if variant != REFERENCE else []
+                    rows.append([_rate(rate), variant, Spread.of([r.tokens_per_second for r in runs]).text(1),
+                                 Spread.of(ratios).text() if ratios else "",
                                  f"{_median([r.makespan for r in runs]):.1f}",
                                  f"{_median([r.ttft(0.5) for r in runs]):.2f} / "
                                  f"{_median([r.ttft(0.99) for r in runs]):.2f}",
                                  f"{1e3 * _median([r.tpot(0.5) for r in runs]):.0f} / "
                                  f"{1e3 * _median([r.tpot(0.99) for r in runs]):.0f}"])
-            lines += [markdown_table(["rate (req/s)", "variant", "tokens/s", "makespan (s)", "TTFT p50 / p99 (s)",
-                                      "TPOT p50 / p99 (ms)"], rows), ""]
-            lines.append(f"Planner (2 machines, Y = {prediction.prompt_time * 1e3:.0f} ms for a microbatch of "
-                         f"{prediction.prompt_tokens:.0f}-token prompts, t = {prediction.token_time * 1e3:.1f} ms, "
-                         f"N = {prediction.new_tokens:.0f}): disaggregated/mixed predicted "
-                         f"{prediction.speedup:.2f}x.")
-            saturated = max(self.rates)
-            ratios = self.measured_speedups(name, saturated)
-            if ratios:
-                lines.append(f"Measured at {_rate(saturated)} req/s: {_median(ratios):.2f}x (repeats "
-                             f"{', '.join(f'{r:.2f}' for r in ratios)}); {_median(ratios) / prediction.speedup:.2f} "
-                             "of the prediction.")
+            lines += [markdown_table(header, rows), ""]
+            prediction = self.predictions.get(name)
+            if prediction is not None:
+                lines.append(f"Planner (2 machines, Y = {prediction.prompt_time * 1e3:.0f} ms for a microbatch of "
+                             f"{prediction.prompt_tokens:.0f}-token prompts, t = {prediction.token_time * 1e3:.1f} "
+                             f"ms, N = {prediction.new_tokens:.0f}): disaggregated/mixed predicted "
+                             f"{prediction.speedup:.2f}x.")
+                mixed = self.mixed_for_planner()
+                for rate in self.rates:
+                    ratios = self.measured_speedups(name, rate)
+                    if ratios:
+                        spread = Spread.of(ratios)
+                        lines.append(f"Measured disaggregated-static/{mixed} at {_rate(rate)} req/s: "
+                                     f"{spread.text()} (repeats {', '.join(f'{r:.2f}' for r in ratios)}); "
+                                     f"{spread.median / prediction.speedup:.2f} of the prediction.")
             lines.append("")
+        targets = self.target_rows()
+        if targets:
+            lines += [f"### Targets: tokens/s against Hugging Face `{REFERENCE}` with the same row cap "
+                      "(median of the per-repeat ratios, least-most in brackets)", "",
+                      markdown_table(["variant", "workload", "rate (req/s)", "target", "measured", "verdict"],
+                                     targets), ""]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"machine": self.machine, "microbatch": self.microbatch, "threads": self.threads,
+        return {"machine": self.machine, "microbatch": self.microbatch, "rows": self.rows, "threads": self.threads,
+                "max_prefill_tokens": self.max_prefill_tokens, "notes": self.notes,
                 "rates": [_rate(rate) for rate in self.rates], "workloads": self.workloads,
                 "predictions": {name: attrs.asdict(p) for name, p in self.predictions.items()},
+                "ratios": [{"variant": variant, "workload": name, "rate": _rate(rate), "reference": REFERENCE,
+                            "per_repeat": self.ratios(variant, name, rate)}
+                           for name in self.workloads for rate in self.rates for variant in self.variants()
+                           if variant != REFERENCE and self.ratios(variant, name, rate)],
+                "targets": [dict(zip(("variant", "workload", "rate", "target", "measured", "verdict"), row,
+                                     strict=True)) for row in self.target_rows()],
                 "runs": [{**attrs.asdict(run, recurse=False), "rate": _rate(run.rate),
                           "served": [attrs.astuple(s) for s in run.served]} for run in self.runs]}
 
@@ -229,24 +345,30 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-# ---- the four ways to serve ------------------------------------------------------------------------------
+# ---- the ways to serve -------------------------------------------------------------------------------------
+#: A way to serve: (prompts, new tokens, arrivals, seeds or None for greedy) -> (makespan, each request's times).
+Server = Callable[[list[torch.Tensor], Sequence[int], Sequence[float], Sequence[int] | None],
+                  tuple[float, list[Served]]]
+
+
 def _wait_until(moment: float) -> None:
     delay = moment - time.monotonic()
     if delay > 0:
         time.sleep(delay)
 
 
-def serve_pipeline(pipe: Any, prompts: list[torch.Tensor], new_tokens: Sequence[int],
-                   arrivals: Sequence[float]) -> tuple[float, list[Served]]:
-    """Submit each request at its arrival; the makespan and each request's times."""
+def serve_pipeline(pipe: Any, prompts: list[torch.Tensor], new_tokens: Sequence[int], arrivals: Sequence[float],
+                   seeds: Sequence[int] | None = None) -> tuple[float, list[Served]]:
+    """Submit each request at its arrival (sampled with its seed when `seeds` are given); the makespan and each
+    request's times from its submission (`Result.submitted`, `first_token`, `finished`)."""
     start = time.monotonic()
     futures = []
-    for ids, count, arrival in zip(prompts, new_tokens, arrivals, strict=True):
+    for number, (ids, count, arrival) in enumerate(zip(prompts, new_tokens, arrivals, strict=True)):
         _wait_until(start + arrival)
-        futures.append(pipe.submit(ids, max_new_tokens=count))
+        decoding = {} if seeds is None else {"do_sample": True, "seed": seeds[number], **OPENAI_SAMPLING}
+        futures.append(pipe.submit(ids, max_new_tokens=count, **decoding))
     results = [future.result() for future in futures]
-    served = [Served(r.first_token - start - arrival, r.finished - start - arrival, r.tokens.numel())
-              for r, arrival in zip(results, arrivals, strict=True)]
+    served = [Served(r.first_token - r.submitted, r.finished - r.submitted, r.tokens.numel()) for r in results]
     return max(r.finished for r in results) - start, served
 
 
@@ -264,8 +386,9 @@ class _StepClock:
 
 
 def serve_static(model: Any, prompts: list[torch.Tensor], new_tokens: Sequence[int], arrivals: Sequence[float],
-                 batch: int, pad: int) -> tuple[float, list[Served]]:
-    """`model.generate` on up to `batch` waiting requests at a time, left padded, until the longest is done."""
+                 batch: int, pad: int, seeds: Sequence[int] | None = None) -> tuple[float, list[Served]]:
+    """`model.generate` on up to `batch` waiting requests at a time, left padded, until the longest is done;
+    sampled (from the process's generator seeded with the batch's first seed) when `seeds` are given."""
     start = time.monotonic()
     served: list[Served | None] = [None] * len(prompts)
     waiting = 0
@@ -276,8 +399,12 @@ def serve_static(model: Any, prompts: list[torch.Tensor], new_tokens: Sequence[i
         waiting = members[-1] + 1
         ids, mask = left_pad([prompts[i] for i in members], pad)
         clock = _StepClock()
-        model.generate(ids, attention_mask=mask, do_sample=False, streamer=clock,
-                       max_new_tokens=max(new_tokens[i] for i in members))
+        decoding: dict[str, Any] = {"do_sample": False}
+        if seeds is not None:
+            torch.manual_seed(seeds[members[0]])
+            decoding = {"do_sample": True, **OPENAI_SAMPLING}
+        model.generate(ids, attention_mask=mask, streamer=clock, max_new_tokens=max(new_tokens[i] for i in members),
+                       **decoding)
         steps = clock.times[1:]
         for i in members:
             served[i] = Served(steps[0] - start - arrivals[i], steps[new_tokens[i] - 1] - start - arrivals[i],
@@ -288,12 +415,14 @@ def serve_static(model: Any, prompts: list[torch.Tensor], new_tokens: Sequence[i
 
 def serve_continuous(manager: Any, prompts: list[torch.Tensor], new_tokens: Sequence[int],
                      arrivals: Sequence[float]) -> tuple[float, list[Served]]:
-    """Hugging Face continuous batching: each request added at its arrival, its token times recorded."""
-    start, names = time.perf_counter(), []
+    """Hugging Face continuous batching: each request added at its arrival, its token times recorded (the
+    manager's generation config says greedy or sampled)."""
+    start, names, submitted = time.perf_counter(), [], []
     for number, (ids, count, arrival) in enumerate(zip(prompts, new_tokens, arrivals, strict=True)):
         delay = start + arrival - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+        submitted.append(time.perf_counter())
         names.append(manager.add_request(ids.tolist(), request_id=f"r{number}-{start}", max_new_tokens=count,
                                          record_timestamps=True))
     outputs: dict[str, Any] = {}
@@ -305,22 +434,76 @@ def serve_continuous(manager: Any, prompts: list[torch.Tensor], new_tokens: Sequ
             raise ConfigError(f"continuous batching failed a request: {output.error}")
         outputs[output.request_id] = output
     served = []
-    for name, arrival, count in zip(names, arrivals, new_tokens, strict=True):
+    for name, sent, count in zip(names, submitted, new_tokens, strict=True):
         stamps = outputs[name].timestamps
         if len(outputs[name].generated_tokens) != count:
             raise ConfigError(f"continuous batching generated {len(outputs[name].generated_tokens)} tokens, "
                               f"asked for {count}")
-        served.append(Served(stamps[0] - start - arrival, stamps[-1] - start - arrival, count))
-    return max(r.last + a for r, a in zip(served, arrivals, strict=True)), served
+        served.append(Served(stamps[0] - sent, stamps[-1] - sent, count))
+    return max(max(outputs[name].timestamps) for name in names) - start, served
+
+
+class HFContinuous:
+    """Hugging Face continuous batching with at most `rows` requests per batch, greedy or sampling: one started
+    manager at a time (they share the model), a new one started (and warmed up) when a workload asks for the
+    other decoding. Its generation config says greedy or sampled for every request; it samples every row from
+    the process's generator, seeded once per manager (`add_request` takes no seed)."""
+
+    def __init__(self, model: Any, rows: int, loads: list[Workload], seed: int = 0) -> None:
+        self.model, self.rows, self.seed = model, rows, seed
+        self.new_tokens = max(max(load.new_tokens) for load in loads)
+        self.longest = max(max(load.prompt_tokens) + max(load.new_tokens) for load in loads)
+        self.manager: Any = None
+        self.sampled: bool | None = None
+        self.settings = ""
+
+    def serve(self, prompts: list[torch.Tensor], new_tokens: Sequence[int], arrivals: Sequence[float],
+              seeds: Sequence[int] | None) -> tuple[float, list[Served]]:
+        self._ready(seeds is not None)
+        return serve_continuous(self.manager, prompts, new_tokens, arrivals)
+
+    def _ready(self, sampled: bool) -> None:
+        if self.manager is not None and self.sampled == sampled:
+            return
+        self.close()
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        decoding = {"do_sample": True, **OPENAI_SAMPLING} if sampled else {"do_sample": False}
+        config = GenerationConfig(max_new_tokens=self.new_tokens, eos_token_id=None, pad_token_id=0, **decoding)
+        # A cache for `rows` requests of the longest length, in whole pages: sized from free memory otherwise
+        # (most of this machine's RAM)
+        page = ContinuousBatchingConfig().page_size
+        batching = ContinuousBatchingConfig(max_requests_per_batch=self.rows, seed=self.seed,
+                                            num_blocks=self.rows * math.ceil(self.longest / page) + 1)
+        self.manager = self.model.init_continuous_batching(generation_config=config,
+                                                           continuous_batching_config=batching)
+        self.manager.start()
+        self.sampled = sampled
+        resolved = self.manager.continuous_batching_config
+        self.settings = (f"Hugging Face continuous batching: at most {resolved.max_requests_per_batch} requests and "
+                         f"{resolved.max_batch_tokens} tokens per batch, {resolved.num_blocks} pages of "
+                         f"{resolved.page_size} positions, {resolved.scheduler_type} scheduler, attention "
+                         f"{self.model.config._attn_implementation}.")
+        ids = torch.arange(1, 5) % max(2, self.model.config.vocab_size - 1) + 1  # lazy set-up outside the figures
+        serve_continuous(self.manager, [ids, ids], [2, 2], [0.0, 0.0])
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=30)
+            self.manager = None
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------
-def workloads(model: Any, count: int, gain: tuple[int, int], loss: tuple[int, int]) -> list[Workload]:
-    """The two workloads, each (median prompt tokens, median new tokens), from consecutive trace requests."""
+def workloads(model: Any, count: int, gain: tuple[int, int], loss: tuple[int, int],
+              openai: tuple[int, int] = (128, 64), names: Sequence[str] = WORKLOADS) -> list[Workload]:
+    """The workloads named, each (median prompt tokens, median new tokens), from consecutive trace requests: each
+    its own stretch of the trace."""
     trace = load_trace()
     context = getattr(model.config, "max_position_embeddings", 2048) or 2048
-    return [Workload.from_trace("gain", trace, count, *gain, context),
-            Workload.from_trace("loss", trace, count, *loss, context, start=count)]
+    made = {"gain": Workload.from_trace("gain", trace, count, *gain, context),
+            "loss": Workload.from_trace("loss", trace, count, *loss, context, start=count),
+            "openai": Workload.from_trace("openai", trace, count, *openai, context, start=2 * count, sampled=True)}
+    return [made[name] for name in WORKLOADS if name in names]
 
 
 def predict(model: Any, workload: Workload, microbatch: int, threads: int) -> Prediction:
@@ -332,126 +515,155 @@ def predict(model: Any, workload: Workload, microbatch: int, threads: int) -> Pr
     return Prediction(prompt_time, token_time, prompt_tokens, new_tokens, answer.predicted_speedup)
 
 
-def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microbatch: int = 4,
-                      rates: Sequence[float] = (math.inf,), repeats: int = 3, gain: tuple[int, int] = (256, 32),
-                      loss: tuple[int, int] = (64, 64), variants: Sequence[str] = VARIANTS, transport: str = "tcp",
-                      progress: bool = True) -> ServingReport:
-    """Serve both workloads at every rate with every variant, `repeats` times, variants back to back."""
-    from ..serving import Pipeline
-
+def check_choices(variants: Sequence[str], names: Sequence[str]) -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise ConfigError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise ConfigError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    if not variants or not names:
+        raise ConfigError("name at least one variant and one workload")
+
+
+def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microbatch: int = 4,
+                      rates: Sequence[float] = (math.inf,), repeats: int = 3, gain: tuple[int, int] = (256, 32),
+                      loss: tuple[int, int] = (64, 64), openai: tuple[int, int] = (128, 64),
+                      variants: Sequence[str] = DEFAULT_VARIANTS, names: Sequence[str] = WORKLOADS,
+                      max_prefill_tokens: int = 256, transport: str = "tcp",
+                      progress: bool = True) -> ServingReport:
+    """Serve the workloads at every rate with every variant, `repeats` times, variants back to back."""
+    from ..serving import Pipeline
+
+    check_choices(variants, names)
+    variants = [variant for variant in VARIANTS if variant in variants]
     os.environ[MODEL_VARIABLE] = model_name  # stage processes load the same model through bench_model
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     model = bench_model()
     stage_threads = max(1, threads // 2)
-    loads = workloads(model, requests, gain, loss)
+    rows = 2 * microbatch
+    loads = workloads(model, requests, gain, loss, openai, names)
     report = ServingReport(machine_description(), microbatch, threads, tuple(rates),
-                           {load.name: load.scaling for load in loads}, {})
-    for load in loads:
-        report.predictions[load.name] = predict(model, load, microbatch, stage_threads)
+                           {load.name: load.scaling for load in loads}, {}, max_prefill_tokens=max_prefill_tokens)
+    if "disaggregated-static" in variants and any(name.startswith("mixed") for name in variants):
+        for load in loads:
+            report.predictions[load.name] = predict(model, load, microbatch, stage_threads)
     spec = f"{__name__}:bench_model"
-    pipelines = {}
-    if "mixed" in variants:
-        pipelines["mixed"] = Pipeline(spec, stages=2, microbatch=microbatch, transport=transport,
-                                      threads=stage_threads, timeout=600)
-    if "disaggregated" in variants:
-        pipelines["disaggregated"] = Pipeline(spec, prompt_stages=1, token_stages=1, microbatch=microbatch,
-                                              transport=transport, threads=stage_threads, timeout=600)
-    manager = None
+    pipelines: dict[str, Any] = {}
+    hf = HFContinuous(model, rows, loads)
     try:
+        for name in variants:
+            if name not in PIPELINES:
+                continue
+            layout, batching = PIPELINES[name]
+            one_stage = layout.get("stages") == 1
+            pipe = Pipeline(spec, **layout, batching=batching, microbatch=rows if one_stage else microbatch,
+                            max_prefill_tokens=max_prefill_tokens, transport=transport,
+                            threads=threads if one_stage else stage_threads, timeout=600)
+            if pipe.batching != batching:
+                raise ConfigError(f"{name}: the pipeline runs {pipe.batching} batching, not {batching}")
+            pipelines[name] = pipe
         for pipe in pipelines.values():
             pipe.start()
-        if "continuous" in variants:
-            manager = _continuous_manager(model, 2 * microbatch, loads)
-        servers: dict[str, Callable[[list[torch.Tensor], Sequence[int], Sequence[float]],
-                                    tuple[float, list[Served]]]] = {
-            "static": lambda p, n, a: serve_static(model, p, n, a, 2 * microbatch, 0),
-            "continuous": lambda p, n, a: serve_continuous(manager, p, n, a),
+        servers: dict[str, Server] = {
+            "static": lambda p, n, a, s: serve_static(model, p, n, a, rows, 0, s),
+            "continuous": hf.serve,
             **{name: _pipeline_server(pipe) for name, pipe in pipelines.items()},
         }
-        _warm_up(servers, variants, loads[0], model.config.vocab_size)
+        _warm_up(servers, variants, loads, model.config.vocab_size)
         total = len(loads) * len(rates) * repeats * len(variants)
         with tqdm(total=total, desc="serving", unit="run", disable=not progress) as bar:
             for repeat in range(repeats):
                 for load in loads:
                     prompts = load.prompts(model.config.vocab_size, seed=repeat)
                     for rate in rates:
-                        turn = list(variants)[repeat % len(variants):] + list(variants)[:repeat % len(variants)]
+                        turn = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
                         for variant in turn:
                             bar.set_postfix_str(f"{load.name} {_rate(rate)} req/s {variant}")
-                            makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate))
+                            makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate),
+                                                                load.seeds(repeat))
                             report.runs.append(Run(variant, load.name, rate, repeat, makespan, tuple(served)))
                             bar.update()
+        if hf.settings:
+            report.notes.append(hf.settings)
     finally:
-        if manager is not None:
-            manager.stop(block=True, timeout=30)
+        hf.close()
         for pipe in pipelines.values():
             pipe.close()
     return report
 
 
-def _pipeline_server(pipe: Any) -> Callable[[list[torch.Tensor], Sequence[int], Sequence[float]],
-                                             tuple[float, list[Served]]]:
-    return lambda prompts, new_tokens, arrivals: serve_pipeline(pipe, prompts, new_tokens, arrivals)
+def _pipeline_server(pipe: Any) -> Server:
+    return lambda prompts, new_tokens, arrivals, seeds: serve_pipeline(pipe, prompts, new_tokens, arrivals, seeds)
 
 
-def _continuous_manager(model: Any, rows: int, loads: list[Workload]) -> Any:
-    """A started continuous batching manager, greedy, with at most `rows` requests in a batch (as many as the
-    other variants have in flight)."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(max(load.new_tokens) for load in loads),
-                              eos_token_id=None, pad_token_id=0)
-    # A cache for `rows` requests of the longest length, in whole pages: sized from free memory otherwise
-    # (most of this machine's RAM)
-    longest = max(max(load.prompt_tokens) + max(load.new_tokens) for load in loads)
-    page = ContinuousBatchingConfig().page_size
-    batching = ContinuousBatchingConfig(max_requests_per_batch=rows, num_blocks=rows * math.ceil(longest / page) + 1)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
-    manager.start()
-    return manager
-
-
-def _warm_up(servers: dict[str, Callable[..., tuple[float, list[Served]]]], variants: Sequence[str],
-             load: Workload, vocabulary: int) -> None:
-    """One small request through every variant: first calls pay for lazy set-up, not the figures."""
-    prompts = load.prompts(vocabulary, seed=99)[:2]
-    for variant in variants:
-        servers[variant](prompts, [2, 2], [0.0, 0.0])
+def _warm_up(servers: dict[str, Server], variants: Sequence[str], loads: list[Workload], vocabulary: int) -> None:
+    """Two small requests through every variant, greedy and (if a workload samples) sampled: first calls pay for
+    lazy set-up, not the figures."""
+    prompts = loads[0].prompts(vocabulary, seed=99)[:2]
+    for sampled in sorted({load.sampled for load in loads}):
+        for variant in variants:
+            servers[variant](prompts, [2, 2], [0.0, 0.0], [7, 8] if sampled else None)
 
 
 def plot_serving_bench(report: ServingReport, path: str) -> None:
-    """Tokens/s and p99 latency against the arrival rate, one column per workload, one line per variant."""
+    """Against the arrival rate, one column per workload, one line per variant: tokens/s, the ratio to Hugging
+    Face continuous batching (medians, bars from the least to the most repeat; the targets dotted), and p99
+    request latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(report.workloads)
-    figure, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 7), squeeze=False)
+    figure, axes = plt.subplots(3, len(names), figsize=(5.5 * len(names), 10), squeeze=False)
     finite = [rate for rate in report.rates if not math.isinf(rate)]
     burst = 2 * max(finite) if finite else 1.0  # "all at once" drawn to the right of the highest rate
+    variants = report.variants()
+    styles = {variant: ("s--" if variant in BASELINES else "o-") for variant in variants}
     for column, name in enumerate(names):
-        for variant in VARIANTS:
+        for number, variant in enumerate(variants):
             points = [(rate, report.of(variant, name, rate)) for rate in report.rates]
-            points = [(burst if math.isinf(rate) else rate, runs) for rate, runs in points if runs]
+            points = [(rate, runs) for rate, runs in points if runs]
             if not points:
                 continue
-            xs = [x for x, _ in points]
-            axes[0][column].plot(xs, [_median([r.tokens_per_second for r in runs]) for _, runs in points], "o-",
-                                 label=variant)
-            axes[1][column].plot(xs, [_median([r.latency(0.99) for r in runs]) for _, runs in points], "o-",
-                                 label=variant)
-        axes[0][column].set_title(f"{name}: {report.workloads[name]}", fontsize=8)
+            xs = [burst if math.isinf(rate) else rate for rate, _ in points]
+            color = f"C{number}"
+            speeds = [Spread.of([r.tokens_per_second for r in runs]) for _, runs in points]
+            _spread_line(axes[0][column], xs, speeds, styles[variant], color, variant)
+            if variant != REFERENCE:
+                pairs = [(x, report.ratios(variant, name, rate)) for x, (rate, _) in zip(xs, points, strict=True)]
+                pairs = [(x, Spread.of(ratios)) for x, ratios in pairs if ratios]
+                if pairs:
+                    # a small shift per variant keeps the bars apart
+                    shift = 1 + 0.02 * (number - len(variants) / 2)
+                    _spread_line(axes[1][column], [x * shift for x, _ in pairs], [s for _, s in pairs],
+                                 styles[variant], color, variant)
+            axes[2][column].plot(xs, [_median([r.latency(0.99) for r in runs]) for _, runs in points],
+                                 styles[variant], color=color, label=variant)
+        for target in sorted(set(TARGETS.values())):
+            axes[1][column].axhline(target, color="grey", linestyle=":", linewidth=1)
+        axes[0][column].set_title(textwrap.fill(f"{name}: {report.workloads[name]}", 70), fontsize=8)
         axes[0][column].set_ylabel("generated tokens/s")
-        axes[1][column].set_ylabel("p99 request latency (s)")
-        axes[1][column].set_xlabel("arrival rate (requests/s; rightmost: all at once)")
-        axes[0][column].legend(fontsize=8)
-    figure.suptitle("dejavu bench serving (Azure LLM inference trace 2023, CC-BY-4.0)", fontsize=10)
+        axes[1][column].set_ylabel(f"tokens/s / HF {REFERENCE} (per repeat)")
+        axes[2][column].set_ylabel("p99 request latency (s)")
+        axes[2][column].set_xlabel("arrival rate (requests/s; rightmost: all at once)")
+        for row in axes:
+            row[column].set_xscale("log")
+            row[column].set_xticks([burst if math.isinf(rate) else rate for rate in report.rates],
+                                   [_rate(rate) for rate in report.rates])
+            row[column].minorticks_off()
+        axes[0][column].legend(fontsize=7)
+    figure.suptitle(f"dejavu bench serving: at most {report.rows} rows in flight in every variant (Azure LLM "
+                    "inference trace 2023, CC-BY-4.0)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
+
+def _spread_line(axis: Any, xs: Sequence[float], spreads: Sequence[Spread], style: str, color: str,
+                 label: str) -> None:
+    medians = [s.median for s in spreads]
+    axis.errorbar(xs, medians, yerr=[[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]],
+                  fmt=style, color=color, label=label, capsize=3, markersize=4)

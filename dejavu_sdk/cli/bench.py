@@ -78,12 +78,11 @@ def _bench_streaming(args: argparse.Namespace) -> int:
 def _bench_serving(args: argparse.Namespace) -> int:
     import math
 
-    from ..bench.serving import VARIANTS, plot_serving_bench, run_serving_bench
+    from ..bench.serving import check_choices, plot_serving_bench, run_serving_bench
 
-    variants = tuple(args.variants.split(","))
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise ConfigError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    variants = tuple(variant.strip() for variant in args.variants.split(",") if variant.strip())
+    names = tuple(name.strip() for name in args.workloads.split(",") if name.strip())
+    check_choices(variants, names)
     try:
         rates = tuple(math.inf if rate.strip() in ("inf", "all") else float(rate) for rate in args.rates.split(","))
     except ValueError:
@@ -91,13 +90,14 @@ def _bench_serving(args: argparse.Namespace) -> int:
             from None
     if any(not rate > 0 for rate in rates):
         raise ConfigError("every rate must be positive")
-    for option in ("requests", "microbatch", "repeats"):
+    for option in ("requests", "microbatch", "repeats", "max_prefill_tokens"):
         if getattr(args, option) < 1:
-            raise ConfigError(f"--{option} must be a positive integer")
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer")
     report = run_serving_bench(args.model, requests=args.requests, microbatch=args.microbatch,
                                rates=sorted(rates), repeats=args.repeats, gain=_lengths(args.gain, "--gain"),
-                               loss=_lengths(args.loss, "--loss"), variants=variants, transport=args.transport,
-                               progress=not args.quiet)
+                               loss=_lengths(args.loss, "--loss"), openai=_lengths(args.openai, "--openai"),
+                               variants=variants, names=names, max_prefill_tokens=args.max_prefill_tokens,
+                               transport=args.transport, progress=not args.quiet)
     print(report.to_markdown())
     write_outputs(args, report, lambda path: plot_serving_bench(report, path))
     return 0
@@ -199,20 +199,31 @@ def add_bench_commands(commands: Any) -> None:
     streaming.set_defaults(run=_bench_streaming)
 
     serving = benches.add_parser("serving", help="a model served by Hugging Face (static and continuous "
-                                 "batching) and by pipelines (mixed and disaggregated) on requests from a trace")
+                                 "batching) and by pipelines (one stage, mixed and disaggregated; static or "
+                                 "continuous batching) on requests from a trace")
     serving.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
     serving.add_argument("--requests", type=int, default=16, help="requests per workload, from the trace")
-    serving.add_argument("--microbatch", type=int, default=4)
+    serving.add_argument("--microbatch", type=int, default=4, help="rows per microbatch of a two-stage pipeline; "
+                         "every variant keeps at most twice as many rows in flight")
     serving.add_argument("--rates", default="0.5,all", help="arrival rates in requests/s, comma-separated; 'all': "
                          "every request at once (the saturated throughput the planner predicts)")
     serving.add_argument("--repeats", type=int, default=3)
+    serving.add_argument("--workloads", default="gain,loss,openai", help="comma-separated, of gain, loss, openai")
     serving.add_argument("--gain", default="256,32", help="median prompt and new tokens of the workload where the "
                          "planner predicts disaggregation ahead")
     serving.add_argument("--loss", default="64,64", help="median prompt and new tokens of the workload where it "
                          "predicts disaggregation behind")
-    serving.add_argument("--variants", default=",".join(("static", "continuous", "mixed", "disaggregated")))
+    serving.add_argument("--openai", default="128,64", help="median prompt and new tokens of the sampled workload "
+                         "(an OpenAI client's defaults: temperature 1, top_p 1, a seed per request)")
+    serving.add_argument("--variants", default="continuous,one-stage-continuous,mixed-continuous,"
+                         "disaggregated-static", help="comma-separated, of static, continuous (Hugging Face), "
+                         "one-stage-static, one-stage-continuous, mixed-static, mixed-continuous, "
+                         "disaggregated-static (pipelines)")
+    serving.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a continuous "
+                         "pipeline prefills per step beside decoding")
     serving.add_argument("--transport", default="tcp", help="the pipelines' transport")
-    add_output_arguments(serving, figures="tokens/s and p99 latency against the arrival rate")
+    add_output_arguments(serving, figures="tokens/s, the ratio to Hugging Face continuous batching and p99 latency "
+                         "against the arrival rate")
     serving.set_defaults(run=_bench_serving)
 
     swapping = benches.add_parser("swapping", help="microbatches of 2B rows swapped to host memory against B rows "

@@ -89,6 +89,11 @@ def _controller_arguments(parser: Any) -> None:
                         "(default: loopback, any free port)")
     parser.add_argument("--ignore-eos", action="store_true", help="every request generates its max_tokens, past "
                         "end-of-sequence tokens (benchmarks)")
+    parser.add_argument("--batching", choices=["continuous", "static"], help="continuous: rows leave a microbatch "
+                        "as they end and waiting requests join it between steps (the default where it applies: "
+                        "without recovery); static: a microbatch runs until its last row ends")
+    parser.add_argument("--max-prefill-tokens", type=int, default=256, help="continuous batching: prompt positions "
+                        "a joining group runs per step beside decoding rows (default 256)")
 
 
 def add_serving_commands(commands: Any) -> None:
@@ -169,7 +174,8 @@ def _serve(args: argparse.Namespace) -> int:
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
-                    replica_store=args.replica_store, ignore_eos=args.ignore_eos,
+                    replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
+                    max_prefill_tokens=args.max_prefill_tokens,
                     worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)

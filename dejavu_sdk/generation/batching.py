@@ -257,7 +257,12 @@ class SlotBatch(Microbatch):
     rows_of: dict[int, int] = attrs.field(factory=dict)  # request number -> row
     present: set[int] = attrs.field(factory=set)
     entering: set[int] = attrs.field(factory=set)
-    prefilled: set[int] = attrs.field(factory=set)  # entering rows that have their first token: they join next
+    widths: dict[tuple[int, ...], int] = attrs.field(factory=dict)  # each group's prompt columns, by its members
+    completed: set[int] = attrs.field(factory=set)  # a group whose prompts are in: it joins at the next round
+    opened: bool = False  # whether its first group went to the (token) pipeline's first stage
+    #: Disaggregated: the prefill of a group whose first tokens came from the prompt pipeline, for the results
+    #: of its rows that end with them (the slot reports that prefill with its next round).
+    prefilled: Round | None = None
 
     @classmethod
     def open(cls, number: int, pad: int) -> SlotBatch:
@@ -265,8 +270,8 @@ class SlotBatch(Microbatch):
         return cls(number, [], empty, empty, pad)
 
     def enter(self, requests: Sequence[Request]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-        """Take `requests` in as new rows: what the first stage needs of them (fields, and their prompts
-        left-padded to each other with their mask)."""
+        """Take `requests` in as new rows: what the stages need of them (fields, and their prompts left-padded to
+        each other with their mask)."""
         for request in requests:
             row = len(self.requests)
             self.requests.append(request)
@@ -275,6 +280,7 @@ class SlotBatch(Microbatch):
             self.rows_of[request.number] = row
             self.entering.add(row)
         ids, mask = left_pad([request.ids for request in requests], self.pad)
+        self.widths[tuple(request.number for request in requests)] = ids.shape[1]
         return ({"members": [request.number for request in requests],
                  "max_new_tokens": [request.max_new_tokens for request in requests],
                  "decoding": [request.decoding.fields() for request in requests]}, ids, mask)
@@ -293,19 +299,23 @@ class SlotBatch(Microbatch):
         return back
 
     def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int]) -> None:
-        """A round as the last stage reports it: rows left, a group joined, and each member's new token."""
+        """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran, and
+        each member's new token."""
         self.rounds.append(step)
         self.steps_received += 1
         self.present -= {self.rows_of[member] for member in step.left}
-        joined = {self.rows_of[member] for member in step.joined}
-        self.present |= self.prefilled & joined
-        self.entering -= self.prefilled
-        self.prefilled = set()
+        self.present |= self.completed & {self.rows_of[member] for member in step.joined}
+        self.entering -= self.completed
+        self.completed = set()
+        if step.prefill is not None and step.prefill[2] >= self.widths.get(step.prefill[0], 0):
+            self.completed = {self.rows_of[member] for member in step.prefill[0]}
+        self.add_tokens(members, tokens)
+
+    def add_tokens(self, members: Sequence[int], tokens: Sequence[int]) -> None:
+        """New tokens of some members (a round's, or a group's first ones from the prompt pipeline)."""
         now = time.monotonic()
         for member, token in zip(members, tokens, strict=True):
             row = self.rows_of[member]
-            if row in self.entering:
-                self.prefilled.add(row)
             self.generated[row].append(token)
             self.stamps[row].append(now)
 
@@ -318,4 +328,5 @@ class SlotBatch(Microbatch):
         kept = _kept(self.generated[row], request.max_new_tokens, eos)
         return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
                       request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
-                      stamps[len(kept) - 1] if kept else 0.0, request.number, tuple(self.rounds))
+                      stamps[len(kept) - 1] if kept else 0.0, request.number,
+                      (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])))

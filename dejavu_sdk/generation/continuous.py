@@ -159,6 +159,7 @@ class Continuous(RoundRobin):
         if slot.ready is not None:
             cache = cache if cache is not None else self._stage.new_cache()
             self._stack(slot, cache)
+            caches.pin(("group", slot.number), None)
         decoded = tuple(slot.rows.members)
         done = self._decode(slot, cache) if decoded else []
         prefill = None
@@ -168,8 +169,10 @@ class Continuous(RoundRobin):
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
+            caches.pin(("group", slot.number), group.cache)  # on the device until it joins
             if group.complete:
                 done += self._first_tokens(slot, group, picker, logits)
+                caches.pin(("group", slot.number), slot.ready[0] if slot.ready is not None else None)
         slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill))
         if cache is not None:
             self._put_back(slot, caches, cache, changed=bool(left or joined))

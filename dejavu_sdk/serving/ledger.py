@@ -213,11 +213,15 @@ class Ledger(SlotDecisions):
         decoding stage drops it, and its room is free. The other microbatches go on."""
         outcome = Outcome()
         with self.lock:
-            flight = self.flights.pop(number, None)
-            if flight is None:
-                return outcome
-            outcome.answers = _fail_rows(flight.batch, error)
             epoch = self.epoch()
+            if number in self.prompting:  # a group bound for a slot (continuous, disaggregated)
+                outcome.answers = self._group_failed(number, error)
+                flight = None
+            else:
+                flight = self.flights.pop(number, None)
+                if flight is None:
+                    return outcome
+                outcome.answers = _fail_rows(flight.batch, error)
         outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True, "epoch": epoch}))
                          for stage in self.layout.decoding_stages()]
         return outcome

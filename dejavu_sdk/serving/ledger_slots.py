@@ -11,14 +11,16 @@ schedule, which every result carries, stays bounded) and drains; a new one opens
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
 from ..generation.batching import Request, SlotBatch
 from ..generation.slots import Round
-from .ledger_state import Flight, LedgerState, Outcome, Phase
+from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
 from .messages import Kind, Message
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
@@ -29,36 +31,99 @@ class SlotDecisions(LedgerState):
     """The ledger's continuous-batching decisions (on `LedgerState`, under its lock); `Ledger` inherits them."""
 
     def _slot_admissions(self, epoch: int) -> list[tuple[int, Message]]:
-        """Groups of waiting requests into slots with room, then new slots while the stages have room for one
-        each (under the lock)."""
+        """Groups of waiting requests into slots with room, then new slots while the (token) stages have room for
+        one each; disaggregated, as many groups at once as the prompt pipeline has stages (under the lock)."""
         sends: list[tuple[int, Message]] = []
-        slots = [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
-                 and flight.phase is Phase.DECODING]
-        for flight in slots:
+        for flight in [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
+                       and flight.phase is Phase.DECODING]:
             batch = flight.batch
             assert isinstance(batch, SlotBatch)
-            held = batch.held()
-            if not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS:
+            if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS
+                    or not self._prompt_room()):
                 continue
+            held = batch.held()
             taken = self._take(self.microbatch - len(held), held, flight)
             if taken:
-                fields, ids, mask = batch.enter(taken)
-                flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
-                sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **fields, "epoch": epoch},
-                                         (ids, mask))))
-        while self.waiting and len(self.holding()) < len(self.layout.stages):
+                sends.append(self._send_group(flight, taken, epoch))
+        slots = self.layout.token_depth if self.layout.disaggregated else len(self.layout.stages)
+        while self.waiting and len(self.holding()) < slots and self._prompt_room():
             taken = self._take(self.microbatch, [], None)
             if not taken:
                 break
             batch = SlotBatch.open(self._numbers, self.pad)
             self._numbers += 1
-            fields, ids, mask = batch.enter(taken)
-            self.flights[batch.number] = Flight(batch, Phase.DECODING, row_bytes(taken, self.admission.bytes_per_token),
-                                                time.monotonic())
+            flight = self.flights[batch.number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
             self.most_in_flight = max(self.most_in_flight, len(self.holding()))
-            sends.append((0, Message(Kind.PREFILL, {"microbatch": batch.number, **fields, "epoch": epoch},
-                                     (ids, mask))))
+            sends.append(self._send_group(flight, taken, epoch))
         return sends
+
+    def _prompt_room(self) -> bool:
+        """Disaggregated: whether the prompt pipeline has a stage free for another group."""
+        return not self.layout.disaggregated or len(self.prompting) < self.layout.prompt_depth
+
+    def _send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
+        """Send a group of requests into `flight`'s slot: to the first stage (`prefill` opens the slot there,
+        `enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        fields, ids, mask = batch.enter(taken)
+        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        if self.layout.disaggregated:
+            number = self._numbers
+            self._numbers += 1
+            self.prompting[number] = PromptGroup(batch.number, fields, mask)
+            return 0, Message(Kind.PREFILL, {**fields, "microbatch": number, "epoch": epoch}, (ids, mask))
+        kind = Kind.ENTER if batch.opened else Kind.PREFILL
+        batch.opened = True
+        return 0, Message(kind, {"microbatch": batch.number, **fields, "epoch": epoch}, (ids, mask))
+
+    def on_group_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any]) -> Outcome:
+        """Disaggregated: the prompt pipeline's first tokens of group `number`; the group goes to its slot on the
+        token pipeline, its KV staged there already (or on its way)."""
+        outcome = Outcome()
+        with self.lock:
+            group = self.prompting.pop(number, None)
+            flight = self.flights.get(group.slot) if group is not None else None
+            if group is None or flight is None or flight.phase is Phase.ENDED:
+                return outcome
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            tokens, _, ended, rng = tensors
+            members = group.fields["members"]
+            batch.add_tokens(members, tokens[:, 0].tolist())
+            flight.progress = time.monotonic()
+            outcome.answers = self._failed_rows(batch, {str(batch.rows_of[members[int(row)]]): failure
+                                                        for row, failure in failures.items()})
+            outcome.calls = batch.unstreamed(self.eos)
+            batch.prefilled = Round(prefill=(tuple(members), 0, group.mask.shape[1]))
+            outcome.answers += self._ended_rows(batch)
+            batch.prefilled = None
+            gone = [member for index, member in enumerate(members)
+                    if bool(ended[index]) or batch.rows_of[member] in batch.dropped]
+            kind = Kind.ENTER if batch.opened else Kind.PREFILL
+            batch.opened = True
+            outcome.sends.append((self.layout.prompt_depth, Message(kind, {
+                "microbatch": batch.number, **group.fields, "staged": number, "first": tokens[:, 0].tolist(),
+                "ended": gone, "epoch": self.epoch()}, (group.mask, rng))))
+        return outcome
+
+    def _group_failed(self, number: int, error: str) -> list[Answer]:
+        """Disaggregated: the prompt pipeline failed on group `number`: its requests fail; a slot it was to open
+        is let go (under the lock)."""
+        group = self.prompting.pop(number)
+        flight = self.flights.get(group.slot)
+        if flight is None or not isinstance(flight.batch, SlotBatch):
+            return []
+        batch = flight.batch
+        rows = [batch.rows_of[member] for member in group.fields["members"]]
+        answers = [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number))
+                   for row in rows if row not in batch.settled]
+        batch.settled.update(rows)
+        batch.entering -= set(rows)
+        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        if not batch.opened:
+            del self.flights[group.slot]
+        return answers
 
     def _take(self, room: int, held: list[Request], flight: Flight | None) -> list[Request]:
         """Up to `room` waiting requests that fit beside `held` (a slot's rows) and every other slot's."""
@@ -104,7 +169,7 @@ class SlotDecisions(LedgerState):
     def _return_unentered(self, batch: SlotBatch) -> None:
         """The slot ended: the rows still on their way in never started (the last stage ends a slot only with
         no group prefilling), so their requests wait again, first in the queue (under the lock)."""
-        entering = [batch.requests[row].number for row in sorted(batch.entering - batch.prefilled)]
+        entering = [batch.requests[row].number for row in sorted(batch.entering - batch.completed)]
         self._requeue(batch.leave_unentered(entering))
 
     def _requeue(self, requests: list[Request]) -> None:

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
+import torch
 
 from ..errors import RequestFailed, TransportError
 from ..generation.admission import Admission
@@ -57,6 +58,16 @@ class Outcome:
     calls: list[tuple[Callable[[int], None], int]] = attrs.field(factory=list)
 
 
+@attrs.frozen
+class PromptGroup:
+    """Disaggregated: a group of requests in the prompt pipeline, bound for slot `slot`: what its slot's first
+    token stage needs of it (`fields`: members, limits, decodings) and its prompts' mask."""
+
+    slot: int
+    fields: dict[str, Any]
+    mask: torch.Tensor
+
+
 class LedgerState:
     """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
@@ -80,6 +91,8 @@ class LedgerState:
         self.most_in_flight = 0
         self._numbers = 0
         self._staging = 0  # orders staged microbatches
+        #: Continuous and disaggregated: the groups in the prompt pipeline, by their microbatch number.
+        self.prompting: dict[int, PromptGroup] = {}
 
     def holding(self) -> list[Flight]:
         """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""

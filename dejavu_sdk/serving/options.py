@@ -88,8 +88,8 @@ class PipelineOptions:
     its prompt prefilled beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x
     prompt columns) a step while rows decode (None: all at once); each `Result.schedule` records the slot's
     rounds. `"static"` runs each microbatch until its last row ends, as `model.generate` runs a batch. Left
-    unset, disaggregated layouts, recovery and sliding-window models keep static microbatches (they do not
-    take continuous batching yet; asked for explicitly, that is a ConfigError).
+    unset, recovery and sliding-window models keep static microbatches (they do not take continuous batching
+    yet; asked for explicitly, that is a ConfigError).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
@@ -178,7 +178,7 @@ class PipelineOptions:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         rules = TokenRules.of(reference)
-        chosen_batching = check_pipeline_batching(batching, len(pipelines) == 2, recovery, reference)
+        chosen_batching = check_pipeline_batching(batching, recovery, reference)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
@@ -189,12 +189,12 @@ class PipelineOptions:
                    [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens)
 
 
-def check_pipeline_batching(batching: Any, disaggregated: bool, recovery: str | None, model: Any) -> str:
+def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> str:
     """The pipeline's batching: continuous unless asked for static, or (left unset) where it does not apply yet;
     ConfigError when continuous is asked for there."""
     if batching is not None:
         check_batching(batching)
-    why = ("disaggregated layouts" if disaggregated else "recovery" if recovery is not None else
+    why = ("recovery" if recovery is not None else
            "sliding-window attention layers" if not full_attention(model.config) else None)
     if batching == "continuous" and why is not None:
         raise ConfigError(f"batching='continuous' does not cover {why} yet: use batching='static'")

@@ -335,8 +335,11 @@ class Pipeline:
         self._admit()
 
     def _on_prefilled(self, message: Message) -> None:
-        self._carry_out(self.ledger.on_prefilled(int(message.fields["microbatch"]), message.tensors,
-                                                 message.fields.get("failed", {}), self.recovery is not None))
+        number, failures = int(message.fields["microbatch"]), message.fields.get("failed", {})
+        if self.ledger.continuous:  # a group's first tokens: it goes to its slot
+            self._carry_out(self.ledger.on_group_prefilled(number, message.tensors, failures))
+        else:
+            self._carry_out(self.ledger.on_prefilled(number, message.tensors, failures, self.recovery is not None))
         self._admit()
 
     def _on_ended(self, message: Message) -> None:

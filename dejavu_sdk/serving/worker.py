@@ -101,7 +101,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             getattr(self, f"_{kind}")(message)
         elif kind in STEPS:
             self._compute(number, message)
-        elif kind == Kind.ENTER and self.continuous and self.stage.first:
+        elif kind == Kind.ENTER and self.continuous and self.role.decodes and self.stage.first:
             self._enter(number, message)
         elif kind == Kind.END:
             self.microbatches.pop(number, None)
@@ -131,9 +131,10 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         hears `microbatch_failed` and its other stages drop it); a lost link is the stage's, and goes on up."""
         kind = message.kind
         try:
-            if self.continuous and kind == Kind.PREFILL and self.stage.first:
+            slots = self.continuous and self.role.decodes  # a prompt stage prefills as under static batching
+            if slots and kind == Kind.PREFILL and self.stage.first:
                 self._open_slot(number, message)
-            elif self.continuous and kind == Kind.DECODE:
+            elif slots and kind == Kind.DECODE:
                 self._round(number, message)
             elif kind == Kind.START and self.role.kind == "token":
                 self._start(number, message)
@@ -207,8 +208,8 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             return
         staged = self._staged(number)
         staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
-        if staged.complete and staged.start is not None:
-            self._start(number, staged.start)
+        if staged.complete and staged.start is not None:  # a step that waited for this KV
+            self._compute(int(staged.start.fields["microbatch"]), staged.start)
 
     def _staged(self, number: int) -> StagedKV:
         return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))

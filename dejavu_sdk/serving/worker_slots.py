@@ -13,6 +13,12 @@ the same order, so that each stage's part of the slot's cache changes as every o
   head (`tokens`, with the round's `Round` fields: the schedule), and sends the next round to the first
   stage, or ends the slot (`ended`, and `end` through the other stages) once it has no row and nothing
   joining. A group still queued on the first stage then goes back to the head (`not_entered`).
+
+Disaggregated, the prompt pipeline prefills each group as a microbatch of its own (as under static batching)
+and its KV is staged on the token stages; the group's `enter` (or the `prefill` that opens a slot) carries its
+first tokens and generators' states, and the first token stage takes it in whole at the first round after
+its KV is all there (`_waits_for_kv`): every token stage builds its part of the group's cache from the staged
+KV instead of computing it, and the last stage takes the first tokens as given.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Any
 import torch
 
 from ..generation.decoding import TokenPicker, next_tokens
-from ..generation.slots import Joining, Round, leave, stack
+from ..generation.slots import Joining, Round, SlotRows, leave, stack
+from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message
 from .worker_state import SlotState, WorkerState
@@ -53,6 +60,7 @@ class SlotHandlers(WorkerState):
         """The slot ended: free it; the groups still queued for it (first stage) go back to the head's queue."""
         state = self.slots.pop(number, None)
         self.caches.remove(number)
+        self.caches.pin(("group", number), None)
         for group in state.queued if state is not None else ():
             self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number, "members": group.fields["members"]}))
 
@@ -95,27 +103,47 @@ class SlotHandlers(WorkerState):
         if state is None:
             return  # ended or dropped meanwhile
         fields = dict(message.fields)
+        if self._waits_for_kv(number, state, message):
+            return
         decode_in = message.tensors[0]
-        prefill_in = message.tensors[1] if len(message.tensors) > 1 else _EMPTY
+        prefill_in, group_mask, rng = (message.tensors[1:4] if len(message.tensors) == 4
+                                       else (_EMPTY, _EMPTY, _EMPTY))
         cache = self.caches.acquire(number) if number in self.caches else None
         cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
         decoded = list(state.rows.members)
         if self.stage.first:
-            fields["prefill"], prefill_in = self._next_columns(state, fields, bool(decoded))
+            fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields, bool(decoded))
         decode_out = self._decode_rows(state, decode_in, cache) if decoded else _EMPTY
-        group_mask = _EMPTY  # a group's first columns carry its mask on
-        if fields.get("group") is not None:
-            group_mask = state.joining.mask if self.stage.first and state.joining is not None else message.tensors[2]
         if fields.get("prefill") is not None:
-            prefill_out = self._prefill_columns(state, fields, prefill_in, message)
+            prefill_out = self._prefill_columns(state, fields, prefill_in, group_mask, rng)
+            group = state.joining if state.joining is not None else state.ready
+            self.caches.pin(("group", number), None if group is None else group.cache if isinstance(group, Joining)
+                            else group[0])  # on the device until it joins
         else:
             prefill_out = _EMPTY
         if cache is not None:
             self._put_slot_back(number, state, cache, changed)
         if not self.stage.last:
-            self._send(self.following, Message(Kind.DECODE, fields, (decode_out, prefill_out, group_mask)))
+            self._send(self.following, Message(Kind.DECODE, fields, (decode_out, prefill_out, group_mask, rng)))
             return
         self._pick_round(number, state, fields, decoded, decode_out, prefill_out)
+
+    def _waits_for_kv(self, number: int, state: SlotState, message: Message) -> bool:
+        """Disaggregated: whether this round must wait for a group's prompt KV still on its way from the prompt
+        pipeline (it is kept, and run when the last piece comes). The first token stage starts a group only once
+        its KV is here, unless the slot has nothing else to do; the others wait for the group it started."""
+        if self.stage.first:
+            head = state.queued[0] if state.queued and state.joining is None else None
+            staged = head.fields.get("staged") if head is not None else None
+            staying = set(state.rows.members) - set(message.fields["left"]) or message.fields["joined"]
+            if staged is None or staying or self._staged(int(staged)).complete:
+                return False
+        else:
+            staged = (message.fields.get("group") or {}).get("staged")
+            if staged is None or self._staged(int(staged)).complete:
+                return False
+        self._staged(int(staged)).start = message
+        return True
 
     def _change_rows(self, number: int, state: SlotState, cache: Any, left: list[int],
                 joined: list[int] | None) -> tuple[Any, bool]:
@@ -131,6 +159,8 @@ class SlotHandlers(WorkerState):
             for member in left:
                 state.finals.pop(member, None)
         ready, state.ready = (state.ready, None) if joined is not None else (None, state.ready)
+        if joined is not None:
+            self.caches.pin(("group", number), None)
         if not joined or ready is None:
             return cache, bool(left)
         group_cache, group_rows = ready
@@ -157,47 +187,70 @@ class SlotHandlers(WorkerState):
             state.ready_picker, state.ready_tokens = None, None
         return cache, True
 
-    def _next_columns(self, state: SlotState, fields: dict[str, Any],
-                      beside_decoding: bool) -> tuple[list[Any] | None, torch.Tensor]:
+    def _next_columns(self, state: SlotState, fields: dict[str, Any], beside_decoding: bool,
+                      ) -> tuple[list[Any] | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first stage: which columns of which group run this round (starting the next queued group when none
-        is joining), and their ids."""
+        is joining), their ids, and at a group's start its mask (and, disaggregated, its generators' states)."""
+        mask = rng = _EMPTY
         if state.joining is None and state.queued:
-            group = state.queued.popleft()
+            group = state.queued[0]
+            staged = group.fields.get("staged")
+            if staged is not None and not self._staged(int(staged)).complete:
+                return None, _EMPTY, _EMPTY, _EMPTY  # its KV is on its way: a later round starts it
+            state.queued.popleft()
+            fields["group"] = {name: group.fields[name] for name in ("max_new_tokens", "decoding", "staged", "first",
+                                                                     "ended") if name in group.fields}
+            if staged is not None:  # prefilled by the prompt pipeline: all its columns at once, computing nothing
+                mask, rng = (tensor.clone() for tensor in group.tensors)
+                return [group.fields["members"], 0, mask.shape[1]], _EMPTY, mask, rng
             ids, mask = (tensor.clone() for tensor in group.tensors)
             state.joining = Joining(list(group.fields["members"]), mask, self.stage.new_cache(), ids)
-            fields["group"] = {"max_new_tokens": group.fields["max_new_tokens"], "decoding": group.fields["decoding"]}
         if state.joining is None:
-            return None, _EMPTY
+            return None, _EMPTY, _EMPTY, _EMPTY
         start, stop = state.joining.columns(self.max_prefill_tokens, beside_decoding)
         assert state.joining.ids is not None  # the first stage keeps them
-        return [state.joining.members, start, stop], state.joining.ids[:, start:stop]
+        return [state.joining.members, start, stop], state.joining.ids[:, start:stop], mask, rng
 
     def _decode_rows(self, state: SlotState, inputs: torch.Tensor, cache: Any) -> torch.Tensor:
         mask, positions = state.rows.next_step()
         return self.stage.forward(inputs, mask, positions, cache)
 
     def _prefill_columns(self, state: SlotState, fields: dict[str, Any], inputs: torch.Tensor,
-                         message: Message) -> torch.Tensor:
+                         group_mask: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+        """Run the round's columns of the joining group's prompts (its first columns start it here; a group the
+        prompt pipeline prefilled takes the KV staged here instead), and keep the group ready once they are in."""
         members, start, stop = fields["prefill"]
         group = fields.get("group")
-        if group is not None and not self.stage.first:  # the group's first columns: its mask came with them
-            mask = message.tensors[2].clone()
-            state.joining = Joining(list(members), mask, self.stage.new_cache())
+        if group is not None:
+            self._start_group(state, list(members), group, group_mask, rng)
+            if group.get("staged") is not None:
+                staged = self.staged.pop(int(group["staged"]))
+                rows = SlotRows(list(members), group_mask.clone(), position_ids(group_mask)[:, -1:])
+                state.ready = (staged.cache(self.stage.config, group_mask.shape[1]), rows)
+                return _EMPTY
+            if not self.stage.first:  # its mask came with its first columns
+                state.joining = Joining(list(members), group_mask.clone(), self.stage.new_cache())
         joining = state.joining
         assert joining is not None
         assert joining.members == list(members)
-        if group is not None:
-            prompts = joining.mask.sum(1).tolist()
-            for member, prompt, limit in zip(members, prompts, group["max_new_tokens"], strict=True):
-                state.finals[member] = positions_needed(int(prompt), limit)
-            if self.stage.last:
-                state.limits.update(zip(members, group["max_new_tokens"], strict=True))
-                state.decodings.update(zip(members, group["decoding"], strict=True))
-                state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
         output = joining.run(self.stage.forward, inputs, start, stop)
         if joining.complete:
             state.ready, state.joining = (joining.cache, joining.rows()), None
         return output
+
+    def _start_group(self, state: SlotState, members: list[int], group: dict[str, Any], mask: torch.Tensor,
+                     rng: torch.Tensor) -> None:
+        """What a stage keeps of a group as it starts: each member's final cache length; the last stage also
+        its limits, decodings and a picker (disaggregated: its generators as the prompt pipeline left them)."""
+        prompts = mask.sum(1).tolist()
+        for member, prompt, limit in zip(members, prompts, group["max_new_tokens"], strict=True):
+            state.finals[member] = positions_needed(int(prompt), limit)
+        if self.stage.last:
+            state.limits.update(zip(members, group["max_new_tokens"], strict=True))
+            state.decodings.update(zip(members, group["decoding"], strict=True))
+            state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
+            if rng.numel():
+                state.joining_picker.set_states(rng)
 
     def _put_slot_back(self, number: int, state: SlotState, cache: Any, changed: bool) -> None:
         if not state.rows.members:
@@ -237,12 +290,17 @@ class SlotHandlers(WorkerState):
             group_members = state.ready[1].members
             picker = state.joining_picker
             assert picker is not None
-            limits = [state.limits[member] for member in group_members]
-            ended = torch.tensor([member in state.cancelled for member in group_members])
-            picked, ended, failures = next_tokens(picker, first_logits, ended, 1, limits, self.eos, self.pad)
-            members += group_members
-            tokens.append(picked)
-            failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
+            cancelled = torch.tensor([member in state.cancelled for member in group_members])
+            given = (fields.get("group") or {}).get("first")
+            if given is not None:  # the prompt pipeline picked them, and the head has them
+                picked = torch.tensor(given, dtype=torch.long)
+                ended = cancelled | torch.tensor([member in fields["group"]["ended"] for member in group_members])
+            else:
+                limits = [state.limits[member] for member in group_members]
+                picked, ended, failures = next_tokens(picker, first_logits, cancelled, 1, limits, self.eos, self.pad)
+                members += group_members
+                tokens.append(picked)
+                failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
             for member in group_members:
                 state.counts[member] = 1
             keep = [row for row, done in enumerate(ended.tolist()) if not done]
@@ -260,7 +318,7 @@ class SlotHandlers(WorkerState):
                 table.pop(member, None)
         staying = [row for row, member in enumerate(decoded) if member not in set(left)]
         following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
-                                           else None) if decode is not None]
+                                           else None) if decode is not None and len(decode)]
         if joined is not None and not joined:
             state.ready, state.ready_picker, state.ready_tokens = None, None, None
         if not staying and not joined and state.joining is None:
@@ -274,6 +332,7 @@ class SlotHandlers(WorkerState):
         """The slot has no row and nothing joining: free it here, and tell the head and the other stages."""
         self.slots.pop(number, None)
         self.caches.remove(number)
+        self.caches.pin(("group", number), None)
         self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": self.role.stages == 1}))
         if self.role.stages > 1:
             self._send(self.first, Message(Kind.END, {"microbatch": number}))

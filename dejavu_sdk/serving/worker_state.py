@@ -169,6 +169,7 @@ class WorkerState:
         self.microbatches.pop(number, None)
         self.slots.pop(number, None)
         self.caches.remove(number)
+        self.caches.pin(("group", number), None)
         self.restored.pop(number, None)
         self.staged.pop(number, None)
         if self.replicator is not None:

@@ -1,0 +1,80 @@
+"""Continuous batching in disaggregated pipelines: groups prefilled by the prompt pipeline join the token
+pipeline's slots, and every row equals a replay of its slot's recorded rounds."""
+
+from __future__ import annotations
+
+import expectations
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.generation.batching import Request
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.replay import replay
+from dejavu_sdk.serving import Pipeline
+
+pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
+
+#: The first request runs long, so that its slot is still decoding when the later groups come to it; one ends
+#: with its first token (from the prompt pipeline).
+LIMITS = [30, 3, 9, 5, 12, 4, 7, 6, 2, 1]
+SETTINGS = [None, {"do_sample": True, "seed": 11, "top_k": 20}, None,
+            {"do_sample": True, "seed": 5, "temperature": 0.7}, None, None, {"do_sample": True, "seed": 3}, None,
+            {"do_sample": True, "seed": 8, "top_p": 0.9}, None]
+
+
+def _replayed_exactly(family: str, prompts, results) -> None:
+    model = getattr(tiny_models, family)()
+    requests = {result.request: Request(torch.as_tensor(ids), limit, Decoding.of(**(settings or {})))
+                for result, ids, limit, settings in zip(results, prompts, LIMITS, SETTINGS, strict=True)}
+    for result in results:
+        assert result.schedule, "a continuous result carries its slot's rounds"
+        want = replay(model, result.schedule, requests)[result.request]
+        assert result.tokens.tolist() == want.tolist(), f"request {result.request}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "layout", "transport"), [
+    ("llama", {"prompt_stages": 1, "token_stages": 1}, "tcp"),
+    ("gpt2", {"prompt_stages": 1, "token_stages": 2}, "gloo"),
+], ids=["llama-1P+1T-tcp", "gpt2-1P+2T-gloo"])
+def test_groups_prefilled_by_the_prompt_pipeline_join_slots_and_every_row_equals_its_replay(family, layout,
+                                                                                            transport) -> None:
+    prompts = expectations.prompts(len(LIMITS), seed=31)
+    with Pipeline(f"tiny_models:{family}", microbatch=3, timeout=60, transport=transport, **layout) as pipe:
+        assert pipe.batching == "continuous"
+        futures = [pipe.submit(ids, limit, **(settings or {}))
+                   for ids, limit, settings in zip(prompts, LIMITS, SETTINGS, strict=True)]
+        results = [future.result(timeout=120) for future in futures]
+    rounds = [step for result in results for step in result.schedule]
+    assert any(step.joined and len(step.decoded) > len(step.joined) for step in rounds), "no row joined a slot"
+    assert any(step.left for step in rounds), "no row left a slot"
+    assert len(results[-1].tokens) == 1
+    _replayed_exactly(family, prompts, results)
+
+
+@pytest.mark.slow
+def test_a_request_cancelled_in_the_prompt_pipeline_or_its_slot_leaves_the_others_exact() -> None:
+    prompts = expectations.prompts(len(LIMITS), seed=32)
+    with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=1, microbatch=3, timeout=60) as pipe:
+        futures = [pipe.submit(ids, limit, **(settings or {}))
+                   for ids, limit, settings in zip(prompts, LIMITS, SETTINGS, strict=True)]
+        assert pipe.cancel(futures[4])  # waiting, or in the prompt pipeline, or in its slot
+        results = {index: future.result(timeout=120) for index, future in enumerate(futures) if index != 4}
+    assert futures[4].cancelled()
+    model = tiny_models.llama()
+    requests = {result.request: Request(torch.as_tensor(prompts[index]), LIMITS[index],
+                                        Decoding.of(**(SETTINGS[index] or {})))
+                for index, result in results.items()}
+    cancelled = Request(torch.as_tensor(prompts[4]), LIMITS[4])
+    for result in results.values():
+        members = {member for step in result.schedule for member in step.decoded}
+        extra = {number: cancelled for number in members - set(requests)}  # the cancelled row, while it ran
+        assert result.tokens.tolist() == replay(model, result.schedule, {**requests, **extra})[result.request].tolist()
+
+
+def test_continuous_batching_is_refused_with_recovery_before_any_process_starts() -> None:
+    with pytest.raises(dv.ConfigError, match="recovery"):
+        Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas", batching="continuous")
+    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas").batching == "static"
