@@ -1,11 +1,14 @@
 """Generating in microbatches, below both the one-process engine and the serving pipeline: a model cut into
 stages (`Stage`, one adapter per model family), how each row picks its tokens (`decoding`), requests and
-microbatches (`batching`), admission within a KV budget (`admission`), and microbatches decoded in turn in one
-process (`roundrobin`, behind `DejaVuEngine.generate_many`)."""
+microbatches (`batching`), admission within a KV budget (`admission`), microbatches decoded in turn in one
+process (`roundrobin`, behind `DejaVuEngine.generate_many`), and continuous batching: slots whose rows come and
+go between steps (`slots`), in one process (`continuous`), with `replay` as its exact reference."""
 
 from .adapters import ADAPTERS, GPT2Adapter, LlamaAdapter, OPTAdapter, StageAdapter, adapter_for
 from .batching import Result
+from .replay import replay
+from .slots import Round
 from .stage import Stage, position_ids
 
-__all__ = ["ADAPTERS", "GPT2Adapter", "LlamaAdapter", "OPTAdapter", "Result", "Stage", "StageAdapter", "adapter_for",
-           "position_ids"]
+__all__ = ["ADAPTERS", "GPT2Adapter", "LlamaAdapter", "OPTAdapter", "Result", "Round", "Stage", "StageAdapter",
+           "adapter_for", "position_ids", "replay"]
