@@ -168,8 +168,8 @@ def _cache_bytes(cache) -> int:
 
 
 class _Counted(Continuous):
-    """Counts, after every round, the device bytes of the slots' caches (`caches.held_bytes`) and of the caches
-    of the groups prefilling or prefilled for a slot, which `SwappedCaches` does not hold."""
+    """Counts by itself, after every round, the device bytes of the slots' caches on the device and of the caches
+    of the groups prefilling or prefilled for a slot (which stay on the device until they join)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -182,7 +182,8 @@ class _Counted(Continuous):
         joining = sum(_cache_bytes(other.joining[0].cache) for other in self.slots.values()
                       if other.joining is not None)
         ready = sum(_cache_bytes(other.ready[0]) for other in self.slots.values() if other.ready is not None)
-        self.device_peak = max(self.device_peak, caches.held_bytes + joining + ready)
+        slots = sum(_cache_bytes(cache) for cache in caches._resident.values())
+        self.device_peak = max(self.device_peak, slots + joining + ready)
         return done
 
 

@@ -48,7 +48,7 @@ def _serve_rows_together(pipe: Pipeline, prompts, limits, blockers: int, streame
     """Fill the pipeline's microbatch slots with `blockers` long requests, then submit one request per row of ROWS
     so that they wait, and start, as one microbatch; their futures."""
     for index in range(blockers):
-        pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued, even on a loaded machine
+        pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
     _wait(lambda: len(pipe.status()["microbatches"]) == blockers, 60, "the blockers in flight")
     futures = []
     for row, (decoding, limit) in enumerate(zip(ROWS, limits, strict=True)):
@@ -117,7 +117,7 @@ def test_non_finite_logits_fail_their_request_alone_and_the_rows_beside_it_go_on
     limits = [12, 12, 12]
     with Pipeline("tiny_models:llama_poisoned", stages=2, microbatch=3, timeout=60, recovery="replicas") as pipe:
         for index in range(2):
-            pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued, even on a loaded machine
+            pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
         _wait(lambda: len(pipe.status()["microbatches"]) == 2, 60, "the blockers in flight")
         futures = [pipe.submit(prompts[row], max_new_tokens=12) for row in range(3)]
         with pytest.raises(dv.RequestFailed, match="not finite") as failure:
