@@ -67,6 +67,12 @@ class Pipeline:
     - `machines` processes laid out by the planner (`plan="auto"`), from Y and t measured here on a microbatch
       of the `workload`'s (prompt tokens, new tokens); its answer is `self.plan`.
 
+    Microbatches are batched continuously (`batching="continuous"`, the default where it applies: a slot of up to
+    `microbatch` rows that a row leaves as it ends and a waiting request joins between steps, its prompt
+    prefilled beside the others' decoding, `max_prefill_tokens` positions a step; each `Result.schedule`
+    replays exactly through `dejavu_sdk.generation.replay`) or statically (`batching="static"`: each
+    microbatch runs until its last row ends, and equals `model.generate` on it).
+
     The other options (`PipelineOptions` checks and describes each): `kv_budget_bytes` and `swapping` (KV
     within a device budget, swapped to host memory or not), `transport` (tcp, gloo, nccl, ucx), `timeout`,
     `heartbeat` and `missed_beats` (when a stage counts as dead or hung), `recovery`, `replica_store` and
