@@ -152,3 +152,98 @@ def test_resuming_feeds_resumed_microbatches_their_step_restarts_the_others_and_
     failed = ledger.resume({}, [], [], [0])
     assert isinstance(failed.answers[0][1], dv.RequestFailed)
     assert "two recoveries in a row" in str(failed.answers[0][1])
+
+
+# ---- continuous batching: slots ------------------------------------------------------------------------
+def _slots(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 3) -> Ledger:
+    return Ledger(layout, microbatch, 2, EOS, 0, Admission(budget, False, bytes_per_token=1), continuous=True)
+
+
+def _round(members, left=(), joined=(), decoded=(), prefill=None) -> dict:
+    return {"members": list(members), "failed": {},
+            "round": {"left": list(left), "joined": list(joined), "decoded": list(decoded), "prefill": prefill}}
+
+
+def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
+    ledger = _slots(microbatch=2)
+    requests = _requests(1, 4, 3, 3)
+    ledger.queue(requests)
+    sends = ledger.admit()  # two slots (one per stage), two rows each
+    assert [(stage, message.kind, message.fields["members"]) for stage, message in sends] == [
+        (0, Kind.PREFILL, [requests[0].number, requests[1].number]),
+        (0, Kind.PREFILL, [requests[2].number, requests[3].number])]
+    slot = sends[0][1].fields["microbatch"]
+    first, second = requests[0].number, requests[1].number
+    more = _requests(3)
+    ledger.queue(more)
+    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3]), [7, 8], None)
+    assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]  # max_new_tokens 1: answered
+    assert ledger.admit() == []  # its row leaves only at the next round
+    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9], None)
+    (enter,) = ledger.admit()  # the round told that the first row never joined: room for one
+    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [more[0].number])
+    assert ledger.status()["microbatches"][0] == {"microbatch": slot, "rows": 2, "steps": 2}
+
+
+def test_a_group_that_reaches_an_ended_slot_waits_again_first_in_line() -> None:
+    ledger = _slots(layout=Layout([[(0, 3)]]), microbatch=2)
+    requests = _requests(2, 2, 2)
+    ledger.queue(requests[:1])
+    (opened,) = ledger.admit()
+    slot = opened[1].fields["microbatch"]
+    first = requests[0].number
+    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3]), [7], None)
+    ledger.queue(requests[1:])
+    assert ledger.admit() == []  # one group on its way in at a time
+    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8], None)
+    (enter,) = ledger.admit()
+    assert enter[1].fields["members"] == [requests[1].number]
+    answers = ledger.on_ended(slot, freed=True).answers  # the slot ended before the group's enter arrived
+    assert all(future is not requests[1].future for future, _ in answers)
+    assert list(ledger.waiting) == [requests[1], requests[2]]
+    assert [message.fields["members"] for _, message in ledger.admit()] == [[requests[1].number,
+                                                                            requests[2].number]]
+
+
+def test_slot_admission_counts_rows_within_the_budget() -> None:
+    # a row of 3 prompt + 3 new positions - 1 = 5 bytes; a slot reserves each row at its longest row's end
+    ledger = _slots(layout=Layout([[(0, 3)]]), budget=2 * 5, microbatch=4)
+    requests = _requests(3, 3, 3)
+    ledger.queue(requests)
+    (opened,) = ledger.admit()
+    assert opened[1].fields["members"] == [requests[0].number, requests[1].number]  # two rows fit, not three
+    assert ledger.admit() == []
+
+
+def test_a_cancelled_member_of_a_slot_is_ended_by_the_first_stage() -> None:
+    ledger = _slots()
+    requests = _requests(5, 5)
+    ledger.queue(requests)
+    (opened,) = ledger.admit()
+    requests[1].future.cancel()
+    ((stage, cancel),) = ledger.cancel(requests[1])
+    assert (stage, cancel.kind, cancel.fields["rows"]) == (0, Kind.CANCEL, [requests[1].number])
+    outcome = ledger.on_round(opened[1].fields["microbatch"],
+                              _round([r.number for r in requests], prefill=[[r.number for r in requests], 0, 3]),
+                              [7, 8], None)
+    assert [token for _, token in outcome.calls] == []  # no callbacks; the cancelled row is answered by nobody
+    assert all(future is not requests[1].future for future, _ in outcome.answers)
+
+
+def test_disaggregated_a_group_goes_to_the_prompt_pipeline_then_to_its_slot_with_its_first_tokens() -> None:
+    ledger = _slots(layout=DISAGGREGATED, microbatch=2)
+    requests = _requests(1, 4)
+    ledger.queue(requests)
+    ((stage, prefill),) = ledger.admit()  # one group: the prompt pipeline has one stage
+    assert (stage, prefill.kind) == (0, Kind.PREFILL)
+    group = prefill.fields["microbatch"]
+    tokens = torch.tensor([[2], [9]])  # the first ends at an end-of-sequence token
+    outcome = ledger.on_group_prefilled(group, (tokens, prefill.tensors[1], torch.tensor([1, 0], dtype=torch.uint8),
+                                                torch.empty(0, dtype=torch.uint8)), {})
+    ((index, start),) = outcome.sends
+    assert (index, start.kind) == (DISAGGREGATED.prompt_depth, Kind.PREFILL)  # it opens its slot
+    assert (start.fields["staged"], start.fields["first"], start.fields["ended"]) == (group, [2, 9],
+                                                                                       [requests[0].number])
+    (answered,) = outcome.answers
+    assert answered[0] is requests[0].future
+    assert [r.prefill for r in answered[1].schedule] == [((requests[0].number, requests[1].number), 0, 3)]

@@ -63,10 +63,10 @@ class Ledger(SlotDecisions):
                        default=None)
 
     def status(self) -> dict[str, Any]:
+        """Each microbatch in flight with its rows and steps (a slot: the rows it holds or takes in, its
+        rounds), and the requests waiting."""
         with self.lock:
-            return {"microbatches": [{"microbatch": number, "rows": len(flight.batch.requests),
-                                      "steps": len(flight.batch.arrived)}
-                                     for number, flight in sorted(self.flights.items())
+            return {"microbatches": [_status(number, flight.batch) for number, flight in sorted(self.flights.items())
                                      if flight.phase is not Phase.ENDED],
                     "waiting": len(self.waiting)}
 
@@ -311,6 +311,12 @@ def stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
             callback(token)
         except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
             log.exception("a request's on_token callback failed")
+
+
+def _status(number: int, batch: Microbatch) -> dict[str, Any]:
+    if isinstance(batch, SlotBatch):
+        return {"microbatch": number, "rows": len(batch.held()), "steps": len(batch.rounds)}
+    return {"microbatch": number, "rows": len(batch.requests), "steps": len(batch.arrived)}
 
 
 def _stamped(message: Message, epoch: int) -> Message:
