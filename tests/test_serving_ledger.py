@@ -11,7 +11,7 @@ from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.ledger import Ledger, Phase
-from dejavu_sdk.serving.messages import Kind
+from dejavu_sdk.serving.messages import Kind, Message
 
 EOS = [2]
 MIXED = Layout([[(0, 1), (1, 3)]])
@@ -159,8 +159,8 @@ def _slots(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 
     return Ledger(layout, microbatch, 2, EOS, 0, Admission(budget, False, bytes_per_token=1), continuous=True)
 
 
-def _round(members, left=(), joined=(), decoded=(), prefill=None) -> dict:
-    return {"members": list(members), "failed": {},
+def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=(), idle=False) -> dict:
+    return {"members": list(members), "failed": {}, "complete": list(complete), "idle": idle,
             "round": {"left": list(left), "joined": list(joined), "decoded": list(decoded), "prefill": prefill}}
 
 
@@ -176,33 +176,72 @@ def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
     first, second = requests[0].number, requests[1].number
     more = _requests(3)
     ledger.queue(more)
-    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3]), [7, 8], None)
+    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
+                                           complete=[first, second]), [7, 8])
     assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]  # max_new_tokens 1: answered
     assert ledger.admit() == []  # its row leaves only at the next round
-    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9], None)
+    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])
     (enter,) = ledger.admit()  # the round told that the first row never joined: room for one
     assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [more[0].number])
     assert ledger.status()["microbatches"][0] == {"microbatch": slot, "rows": 2, "steps": 2}
 
 
-def test_a_group_that_reaches_an_ended_slot_waits_again_first_in_line() -> None:
+def test_an_idle_slot_takes_waiting_requests_waits_for_a_group_bound_for_it_and_else_ends() -> None:
     ledger = _slots(layout=Layout([[(0, 3)]]), microbatch=2)
-    requests = _requests(2, 2, 2)
+    requests = _requests(2, 2, 2, 2)
+    first, second, third = (request.number for request in requests[:3])
     ledger.queue(requests[:1])
     (opened,) = ledger.admit()
     slot = opened[1].fields["microbatch"]
-    first = requests[0].number
-    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3]), [7], None)
-    ledger.queue(requests[1:])
+    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
+    ledger.queue(requests[1:2])
     assert ledger.admit() == []  # one group on its way in at a time
-    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8], None)
+    answers = ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8]).answers  # its last
     (enter,) = ledger.admit()
-    assert enter[1].fields["members"] == [requests[1].number]
-    answers = ledger.on_ended(slot, freed=True).answers  # the slot ended before the group's enter arrived
-    assert all(future is not requests[1].future for future, _ in answers)
-    assert list(ledger.waiting) == [requests[1], requests[2]]
-    assert [message.fields["members"] for _, message in ledger.admit()] == [[requests[1].number,
-                                                                            requests[2].number]]
+    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [second])
+    ledger.on_round(slot, _round([], left=[first], idle=True), [])  # parked before the enter came
+    assert ledger.admit() == []  # not ended: a group is bound for it, and wakes it
+    ledger.on_round(slot, _round([second], prefill=[[second], 0, 3], complete=[second]), [7])
+    answers += ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [8]).answers
+    ledger.queue(requests[2:3])
+    ledger.on_round(slot, _round([], left=[second], idle=True), [])
+    (enter,) = ledger.admit()  # an idle slot takes a waiting request rather than end
+    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [third])
+    ledger.on_round(slot, _round([third], prefill=[[third], 0, 3], complete=[third]), [7])
+    answers += ledger.on_round(slot, _round([third], joined=[third], decoded=[third]), [8]).answers
+    ledger.on_round(slot, _round([], left=[third], idle=True), [])
+    ((stage, end),) = ledger.admit()  # idle, nothing bound for it: it ends
+    assert (stage, end.kind, end.fields["microbatch"]) == (0, Kind.END, slot)
+    assert ledger.status()["microbatches"] == []
+    ledger.queue(requests[3:])
+    assert ledger.admit() == []  # its room is free once every stage let its cache go
+    ledger.on_freed(slot)
+    (opened,) = ledger.admit()
+    assert (opened[1].kind, opened[1].fields["members"]) == (Kind.PREFILL, [requests[3].number])
+    assert [(future, result.tokens.tolist()) for future, result in answers] == [
+        (request.future, [7, 8]) for request in requests[:3]]
+
+
+def test_a_member_taken_out_of_its_queued_group_is_no_longer_on_its_way_in() -> None:
+    ledger = _slots(layout=Layout([[(0, 3)]]), microbatch=2)
+    requests = _requests(4, 4, 4)
+    first, second, third = (request.number for request in requests)
+    ledger.queue(requests[:1])
+    (opened,) = ledger.admit()
+    slot = opened[1].fields["microbatch"]
+    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
+    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8])
+    ledger.queue(requests[1:2])
+    (enter,) = ledger.admit()
+    requests[1].future.cancel()
+    ((stage, cancel),) = ledger.cancel(requests[1])
+    assert (stage, cancel.kind, cancel.fields["rows"]) == (0, Kind.CANCEL, [second])
+    ledger.queue(requests[2:])
+    assert ledger.admit() == []  # the cancelled row may still be joining
+    ledger.on_not_entered(slot, [second])  # the first stage took it out of the queued group
+    (enter,) = ledger.admit()
+    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [third])
+    assert ledger.cancel(requests[1]) == []  # settled: nothing more to send
 
 
 def test_slot_admission_counts_rows_within_the_budget() -> None:
@@ -225,7 +264,7 @@ def test_a_cancelled_member_of_a_slot_is_ended_by_the_first_stage() -> None:
     assert (stage, cancel.kind, cancel.fields["rows"]) == (0, Kind.CANCEL, [requests[1].number])
     outcome = ledger.on_round(opened[1].fields["microbatch"],
                               _round([r.number for r in requests], prefill=[[r.number for r in requests], 0, 3]),
-                              [7, 8], None)
+                              [7, 8])
     assert [token for _, token in outcome.calls] == []  # no callbacks; the cancelled row is answered by nobody
     assert all(future is not requests[1].future for future, _ in outcome.answers)
 
@@ -246,4 +285,38 @@ def test_disaggregated_a_group_goes_to_the_prompt_pipeline_then_to_its_slot_with
                                                                                        [requests[0].number])
     (answered,) = outcome.answers
     assert answered[0] is requests[0].future
+    requests[1].future.cancel()
+    ((stage, cancel),) = ledger.cancel(requests[1])  # to the first token stage, which holds the slot
+    assert (stage, cancel.kind) == (DISAGGREGATED.prompt_depth, Kind.CANCEL)
     assert [r.prefill for r in answered[1].schedule] == [((requests[0].number, requests[1].number), 0, 3)]
+
+
+@pytest.mark.parametrize("where", ["prompting", "staged"])
+def test_disaggregated_a_failed_slot_has_the_token_stages_drop_the_group_bound_for_it(where) -> None:
+    ledger = _slots(layout=DISAGGREGATED, microbatch=2)
+    requests = _requests(4, 4)
+    first, second = (request.number for request in requests)
+
+    def prefilled(prefill) -> Message:
+        ended = torch.zeros(len(prefill.tensors[1]), dtype=torch.uint8)
+        ((_, start),) = ledger.on_group_prefilled(prefill.fields["microbatch"], (
+            torch.full((len(ended), 1), 9), prefill.tensors[1], ended, torch.empty(0, dtype=torch.uint8)), {}).sends
+        return start
+
+    ledger.queue(requests[:1])
+    ((_, prefill),) = ledger.admit()
+    slot = prefilled(prefill).fields["microbatch"]
+    ledger.on_round(slot, _round([], prefill=[[first], 0, 3], complete=[first]), [])  # the token stage took it
+    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [10])
+    ledger.queue(requests[1:])
+    ((_, prefill),) = ledger.admit()  # bound for the same slot
+    group = prefill.fields["microbatch"]
+    if where == "staged":  # its KV is staged on the token stages, and its enter on its way
+        staged = prefilled(prefill)
+        assert (staged.kind, staged.fields["microbatch"], staged.fields["members"]) == (Kind.ENTER, slot, [second])
+    failed = ledger.on_microbatch_failed(slot, "a token stage failed on it")
+    assert [stage for stage, _ in failed.sends] == DISAGGREGATED.decoding_stages()
+    assert {tuple(sorted(message.fields["microbatches"])) for _, message in failed.sends} == {(slot, group)}
+    assert [future for future, _ in failed.answers] == [request.future for request in requests]
+    assert all(isinstance(error, dv.RequestFailed) for _, error in failed.answers)
+    assert ledger.on_group_prefilled(group, prefill.tensors, {}).sends == []  # a late prefill is let go

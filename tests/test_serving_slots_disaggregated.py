@@ -3,6 +3,8 @@ pipeline's slots, and every row equals a replay of its slot's recorded rounds.""
 
 from __future__ import annotations
 
+import time
+
 import expectations
 import pytest
 import tiny_models
@@ -78,3 +80,37 @@ def test_continuous_batching_is_refused_with_recovery_before_any_process_starts(
     with pytest.raises(dv.ConfigError, match="recovery"):
         Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas", batching="continuous")
     assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas").batching == "static"
+
+
+@pytest.mark.slow
+def test_a_decoding_row_cancelled_leaves_its_slot_and_no_stage_keeps_kv_once_idle() -> None:
+    """The cancel reaches the token stage that holds the slot (not the prompt stage), the row leaves within a
+    few rounds, and once every slot ended no token stage holds a cache or staged prompt KV."""
+    prompts = expectations.prompts(6, seed=33)
+    with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, microbatch=2, timeout=60) as pipe:
+        seen: list[int] = []
+
+        def cancel_at_the_third(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 3:
+                long_request.cancel()
+
+        long_request = pipe.submit(prompts[1], 60, on_token=cancel_at_the_third)  # 60 tokens, no end before
+        others = [pipe.submit(ids, limit) for ids, limit in zip([prompts[0], *prompts[2:]], [6, 3, 9, 1, 4],
+                                                                strict=True)]
+        results = [future.result(timeout=120) for future in others]
+        deadline = time.monotonic() + 60
+        while pipe.status()["microbatches"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pipe.status()["microbatches"] == [], "every slot ends once idle"
+        stats = pipe.stage_stats()
+    assert long_request.cancelled()
+    cancelled = {member for result in results for step in result.schedule for member in step.decoded} - {
+        result.request for result in results}
+    assert len(cancelled) == 1, "the cancelled row shared a slot with others"
+    for result in results:
+        rounds = [step for step in result.schedule if cancelled & set(step.decoded)]
+        assert len(rounds) < 10, f"the cancelled row decoded {len(rounds)} rounds beside request {result.request}"
+    tokens = [stage for name, stage in stats.items() if name.startswith("token")]
+    assert len(tokens) == 2
+    assert all(stage["held_kv_bytes"] == 0 and stage["staged_kv"] == 0 for stage in tokens), stats

@@ -249,17 +249,21 @@ def take_microbatch(waiting: deque[Request], size: int,
 @attrs.define(eq=False)
 class SlotBatch(Microbatch):
     """A slot of a continuous pipeline, as the head keeps it: every request that entered it (a row each, in the
-    order they entered), their tokens and when each arrived, the slot's rounds so far (its schedule), and which
-    rows are in the slot's cache (`present`) or on their way in (`entering`: sent, not joined yet)."""
+    order they entered), their tokens and when each arrived, the slot's rounds so far (its schedule), which
+    rows are in the slot's cache (`present`) or on their way in (`entering`: sent, not joined yet), and whether
+    its last round was `idle` (nothing left to run: the slot waits on its first stage for a group)."""
 
     rounds: list[Round] = attrs.field(factory=list)
     stamps: list[list[float]] = attrs.field(factory=list)
     rows_of: dict[int, int] = attrs.field(factory=dict)  # request number -> row
     present: set[int] = attrs.field(factory=set)
     entering: set[int] = attrs.field(factory=set)
-    widths: dict[tuple[int, ...], int] = attrs.field(factory=dict)  # each group's prompt columns, by its members
     completed: set[int] = attrs.field(factory=set)  # a group whose prompts are in: it joins at the next round
     opened: bool = False  # whether its first group went to the (token) pipeline's first stage
+    idle: bool = False  # its last round ran nothing, and no group went to its first stage since
+    #: Disaggregated: the groups prefilled by the prompt pipeline that have not joined yet (their KV is staged on
+    #: the token stages under the group's number), by number.
+    staged: dict[int, tuple[int, ...]] = attrs.field(factory=dict)
     #: Disaggregated: the prefill of a group whose first tokens came from the prompt pipeline, for the results
     #: of its rows that end with them (the slot reports that prefill with its next round).
     prefilled: Round | None = None
@@ -280,14 +284,13 @@ class SlotBatch(Microbatch):
             self.rows_of[request.number] = row
             self.entering.add(row)
         ids, mask = left_pad([request.ids for request in requests], self.pad)
-        self.widths[tuple(request.number for request in requests)] = ids.shape[1]
         return ({"members": [request.number for request in requests],
                  "max_new_tokens": [request.max_new_tokens for request in requests],
                  "decoding": [request.decoding.fields() for request in requests]}, ids, mask)
 
     def leave_unentered(self, members: Sequence[int]) -> list[Request]:
-        """The requests of `members` that did not get in (the slot ended first), still unanswered: no longer
-        this slot's to answer."""
+        """The requests of `members` that did not get in (taken out of their group on the first stage, or their
+        slot was gone), still unanswered: no longer this slot's to answer."""
         back = []
         for member in members:
             row = self.rows_of[member]
@@ -298,17 +301,18 @@ class SlotBatch(Microbatch):
                 back.append(self.requests[row])
         return back
 
-    def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int]) -> None:
-        """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran, and
-        each member's new token."""
+    def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int], complete: Sequence[int] = (),
+                  ) -> None:
+        """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran (and
+        whether that was its last: `complete`, its members), and each member's new token."""
         self.rounds.append(step)
         self.steps_received += 1
         self.present -= {self.rows_of[member] for member in step.left}
         self.present |= self.completed & {self.rows_of[member] for member in step.joined}
         self.entering -= self.completed
-        self.completed = set()
-        if step.prefill is not None and step.prefill[2] >= self.widths.get(step.prefill[0], 0):
-            self.completed = {self.rows_of[member] for member in step.prefill[0]}
+        self.completed = {self.rows_of[member] for member in complete}
+        if complete:
+            self.staged = {number: group for number, group in self.staged.items() if set(group) - set(complete)}
         self.add_tokens(members, tokens)
 
     def add_tokens(self, members: Sequence[int], tokens: Sequence[int]) -> None:

@@ -120,8 +120,9 @@ class Ledger(SlotDecisions):
                 self.waiting.remove(request)
                 return []
             for number, flight in self.flights.items():
-                if isinstance(flight.batch, SlotBatch):
-                    if request.number in flight.batch.rows_of and flight.phase is not Phase.ENDED:
+                if isinstance(flight.batch, SlotBatch):  # a request left by one slot may be in another now
+                    row = flight.batch.rows_of.get(request.number)
+                    if row is not None and row not in flight.batch.settled and flight.phase is not Phase.ENDED:
                         return self._cancel_member(flight, request)
                     continue
                 rows = [row for row, member in enumerate(flight.batch.requests) if member is request]
@@ -186,8 +187,6 @@ class Ledger(SlotDecisions):
             if flight is None:
                 return outcome
             batch = flight.batch
-            if isinstance(batch, SlotBatch):  # a group still on its way in never started: it waits again
-                self._return_unentered(batch)
             outcome.answers = [(batch.requests[row].future, batch.result(row, self.eos))
                                for row in range(len(batch.requests)) if row not in batch.settled]
             batch.settled.update(range(len(batch.requests)))
@@ -222,7 +221,8 @@ class Ledger(SlotDecisions):
                 if flight is None:
                     return outcome
                 outcome.answers = _fail_rows(flight.batch, error)
-        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True, "epoch": epoch}))
+            dropped = [number, *(self._slot_groups(flight.batch) if flight is not None else ())]
+        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": dropped, "failed": True, "epoch": epoch}))
                          for stage in self.layout.decoding_stages()]
         return outcome
 

@@ -4,8 +4,10 @@ report means.
 A slot (`SlotBatch`) opens with a group of waiting requests (`prefill` to the first stage), and takes another
 group (`enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
 its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
-longest row's final length (`admission.row_bytes`). A slot stops taking groups after `SLOT_ROUNDS` rounds (its
-schedule, which every result carries, stays bounded) and drains; a new one opens in its place.
+longest row's final length (`admission.row_bytes`). A slot whose round ran nothing is `idle` (parked on its
+first stage); one that no group is bound for then ends here (`end` through every stage), and its room is free
+once every stage has let its cache go (`freed`). A slot stops taking groups after `SLOT_ROUNDS` rounds (its
+schedule, which every result carries, stays bounded): it drains and ends, and waiting requests open new slots.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SlotDecisions(LedgerState):
             taken = self._take(self.microbatch - len(held), held, flight)
             if taken:
                 sends.append(self._send_group(flight, taken, epoch))
+        sends += self._end_idle_slots(epoch)
         slots = self.layout.token_depth if self.layout.disaggregated else len(self.layout.stages)
         while self.waiting and len(self.holding()) < slots and self._prompt_room():
             taken = self._take(self.microbatch, [], None)
@@ -56,6 +59,19 @@ class SlotDecisions(LedgerState):
             self.most_in_flight = max(self.most_in_flight, len(self.holding()))
             sends.append(self._send_group(flight, taken, epoch))
         return sends
+
+    def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
+        """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
+        (under the lock)."""
+        ends = []
+        for flight in self.flights.values():
+            batch = flight.batch
+            if (isinstance(batch, SlotBatch) and flight.phase is Phase.DECODING and batch.idle
+                    and not batch.entering):
+                flight.phase, flight.progress = Phase.ENDED, time.monotonic()
+                ends.append((self.layout.decoding_stages()[0],
+                             Message(Kind.END, {"microbatch": batch.number, "epoch": epoch})))
+        return ends
 
     def _prompt_room(self) -> bool:
         """Disaggregated: whether the prompt pipeline has a stage free for another group."""
@@ -74,7 +90,7 @@ class SlotDecisions(LedgerState):
             self.prompting[number] = PromptGroup(batch.number, fields, mask)
             return 0, Message(Kind.PREFILL, {**fields, "microbatch": number, "epoch": epoch}, (ids, mask))
         kind = Kind.ENTER if batch.opened else Kind.PREFILL
-        batch.opened = True
+        batch.opened, batch.idle = True, False
         return 0, Message(kind, {"microbatch": batch.number, **fields, "epoch": epoch}, (ids, mask))
 
     def on_group_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any]) -> Outcome:
@@ -101,7 +117,8 @@ class SlotDecisions(LedgerState):
             gone = [member for index, member in enumerate(members)
                     if bool(ended[index]) or batch.rows_of[member] in batch.dropped]
             kind = Kind.ENTER if batch.opened else Kind.PREFILL
-            batch.opened = True
+            batch.opened, batch.idle = True, False
+            batch.staged[number] = tuple(members)
             outcome.sends.append((self.layout.prompt_depth, Message(kind, {
                 "microbatch": batch.number, **group.fields, "staged": number, "first": tokens[:, 0].tolist(),
                 "ended": gone, "epoch": self.epoch()}, (group.mask, rng))))
@@ -125,6 +142,16 @@ class SlotDecisions(LedgerState):
             del self.flights[group.slot]
         return answers
 
+    def _slot_groups(self, batch: Any) -> list[int]:
+        """A failed slot's groups that have not joined it (disaggregated): those the prompt pipeline still runs
+        are forgotten here, and the stages drop what they staged of any (under the lock)."""
+        if not isinstance(batch, SlotBatch):
+            return []
+        prompting = [number for number, group in self.prompting.items() if group.slot == batch.number]
+        for number in prompting:
+            del self.prompting[number]
+        return [*prompting, *batch.staged]
+
     def _take(self, room: int, held: list[Request], flight: Flight | None) -> list[Request]:
         """Up to `room` waiting requests that fit beside `held` (a slot's rows) and every other slot's."""
         others = [self._admitted(other) for other in self.holding() if other is not flight]
@@ -138,10 +165,9 @@ class SlotDecisions(LedgerState):
         entering = [batch.requests[row] for row in sorted(batch.entering)]
         return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
 
-    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int],
-                 states: torch.Tensor | None) -> Outcome:
+    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int]) -> Outcome:
         """A slot's round from the last stage: its schedule grows, its members' tokens stream, ended rows are
-        answered and failed ones fail."""
+        answered and failed ones fail; an idle round leaves the slot waiting for a group (or to be ended)."""
         outcome = Outcome()
         with self.lock:
             flight = self.flights.get(number)
@@ -150,7 +176,8 @@ class SlotDecisions(LedgerState):
             batch = flight.batch
             assert isinstance(batch, SlotBatch)
             flight.progress = time.monotonic()
-            batch.add_round(Round.of(fields["round"]), fields["members"], tokens)
+            batch.add_round(Round.of(fields["round"]), fields["members"], tokens, fields.get("complete", ()))
+            batch.idle = bool(fields.get("idle"))
             failures = {str(batch.rows_of[int(member)]): failure
                         for member, failure in fields.get("failed", {}).items()}
             outcome.answers = self._failed_rows(batch, failures)
@@ -160,31 +187,23 @@ class SlotDecisions(LedgerState):
         return outcome
 
     def on_not_entered(self, number: int, members: list[int]) -> None:
-        """A group reached its slot after the slot ended: its requests wait again, first in the queue."""
+        """The first stage took `members` out of a group queued for slot `number` (they were cancelled): no
+        longer on their way in; any still unanswered waits again, first in the queue."""
         with self.lock:
             flight = self.flights.get(number)
             if flight is not None and isinstance(flight.batch, SlotBatch):
-                self._requeue(flight.batch.leave_unentered(members))
-
-    def _return_unentered(self, batch: SlotBatch) -> None:
-        """The slot ended: the rows still on their way in never started (the last stage ends a slot only with
-        no group prefilling), so their requests wait again, first in the queue (under the lock)."""
-        entering = [batch.requests[row].number for row in sorted(batch.entering - batch.completed)]
-        self._requeue(batch.leave_unentered(entering))
-
-    def _requeue(self, requests: list[Request]) -> None:
-        self.waiting.extendleft(reversed([request for request in requests if not request.future.done()]))
+                back = flight.batch.leave_unentered(members)
+                self.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
+                flight.reserved = row_bytes(flight.batch.held(), self.admission.bytes_per_token)
 
     def _cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
-        """A request of a slot cancelled: the first stage takes it out of a queued group, or the last ends its
-        row at the next round."""
+        """A request of a slot cancelled: the first decoding stage takes it out of a queued group, or the last
+        ends its row at the next round (a joining one's as it joins)."""
         batch = flight.batch
         assert isinstance(batch, SlotBatch)
-        row = batch.rows_of.get(request.number)
-        if row is None or row in batch.settled:
-            return []
+        row = batch.rows_of[request.number]
         batch.dropped.add(row)
         batch.settled.add(row)
-        return [(0, Message(Kind.CANCEL, {"microbatch": batch.number, "rows": [request.number],
-                                          "epoch": self.epoch()}))]
+        return [(self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
+            "microbatch": batch.number, "rows": [request.number], "epoch": self.epoch()}))]
 

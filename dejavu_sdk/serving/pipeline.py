@@ -331,7 +331,7 @@ class Pipeline:
         states = message.tensors[1] if len(message.tensors) > 1 else None  # sampling with recovery
         number, tokens = int(message.fields["microbatch"]), message.tensors[0].tolist()
         if "round" in message.fields:  # a slot's round: rows may have left, and room for others be free
-            self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
+            self._carry_out(self.ledger.on_round(number, message.fields, tokens))
             self._admit()
             return
         self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {})))
@@ -410,7 +410,8 @@ class Pipeline:
     def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         """Each stage's KV caches as it reports them now: whether it swaps, device bytes held now and at most
         (`held_kv_bytes`, `peak_kv_bytes`: counted from the caches' tensors), swap-ins and the seconds it waited
-        for them, and (the last stage) `row_steps`: rows given a token while live."""
+        for them, `staged_kv`: microbatches (or groups) whose prompt KV a token stage holds before their first step,
+        and (the last stage) `row_steps`: rows given a token while live."""
         return self.fleet.collect_stats(timeout, lambda: self.ledger.failure)
 
 

@@ -33,7 +33,6 @@ from ..errors import ReplicationError, TransportError
 from ..generation.decoding import TokenPicker, next_tokens
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
-from .handoff import StagedKV
 from .messages import Kind, Message, pack, unpack
 from .worker_recovery import RECOVERY, RecoveryHandlers
 from .worker_slots import SlotHandlers
@@ -103,9 +102,10 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             self._compute(number, message)
         elif kind == Kind.ENTER and self.continuous and self.role.decodes and self.stage.first:
             self._enter(number, message)
+        elif kind == Kind.END and self.continuous and self.role.decodes:
+            self._end_slot(number, message)
         elif kind == Kind.END:
             self.microbatches.pop(number, None)
-            self._end_slot(number)
             self.caches.remove(number)
             if self.replicator is not None:
                 self.replicator.end(number)
@@ -122,7 +122,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                 self._cancel(number, message.fields["rows"])
         elif kind == Kind.STATS:
             self.head.send_tensor(pack(Message(Kind.STATS, {"stage": self.role.name, "row_steps": self.row_steps,
-                                                         **self.caches.stats()})))
+                                                         "staged_kv": len(self.staged), **self.caches.stats()})))
         else:
             raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
 
@@ -210,9 +210,6 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
         if staged.complete and staged.start is not None:  # a step that waited for this KV
             self._compute(int(staged.start.fields["microbatch"]), staged.start)
-
-    def _staged(self, number: int) -> StagedKV:
-        return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
 
     def _start(self, number: int, message: Message) -> None:
         """A token stage's first step of a microbatch the prompt pipeline ran, once all its layers' KV are here

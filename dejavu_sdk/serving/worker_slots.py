@@ -10,9 +10,14 @@ the same order, so that each stage's part of the slot's cache changes as every o
   `max_prefill_tokens` positions while rows decode beside it, with the group's mask and settings at its
   first columns). Each stage drops, stacks, decodes and prefills, and passes the outputs on;
 - the last stage picks each row's token and a finished group's first tokens, reports the round to the
-  head (`tokens`, with the round's `Round` fields: the schedule), and sends the next round to the first
-  stage, or ends the slot (`ended`, and `end` through the other stages) once it has no row and nothing
-  joining. A group still queued on the first stage then goes back to the head (`not_entered`).
+  head (`tokens`, with the round's `Round` fields: the schedule, and the members of a group whose prompts
+  are now in: `complete`), and sends the next round to the first stage;
+- a round with nothing to run (no row decodes, no prompt to prefill) parks the slot on the first stage: it
+  goes through the other stages (the rows that left are dropped there too) and the last stage reports it
+  `idle` instead of starting another. The next group that enters the slot wakes it; the head, which alone
+  knows whether a group is still on its way to the slot (from the waiting queue, or from the prompt
+  pipeline), ends an idle slot that none is bound for (`end` through every stage, the last answering
+  `freed`). So a slot never ends under a group sent to it, whose prompt KV may be staged already.
 
 Disaggregated, the prompt pipeline prefills each group as a microbatch of its own (as under static batching)
 and its KV is staged on the token stages; the group's `enter` (or the `prefill` that opens a slot) carries its
@@ -23,6 +28,7 @@ KV instead of computing it, and the last stage takes the first tokens as given.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -35,6 +41,8 @@ from ..swapping import positions_needed
 from .messages import Kind, Message
 from .worker_state import SlotState, WorkerState
 
+log = logging.getLogger(__name__)
+
 _EMPTY = torch.zeros(0)
 
 
@@ -43,38 +51,47 @@ class SlotHandlers(WorkerState):
 
     def _open_slot(self, number: int, message: Message) -> None:
         """The first stage: a new slot, its first group entering at once (a round with nothing else in it)."""
-        state = self.slots[number] = SlotState()
-        state.queued.append(message)
-        self._round(number, Message(Kind.DECODE, {"microbatch": number, "left": [], "joined": None}, (_EMPTY,)))
+        self.slots[number] = SlotState(parked=True)
+        self._enter(number, message)
 
     def _enter(self, number: int, message: Message) -> None:
-        """The first stage: a group for slot `number`, run from its next round on (after any group before it)."""
+        """The first stage: a group for slot `number`, run from its next round on (after any group before it); a
+        parked slot starts that round now."""
         state = self.slots.get(number)
-        if state is None:  # the slot ended meanwhile: back to the head's queue
-            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number,
-                                                           "members": message.fields["members"]}))
+        if state is None:  # the slot failed meanwhile (the head fails its requests): nothing to enter
+            log.warning("%s dropped a group for slot %d, which it does not hold", self.role.name, number)
             return
         state.queued.append(Message(message.kind, message.fields, tuple(tensor.clone() for tensor in message.tensors)))
+        if state.parked:
+            state.parked = False
+            self._round(number, Message(Kind.DECODE, {"microbatch": number, "left": [], "joined": None}, (_EMPTY,)))
 
-    def _end_slot(self, number: int) -> None:
-        """The slot ended: free it; the groups still queued for it (first stage) go back to the head's queue."""
-        state = self.slots.pop(number, None)
+    def _end_slot(self, number: int, message: Message) -> None:
+        """The head ended the slot (idle, with no group bound for it): free it here and pass the word on; the
+        last stage tells the head that every stage has."""
+        self.slots.pop(number, None)
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
-        for group in state.queued if state is not None else ():
-            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number, "members": group.fields["members"]}))
+        if self.stage.last:
+            self._send(self.head, Message(Kind.FREED, {"microbatch": number}))
+        else:
+            self._send(self.following, message)
 
     def _cancel_rows(self, number: int, members: list[int]) -> None:
-        """Requests cancelled: the first stage takes them out of a group still queued; the last stage ends their
-        rows (or, joining, their rows once their first token comes)."""
+        """Requests cancelled (the head tells the first decoding stage): the first stage takes them out of a
+        group queued there whose prompts it would compute, and tells the head they never entered; the others
+        go on to the last stage, which ends their rows (a joining group's once its first tokens come). One
+        that overtook its slot (opened by a group still in the prompt pipeline) is kept until the slot comes."""
         state = self.slots.get(number)
         if state is not None and self.stage.first:
             members = self._unqueue(number, state, set(members))
+        if not members:
+            return
         if not self.stage.last:
-            if members:
-                self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": members}))
+            self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": members}))
             return
         if state is None:
+            self.keep_cancel(number, members)
             return
         state.cancelled.update(members)
         for row, member in enumerate(state.rows.members):
@@ -82,16 +99,24 @@ class SlotHandlers(WorkerState):
                 state.ended[row] = True
 
     def _unqueue(self, number: int, state: SlotState, cancelled: set[int]) -> list[int]:
-        """Take the `cancelled` requests out of the queued groups; those not queued here."""
+        """Take the `cancelled` requests out of the queued groups whose prompts this stage would compute (a
+        group the prompt pipeline prefilled keeps them: its KV is staged for all its rows, and the last stage
+        ends theirs as it joins); the head hears which left (`not_entered`). Those not taken out here."""
         kept: deque[Message] = deque()
+        taken: list[int] = []
         for group in state.queued:
             members = group.fields["members"]
             rows = [row for row, member in enumerate(members) if member not in cancelled]
+            if group.fields.get("staged") is not None or len(rows) == len(members):
+                kept.append(group)
+                continue
             if rows:
-                kept.append(_group_rows(group, rows) if len(rows) < len(members) else group)
-            cancelled -= set(members)
+                kept.append(_group_rows(group, rows))
+            taken += [member for member in members if member in cancelled]
         state.queued = kept
-        return sorted(cancelled)
+        if taken:
+            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number, "members": taken}))
+        return sorted(cancelled - set(taken))
 
     # ---- a round --------------------------------------------------------------------------------------------
     def _round(self, number: int, message: Message) -> None:
@@ -114,6 +139,8 @@ class SlotHandlers(WorkerState):
         if self.stage.first:
             fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields, bool(decoded))
         decode_out = self._decode_rows(state, decode_in, cache) if decoded else _EMPTY
+        if self.stage.first and not decoded and fields.get("prefill") is None:
+            state.parked = True  # nothing to run: the next group to enter wakes it
         if fields.get("prefill") is not None:
             prefill_out = self._prefill_columns(state, fields, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
@@ -222,7 +249,7 @@ class SlotHandlers(WorkerState):
         members, start, stop = fields["prefill"]
         group = fields.get("group")
         if group is not None:
-            self._start_group(state, list(members), group, group_mask, rng)
+            self._start_group(int(fields["microbatch"]), state, list(members), group, group_mask, rng)
             if group.get("staged") is not None:
                 staged = self.staged.pop(int(group["staged"]))
                 rows = SlotRows(list(members), group_mask.clone(), position_ids(group_mask)[:, -1:])
@@ -238,16 +265,16 @@ class SlotHandlers(WorkerState):
             state.ready, state.joining = (joining.cache, joining.rows()), None
         return output
 
-    def _start_group(self, state: SlotState, members: list[int], group: dict[str, Any], mask: torch.Tensor,
+    def _start_group(self, number: int, state: SlotState, members: list[int], group: dict[str, Any], mask: torch.Tensor,
                      rng: torch.Tensor) -> None:
         """What a stage keeps of a group as it starts: each member's final cache length; the last stage also
-        its limits, decodings and a picker (disaggregated: its generators as the prompt pipeline left them)."""
+        its limits and a picker (disaggregated: its generators as the prompt pipeline left them)."""
         prompts = mask.sum(1).tolist()
         for member, prompt, limit in zip(members, prompts, group["max_new_tokens"], strict=True):
             state.finals[member] = positions_needed(int(prompt), limit)
         if self.stage.last:
             state.limits.update(zip(members, group["max_new_tokens"], strict=True))
-            state.decodings.update(zip(members, group["decoding"], strict=True))
+            state.cancelled.update(self.kept_cancels(number))  # cancels that overtook the slot's opening
             state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
             if rng.numel():
                 state.joining_picker.set_states(rng)
@@ -286,8 +313,9 @@ class SlotHandlers(WorkerState):
             for member in decoded:
                 state.counts[member] += 1
         joined: list[int] | None = None
+        complete: list[int] = []
         if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
-            group_members = state.ready[1].members
+            group_members = complete = state.ready[1].members
             picker = state.joining_picker
             assert picker is not None
             cancelled = torch.tensor([member in state.cancelled for member in group_members])
@@ -301,43 +329,39 @@ class SlotHandlers(WorkerState):
                 members += group_members
                 tokens.append(picked)
                 failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
-            for member in group_members:
-                state.counts[member] = 1
             keep = [row for row, done in enumerate(ended.tolist()) if not done]
+            state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
             state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
             joined = [group_members[row] for row in keep]
+            self._let_go(state, [member for member in group_members if member not in set(joined)])
         step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
                      None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]))
+        idle = not decoded and fields.get("prefill") is None  # parked on the first stage
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "members": members, "failed": failed,
-                                                  "round": step.fields()}, (report,)))
+                                                  "round": step.fields(), "complete": complete, "idle": idle},
+                                      (report,)))
+        if idle:
+            return
         left = [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
-        for member in left:
-            for table in (state.counts, state.limits, state.decodings):
-                table.pop(member, None)
+        self._let_go(state, left)
         staying = [row for row, member in enumerate(decoded) if member not in set(left)]
         following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
                                            else None) if decode is not None and len(decode)]
         if joined is not None and not joined:
             state.ready, state.ready_picker, state.ready_tokens = None, None, None
-        if not staying and not joined and state.joining is None:
-            self._finish_slot(number)
-            return
         next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
         self._send(self.first, Message(Kind.DECODE, {"microbatch": number, "left": left, "joined": joined},
                                        (next_tokens_in,)))
 
-    def _finish_slot(self, number: int) -> None:
-        """The slot has no row and nothing joining: free it here, and tell the head and the other stages."""
-        self.slots.pop(number, None)
-        self.caches.remove(number)
-        self.caches.pin(("group", number), None)
-        self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": self.role.stages == 1}))
-        if self.role.stages > 1:
-            self._send(self.first, Message(Kind.END, {"microbatch": number}))
-        else:  # the first stage too: its queued groups go back
-            self._end_slot(number)
+    @staticmethod
+    def _let_go(state: SlotState, members: list[int]) -> None:
+        """The last stage: forget what it kept of members whose rows ended."""
+        for member in members:
+            state.counts.pop(member, None)
+            state.limits.pop(member, None)
+            state.cancelled.discard(member)
 
 
 def _group_rows(group: Message, rows: list[int]) -> Message:

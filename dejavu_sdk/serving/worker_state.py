@@ -81,20 +81,21 @@ class SlotState:
     """What one stage keeps of a slot between rounds (its cache is in the worker's `caches` once it has rows).
 
     `finals` is each member's cache length at its end (the slot's capacity). The first stage keeps the groups
-    waiting to enter (`queued`); the last stage the slot's picker, which rows have ended, each member's token
-    count, limit and decoding, the requests cancelled, and a finished group's picker and first tokens."""
+    waiting to enter (`queued`), and whether the slot is `parked` (a round found nothing to run: the next group
+    to enter starts one); the last stage the slot's picker, which rows have ended, each member's token count
+    and limit, the requests cancelled, and a finished group's picker and first tokens."""
 
     rows: SlotRows = attrs.field(factory=SlotRows)
     joining: Joining | None = None
     ready: tuple[Any, SlotRows] | None = None
     finals: dict[int, int] = attrs.field(factory=dict)
     queued: deque[Message] = attrs.field(factory=deque)
+    parked: bool = False
     # the last stage's
     picker: TokenPicker | None = None
     ended: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.bool))
     counts: dict[int, int] = attrs.field(factory=dict)
     limits: dict[int, int] = attrs.field(factory=dict)
-    decodings: dict[int, dict[str, Any]] = attrs.field(factory=dict)
     cancelled: set[int] = attrs.field(factory=set)
     joining_picker: TokenPicker | None = None
     ready_picker: TokenPicker | None = None
@@ -163,6 +164,10 @@ class WorkerState:
     def kept_cancels(self, number: int) -> list[int]:
         """The rows of microbatch `number` cancelled before it came, now taken."""
         return sorted(self._cancels.pop(number, ()))
+
+    def _staged(self, number: int) -> StagedKV:
+        """The prompt KV received for microbatch (or group) `number`, kept until its first step takes it."""
+        return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
 
     def _forget(self, number: int) -> None:
         """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
