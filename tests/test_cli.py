@@ -149,32 +149,60 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
 
 @pytest.mark.slow
 def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_path, capsys, monkeypatch) -> None:
+    from dejavu_sdk.bench.serving import DEFAULT_VARIANTS, PIPELINES, pick_planner_pair, pipeline_shape
+    from dejavu_sdk.cli import build_parser
+
     tests = str(Path(__file__).parent)  # stage processes load tiny_models:llama themselves
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("DEJAVU_BENCH_MODEL", "smollm2")  # the bench sets it to --model; restored afterwards
     samples, figure = tmp_path / "serving.json", tmp_path / "serving.png"
+    variants = ("static", "continuous", "one-stage-static", "one-stage-continuous", "mixed-static",
+                "mixed-continuous", "disaggregated-static", "disaggregated-continuous")
     arguments = ["bench", "serving", "--model", "tiny_models:llama", "--requests", "4", "--microbatch", "2",
-                 "--repeats", "1", "--rates", "4,all", "--gain", "24,4", "--loss", "6,6", "--quiet",
-                 "--json", str(samples), "--plot", str(figure)]
+                 "--repeats", "1", "--rates", "4,all", "--gain", "24,4", "--loss", "6,6", "--openai", "12,6",
+                 "--variants", ",".join(variants), "--quiet", "--json", str(samples), "--plot", str(figure)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    for expected in ("### Workload `gain`", "### Workload `loss`", "| all at once | static |", "| 4 | continuous |",
-                     "| all at once | mixed |", "| 4 | disaggregated |", "disaggregated/mixed predicted",
-                     "Measured at all at once req/s", "CC-BY-4.0"):
+    for expected in ("### Workload `gain`", "### Workload `loss`", "### Workload `openai`", "sampled (temperature 1",
+                     "| all at once | static |", "| 4 | continuous |", "| all at once | mixed-continuous |",
+                     "| 4 | one-stage-continuous |", "| 4 | disaggregated-static |",
+                     "| all at once | disaggregated-continuous |", "disaggregated/mixed predicted",
+                     "Measured disaggregated-continuous/mixed-continuous at all at once req/s", "### Targets",
+                     "| one-stage-continuous | openai | all at once | >= 1.00x |",
+                     "| disaggregated-continuous | gain | 4 | >= 0.95x |", "CC-BY-4.0"):
         assert expected in output
+    assert "Measured disaggregated-static/" not in output  # the continuous pair is preferred when both ran
     recorded = json.loads(samples.read_text())
     assert {(run["variant"], run["workload"], run["rate"]) for run in recorded["runs"]} == {
-        (variant, workload, rate) for variant in ("static", "continuous", "mixed", "disaggregated")
-        for workload in ("gain", "loss") for rate in ("4", "all at once")}
-    for workload in ("gain", "loss"):  # every variant served the same requests to the same lengths
+        (variant, workload, rate) for variant in variants
+        for workload in ("gain", "loss", "openai") for rate in ("4", "all at once")}
+    assert {(ratio["variant"], ratio["workload"], ratio["rate"]) for ratio in recorded["ratios"]} == {
+        (variant, workload, rate) for variant in variants if variant != "continuous"
+        for workload in ("gain", "loss", "openai") for rate in ("4", "all at once")}
+    assert all(len(ratio["per_repeat"]) == 1 and ratio["per_repeat"][0] > 0 for ratio in recorded["ratios"])
+    assert len(recorded["targets"]) == 5 * 3 * 2  # five pipelines with a target, three workloads, two rates
+    for workload in ("gain", "loss", "openai"):  # every variant served the same requests to the same lengths
         runs = [run for run in recorded["runs"] if run["workload"] == workload]
         assert all(run["makespan"] > 0 and 0 <= first <= last for run in runs for first, last, _ in run["served"])
         assert len({tuple(tokens for _, _, tokens in run["served"]) for run in runs}) == 1
         assert all(tokens > 0 for _, _, tokens in runs[0]["served"])
         assert len(runs[0]["served"]) == 4
     assert figure.stat().st_size > 0
+    # without the continuous pair, the static one; never pipelines of unlike batching
+    assert pick_planner_pair(["mixed-static", "mixed-continuous", "disaggregated-static"]) == (
+        "disaggregated-static", "mixed-static")
+    assert pick_planner_pair(["mixed-continuous", "disaggregated-static"]) is None
+    # the row cap (4 rows here) in every pipeline: one slot of them on a lone stage that decodes, continuous
+    assert {name: pipeline_shape(name, 4, 2) for name in PIPELINES} == {
+        "one-stage-static": (4, 2), "one-stage-continuous": (4, 2), "mixed-static": (2, 1),
+        "mixed-continuous": (2, 1), "disaggregated-static": (2, 1), "disaggregated-continuous": (4, 1)}
+    assert build_parser().parse_args(["bench", "serving"]).variants.split(",") == list(DEFAULT_VARIANTS)
     assert main(["bench", "serving", "--variants", "static,teleport", "--quiet"]) == 2
     assert "unknown variant(s) ['teleport']" in capsys.readouterr().err
+    assert main(["bench", "serving", "--variants", "mixed", "--quiet"]) == 2  # the batching is named now
+    assert "unknown variant(s) ['mixed']" in capsys.readouterr().err
+    assert main(["bench", "serving", "--workloads", "gain,chat", "--quiet"]) == 2
+    assert "unknown workload(s) ['chat']" in capsys.readouterr().err
     assert main(["bench", "serving", "--rates", "0", "--quiet"]) == 2
     assert "every rate must be positive" in capsys.readouterr().err
 

@@ -5,22 +5,25 @@ LLM inference trace 2023 (conversation; CC-BY-4.0, see `dejavu_sdk/data/README.m
 lengths are scaled so that their medians hit a workload's targets and clipped to [2/3, 3/2] of them, and
 gaps are scaled so that requests arrive at a given rate. Each workload is served, at each rate, by some of:
 
-    static                Hugging Face `model.generate` on batches of up to `rows` waiting requests, one process
-    continuous            Hugging Face continuous batching (`init_continuous_batching`, the engine behind
-                          `generate_batch`) of at most `rows` requests per batch, one process
-    one-stage-static      `Pipeline(stages=1, batching="static", microbatch=rows)`: the serving machinery (head,
-    one-stage-continuous  stage process, links) without a split; `batching="continuous"` beside it
-    mixed-static          `Pipeline(stages=2, batching="static")`: prompts and tokens share two stage processes
-    mixed-continuous      `Pipeline(stages=2, batching="continuous")`
-    disaggregated-static  `Pipeline(prompt_stages=1, token_stages=1)`, static (disaggregated layouts do not take
-                          continuous batching yet)
+    static                    Hugging Face `model.generate` on batches of up to `rows` waiting requests, one
+                              process
+    continuous                Hugging Face continuous batching (`init_continuous_batching`, the engine behind
+                              `generate_batch`) of at most `rows` requests per batch, one process
+    one-stage-static          `Pipeline(stages=1, batching="static", microbatch=rows)`: the serving machinery
+    one-stage-continuous      (head, stage process, links) without a split; `batching="continuous"` beside it
+    mixed-static              `Pipeline(stages=2, batching="static")`: prompts and tokens share two stage
+    mixed-continuous          processes; `batching="continuous"` beside it
+    disaggregated-static      `Pipeline(prompt_stages=1, token_stages=1, batching="static")`: a prompt stage
+    disaggregated-continuous  process streams each prompt's KV to a token stage process; `batching="continuous"`
+                              beside it
 
-where `rows` is two microbatches' rows: every variant keeps at most as many rows in flight (a two-stage
-pipeline two microbatches of `microbatch` rows, disaggregated two on its token side, one stage one slot of
-`rows`). All run on the same cores: each stage process of a two-stage pipeline gets half the threads, one
-stage and the one-process baselines all of them. Every variant runs once per repeat and rate, back to back, in
-turns, so that ratios are taken per repeat. The model's end-of-sequence token is dropped (`bench_model`), so
-that every request generates exactly its trace length.
+where `rows` is two microbatches' rows: every variant keeps at most as many rows in flight (a mixed pipeline
+two microbatches, or slots, of `microbatch` rows, disaggregated static two microbatches on its token side; one
+stage, and disaggregated continuous on its one token stage, one slot of `rows`). All run on the same cores:
+each stage process of a two-stage pipeline gets half the threads, one stage and the one-process baselines all
+of them. Every variant runs once per repeat and rate, back to back, in turns, so that ratios are taken per
+repeat. The model's end-of-sequence token is dropped (`bench_model`), so that every request generates exactly
+its trace length.
 
 Three workloads: `gain`, long prompts and about as many new tokens as the prefill takes decode steps (by
 default 256 and 32: the planner predicts 1P+1T ahead of the mixed pipeline), `loss`, short prompts and long
@@ -29,7 +32,8 @@ default (128 and 64): sampled with the API's defaults (temperature 1, top_p 1, n
 seed of its own. The pipelines draw each row from its own generator; Hugging Face's continuous batching draws
 every row from the process's generator (seeded once per manager: it takes no per-request seed) and
 `model.generate` from one seeded per batch. The bench checks no tokens: what it measures is speed. The
-planner's prediction comes from Y and t measured here, with a stage's threads.
+planner's prediction comes from Y and t measured here, with a stage's threads, and is set beside the measured
+disaggregated/mixed ratio of like batching (`PLANNER_PAIRS`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import os
 import statistics
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -56,27 +60,34 @@ from ..timing import measure_times
 from ..traces import Trace, load_trace
 from .common import machine_description
 
-#: The pipelines, by variant: the layout, the batching asked for, and whether the one stage takes all the rows
-#: (and all the threads) in one slot.
+#: The pipelines, by variant: the layout and the batching asked for.
 PIPELINES: dict[str, tuple[dict[str, int], str]] = {
     "one-stage-static": ({"stages": 1}, "static"),
     "one-stage-continuous": ({"stages": 1}, "continuous"),
     "mixed-static": ({"stages": 2}, "static"),
     "mixed-continuous": ({"stages": 2}, "continuous"),
     "disaggregated-static": ({"prompt_stages": 1, "token_stages": 1}, "static"),
+    "disaggregated-continuous": ({"prompt_stages": 1, "token_stages": 1}, "continuous"),
 }
 #: Hugging Face's ways, in one process.
 BASELINES = ("static", "continuous")
 VARIANTS = (*BASELINES, *PIPELINES)
-#: What runs unless `variants` says otherwise: the ones the targets are about, in about 30 minutes here.
-DEFAULT_VARIANTS = ("continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-static")
+#: What runs unless `variants` says otherwise: the ones the targets are about, in about 35 minutes here.
+DEFAULT_VARIANTS = ("continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-continuous",
+                    "disaggregated-static")
 #: The baseline every variant's tokens/s is divided by.
 REFERENCE = "continuous"
 #: The least tokens/s each pipeline should reach against `REFERENCE`, with the same row cap.
-TARGETS = {"one-stage-continuous": 1.0, "mixed-static": 0.95, "mixed-continuous": 0.95, "disaggregated-static": 0.95}
+TARGETS = {"one-stage-continuous": 1.0, "mixed-static": 0.95, "mixed-continuous": 0.95, "disaggregated-static": 0.95,
+           "disaggregated-continuous": 0.95}
+#: The (disaggregated, mixed) variants whose ratio is set beside the planner's prediction, preferred first: like
+#: batching on both sides, so that the ratio measures the layout alone.
+PLANNER_PAIRS = (("disaggregated-continuous", "mixed-continuous"), ("disaggregated-static", "mixed-static"))
 WORKLOADS = ("gain", "loss", "openai")
 #: The OpenAI API's sampling defaults (temperature 1, top_p 1) and no top-k (transformers' default would be 50).
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+#: Cores kept busy by other processes above which a run is reported as disturbed.
+BUSY = 0.25
 #: The environment variable naming the model `bench_model` loads (stage processes inherit it).
 MODEL_VARIABLE = "DEJAVU_BENCH_MODEL"
 
@@ -172,6 +183,10 @@ class Run:
     repeat: int
     makespan: float  # from the first arrival to the last token
     served: tuple[Served, ...]
+    #: Cores other processes (outside the bench and its stage processes) kept busy during the run, on average;
+    #: None where it cannot be read (not Linux). This machine may be shared: a busy neighbour slows every variant,
+    #: and a process of two threads far more than one of one (each step waits for its slower thread).
+    foreign: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -247,16 +262,18 @@ class ServingReport:
         return [run.tokens_per_second / theirs[run.repeat] for run in self.of(variant, workload, rate)
                 if run.repeat in theirs]
 
-    def mixed_for_planner(self) -> str | None:
-        """The mixed variant the disaggregated one is compared with: static (as the planner models both) when it
-        ran, else continuous."""
-        ran = self.variants()
-        return next((name for name in ("mixed-static", "mixed-continuous") if name in ran), None)
+    def planner_pair(self) -> tuple[str, str] | None:
+        """The (disaggregated, mixed) variants set beside the planner's prediction (`pick_planner_pair`)."""
+        return pick_planner_pair(self.variants())
 
     def measured_speedups(self, workload: str, rate: float) -> list[float]:
-        """Disaggregated over mixed tokens/s, per repeat (both ran back to back); none unless both ran."""
-        mixed = self.mixed_for_planner()
-        return [] if mixed is None else self.ratios("disaggregated-static", workload, rate, mixed)
+        """Disaggregated over mixed tokens/s of `planner_pair`, per repeat (both ran back to back); none without
+        a pair."""
+        pair = self.planner_pair()
+        if pair is None:
+            return []
+        disaggregated, mixed = pair
+        return self.ratios(disaggregated, workload, rate, reference=mixed)
 
     def target_rows(self) -> list[list[str]]:
         """Each pipeline variant with a target, per workload and rate: its median ratio to `REFERENCE` and
@@ -275,9 +292,10 @@ class ServingReport:
 
     def to_markdown(self) -> str:
         lines = [f"Machine: {self.machine}. At most {self.rows} rows in flight in every variant (microbatch "
-                 f"{self.microbatch}; one-stage pipelines one slot of {self.rows}); each stage process of a "
-                 f"two-stage pipeline has {max(1, self.threads // 2)} thread(s), one-stage pipelines and the "
-                 f"one-process baselines {self.threads}; continuous pipelines prefill at most "
+                 f"{self.microbatch}; one-stage pipelines, and disaggregated continuous ones on their token stage, "
+                 f"one slot of {self.rows}); each stage process of a two-stage pipeline has "
+                 f"{max(1, self.threads // 2)} thread(s), one-stage pipelines and the one-process baselines "
+                 f"{self.threads}; continuous pipelines prefill at most "
                  f"{self.max_prefill_tokens} prompt positions a step beside decoding. Trace: Azure LLM inference "
                  "2023 (conversation), CC-BY-4.0.", *self.notes, ""]
         header = ["rate (req/s)", "variant", "tokens/s", f"vs {REFERENCE}", "makespan (s)", "TTFT p50 / p99 (s)",
@@ -305,15 +323,22 @@ class ServingReport:
                              f"{prediction.prompt_tokens:.0f}-token prompts, t = {prediction.token_time * 1e3:.1f} "
                              f"ms, N = {prediction.new_tokens:.0f}): disaggregated/mixed predicted "
                              f"{prediction.speedup:.2f}x.")
-                mixed = self.mixed_for_planner()
+                pair = self.planner_pair()
                 for rate in self.rates:
                     ratios = self.measured_speedups(name, rate)
-                    if ratios:
+                    if pair is not None and ratios:
                         spread = Spread.of(ratios)
-                        lines.append(f"Measured disaggregated-static/{mixed} at {_rate(rate)} req/s: "
+                        lines.append(f"Measured {'/'.join(pair)} at {_rate(rate)} req/s: "
                                      f"{spread.text()} (repeats {', '.join(f'{r:.2f}' for r in ratios)}); "
                                      f"{spread.median / prediction.speedup:.2f} of the prediction.")
             lines.append("")
+        busy = [run for run in self.runs if run.foreign is not None and run.foreign > BUSY]
+        measured = [run for run in self.runs if run.foreign is not None]
+        if measured:
+            lines += [f"Other processes kept more than {BUSY} of a core busy during {len(busy)} of {len(measured)} "
+                      "runs" + (": " + "; ".join(f"repeat {run.repeat} {run.workload} {_rate(run.rate)} "
+                                                  f"{run.variant} {run.foreign:.2f}" for run in busy) if busy else "")
+                      + ".", ""]
         targets = self.target_rows()
         if targets:
             lines += [f"### Targets: tokens/s against Hugging Face `{REFERENCE}` with the same row cap "
@@ -479,18 +504,73 @@ class HFContinuous:
                                                            continuous_batching_config=batching)
         self.manager.start()
         self.sampled = sampled
-        resolved = self.manager.continuous_batching_config
-        self.settings = (f"Hugging Face continuous batching: at most {resolved.max_requests_per_batch} requests and "
-                         f"{resolved.max_batch_tokens} tokens per batch, {resolved.num_blocks} pages of "
-                         f"{resolved.page_size} positions, {resolved.scheduler_type} scheduler, attention "
-                         f"{self.model.config._attn_implementation}.")
         ids = torch.arange(1, 5) % max(2, self.model.config.vocab_size - 1) + 1  # lazy set-up outside the figures
         serve_continuous(self.manager, [ids, ids], [2, 2], [0.0, 0.0])
+        resolved = self.manager.continuous_batching_config
+        processor = getattr(self.manager, "batch_processor", None)
+        tokens = getattr(getattr(processor, "cache", None), "max_batch_tokens", resolved.max_batch_tokens)
+        self.settings = (f"Hugging Face continuous batching: at most {resolved.max_requests_per_batch} requests and "
+                         f"{tokens} tokens per batch, {resolved.num_blocks} pages of {resolved.page_size} "
+                         f"positions, {resolved.scheduler_type} scheduler, attention "
+                         f"{self.model.config._attn_implementation}.")
 
     def close(self) -> None:
         if self.manager is not None:
             self.manager.stop(block=True, timeout=30)
             self.manager = None
+
+
+class ForeignLoad:
+    """How much CPU other processes took while the bench ran: the machine's busy time (`/proc/stat`) less that of
+    this process and its descendants (the stage processes), in cores on average. Linux only (None elsewhere)."""
+
+    def __init__(self) -> None:
+        self.start: tuple[float, float, float] | None = None
+
+    def __enter__(self) -> ForeignLoad:
+        self.start = _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def cores(self) -> float | None:
+        end = _cpu_seconds()
+        if self.start is None or end is None:
+            return None
+        wall, busy, ours = (after - before for after, before in zip(end, self.start, strict=True))
+        return max(0.0, busy - ours) / wall if wall >= 1 else None  # clock ticks are 10 ms: too coarse below
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds the machine was busy, CPU seconds this process tree used), or None."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+        busy = sum(fields[:3]) / tick  # user, nice, system: what processes' utime and stime count
+        parents: dict[int, int] = {}
+        used: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as process:
+                    text = process.read()
+            except OSError:
+                continue  # gone meanwhile
+            rest = text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            parents[int(entry)] = int(rest[1])
+            used[int(entry)] = int(rest[11]) + int(rest[12])  # utime, stime
+        tree, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            parent = frontier.pop()
+            children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+            tree.update(children)
+            frontier += children
+        return time.monotonic(), busy, sum(used.get(pid, 0) for pid in tree) / tick
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------
@@ -504,6 +584,22 @@ def workloads(model: Any, count: int, gain: tuple[int, int], loss: tuple[int, in
             "loss": Workload.from_trace("loss", trace, count, *loss, context, start=count),
             "openai": Workload.from_trace("openai", trace, count, *openai, context, start=2 * count, sampled=True)}
     return [made[name] for name in WORKLOADS if name in names]
+
+
+def pick_planner_pair(variants: Collection[str]) -> tuple[str, str] | None:
+    """The first of `PLANNER_PAIRS` whose variants are both among `variants`, or None."""
+    return next((pair for pair in PLANNER_PAIRS if set(pair) <= set(variants)), None)
+
+
+def pipeline_shape(variant: str, rows: int, threads: int) -> tuple[int, int]:
+    """A pipeline variant's microbatch and threads per stage process: `rows` split over the microbatches (or
+    slots) its token side keeps in flight, `threads` over its stage processes."""
+    layout, batching = PIPELINES[variant]
+    processes = sum(layout.values())
+    # static: one microbatch per stage process (disaggregated: the default `token_slots`); continuous: one slot
+    # per stage that decodes
+    in_flight = processes if batching == "static" else layout.get("stages", layout.get("token_stages", 1))
+    return rows // in_flight, max(1, threads // processes)
 
 
 def predict(model: Any, workload: Workload, microbatch: int, threads: int) -> Prediction:
@@ -526,7 +622,7 @@ def check_choices(variants: Sequence[str], names: Sequence[str]) -> None:
         raise ConfigError("name at least one variant and one workload")
 
 
-def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microbatch: int = 4,
+def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microbatch: int = 4,
                       rates: Sequence[float] = (math.inf,), repeats: int = 3, gain: tuple[int, int] = (256, 32),
                       loss: tuple[int, int] = (64, 64), openai: tuple[int, int] = (128, 64),
                       variants: Sequence[str] = DEFAULT_VARIANTS, names: Sequence[str] = WORKLOADS,
@@ -546,7 +642,7 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microb
     loads = workloads(model, requests, gain, loss, openai, names)
     report = ServingReport(machine_description(), microbatch, threads, tuple(rates),
                            {load.name: load.scaling for load in loads}, {}, max_prefill_tokens=max_prefill_tokens)
-    if "disaggregated-static" in variants and any(name.startswith("mixed") for name in variants):
+    if pick_planner_pair(variants) is not None:
         for load in loads:
             report.predictions[load.name] = predict(model, load, microbatch, stage_threads)
     spec = f"{__name__}:bench_model"
@@ -557,10 +653,10 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microb
             if name not in PIPELINES:
                 continue
             layout, batching = PIPELINES[name]
-            one_stage = layout.get("stages") == 1
-            pipe = Pipeline(spec, **layout, batching=batching, microbatch=rows if one_stage else microbatch,
-                            max_prefill_tokens=max_prefill_tokens, transport=transport,
-                            threads=threads if one_stage else stage_threads, timeout=600)
+            rows_each, threads_each = pipeline_shape(name, rows, threads)
+            pipe = Pipeline(spec, **layout, batching=batching, microbatch=rows_each,
+                            max_prefill_tokens=max_prefill_tokens, transport=transport, threads=threads_each,
+                            timeout=600)
             if pipe.batching != batching:
                 raise ConfigError(f"{name}: the pipeline runs {pipe.batching} batching, not {batching}")
             pipelines[name] = pipe
@@ -581,9 +677,11 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 16, microb
                         turn = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
                         for variant in turn:
                             bar.set_postfix_str(f"{load.name} {_rate(rate)} req/s {variant}")
-                            makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate),
-                                                                load.seeds(repeat))
-                            report.runs.append(Run(variant, load.name, rate, repeat, makespan, tuple(served)))
+                            with ForeignLoad() as foreign:
+                                makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate),
+                                                                    load.seeds(repeat))
+                            report.runs.append(Run(variant, load.name, rate, repeat, makespan, tuple(served),
+                                                   foreign.cores()))
                             bar.update()
         if hf.settings:
             report.notes.append(hf.settings)
@@ -633,8 +731,8 @@ def plot_serving_bench(report: ServingReport, path: str) -> None:
             speeds = [Spread.of([r.tokens_per_second for r in runs]) for _, runs in points]
             _spread_line(axes[0][column], xs, speeds, styles[variant], color, variant)
             if variant != REFERENCE:
-                pairs = [(x, report.ratios(variant, name, rate)) for x, (rate, _) in zip(xs, points, strict=True)]
-                pairs = [(x, Spread.of(ratios)) for x, ratios in pairs if ratios]
+                found = [(x, report.ratios(variant, name, rate)) for x, (rate, _) in zip(xs, points, strict=True)]
+                pairs = [(x, Spread.of(ratios)) for x, ratios in found if ratios]
                 if pairs:
                     # a small shift per variant keeps the bars apart
                     shift = 1 + 0.02 * (number - len(variants) / 2)

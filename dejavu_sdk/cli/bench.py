@@ -202,9 +202,10 @@ def add_bench_commands(commands: Any) -> None:
                                  "batching) and by pipelines (one stage, mixed and disaggregated; static or "
                                  "continuous batching) on requests from a trace")
     serving.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
-    serving.add_argument("--requests", type=int, default=16, help="requests per workload, from the trace")
+    serving.add_argument("--requests", type=int, default=12, help="requests per workload, from the trace")
     serving.add_argument("--microbatch", type=int, default=4, help="rows per microbatch of a two-stage pipeline; "
-                         "every variant keeps at most twice as many rows in flight")
+                         "every variant keeps at most twice as many rows in flight (one-stage and disaggregated "
+                         "continuous pipelines in one slot)")
     serving.add_argument("--rates", default="0.5,all", help="arrival rates in requests/s, comma-separated; 'all': "
                          "every request at once (the saturated throughput the planner predicts)")
     serving.add_argument("--repeats", type=int, default=3)
@@ -216,9 +217,9 @@ def add_bench_commands(commands: Any) -> None:
     serving.add_argument("--openai", default="128,64", help="median prompt and new tokens of the sampled workload "
                          "(an OpenAI client's defaults: temperature 1, top_p 1, a seed per request)")
     serving.add_argument("--variants", default="continuous,one-stage-continuous,mixed-continuous,"
-                         "disaggregated-static", help="comma-separated, of static, continuous (Hugging Face), "
-                         "one-stage-static, one-stage-continuous, mixed-static, mixed-continuous, "
-                         "disaggregated-static (pipelines)")
+                         "disaggregated-continuous,disaggregated-static", help="comma-separated, of static, "
+                         "continuous (Hugging Face), one-stage-static, one-stage-continuous, mixed-static, "
+                         "mixed-continuous, disaggregated-static, disaggregated-continuous (pipelines)")
     serving.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a continuous "
                          "pipeline prefills per step beside decoding")
     serving.add_argument("--transport", default="tcp", help="the pipelines' transport")
