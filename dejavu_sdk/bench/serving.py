@@ -72,7 +72,7 @@ PIPELINES: dict[str, tuple[dict[str, int], str]] = {
 #: Hugging Face's ways, in one process.
 BASELINES = ("static", "continuous")
 VARIANTS = (*BASELINES, *PIPELINES)
-#: What runs unless `variants` says otherwise: the ones the targets are about, in about 35 minutes here.
+#: What runs unless `variants` says otherwise: the ones the targets are about, in about 50 minutes here.
 DEFAULT_VARIANTS = ("continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-continuous",
                     "disaggregated-static")
 #: The baseline every variant's tokens/s is divided by.

@@ -53,9 +53,11 @@ class Result:
     `submitted`, `first_token` and `finished` are `time.monotonic()` readings at the head: when the request
     was queued, when its first token and its last token arrived (time to first token, time per output token).
 
-    Under continuous batching `microbatch` is the slot it was served in, `request` its request's number there,
-    and `schedule` the slot's rounds (`slots.Round`) up to its end: `replay.replay` gives its tokens from
-    them. Static microbatches have no schedule: they are `model.generate` on the microbatch.
+    Under continuous batching `microbatch` is the slot it was served in, `row` the order it entered the slot
+    in, of `rows` requests that entered it so far (its rows in the cache move as others leave), `padding` 0
+    (it changes with every join), `request` its request's number there, and `schedule` the slot's rounds
+    (`slots.Round`) up to its end: `replay.replay` gives its tokens from them. Static microbatches have no
+    schedule: they are `model.generate` on the microbatch.
     """
 
     tokens: torch.Tensor

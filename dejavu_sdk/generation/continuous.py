@@ -9,7 +9,6 @@ the slot's decode steps, `max_prefill_tokens` positions per round). Every result
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from typing import Any
@@ -101,7 +100,7 @@ class Continuous(RoundRobin):
         self._generated = {request.number: [] for request in requests}
         self._arrived = {request.number: [] for request in requests}
         waiting, slots, results = deque(requests), deque[_Slot](), {}
-        numbers = itertools.count()
+        opened = 0  # slots opened so far: the next one's number
         with tqdm(total=sum(request.max_new_tokens for request in requests), desc="continuous", unit="token",
                   disable=not self.progress) as bar:
             while waiting or slots:
@@ -109,10 +108,10 @@ class Continuous(RoundRobin):
                     if waiting and slot.joining is None and slot.ready is None:
                         self._join(slot, waiting, admission, slots)
                 while waiting:  # new slots while the budget holds them
-                    slot = _Slot(len(slots))
+                    slot = _Slot(opened)
                     if not self._join(slot, waiting, admission, slots):
                         break
-                    slot.number = next(numbers)
+                    opened += 1
                     slots.append(slot)
                     self.most_in_flight = max(self.most_in_flight, len(slots))
                 for _ in range(len(slots)):

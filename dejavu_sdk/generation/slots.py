@@ -60,11 +60,6 @@ class SlotRows:
     mask: torch.Tensor = attrs.field(factory=lambda: torch.zeros((0, 0), dtype=torch.long))
     positions: torch.Tensor = attrs.field(factory=lambda: torch.zeros((0, 1), dtype=torch.long))
 
-    def index(self, members: Sequence[int]) -> list[int]:
-        """The rows of `members`, in their order."""
-        where = {member: row for row, member in enumerate(self.members)}
-        return [where[member] for member in members]
-
     def next_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mask and positions of a decode step (one more position per row), now kept."""
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.mask), 1)], dim=1)
