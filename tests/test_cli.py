@@ -31,6 +31,7 @@ def test_no_command_prints_help_and_fails(capsys) -> None:
     assert "usage: dejavu" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["file://{tmp}/kv", None])
 def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> None:
     store_arguments = ["--store", store.format(tmp=tmp_path)] if store else []
@@ -40,6 +41,7 @@ def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> No
     assert "outputs are identical" in output
 
 
+@pytest.mark.slow
 def test_the_sampled_demo_kills_and_resumes_to_identical_text(capsys) -> None:
     assert main(["demo", "--sample", "--random-model", "--new-tokens", "24"]) == 0
     output = capsys.readouterr().out
@@ -91,6 +93,7 @@ def test_bench_stores_reports_every_target_with_its_ceiling(tmp_path, capsys) ->
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("dejavu-bench")] == []
 
 
+@pytest.mark.slow
 def test_bench_transports_reports_each_transport_beside_its_ceilings(tmp_path, capsys) -> None:
     samples = tmp_path / "samples.json"
     arguments = ["bench", "transports", "--sizes", "256KiB", "--repeats", "2", "--volume", "1MiB",

@@ -43,6 +43,7 @@ def test_a_token_file_gives_each_token_its_streams(tmp_path) -> None:
             stranger.names("")
 
 
+@pytest.mark.slow
 def test_a_bad_token_file_is_a_clear_error(tmp_path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")

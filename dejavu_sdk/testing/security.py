@@ -97,6 +97,7 @@ class ServerSecurityTests:
             assert same_bits(owner.fetch(OTHER), torch.arange(8) * 2)
 
     # ---- floods and careless clients --------------------------------------------------------
+    @pytest.mark.slow
     def test_a_client_frozen_mid_request_stalls_nobody(self) -> None:
         """A client process stopped half way through sending a block must not hold up anyone else."""
         with self._server(timeout=2.0) as server:

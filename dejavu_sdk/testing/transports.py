@@ -246,6 +246,7 @@ class TransportFailureTests:
             open_transport(peer.url, colour="red")
 
     # ---- failures of the peer --------------------------------------------------------------
+    @pytest.mark.slow
     def test_a_peer_killed_mid_transfer_gives_transport_error_at_once(self, peer: ServedStoreProcess) -> None:
         transport = open_transport(peer.url, timeout=20, connect_timeout=3, **self.options)
         transport.flush(KEY, torch.ones(4))  # connected
