@@ -159,8 +159,8 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("DEJAVU_BENCH_MODEL", "smollm2")  # the bench sets it to --model; restored afterwards
     samples, figure = tmp_path / "serving.json", tmp_path / "serving.png"
-    variants = ("static", "continuous", "one-stage-static", "one-stage-continuous", "mixed-static",
-                "mixed-continuous", "disaggregated-static", "disaggregated-continuous")
+    variants = ("static", "continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-static",
+                "disaggregated-continuous")  # the static one-stage and mixed pipelines: as their continuous ones
     arguments = ["bench", "serving", "--model", "tiny_models:llama", "--requests", "4", "--microbatch", "2",
                  "--repeats", "1", "--rates", "4,all", "--gain", "24,4", "--loss", "6,6", "--openai", "12,6",
                  "--variants", ",".join(variants), "--quiet", "--json", str(samples), "--plot", str(figure)]
@@ -183,7 +183,7 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
         (variant, workload, rate) for variant in variants if variant != "continuous"
         for workload in ("gain", "loss", "openai") for rate in ("4", "all at once")}
     assert all(len(ratio["per_repeat"]) == 1 and ratio["per_repeat"][0] > 0 for ratio in recorded["ratios"])
-    assert len(recorded["targets"]) == 5 * 3 * 2  # five pipelines with a target, three workloads, two rates
+    assert len(recorded["targets"]) == 4 * 3 * 2  # four pipelines with a target, three workloads, two rates
     for workload in ("gain", "loss", "openai"):  # every variant served the same requests to the same lengths
         runs = [run for run in recorded["runs"] if run["workload"] == workload]
         assert all(run["makespan"] > 0 and 0 <= first <= last for run in runs for first, last, _ in run["served"])

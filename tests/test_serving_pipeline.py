@@ -98,9 +98,10 @@ def test_a_full_token_side_holds_the_prompt_side_back() -> None:
 
 @pytest.mark.slow
 def test_generate_queues_its_prompts_together_in_order() -> None:
-    """Five prompts, microbatches of two, two stages: (0, 1) and (2, 3) start together, (4) when one ends."""
+    """Five prompts, static microbatches of two, two stages: (0, 1) and (2, 3) start together, (4) when one
+    ends."""
     prompts = expectations.prompts(5, seed=4)
-    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60) as pipe:
+    with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60, batching="static") as pipe:
         outs = pipe.generate(prompts, max_new_tokens=6)
         alone = pipe.submit(prompts[0], max_new_tokens=6).result(timeout=60)
         pad, eos = pipe.pad, pipe.eos
