@@ -520,26 +520,15 @@ class HFContinuous:
             self.manager = None
 
 
-class ForeignLoad:
-    """How much CPU other processes took while the bench ran: the machine's busy time (`/proc/stat`) less that of
-    this process and its descendants (the stage processes), in cores on average. Linux only (None elsewhere)."""
-
-    def __init__(self) -> None:
-        self.start: tuple[float, float, float] | None = None
-
-    def __enter__(self) -> ForeignLoad:
-        self.start = _cpu_seconds()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        pass
-
-    def cores(self) -> float | None:
-        end = _cpu_seconds()
-        if self.start is None or end is None:
-            return None
-        wall, busy, ours = (after - before for after, before in zip(end, self.start, strict=True))
-        return max(0.0, busy - ours) / wall if wall >= 1 else None  # clock ticks are 10 ms: too coarse below
+def foreign_cores(start: tuple[float, float, float] | None) -> float | None:
+    """How much CPU other processes took since `start` (`_cpu_seconds()`): the machine's busy time (`/proc/stat`)
+    less that of this process and its descendants (the stage processes), in cores on average. Linux only (None
+    elsewhere, or over less than a second: clock ticks are 10 ms)."""
+    end = _cpu_seconds()
+    if start is None or end is None:
+        return None
+    wall, busy, ours = (after - before for after, before in zip(end, start, strict=True))
+    return max(0.0, busy - ours) / wall if wall >= 1 else None
 
 
 def _cpu_seconds() -> tuple[float, float, float] | None:
@@ -677,11 +666,11 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
                         turn = variants[repeat % len(variants):] + variants[:repeat % len(variants)]
                         for variant in turn:
                             bar.set_postfix_str(f"{load.name} {_rate(rate)} req/s {variant}")
-                            with ForeignLoad() as foreign:
-                                makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate),
-                                                                    load.seeds(repeat))
+                            start = _cpu_seconds()
+                            makespan, served = servers[variant](prompts, load.new_tokens, load.arrivals(rate),
+                                                                load.seeds(repeat))
                             report.runs.append(Run(variant, load.name, rate, repeat, makespan, tuple(served),
-                                                   foreign.cores()))
+                                                   foreign_cores(start)))
                             bar.update()
         if hf.settings:
             report.notes.append(hf.settings)

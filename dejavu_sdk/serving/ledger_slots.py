@@ -20,7 +20,7 @@ import torch
 
 from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
-from ..generation.batching import Request, SlotBatch
+from ..generation.batching import Microbatch, Request, SlotBatch
 from ..generation.slots import Round
 from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
 from .messages import Kind, Message
@@ -83,7 +83,7 @@ class SlotDecisions(LedgerState):
         batch = flight.batch
         assert isinstance(batch, SlotBatch)
         fields, ids, mask = batch.enter(taken)
-        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        self._reserve(flight)
         if self.layout.disaggregated:
             number = self._numbers
             self._numbers += 1
@@ -137,12 +137,12 @@ class SlotDecisions(LedgerState):
                    for row in rows if row not in batch.settled]
         batch.settled.update(rows)
         batch.entering -= set(rows)
-        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        self._reserve(flight)
         if not batch.opened:
             del self.flights[group.slot]
         return answers
 
-    def _slot_groups(self, batch: Any) -> list[int]:
+    def _slot_groups(self, batch: Microbatch) -> list[int]:
         """A failed slot's groups that have not joined it (disaggregated): those the prompt pipeline still runs
         are forgotten here, and the stages drop what they staged of any (under the lock)."""
         if not isinstance(batch, SlotBatch):
@@ -151,6 +151,12 @@ class SlotDecisions(LedgerState):
         for number in prompting:
             del self.prompting[number]
         return [*prompting, *batch.staged]
+
+    def _reserve(self, flight: Flight) -> None:
+        """Reserve what a slot's rows, in its cache or on their way in, take at their end (under the lock)."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
 
     def _take(self, room: int, held: list[Request], flight: Flight | None) -> list[Request]:
         """Up to `room` waiting requests that fit beside `held` (a slot's rows) and every other slot's."""
@@ -183,7 +189,7 @@ class SlotDecisions(LedgerState):
             outcome.answers = self._failed_rows(batch, failures)
             outcome.calls = batch.unstreamed(self.eos)
             outcome.answers += self._ended_rows(batch)
-            flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+            self._reserve(flight)
         return outcome
 
     def on_not_entered(self, number: int, members: list[int]) -> None:
@@ -194,7 +200,7 @@ class SlotDecisions(LedgerState):
             if flight is not None and isinstance(flight.batch, SlotBatch):
                 back = flight.batch.leave_unentered(members)
                 self.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
-                flight.reserved = row_bytes(flight.batch.held(), self.admission.bytes_per_token)
+                self._reserve(flight)
 
     def _cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
         """A request of a slot cancelled: the first decoding stage takes it out of a queued group, or the last
