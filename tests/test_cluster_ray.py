@@ -37,7 +37,7 @@ def _is_ray_actor(pid: int) -> bool:
 def test_stage_workers_are_ray_actors_and_a_killed_one_is_replaced_by_a_new_actor(one_node_ray) -> None:
     prompts = expectations.prompts(4, seed=14)
     with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, microbatch=2, heartbeat=0.5,
-                  recovery="replicas", launch=RayWorkers(host="127.0.0.1")) as pipe:
+                  recovery="replicas", batching="static", launch=RayWorkers(host="127.0.0.1")) as pipe:
         assert all(_is_ray_actor(stage["pid"]) for stage in pipe.status()["stages"])
         victim = _stage_pid(pipe, "token stage 1")
         futures = pipe.submit_all(prompts, NEW)

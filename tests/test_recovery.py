@@ -29,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 NEW = 200
 DISAGGREGATED = {"prompt_stages": 1, "token_stages": 2}
 SAMPLING = {"do_sample": True, "seed": 5, "temperature": 0.8, "top_k": 20}
+#: Static microbatches of two, watched closely: each row equals `model.generate` on its microbatch (continuous
+#: batching's recovery is tests/test_serving_slots_recovery.py's).
+STATIC = {"microbatch": 2, "timeout": 60, "heartbeat": 0.5, "batching": "static"}
 
 
 # ---- the pieces --------------------------------------------------------------------------------------------
@@ -222,7 +225,7 @@ def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> 
     victims = [rng.choice(["token stage 0", "token stage 1"]) for _ in range(3)]
     prompts = expectations.prompts(12, seed=8)
     decoding = SAMPLING if sampled else {}
-    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+    with Pipeline("tiny_models:llama", recovery="replicas", **STATIC,
                   **DISAGGREGATED) as pipe:
         results, streamed = _serve_through_failures(pipe, prompts, victims, how, rng, decoding)
         pad, eos = pipe.pad, pipe.eos
@@ -240,7 +243,7 @@ def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> 
 def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> None:
     prompts = expectations.prompts(8, seed=9)
     for arguments, victim in ((DISAGGREGATED, "prompt stage 0"), ({"stages": 2}, "stage 0")):
-        with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+        with Pipeline("tiny_models:llama", recovery="replicas", **STATIC,
                       **arguments) as pipe:
             futures = pipe.submit_all(prompts, NEW)
             _wait_for_steps(pipe, 20)
@@ -257,7 +260,7 @@ def test_a_killed_prompt_stage_and_a_killed_mixed_stage_lose_no_request() -> Non
 @pytest.mark.slow
 def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> None:
     prompts = expectations.prompts(4, seed=13)
-    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas", standby=1,
+    with Pipeline("tiny_models:llama", recovery="replicas", **STATIC, standby=1,
                   **DISAGGREGATED) as pipe:
         deadline = time.monotonic() + 60
         while not pipe.status()["standby"]:
@@ -281,7 +284,7 @@ def test_a_warm_standby_replaces_a_killed_stage_and_the_pool_is_topped_up() -> N
 
 @pytest.mark.slow
 def test_closing_during_a_recovery_leaves_no_worker_behind() -> None:
-    pipe = Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+    pipe = Pipeline("tiny_models:llama", recovery="replicas", **STATIC,
                     **DISAGGREGATED).start()
     try:
         futures = pipe.submit_all(expectations.prompts(2, seed=15), NEW)
@@ -321,7 +324,7 @@ def test_standby_workers_need_recovery() -> None:
 def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(recovery) -> None:
     prompts = expectations.prompts(4, seed=10)
     streamed: dict[int, list[int]] = defaultdict(list)
-    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery=recovery,
+    with Pipeline("tiny_models:llama", recovery=recovery, **STATIC,
                   **DISAGGREGATED) as pipe:
         futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
         _wait_for_steps(pipe, 30)
@@ -350,7 +353,7 @@ def test_a_replica_store_outlives_the_stages_so_even_neighbours_lost_together_re
                                                                                       victims) -> None:
     prompts = expectations.prompts(4, seed=16)
     streamed: dict[int, list[int]] = defaultdict(list)
-    with Pipeline("tiny_models:llama", microbatch=2, timeout=60, heartbeat=0.5, recovery="replicas",
+    with Pipeline("tiny_models:llama", recovery="replicas", **STATIC,
                   replica_store=f"file://{tmp_path}/replicas", **layout) as pipe:
         futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
         _wait_for_steps(pipe, 40)

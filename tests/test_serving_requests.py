@@ -98,7 +98,7 @@ def test_mixed_rows_resume_exactly_after_a_token_stage_is_killed() -> None:
     limits = [30, 24, 36]
     streamed: dict[int, list[int]] = {}
     with Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, token_slots=2, microbatch=3, timeout=60,
-                  heartbeat=0.5, recovery="replicas") as pipe:
+                  heartbeat=0.5, recovery="replicas", batching="static") as pipe:
         futures = _serve_rows_together(pipe, prompts, limits, blockers=2, streamed=streamed)
         _wait(lambda: len(streamed[2]) >= 8, 60, "8 tokens of the microbatch")
         os.kill(_stage_pid(pipe, "token stage 0"), signal.SIGKILL)
@@ -115,7 +115,8 @@ def test_non_finite_logits_fail_their_request_alone_and_the_rows_beside_it_go_on
     prompts = _prompts(5, seed=23)
     prompts[1][2] = tiny_models.POISON
     limits = [12, 12, 12]
-    with Pipeline("tiny_models:llama_poisoned", stages=2, microbatch=3, timeout=60, recovery="replicas") as pipe:
+    with Pipeline("tiny_models:llama_poisoned", stages=2, microbatch=3, timeout=60, recovery="replicas",
+                  batching="static") as pipe:
         for index in range(2):
             pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
         _wait(lambda: len(pipe.status()["microbatches"]) == 2, 60, "the blockers in flight")

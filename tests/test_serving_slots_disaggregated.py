@@ -76,10 +76,11 @@ def test_a_request_cancelled_in_the_prompt_pipeline_or_its_slot_leaves_the_other
         assert result.tokens.tolist() == replay(model, result.schedule, {**requests, **extra})[result.request].tolist()
 
 
-def test_continuous_batching_is_refused_with_recovery_before_any_process_starts() -> None:
-    with pytest.raises(dv.ConfigError, match="recovery"):
-        Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas", batching="continuous")
-    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas").batching == "static"
+def test_continuous_batching_takes_recovery_from_replicas_and_refuses_recompute() -> None:
+    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas").batching == "continuous"
+    with pytest.raises(dv.ConfigError, match="recovery='recompute'"):
+        Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="recompute", batching="continuous")
+    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="recompute").batching == "static"
 
 
 @pytest.mark.slow

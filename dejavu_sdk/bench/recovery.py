@@ -2,7 +2,8 @@
 replicas the token stages keep of each other against recomputed from the prompt, beside failure-free runs.
 
 Two disaggregated pipelines run side by side, each with a warm standby (a spare worker with the model loaded):
-one with `recovery="replicas"`, one with `recovery="recompute"` (which replicates nothing). Each repeat runs,
+one with `recovery="replicas"`, one with `recovery="recompute"` (which replicates nothing), both with static
+microbatches (as the paper's, and as recomputation has them). Each repeat runs,
 back to back: a failure-free microbatch on each, then one on each in which the last token stage is killed
 (SIGKILL) at decode step `kill_step`. Every request generates exactly `new_tokens` (end-of-sequence ignored).
 
@@ -114,7 +115,8 @@ def run_recovery_bench(model_name: str = "smollm2", *, prompt_stages: int = 1, t
     if token_stages < 2:
         raise ConfigError("--token-stages must be at least 2: each token stage keeps the next one's replicas")
     pipes = {variant: Pipeline(model_name, prompt_stages=prompt_stages, token_stages=token_stages,
-                               microbatch=microbatch, recovery=variant, standby=1, ignore_eos=True, heartbeat=heartbeat)
+                               microbatch=microbatch, recovery=variant, standby=1, ignore_eos=True, heartbeat=heartbeat,
+                               batching="static")
              for variant in VARIANTS}
     latency: dict[str, list[float]] = {f"{variant} {run}": [] for variant in VARIANTS for run in ("free", "failure")}
     kills: dict[str, list[KillTiming]] = {variant: [] for variant in VARIANTS}

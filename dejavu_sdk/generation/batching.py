@@ -220,6 +220,18 @@ def _kept(tokens: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[in
     return kept if end is None else kept[:end + 1]
 
 
+def group_rows(fields: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor,
+               rows: list[int]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """A group's fields (its members, limits and decodings), prompts and mask with only `rows`, left-padded to
+    the longest of them."""
+    ids, mask = ids[rows], mask[rows]
+    trim = int((mask == 0).all(0).long().cumprod(0).sum())
+    kept = dict(fields)
+    for name in ("members", "max_new_tokens", "decoding"):
+        kept[name] = [fields[name][row] for row in rows]
+    return kept, ids[:, trim:], mask[:, trim:]
+
+
 def take_microbatch(waiting: deque[Request], size: int,
                     fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
     """Up to `size` waiting requests, taking turns between the submissions they came in: one from each, the
@@ -269,6 +281,20 @@ class SlotBatch(Microbatch):
     #: Disaggregated: the prefill of a group whose first tokens came from the prompt pipeline, for the results
     #: of its rows that end with them (the slot reports that prefill with its next round).
     prefilled: Round | None = None
+    #: Every group sent into the slot, in order: its fields, prompts and mask (a recovery sends again those whose
+    #: prefill had not begun).
+    groups: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+    #: The row change the slot's next round opens with (rows that left, the group that joined), as the last stage
+    #: reported it with the slot's latest round.
+    next_change: tuple[list[int], list[int] | None] = ([], None)
+    #: With recovery, each member's generator state after its latest token (sampled rows).
+    states: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    #: With recovery: the epoch of the last recovery that planned where the slot goes on (rounds reported
+    #: before it are not taken after it), where the slot's replica starts over (`serving.slot_replicas.SlotBase`),
+    #: and, while a recovery resumes it, the slot as it goes on (`serving.slot_replicas.SlotTrace`).
+    plan_epoch: int = 0
+    base: Any = None
+    resuming: Any = None
 
     @classmethod
     def open(cls, number: int, pad: int) -> SlotBatch:

@@ -90,7 +90,7 @@ def leave(cache: DynamicCache, rows: SlotRows, leaving: Sequence[int]) -> SlotRo
     mask = rows.mask[keep]
     trim = int((mask == 0).all(0).long().cumprod(0).sum()) if keep else mask.shape[1]
     index = torch.tensor(keep, dtype=torch.long)
-    for layer in _kv_layers(cache):
+    for layer in kv_layers(cache):
         layer.keys = layer.keys[index.to(layer.keys.device), :, trim:].contiguous()
         layer.values = layer.values[index.to(layer.values.device), :, trim:].contiguous()
     return SlotRows([rows.members[row] for row in keep], mask[:, trim:].contiguous(), rows.positions[keep])
@@ -100,13 +100,13 @@ def stack(cache: DynamicCache, rows: SlotRows, group: DynamicCache, group_rows: 
     """Stack a prefilled group's cache under the slot's rows (in place), the shorter left-padded to the longer
     with zeros (masked out)."""
     if not rows.members:
-        for layer, joining in zip(_kv_layers(cache), _kv_layers(group), strict=True):
+        for layer, joining in zip(kv_layers(cache), kv_layers(group), strict=True):
             if not layer.is_initialized:
                 layer.lazy_initialization(joining.keys, joining.values)
             layer.keys, layer.values = joining.keys, joining.values
         return SlotRows(list(group_rows.members), group_rows.mask, group_rows.positions)
     length = max(rows.mask.shape[1], group_rows.mask.shape[1])
-    for layer, joining in zip(_kv_layers(cache), _kv_layers(group), strict=True):
+    for layer, joining in zip(kv_layers(cache), kv_layers(group), strict=True):
         layer.keys = torch.cat([_left_pad(layer.keys, length), _left_pad(joining.keys, length)])
         layer.values = torch.cat([_left_pad(layer.values, length), _left_pad(joining.values, length)])
     mask = torch.cat([_left_pad(rows.mask, length), _left_pad(group_rows.mask, length)])
@@ -165,5 +165,6 @@ def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def _kv_layers(cache: DynamicCache) -> list[Any]:
+def kv_layers(cache: DynamicCache) -> list[Any]:
+    """A cache's layers, each with its `keys` and `values` (continuous batching takes only such caches)."""
     return list(cache.layers)

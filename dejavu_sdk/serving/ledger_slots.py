@@ -20,10 +20,11 @@ import torch
 
 from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
-from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.batching import Microbatch, Request, SlotBatch, group_rows
 from ..generation.slots import Round
-from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
+from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
 from .messages import Kind, Message
+from .slot_replicas import SlotBase
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
 SLOT_ROUNDS = 1024
@@ -83,6 +84,7 @@ class SlotDecisions(LedgerState):
         batch = flight.batch
         assert isinstance(batch, SlotBatch)
         fields, ids, mask = batch.enter(taken)
+        batch.groups.append((fields, ids, mask))
         self._reserve(flight)
         if self.layout.disaggregated:
             number = self._numbers
@@ -106,7 +108,10 @@ class SlotDecisions(LedgerState):
             assert isinstance(batch, SlotBatch)
             tokens, _, ended, rng = tensors
             members = group.fields["members"]
-            batch.add_tokens(members, tokens[:, 0].tolist())
+            new = [row for row, member in enumerate(members) if not batch.generated[batch.rows_of[member]]]
+            batch.add_tokens([members[row] for row in new], tokens[new, 0].tolist())  # again after a recovery: kept
+            if rng.numel():
+                batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
             flight.progress = time.monotonic()
             outcome.answers = self._failed_rows(batch, {str(batch.rows_of[members[int(row)]]): failure
                                                         for row, failure in failures.items()})
@@ -171,9 +176,12 @@ class SlotDecisions(LedgerState):
         entering = [batch.requests[row] for row in sorted(batch.entering)]
         return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
 
-    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int]) -> Outcome:
+    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int],
+                 states: torch.Tensor | None = None) -> Outcome:
         """A slot's round from the last stage: its schedule grows, its members' tokens stream, ended rows are
-        answered and failed ones fail; an idle round leaves the slot waiting for a group (or to be ended)."""
+        answered and failed ones fail; an idle round leaves the slot waiting for a group (or to be ended). A
+        round from before a recovery counts until that recovery plans where the slot goes on (it was computed,
+        and streamed to the replicas, before the failure); `states` are the generators' states of its picks."""
         outcome = Outcome()
         with self.lock:
             flight = self.flights.get(number)
@@ -181,9 +189,16 @@ class SlotDecisions(LedgerState):
                 return outcome
             batch = flight.batch
             assert isinstance(batch, SlotBatch)
+            if int(fields.get("epoch", 0)) < batch.plan_epoch:
+                return outcome
             flight.progress = time.monotonic()
             batch.add_round(Round.of(fields["round"]), fields["members"], tokens, fields.get("complete", ()))
             batch.idle = bool(fields.get("idle"))
+            change = fields.get("next") or {}
+            batch.next_change = (list(change.get("left", [])), change.get("joined"))
+            if states is not None:
+                batch.states.update((int(member), state.clone())
+                                    for member, state in zip(fields["members"], states, strict=True))
             failures = {str(batch.rows_of[int(member)]): failure
                         for member, failure in fields.get("failed", {}).items()}
             outcome.answers = self._failed_rows(batch, failures)
@@ -213,3 +228,89 @@ class SlotDecisions(LedgerState):
         return [(self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
             "microbatch": batch.number, "rows": [request.number], "epoch": self.epoch()}))]
 
+
+    # ---- recoveries --------------------------------------------------------------------------------------
+    def slots_to_recover(self, epoch: int) -> list[tuple[int, SlotBatch]]:
+        """The slots in flight, whose rounds reported before the recovery of `epoch` count, and no later ones
+        from before it (the recovery plans from these)."""
+        with self.lock:
+            slots = [(number, flight.batch) for number, flight in sorted(self.flights.items())
+                     if isinstance(flight.batch, SlotBatch) and flight.phase is Phase.DECODING]
+            for _, batch in slots:
+                batch.plan_epoch = epoch
+            return slots
+
+    def resume_slots(self, rounds: dict[int, int], lost: dict[int, str]) -> Outcome:
+        """After a recovery: each slot in `rounds` goes on from its round there, as the stages now hold it
+        (`SlotBatch.resuming`): the groups whose prefill had not begun are sent again (disaggregated: to the
+        prompt pipeline, whose first tokens are the same ones), and its next round starts unless it was parked;
+        the slots `lost` fail their requests with the reason given."""
+        outcome = Outcome()
+        now = time.monotonic()
+        with self.lock:
+            epoch = self.epoch()
+            for number, reason in lost.items():
+                flight = self.flights.pop(number, None)
+                if flight is not None:
+                    outcome.answers += self._lose_slot(flight.batch, reason)
+            for number in rounds:
+                flight = self.flights[number]
+                batch = flight.batch
+                assert isinstance(batch, SlotBatch)
+                assert batch.resuming is not None  # set as its rewind succeeded
+                found, batch.resuming = batch.resuming, None
+                batch.base = SlotBase(len(batch.rounds), found.rows, found.joining)
+                flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
+                outcome.sends += self._send_again(batch, found.started, epoch)
+                if not batch.idle:
+                    left, joined = batch.next_change
+                    last = [batch.generated[batch.rows_of[member]][-1] for member in found.rows.members]
+                    tokens = torch.tensor(last, dtype=torch.long).reshape(-1, 1)
+                    outcome.sends.append((self.layout.decoding_stages()[0], Message(Kind.DECODE, {
+                        "microbatch": number, "left": left, "joined": joined, "applied": True, "epoch": epoch},
+                        (tokens,))))
+                cancelled = [batch.requests[row].number for row in sorted(batch.dropped & batch.present)]
+                if cancelled:  # cancelled during the recovery, maybe after the rewind that named the others
+                    outcome.sends.append((self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
+                        "microbatch": number, "rows": cancelled, "epoch": epoch})))
+        return outcome
+
+    def _lose_slot(self, batch: Microbatch, reason: str) -> list[Answer]:
+        """A slot that cannot go on: its requests without a token yet wait again, first in the queue (nothing of
+        theirs was streamed); the others fail with `reason` (under the lock)."""
+        self._slot_groups(batch)
+        fresh = [row for row in range(len(batch.requests)) if row not in batch.settled and not batch.generated[row]
+                 and not batch.requests[row].future.done()]
+        batch.settled.update(fresh)
+        self.waiting.extendleft(reversed([batch.requests[row] for row in fresh]))
+        return _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
+
+    def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:
+        """The groups of `batch` whose prefill had not begun (none of their members in a `started` group), sent
+        again in their order, less their members no longer on their way in (under the lock)."""
+        begun = {member for group in started for member in group}
+        for number in [number for number, group in self.prompting.items() if group.slot == batch.number]:
+            del self.prompting[number]
+        batch.staged.clear()
+        sends: list[tuple[int, Message]] = []
+        for fields, ids, mask in batch.groups:
+            members = fields["members"]
+            if begun & set(members):
+                continue
+            rows = [row for row, member in enumerate(members) if batch.rows_of[member] in batch.entering
+                    and batch.rows_of[member] not in batch.dropped]
+            batch.leave_unentered([member for row, member in enumerate(members) if row not in rows
+                                   and batch.rows_of[member] in batch.entering])
+            if not rows:
+                continue
+            again, group_ids, group_mask = group_rows(fields, ids, mask, rows)
+            if self.layout.disaggregated:
+                number = self._numbers
+                self._numbers += 1
+                self.prompting[number] = PromptGroup(batch.number, again, group_mask)
+                sends.append((0, Message(Kind.PREFILL, {**again, "microbatch": number, "epoch": epoch},
+                                         (group_ids, group_mask))))
+            else:
+                sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **again, "epoch": epoch},
+                                         (group_ids, group_mask))))
+        return sends

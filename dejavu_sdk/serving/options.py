@@ -88,8 +88,10 @@ class PipelineOptions:
     its prompt prefilled beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x
     prompt columns) a step while rows decode (None: all at once); each `Result.schedule` records the slot's
     rounds. `"static"` runs each microbatch until its last row ends, as `model.generate` runs a batch. Left
-    unset, recovery and sliding-window models keep static microbatches (they do not take continuous batching
-    yet; asked for explicitly, that is a ConfigError).
+    unset, `recovery="recompute"` and sliding-window models keep static microbatches (they do not take
+    continuous batching; asked for explicitly, that is a ConfigError). With `recovery="replicas"` a slot goes
+    on from right after its last round the head heard of, every row with the tokens of the run without the
+    failure (each stage writes a round to its replica before passing it on).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
@@ -194,7 +196,7 @@ def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> 
     ConfigError when continuous is asked for there."""
     if batching is not None:
         check_batching(batching)
-    why = ("recovery" if recovery is not None else
+    why = ("recovery='recompute'" if recovery == "recompute" else
            "sliding-window attention layers" if not full_attention(model.config) else None)
     if batching == "continuous" and why is not None:
         raise ConfigError(f"batching='continuous' does not cover {why} yet: use batching='static'")

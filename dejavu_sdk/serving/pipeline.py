@@ -318,7 +318,8 @@ class Pipeline:
                            TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
 
     def _handle(self, message: Message) -> None:
-        if message.kind in STEP_REPORTS and int(message.fields.get("epoch", 0)) < self.fleet.epoch:
+        if (message.kind in STEP_REPORTS and int(message.fields.get("epoch", 0)) < self.fleet.epoch
+                and "round" not in message.fields):  # a slot's round counts until a recovery plans (`on_round`)
             return  # sent before a recovery, which decided where its microbatch goes on from
         if message.kind in RECOVERY_REPLIES:
             self.replies.put(message)
@@ -331,7 +332,7 @@ class Pipeline:
         states = message.tensors[1] if len(message.tensors) > 1 else None  # sampling with recovery
         number, tokens = int(message.fields["microbatch"]), message.tensors[0].tolist()
         if "round" in message.fields:  # a slot's round: rows may have left, and room for others be free
-            self._carry_out(self.ledger.on_round(number, message.fields, tokens))
+            self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
             self._admit()
             return
         self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {})))

@@ -40,9 +40,11 @@ import attrs
 import torch
 
 from ..errors import DejaVuError, TransportError
+from ..generation.batching import SlotBatch
 from .fleet import Fleet
-from .ledger import Ledger, answer
+from .ledger import POISON, Ledger, answer
 from .messages import Kind, Message
+from .recovery_slots import SlotRecovery
 from .replication import assemble, held_positions, replica_stream
 from .resume import ResumePlan, ended_rows, plan_resume
 
@@ -77,12 +79,17 @@ class RecoveryReport:
     total: float
     detected: float
     failed: list[int] = attrs.field(factory=list)
+    #: Continuous batching: each slot that went on, with the round it went on with, and each that could not, why.
+    slots: dict[int, int] = attrs.field(factory=dict)
+    lost: dict[int, str] = attrs.field(factory=dict)
 
     def describe(self) -> str:
         resumed = ", ".join(f"microbatch {number} from step {step}" for number, step in sorted(self.resumed.items()))
         return (f"recovered {', '.join(self.replaced) or 'no stage'} ({self.reason}) in {self.total:.2f} s: paused "
                 f"{self.pausing:.2f} s, replaced {self.replacing:.2f} s, caches back {self.transferring:.2f} s; "
                 f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}"
+                + (f"; slots going on at rounds {self.slots}" if self.slots else "")
+                + (f"; slots lost {self.lost}" if self.lost else "")
                 + (f"; finished before it {self.finished}" if self.finished else "")
                 + (f"; failed (no progress since the recovery before) {self.failed}" if self.failed else ""))
 
@@ -157,16 +164,27 @@ class Recovery:
         plan = self._plan(paused)
         log.info("epoch %d: replaced in %.3f s; resuming %s, recomputing %s", self.epoch, replacing, plan.resumed,
                  plan.recomputed)
+        slots = SlotRecovery(self)
+        slots.plan(paused, POISON)
         decoding = self.layout.decoding_stages()
         self._transfer(plan.resumed, plan.recomputed)
-        gone = [number for number in self.ledger.holding_numbers() if number not in plan.resumed]
+        slots.transfer()
+        gone = [number for number in self.ledger.holding_numbers()
+                if number not in plan.resumed and number not in slots.resumed]
         for index in decoding:
             self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": gone}))
         self._rewind(plan.resumed, decoding)
+        slots.rewind(decoding)
+        failed_rewinds = [number for number in slots.lost if number not in gone]
+        if failed_rewinds:
+            for index in decoding:
+                self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": failed_rewinds}))
         transferring = time.monotonic() - started
         report = RecoveryReport(self.epoch, [stages[index].name for index in sorted(self.dead)], self.reason,
                                 plan.resumed, plan.recomputed, plan.finished, pausing, replacing, transferring,
-                                time.monotonic() - self.detected, self.detected, plan.failed)
+                                time.monotonic() - self.detected, self.detected, plan.failed,
+                                {number: len(batch.rounds) for number, (batch, _) in slots.resumed.items()},
+                                dict(slots.lost))
         log.warning("%s", report.describe())
         return report
 
@@ -204,8 +222,9 @@ class Recovery:
     def _plan(self, paused: dict[str, Message]) -> ResumePlan:
         """`plan_resume` over what the survivors reported."""
         survivors = [index for index in self.layout.decoding_stages() if index not in self.dead]
+        static = [flight for flight in self.ledger.in_flight() if not isinstance(flight[1], SlotBatch)]
         return plan_resume(
-            self.ledger.in_flight(), self.dead, self.layout, self.options.recovery, self.ledger.eos,
+            static, self.dead, self.layout, self.options.recovery, self.ledger.eos,
             lambda number: all(str(number) in paused[self.layout.stages[index].name].fields["caches"]
                                for index in survivors),
             lambda index, number: self._replica_reach(index, number, paused))
@@ -262,6 +281,18 @@ class Recovery:
                 recomputed.append(number)
                 continue
             self._send(index, Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch}, (block,)))
+
+    def send(self, index: int, message: Message) -> None:
+        """Send stage `index` a recovery message (`_send`)."""
+        self._send(index, message)
+
+    def wait(self, kind: Kind, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
+        """The replies of `kind` from every one of `senders` (`_await`)."""
+        return self._await(kind, senders, key, blame)
+
+    def dead_too(self, index: int, reason: str) -> None:
+        """Stage `index` is dead as well: this attempt stops, and the next replaces it too."""
+        raise RecoveryRetry([index], reason)
 
     def _check_open(self) -> None:
         if self.closed():
@@ -359,7 +390,9 @@ class Recoveries:
             if report is None:
                 return
             recovered = report.epoch
+            slots = self.ledger.resume_slots(report.slots, report.lost)
             outcome = self.ledger.resume(report.resumed, report.recomputed, report.finished, report.failed)
+            outcome.sends[:0], outcome.answers[:0] = slots.sends, slots.answers
             answer(outcome.answers)
             try:
                 for index, message in outcome.sends:

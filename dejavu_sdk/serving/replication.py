@@ -142,9 +142,12 @@ def _quietly_finish(manager: CacheManager) -> None:
 
 def delete_replicas(store: Store, stages: list[int], microbatches: list[int], prefix: str) -> None:
     """Delete what the decoding `stages` (numbers in the token pipeline) replicated of `microbatches` into a shared
-    replica store, and close it: a closing pipeline leaves nothing behind."""
-    for number in microbatches:
-        for stage in stages:
-            with contextlib.suppress(StoreError):
-                store.delete(replica_stream(stage, number, prefix))
+    replica store (a slot's pieces included), and close it: a closing pipeline leaves nothing behind."""
+    names = {replica_stream(stage, number, prefix) for number in microbatches for stage in stages}
+    with contextlib.suppress(StoreError):
+        streams = {key.stream_id for key in store.keys(None)}
+        for stream in sorted(streams):
+            if stream in names or stream.rsplit("-", 1)[0] in names:  # a slot's pieces: `<stream>-<piece>`
+                with contextlib.suppress(StoreError):
+                    store.delete(stream)
     store.close()

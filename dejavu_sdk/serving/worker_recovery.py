@@ -10,7 +10,7 @@ before the next step; `StageWorker.handle` dispatches every kind in `RECOVERY` h
 - `drop` forgets microbatches that start over from their prompts (the head also sends it for a microbatch that
   failed, so that its other stages let it go);
 - `rewind` continues a microbatch from a given position: survivors crop their caches to it, a replacement
-  builds its cache from the restored replica; answers `rewound`.
+  builds its cache from the restored replica; answers `rewound` (a slot's: `worker_slot_recovery`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message, pack
 from .replication import assemble, cache_from, held_positions, replica_stream
-from .worker_state import MicrobatchState, WorkerState, open_links
+from .slot_replicas import piece_stream
+from .worker_slot_recovery import SlotRecoveryHandlers
+from .worker_state import MicrobatchState, open_links
 
 #: The head's recovery messages (`pause` starts a new epoch); `drop` also forgets a microbatch that failed.
 RECOVERY = ("pause", "relink", "send_replica", "restore", "drop", "rewind")
 
 
-class RecoveryHandlers(WorkerState):
+class RecoveryHandlers(SlotRecoveryHandlers):
     """The handlers of the `RECOVERY` messages, one method `_<kind>` each; `StageWorker` inherits them."""
 
     def _pause(self, message: Message) -> None:
@@ -46,6 +48,7 @@ class RecoveryHandlers(WorkerState):
         self.restored.clear()
         caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches
                   if number in self.caches}
+        rounds = {str(number): state.round for number, state in self.slots.items()}  # continuous: rounds run
         holds = {}
         owner = message.fields.get("replica_of")
         if owner is not None:
@@ -54,7 +57,7 @@ class RecoveryHandlers(WorkerState):
                 holds[str(number)] = held_positions(store.keys(replica_stream(owner, number, self.prefix)),
                                                     int(message.fields["replica_layers"]))
         self.head.send_tensor(pack(Message(Kind.PAUSED, {"stage": self.role.name, "epoch": self.epoch,
-                                                      "caches": caches, "holds": holds})))
+                                                      "caches": caches, "holds": holds, "slots": rounds})))
 
     def _relink(self, message: Message) -> None:
         """Reconnect to the neighbours at the addresses given (some of them replacements)."""
@@ -66,24 +69,30 @@ class RecoveryHandlers(WorkerState):
     def _send_replica(self, message: Message) -> None:
         """Send the replica held here of stage `owner`'s microbatch back to that stage's replacement at `to`."""
         fields = message.fields
-        number, positions = int(fields["microbatch"]), int(fields["positions"])
-        answer: dict[str, Any] = {"stage": self.role.name, "microbatch": number, "epoch": self.epoch}
+        number, positions, part = int(fields["microbatch"]), int(fields["positions"]), fields.get("part")
+        answer: dict[str, Any] = {"stage": self.role.name, "microbatch": number, "epoch": self.epoch,
+                                  "item": fields.get("item")}
+        stream = (replica_stream(int(fields["owner"]), number, self.prefix) if part is None
+                  else piece_stream(int(fields["owner"]), number, part, self.prefix))  # a piece of a slot's replica
         try:
-            block = assemble(self.inbox.store, replica_stream(int(fields["owner"]), number, self.prefix),
-                             int(fields["layers"]), positions)
+            block = assemble(self.inbox.store, stream, int(fields["layers"]), positions)
         except DejaVuError as error:  # a replica short or damaged: that microbatch starts over
             answer["error"] = f"{type(error).__name__}: {error}"
         else:
             try:
                 with open_transport(fields["to"]) as replacement:
-                    replacement.send_tensor(pack(Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch},
-                                                         (block,))))
+                    replacement.send_tensor(pack(Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch,
+                                                                        "part": part}, (block,))))
             except TransportError as error:  # the replacement is gone too
                 answer.update(error=str(error), unreachable=True)
         self.head.send_tensor(pack(Message(Kind.SENT, answer)))
 
     def _restore(self, message: Message) -> None:
-        self.restored[int(message.fields["microbatch"])] = message.tensors[0].clone()
+        number, part = int(message.fields["microbatch"]), message.fields.get("part")
+        if part is None:
+            self.restored[number] = message.tensors[0].clone()
+        else:
+            self.restored_pieces.setdefault(number, {})[str(part)] = message.tensors[0].clone()
 
     def _drop(self, message: Message) -> None:
         """Forget microbatches that start over from their prompts, failed, or ended meanwhile. A failed one's
@@ -97,6 +106,9 @@ class RecoveryHandlers(WorkerState):
         """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of
         step `steps`: crop the cache held here to it (a replacement builds it from its restored replica), and
         replicate from there (from 0 to a new holder, else from where the replica reaches)."""
+        if self.continuous:
+            self._rewind_slot(message)
+            return
         fields = message.fields
         number, positions, steps = int(fields["microbatch"]), int(fields["positions"]), int(fields["steps"])
         prompt_mask, ended, rng = message.tensors

@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
+from ..generation.batching import group_rows
 from ..generation.decoding import TokenPicker, next_tokens
 from ..generation.slots import Joining, Round, SlotRows, leave, stack
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message
+from .slot_replicas import kv_block
 from .worker_state import SlotState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,11 @@ class SlotHandlers(WorkerState):
     def _end_slot(self, number: int, message: Message) -> None:
         """The head ended the slot (idle, with no group bound for it): free it here and pass the word on; the
         last stage tells the head that every stage has."""
-        self.slots.pop(number, None)
+        state = self.slots.pop(number, None)
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
+        if state is not None and self.replicator is not None:
+            self._slot_replicas().end(number, state.pieces)
         if self.stage.last:
             self._send(self.head, Message(Kind.FREED, {"microbatch": number}))
         else:
@@ -130,11 +134,15 @@ class SlotHandlers(WorkerState):
         fields = dict(message.fields)
         if self._waits_for_kv(number, state, message):
             return
+        index, state.round = state.round, state.round + 1
         decode_in = message.tensors[0]
         prefill_in, group_mask, rng = (message.tensors[1:4] if len(message.tensors) == 4
                                        else (_EMPTY, _EMPTY, _EMPTY))
         cache = self.caches.acquire(number) if number in self.caches else None
-        cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
+        if fields.get("applied"):  # a recovery made this round's row change already
+            changed = False
+        else:
+            cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
         decoded = list(state.rows.members)
         if self.stage.first:
             fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields, bool(decoded))
@@ -142,18 +150,43 @@ class SlotHandlers(WorkerState):
         if self.stage.first and not decoded and fields.get("prefill") is None:
             state.parked = True  # nothing to run: the next group to enter wakes it
         if fields.get("prefill") is not None:
+            if fields.get("group") is not None:
+                state.started = index
             prefill_out = self._prefill_columns(state, fields, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
             self.caches.pin(("group", number), None if group is None else group.cache if isinstance(group, Joining)
                             else group[0])  # on the device until it joins
         else:
             prefill_out = _EMPTY
+        state.last = (bool(decoded), fields.get("prefill"))
         if cache is not None:
             self._put_slot_back(number, state, cache, changed)
+        if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
+            self._replicate_round(number, state, index, fields, cache)
         if not self.stage.last:
             self._send(self.following, Message(Kind.DECODE, fields, (decode_out, prefill_out, group_mask, rng)))
             return
         self._pick_round(number, state, fields, decoded, decode_out, prefill_out)
+
+    def _replicate_round(self, number: int, state: SlotState, index: int, fields: dict[str, Any], cache: Any) -> None:
+        """Write what round `index` added to the slot's replica: a new segment when its rows changed, the decode
+        column, the joining group's prompt columns; and delete the pieces no row reads any more."""
+        writer, pieces = self._slot_replicas(), state.pieces
+        if fields["left"] or fields["joined"]:
+            writer.new_segment(pieces, index, state.rows.members)
+        decoded, prefill = state.last or (False, None)
+        if decoded:
+            writer.decoded(number, pieces, state.rows.members, cache)
+        if prefill is not None:
+            members, start, stop = prefill
+            group = state.joining.cache if state.joining is not None else state.ready[0] if state.ready else None
+            assert group is not None  # the group whose columns just ran
+            assert state.started is not None
+            writer.write(number, pieces, f"group{state.started}", members, kv_block(group, start, stop), start)
+        if fields["left"]:
+            present = {*state.rows.members, *(state.joining.members if state.joining is not None else ()),
+                       *(state.ready[1].members if state.ready is not None else ())}
+            writer.collect(number, pieces, present)
 
     def _waits_for_kv(self, number: int, state: SlotState, message: Message) -> bool:
         """Disaggregated: whether this round must wait for a group's prompt KV still on its way from the prompt
@@ -300,6 +333,7 @@ class SlotHandlers(WorkerState):
         members: list[int] = []
         tokens: list[torch.Tensor] = []
         failed: dict[str, Any] = {}
+        pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
         if decoded:
             assert state.picker is not None
             counts = [state.counts[member] + 1 for member in decoded]
@@ -312,6 +346,7 @@ class SlotHandlers(WorkerState):
             failed.update({str(decoded[row]): failure.fields() for row, failure in failures.items()})
             for member in decoded:
                 state.counts[member] += 1
+            pickers.append((len(decoded), state.picker.states() if self.recovery else None))
         joined: list[int] | None = None
         complete: list[int] = []
         if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
@@ -329,6 +364,7 @@ class SlotHandlers(WorkerState):
                 members += group_members
                 tokens.append(picked)
                 failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
+                pickers.append((len(group_members), picker.states() if self.recovery else None))
             keep = [row for row, done in enumerate(ended.tolist()) if not done]
             state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
@@ -338,13 +374,15 @@ class SlotHandlers(WorkerState):
         step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
                      None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]))
         idle = not decoded and fields.get("prefill") is None  # parked on the first stage
+        left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
-        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "members": members, "failed": failed,
-                                                  "round": step.fields(), "complete": complete, "idle": idle},
-                                      (report,)))
+        states = _states(pickers)
+        self._send(self.head, Message(Kind.TOKENS, {
+            "microbatch": number, "members": members, "failed": failed, "round": step.fields(), "complete": complete,
+            "idle": idle, "next": {"left": left, "joined": None if idle else joined}},
+            (report,) if states is None else (report, states)))
         if idle:
             return
-        left = [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
         self._let_go(state, left)
         staying = [row for row, member in enumerate(decoded) if member not in set(left)]
         following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
@@ -364,12 +402,18 @@ class SlotHandlers(WorkerState):
             state.cancelled.discard(member)
 
 
+def _states(pickers: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor | None:
+    """The generators' states of a round's picks, a row each in the report's order (zeros for greedy rows);
+    None when no row samples."""
+    size = next((states.shape[1] for _, states in pickers if states is not None), None)
+    if size is None:
+        return None
+    return torch.cat([torch.zeros((rows, size), dtype=torch.uint8) if states is None else states
+                      for rows, states in pickers])
+
+
 def _group_rows(group: Message, rows: list[int]) -> Message:
     """A queued group's message with only `rows` (its others were cancelled)."""
     ids, mask = group.tensors
-    ids, mask = ids[rows], mask[rows]
-    trim = int((mask == 0).all(0).long().cumprod(0).sum())  # left-padded to the longest of those left
-    fields = dict(group.fields)
-    for name in ("members", "max_new_tokens", "decoding"):
-        fields[name] = [fields[name][row] for row in rows]
-    return Message(group.kind, fields, (ids[:, trim:], mask[:, trim:]))
+    fields, ids, mask = group_rows(group.fields, ids, mask, rows)
+    return Message(group.kind, fields, (ids, mask))

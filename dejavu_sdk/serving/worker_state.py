@@ -27,6 +27,7 @@ from ..transports.base import Server, Transport
 from .handoff import LayerSender, StagedKV
 from .messages import Message, pack
 from .replication import Replicator
+from .slot_replicas import SlotPieces, SlotReplicas
 
 #: A stage's links: to the next stage, the last stage's back to the first, a prompt stage's to the token stages,
 #: and a decoding stage's to the holder of its replicas.
@@ -83,11 +84,20 @@ class SlotState:
     `finals` is each member's cache length at its end (the slot's capacity). The first stage keeps the groups
     waiting to enter (`queued`), and whether the slot is `parked` (a round found nothing to run: the next group
     to enter starts one); the last stage the slot's picker, which rows have ended, each member's token count
-    and limit, the requests cancelled, and a finished group's picker and first tokens."""
+    and limit, the requests cancelled, and a finished group's picker and first tokens.
+
+    With recovery, a stage also counts the slot's rounds it ran (`round`), keeps what the last one ran (`last`:
+    whether rows decoded, and the prefill columns) so that a recovery can take it back, the round at which the
+    joining group's prefill began (`started`: it names the group's replica piece), and what it has written of
+    the slot's replica (`pieces`)."""
 
     rows: SlotRows = attrs.field(factory=SlotRows)
     joining: Joining | None = None
     ready: tuple[Any, SlotRows] | None = None
+    round: int = 0
+    last: tuple[bool, list[Any] | None] | None = None
+    started: int | None = None
+    pieces: SlotPieces = attrs.field(factory=SlotPieces)
     finals: dict[int, int] = attrs.field(factory=dict)
     queued: deque[Message] = attrs.field(factory=deque)
     parked: bool = False
@@ -141,6 +151,7 @@ class WorkerState:
         self.prefix = replica_prefix  # of the replica streams, this pipeline's
         self._reported_epoch = -1  # the epoch in which a lost link was last reported
         self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
+        self.restored_pieces: dict[int, dict[str, torch.Tensor]] = {}  # a replacement's: its slots' replica pieces
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         self.microbatches: dict[int, MicrobatchState] = {}
         #: Continuous batching: each microbatch is a slot whose rows come and go (`worker_slots`).
@@ -172,13 +183,21 @@ class WorkerState:
     def _forget(self, number: int) -> None:
         """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
         self.microbatches.pop(number, None)
-        self.slots.pop(number, None)
+        slot = self.slots.pop(number, None)
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
         self.restored.pop(number, None)
+        self.restored_pieces.pop(number, None)
         self.staged.pop(number, None)
         if self.replicator is not None:
             self.replicator.end(number)
+            if slot is not None:
+                self._slot_replicas().end(number, slot.pieces)
+
+    def _slot_replicas(self) -> SlotReplicas:
+        """The writer of the slots' replicas, through the replicator of the links now."""
+        assert self.replicator is not None  # only asked for with recovery from replicas
+        return SlotReplicas(self.replicator)
 
     def _send(self, link: Transport | None, message: Message) -> None:
         """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
