@@ -22,12 +22,12 @@ import torch
 from ..errors import DejaVuError
 from ..generation.batching import SlotBatch, left_pad
 from ..swapping import positions_needed
-from .messages import Kind, Message
-from .replication import assemble
 from .fleet import Fleet
 from .layout import Layout
 from .ledger import Ledger
+from .messages import Kind, Message
 from .options import PipelineOptions
+from .replication import assemble
 from .slot_replicas import SlotTrace, piece_stream, trace
 
 log = logging.getLogger(__name__)
