@@ -1,7 +1,9 @@
 """`dejavu demo --cluster`: a token stage of a served SmolLM2 is killed mid-generation, and no answer changes.
 
 The controller serves SmolLM2 over its OpenAI-compatible API on this machine, with one prompt stage and two
-token stages (each replicating its KV cache into the other's memory) and a warm standby. The demo asks a few
+token stages (each replicating its KV cache into the other's memory) and a warm standby, and static
+microbatches (whose rows equal a failure-free run token for token; a continuous slot's rows are held to the
+replay of their schedule, which a failure may change, see docs/cluster.md). The demo asks a few
 questions once without a failure, then again, streamed, and kills one token stage with SIGKILL part way. It
 prints the detection and each recovery step as they happen, and ends by comparing every answer with the
 failure-free run.
@@ -56,7 +58,7 @@ def run_cluster_demo(new_tokens: int = 64, kill_after: int | None = None) -> boo
     watched = [logging.getLogger("dejavu_sdk.serving.recovery"), logging.getLogger("dejavu_sdk.serving.pipeline")]
     print("starting the controller: 1 prompt stage, 2 token stages (a replication ring), 1 warm standby ...")
     with Controller("smollm2", prompt_stages=1, token_stages=2, microbatch=2, port=0, standby=1,
-                    heartbeat=0.5) as controller:
+                    heartbeat=0.5, batching="static") as controller:
         _wait_for_standby(controller)
         for stage in controller.status()["stages"]:
             print(f"  {stage['name']:14s} layers {stage['layers'][0]:2d}-{stage['layers'][1]:2d}  pid {stage['pid']}")

@@ -24,7 +24,6 @@ from ..generation.batching import Microbatch, Request, SlotBatch, group_rows
 from ..generation.slots import Round
 from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
 from .messages import Kind, Message
-from .slot_replicas import SlotBase
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
 SLOT_ROUNDS = 1024
@@ -242,9 +241,9 @@ class SlotDecisions(LedgerState):
 
     def resume_slots(self, rounds: dict[int, int], lost: dict[int, str]) -> Outcome:
         """After a recovery: each slot in `rounds` goes on from its round there, as the stages now hold it
-        (`SlotBatch.resuming`): the groups whose prefill had not begun are sent again (disaggregated: to the
-        prompt pipeline, whose first tokens are the same ones), and its next round starts unless it was parked;
-        the slots `lost` fail their requests with the reason given."""
+        (`SlotBatch.resuming`; a disaggregated slot not opened yet, from its start): the groups whose prefill had
+        not begun are sent again (disaggregated: to the prompt pipeline, whose first tokens are the same ones),
+        and its next round starts unless it was parked; the slots `lost` requeue or fail their requests."""
         outcome = Outcome()
         now = time.monotonic()
         with self.lock:
@@ -257,10 +256,12 @@ class SlotDecisions(LedgerState):
                 flight = self.flights[number]
                 batch = flight.batch
                 assert isinstance(batch, SlotBatch)
+                flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
+                if not batch.opened:  # its first group had not reached the token stages: it goes again
+                    outcome.sends += self._send_again(batch, set(), epoch)
+                    continue
                 assert batch.resuming is not None  # set as its rewind succeeded
                 found, batch.resuming = batch.resuming, None
-                batch.base = SlotBase(len(batch.rounds), found.rows, found.joining)
-                flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
                 outcome.sends += self._send_again(batch, found.started, epoch)
                 if not batch.idle:
                     left, joined = batch.next_change

@@ -90,8 +90,8 @@ class PipelineOptions:
     rounds. `"static"` runs each microbatch until its last row ends, as `model.generate` runs a batch. Left
     unset, `recovery="recompute"` and sliding-window models keep static microbatches (they do not take
     continuous batching; asked for explicitly, that is a ConfigError). With `recovery="replicas"` a slot goes
-    on from right after its last round the head heard of, every row with the tokens of the run without the
-    failure (each stage writes a round to its replica before passing it on).
+    on from right after its last round the head heard of, as it stood then (each stage writes a round to its
+    replica before passing it on), and every row still equals the replay of its `Result.schedule`.
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way

@@ -170,7 +170,7 @@ class Recovery:
         self._transfer(plan.resumed, plan.recomputed)
         slots.transfer()
         gone = [number for number in self.ledger.holding_numbers()
-                if number not in plan.resumed and number not in slots.resumed]
+                if number not in plan.resumed and number not in slots.resumed and number not in slots.unopened]
         for index in decoding:
             self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": gone}))
         self._rewind(plan.resumed, decoding)
@@ -183,7 +183,8 @@ class Recovery:
         report = RecoveryReport(self.epoch, [stages[index].name for index in sorted(self.dead)], self.reason,
                                 plan.resumed, plan.recomputed, plan.finished, pausing, replacing, transferring,
                                 time.monotonic() - self.detected, self.detected, plan.failed,
-                                {number: len(batch.rounds) for number, (batch, _) in slots.resumed.items()},
+                                {**{number: len(batch.rounds) for number, (batch, _) in slots.resumed.items()},
+                                 **dict.fromkeys(slots.unopened, 0)},
                                 dict(slots.lost))
         log.warning("%s", report.describe())
         return report

@@ -28,7 +28,7 @@ from .ledger import Ledger
 from .messages import Kind, Message
 from .options import PipelineOptions
 from .replication import assemble
-from .slot_replicas import SlotTrace, piece_stream, trace
+from .slot_replicas import SlotBase, SlotTrace, piece_stream, trace
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class SlotRecovery:
         self.recovery = recovery
         self.resumed: dict[int, tuple[SlotBatch, SlotTrace]] = {}
         self.lost: dict[int, str] = {}
+        #: Disaggregated slots whose first group had not reached the token stages: nothing to rewind, the group is
+        #: sent again.
+        self.unopened: list[int] = []
 
     def plan(self, paused: dict[str, Message], poison: str) -> None:
         recovery = self.recovery
@@ -66,6 +69,9 @@ class SlotRecovery:
         survivors = [index for index in layout.decoding_stages() if index not in recovery.dead]
         for number, batch in ledger.slots_to_recover(recovery.epoch):
             heard = len(batch.rounds)
+            if not batch.opened:
+                self.unopened.append(number)
+                continue
             if recovery.options.recovery != "replicas":
                 self.lost[number] = "continuous batching recovers from replicas only"
                 continue
@@ -147,8 +153,9 @@ class SlotRecovery:
                       if reply.fields.get("error")]
             if errors:
                 self._lose(number, "; ".join(errors))
-            else:
+            else:  # its replica starts over from here on every stage: a retry of this recovery traces from it
                 batch.resuming = found
+                batch.base = SlotBase(len(batch.rounds), found.rows, found.joining)
 
     def _lose(self, number: int, reason: str) -> None:
         if self.resumed.pop(number, None) is not None:

@@ -46,6 +46,7 @@ class RecoveryHandlers(SlotRecoveryHandlers):
             self.replicator.finish_all()
         self.staged.clear()
         self.restored.clear()
+        self.restored_pieces.clear()
         caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches
                   if number in self.caches}
         rounds = {str(number): state.round for number, state in self.slots.items()}  # continuous: rounds run

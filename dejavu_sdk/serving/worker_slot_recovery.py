@@ -72,6 +72,9 @@ class SlotRecoveryHandlers(SlotHandlers):
         state.finals = {int(member): int(final) for member, final in fields["finals"].items()}
         if rebuilt and self.stage.last:
             self._rebuild_choices(state, fields, states)
+        elif self.stage.last:  # cancels lost on their way during the failure
+            state.cancelled.update(int(member) for member in fields["cancelled"])
+            state.ended |= torch.tensor([member in state.cancelled for member in state.rows.members], dtype=torch.bool)
         self.slots[number] = state
         self.caches.remove(number)
         if state.rows.members and cache is not None:
@@ -115,7 +118,8 @@ class SlotRecoveryHandlers(SlotHandlers):
 def _take_back(state: SlotState, cache: Any) -> Any:
     """Take back what the slot's last round added on this stage (its row change stays): the decode column, and
     the joining group's columns (a group begun then is dropped)."""
-    assert state.last is not None  # set by every round
+    if state.last is None:
+        raise DejaVuError("its last round picked tokens that the head never heard of")
     decoded, prefill = state.last
     if decoded:
         cache.crop(-1)  # transformers crops by a negative count

@@ -183,7 +183,7 @@ class SlotHandlers(WorkerState):
             assert group is not None  # the group whose columns just ran
             assert state.started is not None
             writer.write(number, pieces, f"group{state.started}", members, kv_block(group, start, stop), start)
-        if fields["left"]:
+        if fields["left"] or fields["joined"] is not None:  # rows left, or a group's rows ended with their first token
             present = {*state.rows.members, *(state.joining.members if state.joining is not None else ()),
                        *(state.ready[1].members if state.ready is not None else ())}
             writer.collect(number, pieces, present)
@@ -371,6 +371,7 @@ class SlotHandlers(WorkerState):
             state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
             joined = [group_members[row] for row in keep]
             self._let_go(state, [member for member in group_members if member not in set(joined)])
+        state.last = None  # tokens were picked: a recovery cannot take this round back
         step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
                      None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]))
         idle = not decoded and fields.get("prefill") is None  # parked on the first stage
