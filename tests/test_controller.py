@@ -86,22 +86,22 @@ def test_completions_give_the_tokens_generate_gives_the_microbatch(controller) -
 
 
 @pytest.mark.slow
-def test_streamed_tokens_arrive_one_event_each_and_add_up_to_the_answer(controller) -> None:
+def test_streamed_tokens_add_up_to_the_answer_and_the_last_token_carries_the_finish_reason(controller) -> None:
     prompts = _two_prompts()
     client = _client(controller)
     whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
     streamed: dict[int, list[int]] = {0: [], 1: []}
-    finished = {}
-    events = 0
+    finished, last_chunk = {}, {}
     for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
         for choice in chunk.choices:
+            assert choice.index not in finished  # nothing after a choice's end
             streamed[choice.index] += choice.token_ids
-            events += 1
             if choice.finish_reason is not None:
-                finished[choice.index] = choice.finish_reason
+                finished[choice.index], last_chunk[choice.index] = choice.finish_reason, choice.token_ids
     assert streamed == {choice.index: choice.token_ids for choice in whole.choices}
     assert finished == {0: "length", 1: "length"}
-    assert events == 12 + 2  # a chunk per token, and one that ends each choice
+    assert {index: tokens[-1:] for index, tokens in last_chunk.items()} == {
+        choice.index: choice.token_ids[-1:] for choice in whole.choices}
 
 
 @pytest.mark.slow
@@ -181,7 +181,7 @@ def test_bad_requests_get_a_reason_and_the_controller_keeps_serving(controller) 
         (json.dumps({"model": MODEL, "prompt": []}).encode(), 400, "'prompt' must be"),
         (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
-        (json.dumps({"model": MODEL, "prompt": [1, 2], "n": 3}).encode(), 400, "not supported"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "best_of": 3}).encode(), 400, "not supported"),
         (json.dumps({"model": MODEL, "prompt": [1, 500]}).encode(), 400, "vocabulary"),
         (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 100_000}).encode(), 400, "context"),
         (huge, 413, ""),

@@ -94,6 +94,15 @@ def qwen2() -> Any:
     return seeded("qwen2")
 
 
+def llama_text() -> Any:
+    """A two-layer random llama over SmolLM2's vocabulary (49152 tokens; end-of-sequence `<|im_end|>`, 2), served
+    with SmolLM2's tokenizer: its random tokens decode to text of every kind (words, split characters, specials)."""
+    torch.manual_seed(0)
+    model = random_llama(layers=2, vocab_size=49152, max_positions=1024)
+    model.generation_config.eos_token_id = 2
+    return model
+
+
 def llama_two_ends() -> Any:
     """The llama of `llama()`, with two end-of-sequence tokens (as Llama 3 and Qwen2.5 instruct models have)."""
     model = seeded("llama")

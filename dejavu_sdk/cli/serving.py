@@ -14,6 +14,8 @@ import ipaddress
 import os
 from typing import Any
 
+from ..controller import limits
+
 
 def _serve_store(args: argparse.Namespace) -> int:
     import logging
@@ -94,6 +96,14 @@ def _controller_arguments(parser: Any) -> None:
                         "without recovery); static: a microbatch runs until its last row ends")
     parser.add_argument("--max-prefill-tokens", type=int, default=256, help="continuous batching: prompt positions "
                         "a joining group runs per step beside decoding rows (default 256)")
+    parser.add_argument("--served-model-name", nargs="+", help="the names clients use for the model (default: "
+                        "--model); /v1/models lists each")
+    parser.add_argument("--max-waiting", type=int, default=limits.MAX_WAITING, help="choices waiting to start "
+                        f"at most; past it a request gets a 429 (default {limits.MAX_WAITING})")
+    parser.add_argument("--max-prompts", type=int, default=limits.MAX_PROMPTS, help="choices (prompts times n) "
+                        f"in one request at most, else a 400 (default {limits.MAX_PROMPTS})")
+    parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
+                        f"wait to start, then a 503 (default {limits.QUEUE_TIMEOUT:.0f})")
 
 
 def add_serving_commands(commands: Any) -> None:
@@ -175,7 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
-                    max_prefill_tokens=args.max_prefill_tokens,
+                    max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
+                    max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)

@@ -1,21 +1,26 @@
-"""The controller's HTTP API (aiohttp): OpenAI-compatible completions, the model list, status and metrics.
+"""The controller's HTTP API (aiohttp), OpenAI-compatible as vLLM's and SGLang's servers are:
 
-    POST /v1/completions   {"model", "prompt": text | [text] | [ids] | [[ids]], "max_tokens", "temperature",
-                            "top_p", "top_k", "seed", "stream"}: one choice per prompt, each with its text (when
-                            the model has a tokenizer) and its generated `token_ids`; `stream: true` sends
-                            server-sent events, a chunk per token, then `data: [DONE]`
-    GET  /v1/models        the one model served
-    GET  /v1/status        the serving layout, its stages, the microbatches in flight
-    GET  /metrics          Prometheus text format
+    POST /v1/completions       prompt (text, texts, token ids, lists of them), max_tokens (null: up to the
+                               context), temperature, top_p, top_k, min_p, seed, n, stop, stream,
+                               stream_options.include_usage; each choice has its text and its `token_ids`
+    POST /v1/chat/completions  messages rendered with the model's chat template; max_completion_tokens (or
+                               max_tokens; default: up to the context), the same decoding, n, stop, stream
+    GET  /v1/models            the model served, under each of its names
+    GET  /v1/status            the serving layout, its stages, the microbatches in flight
+    GET  /metrics              Prometheus text format
+    GET  /health               200 when serving, 503 while starting, recovering, draining or failed (no token)
+    POST /tokenize, /detokenize, GET /version   as vLLM has them
 
-Every request carries `Authorization: Bearer <token>` (401 otherwise). Bodies are capped (413); malformed
-JSON or arguments get a 400 that says what is wrong, an unknown model a 404, a request whose own computation
-failed a 500 (a setting the sampler refuses: 400), a failed pipeline a 503; nothing a client sends can take the
-controller down, and a request's failure is its own. Errors have OpenAI's shape: `{"error": {"message",
-"type", "code"}}`. `temperature` below 1e-5 decodes greedily; otherwise tokens are sampled (temperature, top_p,
-top_k and min_p: off unless given, as OpenAI's API has none) from the request's own generator seeded with
-`seed` (drawn when not given). A client that leaves, streamed or not, cancels its request: a waiting one is
-never computed, a running one ends at its next step.
+Every other route needs `Authorization: Bearer <token>` (401 otherwise). Errors have OpenAI's shape
+(`{"error": {"message", "type", "code"}}`) and the status a client understands: 400 a bad request (and its own
+bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
+Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
+while the pipeline starts, recovers, drains or has failed, with `Retry-After` where waiting helps. Nothing a
+client sends can take the controller down, and a request's failure is its own. Tokenizing, rendering templates
+and detokenizing run on the API's text threads, submitting on its admission thread: the event loop only moves
+bytes, so `/health` and `/metrics` answer while a stage hangs. Each request gets an `X-Request-Id` (the client's,
+or a new one) and one access-log line. A client that leaves cancels its request: a waiting one is never
+computed, a running one ends at its next step; either is counted as cancelled.
 """
 
 from __future__ import annotations
@@ -27,37 +32,53 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import attrs
 from aiohttp import web
 
-from ..errors import ConfigError, DejaVuError, RequestFailed
-from ..generation.batching import Result
+from .._version import __version__
+from ..errors import ConfigError, DejaVuError
+from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
+from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
+from .runs import Run
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("dejavu_sdk.access")
 
-#: Arguments of OpenAI's completions API that change the output and are not supported, with the values that
-#: change nothing (sent by clients that fill in defaults).
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, 0),
-               "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "stop": (None, [], ""), "logit_bias": (None, {})}
+#: Paths answered without a client token.
+OPEN_PATHS = ("/health", "/version")
 
 
-class CompletionBackend(Protocol):
-    """What the API serves from: a model's id and tokenizer, and a way to submit token ids."""
+class ServedModel(Protocol):
+    """What the API serves from (the `Controller`)."""
 
     model_id: str
     tokenizer: Any | None
+    context: int | None
     eos: list[int]
     metrics: ControllerMetrics
 
-    def submit(self, prompts: list[list[int]], max_new_tokens: int, decoding: dict[str, Any],
-               on_token: Callable[[int, int], None]) -> list[Future[Result]]:
-        """Queue every prompt (all checked first: ConfigError); `on_token(index, id)` as tokens arrive."""
+    @property
+    def names(self) -> Sequence[str]: ...
+
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Any]]: ...
+
+    def health(self) -> tuple[str, str]:
+        """("serving" | "starting" | "recovering" | "draining" | "failed", why)."""
+
+    def wait_until_serving(self, timeout: float) -> tuple[str, str]:
+        """Wait (bounded) while starting or recovering; the state it ended in, and why."""
+
+    def waiting(self) -> int:
+        """Choices waiting to start."""
+
+    def still_waiting(self, futures: Sequence[Future[Any]]) -> bool:
+        """Whether any of `futures`' requests has not started yet."""
+
+    def started_at(self, future: Future[Any]) -> float | None: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -66,318 +87,218 @@ class CompletionBackend(Protocol):
         """Where stage workers join the pipeline's head (a transport URL)."""
 
 
-class ApiError(Exception):
-    """An error answered with `status` and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-
-    def response(self) -> web.Response:
-        return _error(self.status, self.message, self.kind, self.code)
-
-
-@attrs.frozen
-class Completion:
-    """A checked completions request: the prompts as token ids, the limit and the decoding."""
-
-    prompts: list[list[int]]
-    max_tokens: int
-    decoding: dict[str, Any]
-    stream: bool
-
-    @classmethod
-    def parse(cls, body: Any, backend: CompletionBackend) -> Completion:
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, "'model' is required: the id GET /v1/models lists")
-        if model != backend.model_id:
-            raise ApiError(404, f"the model {model!r} is not served here; this controller serves "
-                           f"{backend.model_id!r}", "not_found_error", "model_not_found")
-        for name, neutral in UNSUPPORTED.items():
-            if name in body and body[name] not in neutral:
-                raise ApiError(400, f"{name}={body[name]!r} is not supported")
-        return cls(_prompts(body.get("prompt"), backend.tokenizer), _integer(body, "max_tokens", 16, minimum=1),
-                   _decoding(body), _flag(body, "stream"))
-
-
-def build_app(backend: CompletionBackend, tokens: Collection[str], max_body_bytes: int) -> web.Application:
-    """The API over `backend`; clients present one of `tokens`; request bodies up to `max_body_bytes`."""
+def build_app(backend: ServedModel, tokens: Collection[str], limits: ApiLimits) -> web.Application:
+    """The API over `backend`; clients present one of `tokens`."""
     allowed = [token.encode() for token in tokens]
     if not allowed:
         raise ConfigError("the controller needs at least one token for its clients")
+    text_threads = ThreadPoolExecutor(2, thread_name_prefix="dejavu-api-text")
+    admission = ThreadPoolExecutor(1, thread_name_prefix="dejavu-api-admission")
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        try:
+        started = time.monotonic()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request["request_id"] = request_id
+        response = await _answer(request, handler, allowed, limits, backend)
+        if not response.prepared:
+            response.headers["X-Request-Id"] = request_id
+        access_log.info("%s %s %s %s %d prompt=%d generated=%d %.3fs", request_id, request.remote, request.method,
+                        request.path, response.status, request.get("prompt_tokens", 0),
+                        request.get("generated_tokens", 0), time.monotonic() - started)
+        return response
+
+    async def on_cleanup(_: web.Application) -> None:
+        text_threads.shutdown(wait=False, cancel_futures=True)
+        admission.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(middlewares=[guard], client_max_size=limits.max_body_bytes)
+    app.on_cleanup.append(on_cleanup)
+    generate = functools.partial(_generate, backend=backend, limits=limits, text_threads=text_threads,
+                                 admission=admission)
+    app.router.add_post("/v1/completions", functools.partial(generate, parse=parse_completion))
+    app.router.add_post("/v1/chat/completions", functools.partial(generate, parse=parse_chat))
+    app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
+    app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
+    app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
+    app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
+    app.router.add_get("/health", functools.partial(_health, backend=backend))
+    app.router.add_get("/version", _version)
+    app.router.add_post("/tokenize", functools.partial(_tokenize, backend=backend, text_threads=text_threads))
+    app.router.add_post("/detokenize", functools.partial(_detokenize, backend=backend, text_threads=text_threads))
+    return app
+
+
+async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                  allowed: list[bytes], limits: ApiLimits, backend: ServedModel) -> web.StreamResponse:
+    """The handler's response, or the error that stopped it in OpenAI's shape; never an exception."""
+    try:
+        if request.path not in OPEN_PATHS:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not any(hmac.compare_digest(presented.strip().encode(), token)
                                                      for token in allowed):
                 raise ApiError(401, "a valid bearer token is needed (Authorization: Bearer <token>)",
                                "authentication_error", "invalid_api_key")
-            return await handler(request)
-        except ApiError as error:
-            return error.response()
-        except web.HTTPException as error:  # 404 route, 405 method, 413 body too large
-            return _error(error.status, error.reason or "error", "invalid_request_error")
-        except Exception:  # never let a request take the controller down
-            log.exception("unexpected error serving %s %s", request.method, request.path)
-            return _error(500, "internal error; the controller's log says more", "server_error")
-
-    app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
-    app.router.add_post("/v1/completions", functools.partial(_completions, backend=backend))
-    app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
-    app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
-    app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
-    app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
-    return app
-
-
-async def _completions(request: web.Request, backend: CompletionBackend) -> web.StreamResponse:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        backend.metrics.requests.labels("bad_request").inc()
-        raise ApiError(400, "the body is not valid JSON") from None
-    try:
-        completion = Completion.parse(body, backend)
-        run = _Run(backend, completion, asyncio.get_running_loop())
-    except (ApiError, ConfigError) as error:
-        backend.metrics.requests.labels("bad_request").inc()
-        raise error if isinstance(error, ApiError) else ApiError(400, str(error)) from None
-    if completion.stream:
-        return await run.stream(request)
-    return web.json_response(await run.complete())
-
-
-class _Run:
-    """One completions request's prompts, submitted, and their tokens as they come."""
-
-    def __init__(self, backend: CompletionBackend, completion: Completion, loop: asyncio.AbstractEventLoop) -> None:
-        self.backend, self.completion, self.loop = backend, completion, loop
-        self.id, self.created, self.started = f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
-        self.events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()  # (choice, token or None: done)
-        self.counted = False  # in the metrics as ok, failed or cancelled (once)
-        self.futures = backend.submit(completion.prompts, completion.max_tokens, completion.decoding,
-                                      self._on_token)  # ConfigError: a bad prompt, and none is queued
-        backend.metrics.in_flight.inc(len(self.futures))
-        for index, future in enumerate(self.futures):
-            future.add_done_callback(functools.partial(self._on_done, index))
-
-    def _on_token(self, index: int, token: int) -> None:  # on the serving head's thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token))
-
-    def _on_done(self, index: int, _: Future[Result]) -> None:  # after the choice's last token
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None))
-
-    async def complete(self) -> dict[str, Any]:
-        try:
-            results = await self._results()
-        except asyncio.CancelledError:  # the client left: nothing computes for nobody
-            self._cancel("a client left %s before its answer")
-            raise
-        choices = [{"index": index, "text": self._text(result.tokens.tolist()), "logprobs": None,
-                    "finish_reason": self._finish(result.tokens.tolist()), "token_ids": result.tokens.tolist()}
-                   for index, result in enumerate(results)]
-        return {**self._head(), "choices": choices, "usage": self._usage(results)}
-
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        try:
-            await self._stream_events(response)
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as left:  # the client left: its requests end
-            self._cancel("a client left %s before its stream ended")
-            if isinstance(left, asyncio.CancelledError):
-                raise
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            raise ApiError(413, f"the body is {request.content_length} bytes, more than the "
+                           f"{limits.max_body_bytes} this server takes", code="body_too_large")
+        return await handler(request)
+    except ApiError as error:
+        response = _error(error.status, error.message, error.kind, error.code)
+        if error.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
+        if error.status == 413:
+            response.force_close()  # the rest of the body is not read
         return response
-
-    def _cancel(self, why: str) -> None:
-        """Cancel every choice not answered yet (a waiting one is never computed, a running one ends at its next
-        step), and count the request as cancelled, once."""
-        log.info(why, self.id)
-        cancelled = [future.cancel() for future in self.futures]
-        if any(cancelled) and not self.counted:
-            self.counted = True
-            self.backend.metrics.in_flight.dec(len(self.futures))
-            self.backend.metrics.requests.labels("cancelled").inc()
-
-    async def _stream_events(self, response: web.StreamResponse) -> None:
-        """A chunk per token as it comes, and one per choice when it ends; an error event if one fails."""
-        generated: list[list[int]] = [[] for _ in self.futures]
-        texts = [""] * len(self.futures)
-        first = True
-        for _ in self.futures:  # one "done" event per choice, after its tokens
-            while True:
-                index, token = await self.events.get()
-                if token is None:
-                    break
-                if first:
-                    self.backend.metrics.first_token.observe(time.monotonic() - self.started)
-                    first = False
-                generated[index].append(token)
-                text = self._text(generated[index])
-                delta = text[len(texts[index]):] if text.startswith(texts[index]) and not text.endswith("\ufffd") \
-                    else ""  # wait for the bytes that complete a character
-                texts[index] += delta
-                await _send(response, {**self._head(), "choices": [{"index": index, "text": delta, "logprobs": None,
-                                                                    "finish_reason": None, "token_ids": [token]}]})
-            error = None if self.futures[index].cancelled() else self.futures[index].exception()
-            if error is not None:
-                self._count_failure()
-                _, kind, code = _failure(error)
-                await _send(response, {"error": {"message": f"generation failed: {error}", "type": kind,
-                                                 "code": code}})
-                return
-            await _send(response, {**self._head(), "choices": [{"index": index, "text": "", "logprobs": None,
-                                                                "finish_reason": self._finish(generated[index]),
-                                                                "token_ids": []}]})
-        await self._results()  # all done: counted once
-
-    async def _results(self) -> list[Result]:
-        try:
-            results = [await asyncio.shield(asyncio.wrap_future(future)) for future in self.futures]
-        except DejaVuError as error:
-            self._count_failure()
-            status, kind, code = _failure(error)
-            raise ApiError(status, str(error) if isinstance(error, RequestFailed) else
-                           f"the serving pipeline failed: {error}", kind, code) from None
-        self._count(results)
-        return results
-
-    def _count(self, results: list[Result]) -> None:
-        if self.counted:
-            return
-        self.counted = True
-        metrics = self.backend.metrics
-        metrics.in_flight.dec(len(self.futures))
-        metrics.requests.labels("ok").inc()
-        metrics.prompt_tokens.inc(sum(len(ids) for ids in self.completion.prompts))
-        metrics.generated_tokens.inc(sum(result.tokens.numel() for result in results))
-        metrics.latency.observe(time.monotonic() - self.started)
-        if not self.completion.stream and results:
-            metrics.first_token.observe(min(result.first_token for result in results) - self.started)
-
-    def _count_failure(self) -> None:
-        if self.counted:
-            return
-        self.counted = True
-        self.backend.metrics.in_flight.dec(len(self.futures))
-        self.backend.metrics.requests.labels("failed").inc()
-
-    def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.backend.model_id}
-
-    def _text(self, tokens: list[int]) -> str:
-        tokenizer = self.backend.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _finish(self, tokens: list[int]) -> str:
-        return "stop" if tokens and tokens[-1] in self.backend.eos else "length"
-
-    def _usage(self, results: list[Result]) -> dict[str, int]:
-        prompt = sum(len(ids) for ids in self.completion.prompts)
-        generated = sum(result.tokens.numel() for result in results)
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    except web.HTTPException as error:  # 404 route, 405 method, 413 body larger than its Content-Length said
+        return _error(error.status, error.reason or "error", "invalid_request_error")
+    except Exception:  # never let a request take the controller down
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return _error(500, "internal error; the controller's log says more", "server_error")
 
 
-def _failure(error: BaseException) -> tuple[int, str, str | None]:
-    """The HTTP status, error type and code of a failed request: its own input (400) or computation (500), or
-    the pipeline's failure (503)."""
-    if isinstance(error, RequestFailed):
-        return (400, "invalid_request_error", "bad_request") if error.input_error else \
-            (500, "server_error", "request_failed")
-    return 503, "server_error", "pipeline_failed"
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body; 400 for what is not JSON, is nested too deeply, or holds text that is not
+    Unicode (a lone surrogate)."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be tokenized: refuse it here
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, "the body holds text that is not valid Unicode (a lone surrogate)") from None
+    return body
 
 
-async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimits, text_threads: Executor,
+                    admission: Executor,
+                    parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
+    """A completions or chat request: checked and tokenized off the loop, admitted once the pipeline serves
+    (bounded by the queue timeout), answered whole or streamed."""
+    loop = asyncio.get_running_loop()
+    try:
+        body = await _json_body(request)
+        generation = await loop.run_in_executor(text_threads, parse, body, backend, limits.max_prompts)
+    except ApiError:
+        backend.metrics.requests.labels("bad_request").inc()
+        raise
+    state, why = await loop.run_in_executor(admission, backend.wait_until_serving, limits.queue_timeout)
+    if state != "serving":
+        raise ApiError(503, f"the server is {state}: {why}", "server_error", f"server_{state}", 5.0)
+    if backend.waiting() + len(generation.choices) > limits.max_waiting:
+        raise ApiError(429, f"{backend.waiting()} choices are waiting already, and this server queues at most "
+                       f"{limits.max_waiting} (--max-waiting): try again later", "rate_limit_error",
+                       "queue_full", 1.0)
+    submitted = loop.run_in_executor(admission, Run, backend, generation, loop, text_threads)
+    try:
+        run = await asyncio.shield(submitted)
+    except asyncio.CancelledError:  # the client left while its request was being queued: take it off again
+        submitted.add_done_callback(_cancel_when_submitted)
+        raise
+    except ConfigError as error:
+        backend.metrics.requests.labels("bad_request").inc()
+        raise ApiError(400, str(error)) from None
+    except DejaVuError as error:  # the pipeline failed or closed meanwhile
+        raise ApiError(503, f"the serving pipeline cannot take requests: {error}", "server_error",
+                       "pipeline_failed", 5.0) from None
+    request["prompt_tokens"] = sum(len(ids) for ids in generation.prompts)
+    watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
+    try:
+        headers = {"X-Request-Id": request["request_id"]}
+        if generation.stream:
+            return await run.stream(request, headers)
+        answer = await run.complete()
+        return web.json_response(answer, headers=headers)
+    finally:
+        watch.cancel()
+        request["generated_tokens"] = sum(len(state.tokens) for state in run.states)
 
 
-async def _models(_: web.Request, backend: CompletionBackend) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": backend.model_id, "object": "model", "created": 0,
-                                                          "owned_by": "dejavu-sdk"}]})
+def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel("a client left %s while it was being queued")
 
 
-async def _status(_: web.Request, backend: CompletionBackend) -> web.Response:
+async def _queue_timeout(run: Run, backend: ServedModel, timeout: float, admission: Executor) -> None:
+    """Cancel a request still waiting to start after `timeout` seconds: its answer is a 503."""
+    await asyncio.sleep(timeout)
+    if await asyncio.get_running_loop().run_in_executor(admission, backend.still_waiting, run.futures):
+        run.time_out(f"it waited {timeout:.0f} s (--queue-timeout) without starting")
+
+
+async def _models(_: web.Request, backend: ServedModel) -> web.Response:
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "dejavu-sdk", "root": backend.model_id,
+         "max_model_len": backend.context} for name in backend.names]})
+
+
+async def _status(_: web.Request, backend: ServedModel) -> web.Response:
     return web.json_response(backend.status())
 
 
-async def _workers(_: web.Request, backend: CompletionBackend) -> web.Response:
+async def _workers(_: web.Request, backend: ServedModel) -> web.Response:
     """Where a stage worker joins (`dejavu worker --controller URL` asks here first)."""
     return web.json_response({"join": backend.join_url, "model": backend.model_id})
 
 
-async def _metrics(_: web.Request, backend: CompletionBackend) -> web.Response:
+async def _metrics(_: web.Request, backend: ServedModel) -> web.Response:
+    backend.metrics.waiting.set(backend.waiting())
     return web.Response(body=backend.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _health(_: web.Request, backend: ServedModel) -> web.Response:
+    state, why = backend.health()
+    return web.json_response({"status": state, "reason": why}, status=200 if state == "serving" else 503,
+                             headers=None if state == "serving" else {"Retry-After": "5"})
+
+
+async def _version(_: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def _tokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
+    """{"prompt": text, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt": true}: the
+    token ids, their count and the model's context."""
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    tokens = await asyncio.get_running_loop().run_in_executor(text_threads, _tokens_of, body, backend)
+    return web.json_response({"count": len(tokens), "max_model_len": backend.context, "tokens": tokens})
+
+
+def _tokens_of(body: dict[str, Any], backend: ServedModel) -> list[int]:
+    tokenizer = _tokenizer(backend)
+    if "messages" in body:
+        chat = parse_chat({**body, "model": backend.model_id, "max_tokens": 1}, backend, 1)
+        return chat.prompts[0]
+    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+    if not isinstance(prompt, str) or not isinstance(special, bool):
+        raise ApiError(400, "'prompt' must be a text (and 'add_special_tokens' true or false)")
+    return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+
+
+async def _detokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
+    """{"tokens": [ids]}: their text."""
+    body = await _json_body(request)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    vocabulary = len(_tokenizer(backend))
+    if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool)
+                                               and 0 <= token < vocabulary for token in tokens):
+        raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocabulary - 1}")
+    text = await asyncio.get_running_loop().run_in_executor(text_threads, _tokenizer(backend).decode, tokens)
+    return web.json_response({"prompt": text})
+
+
+def _tokenizer(backend: ServedModel) -> Any:
+    if backend.tokenizer is None:
+        raise ApiError(400, "this model is served without a tokenizer")
+    return backend.tokenizer
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
                              status=status)
-
-
-def _prompts(prompt: Any, tokenizer: Any | None) -> list[list[int]]:
-    """The prompts as lists of token ids: text (tokenized), a list of texts, token ids, or lists of them."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-        if tokenizer is None:
-            raise ApiError(400, "this model is served without a tokenizer: send the prompt as token ids")
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        return [list(tokenizer(text)["input_ids"]) for text in texts]
-    if isinstance(prompt, list) and prompt and all(_is_id(token) for token in prompt):
-        return [list(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(ids, list) and ids and all(_is_id(t) for t in ids)
-                                                   for ids in prompt):
-        return [list(ids) for ids in prompt]
-    raise ApiError(400, "'prompt' must be a non-empty text, a list of texts, a list of token ids or a list of "
-                   "such lists")
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return None
-    if not _is_id(value) or value < minimum:
-        raise ApiError(400, f"{name!r} must be an integer of at least {minimum}, got {value!r}")
-    return value
-
-
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ApiError(400, f"{name!r} must be a number from {low} to {high}, got {value!r}")
-    return float(value)
-
-
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name!r} must be true or false, got {value!r}")
-    return value
-
-
-def _decoding(body: dict[str, Any]) -> dict[str, Any]:
-    """Greedy at a temperature below 1e-5; else sampled with the request's temperature, top_p, top_k and min_p
-    (off unless given: OpenAI's API has none, and top_k -1 means off as in vLLM) from a generator seeded with
-    `seed`. Ranges as vLLM checks them (`Decoding.of`: ConfigError, a 400)."""
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    if temperature == 0:
-        return {"do_sample": False}
-    seed = body.get("seed")
-    if seed is not None and not _is_id(seed):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}")
-    return {"do_sample": True, "temperature": temperature, "top_p": body.get("top_p", 1.0),
-            "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed}

@@ -5,14 +5,16 @@
         client.completions.create(model="smollm2", prompt="The KV cache is", max_tokens=32, temperature=0)
 
 The controller is the pipeline's head as a service: it starts the stage workers (`dv.Pipeline`, the same
-layouts and options), and answers HTTP on its own thread and event loop (`controller/api.py`). Clients and
-the stage workers' links share one secret token: `token=`, else `DEJAVU_TOKEN`, else a random one
-(`controller.token`). It binds 127.0.0.1 unless given another host.
+layouts and options), and answers HTTP on its own thread and event loop (`controller/api.py`) from the moment
+it listens: requests sent while the workers start wait for them (up to `queue_timeout`). Clients and the stage
+workers' links share one secret token: `token=`, else `DEJAVU_TOKEN`, else a random one (`controller.token`).
+It binds 127.0.0.1 unless given another host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -30,13 +32,16 @@ from ..models import load_tokenizer
 from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
+from . import limits
 from .api import build_app
+from .limits import ApiLimits
 from .metrics import ControllerMetrics
+from .openai_requests import Choice
 
 log = logging.getLogger(__name__)
 
 #: The largest request body accepted, bytes (a prompt of a few hundred thousand token ids).
-MAX_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = limits.MAX_BODY_BYTES
 #: Seconds `start` waits for the HTTP server to listen.
 LISTEN_TIMEOUT = 30.0
 
@@ -52,24 +57,36 @@ class Controller:
     replicas the decoding stages keep of each other where the layout allows it (`dv.Pipeline`'s `recovery`).
     Stage workers join at `worker_host:worker_port` (0: a free port); with `launch=False` none is started
     here: `dejavu worker --controller URL` on any machine asks `GET /v1/workers` where to join, then joins.
+
+    `served_model_name`: the names clients use for the model (default: `model`), the first the one `/v1/models`
+    lists first. Limits (`ApiLimits`): `max_waiting` choices waiting to start (429 past it), `max_prompts`
+    choices in one request, `queue_timeout` seconds a request may wait to start (503 after), `max_body_bytes`.
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
                  tokens: Sequence[str] = (), tokenizer: Any = "auto", max_body_bytes: int = MAX_BODY_BYTES,
+                 max_waiting: int = limits.MAX_WAITING, max_prompts: int = limits.MAX_PROMPTS,
+                 queue_timeout: float = limits.QUEUE_TIMEOUT, served_model_name: str | Sequence[str] | None = None,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
                  **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
+        self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
-        self.model_id = model
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [model])
+        if not names or not all(isinstance(name, str) and name for name in names):
+            raise ConfigError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
+        self.model_id, self.names = names[0], names
         self.pipeline = Pipeline(model, token=self.token, recovery=recovery, host=worker_host, port=worker_port,
                                  **pipeline_options)  # ConfigError before any process starts
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
+        self.context = self.pipeline.context
         self.eos = self.pipeline.eos
         self.metrics = ControllerMetrics()
         self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
         self.pipeline.on_recovery = lambda report: self.metrics.recovered(report.total)
-        self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
+        self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
+        self._started = threading.Event()  # set once the pipeline serves, or failed to start
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._url: str | None = None
@@ -84,12 +101,58 @@ class Controller:
         return self._url
 
     # ---- what the API serves from -------------------------------------------------------------------
-    def submit(self, prompts: list[list[int]], max_new_tokens: int, decoding: dict[str, Any],
-               on_token: Callable[[int, int], None]) -> list[Future[Result]]:
-        futures = self.pipeline.submit_all(prompts, max_new_tokens, on_token=on_token, **decoding)
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Result]]:
+        """Queue the choices, those of equal limits and decodings together (one submission: admission takes
+        turns between submissions); `on_token(index, id)` as tokens arrive. A refused one (ConfigError) takes
+        back those already queued."""
+        futures: list[Future[Result]] = []
+        try:
+            start = 0
+            while start < len(choices):
+                end = start + 1
+                while end < len(choices) and (choices[end].max_tokens, choices[end].decoding) == \
+                        (choices[start].max_tokens, choices[start].decoding):
+                    end += 1
+                futures += self.pipeline.submit_all(
+                    [choice.prompt for choice in choices[start:end]], choices[start].max_tokens,
+                    on_token=functools.partial(_shifted, on_token, start),
+                    **choices[start].decoding)
+                start = end
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
         for future in futures:
             future.add_done_callback(self._note_failure)
         return futures
+
+    def health(self) -> tuple[str, str]:
+        pipeline = self.pipeline
+        if pipeline.ledger.failure is not None:
+            return "failed", f"the pipeline failed: {pipeline.ledger.failure}"
+        if pipeline.closed:
+            return "failed", "the pipeline is closed"
+        if not pipeline.running:
+            return "starting", "the stage workers are starting"
+        if pipeline.recovering:
+            return "recovering", "a failed stage is being replaced; requests wait for it"
+        return "serving", ""
+
+    def wait_until_serving(self, timeout: float) -> tuple[str, str]:
+        """Wait while the workers start (up to `timeout` seconds); then the state. Requests sent during a
+        recovery are queued: they wait in the pipeline."""
+        self._started.wait(timeout)
+        state, why = self.health()
+        return ("serving", why) if state == "recovering" else (state, why)
+
+    def waiting(self) -> int:
+        return self.pipeline.waiting()
+
+    def still_waiting(self, futures: Sequence[Future[Result]]) -> bool:
+        return any(not future.done() and self.pipeline.started_at(future) is None for future in futures)
+
+    def started_at(self, future: Future[Result]) -> float | None:
+        return self.pipeline.started_at(future)
 
     def status(self) -> dict[str, Any]:
         return {"model": self.model_id, **self.pipeline.status()}
@@ -122,6 +185,8 @@ class Controller:
         except BaseException:
             self.close()
             raise
+        finally:
+            self._started.set()
         log.info("serving %s at %s", self.model_id, self.url)
         return self
 
@@ -138,7 +203,7 @@ class Controller:
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(build_app(self, self._tokens, self.max_body_bytes), access_log=None,
+            runner = web.AppRunner(build_app(self, self._tokens, self.limits), access_log=None,
                                    handler_cancellation=True)  # a client that leaves cancels its request
             try:
                 loop.run_until_complete(runner.setup())
@@ -169,3 +234,8 @@ class Controller:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _shifted(on_token: Callable[[int, int], None], offset: int, index: int, token: int) -> None:
+    """`on_token` of the choice `offset + index` (a submission's `index`-th prompt)."""
+    on_token(offset + index, token)

@@ -5,18 +5,23 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-#: Request latency buckets, seconds: from a few tokens on a GPU to long generations on a CPU.
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+#: Request latency buckets, seconds, from a millisecond (a short answer on a GPU) to long generations on a CPU.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
+                   80, 160, 320, 640)
+#: Time between tokens, seconds: a millisecond to a slow step on a CPU.
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                       0.4, 0.5, 0.75, 1, 2.5, 5, 10)
 
 
 class ControllerMetrics:
-    """Requests by outcome, prompt and generated tokens, latency and time to first token, requests in flight,
-    stage failures and recoveries."""
+    """Requests by outcome, choices by finish reason, prompt and generated tokens, end-to-end latency, time to
+    first token, time between tokens, time waiting to start, choices running and waiting, stage failures and
+    recoveries (as vLLM's server counts them)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("dejavu_requests",
-                                "Completion requests, by outcome (ok, bad_request, failed, cancelled)",
+                                "Completion requests, by outcome (ok, bad_request, failed, cancelled, timed_out)",
                                 ["outcome"], registry=self.registry)
         self.prompt_tokens = Counter("dejavu_prompt_tokens", "Prompt tokens of served requests",
                                      registry=self.registry)
@@ -25,7 +30,15 @@ class ControllerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.first_token = Histogram("dejavu_time_to_first_token_seconds", "Seconds from a request's arrival to "
                                      "its first token", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("dejavu_requests_in_flight", "Requests being served", registry=self.registry)
+        self.inter_token = Histogram("dejavu_inter_token_latency_seconds", "Seconds between a choice's tokens",
+                                     buckets=INTER_TOKEN_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("dejavu_request_queue_time_seconds", "Seconds a choice waited to start",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("dejavu_request_finished", "Choices that ended, by finish reason (stop, length)",
+                                ["reason"], registry=self.registry)
+        self.in_flight = Gauge("dejavu_requests_in_flight", "Choices being served (waiting or running)",
+                               registry=self.registry)
+        self.waiting = Gauge("dejavu_requests_waiting", "Choices waiting to start", registry=self.registry)
         self.failures = Counter("dejavu_stage_failures", "Stage failures detected", registry=self.registry)
         self.recoveries = Counter("dejavu_recoveries", "Recoveries completed", registry=self.registry)
         self.recovery_seconds = Histogram("dejavu_recovery_seconds", "Seconds from detecting a failure to serving "

@@ -40,6 +40,8 @@ class Request:
     #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
     on_token: Callable[[int], None] | None = None
     streamed: int = 0  # tokens given to `on_token` so far
+    #: When it first left the waiting queue for a microbatch or slot (`time.monotonic()`; None: not yet).
+    started: float | None = None
     #: The submission it came in (requests submitted together share it): admission takes turns between them.
     group: int = attrs.field(default=attrs.Factory(lambda self: self.number, takes_self=True))
 
@@ -253,6 +255,9 @@ def take_microbatch(waiting: deque[Request], size: int,
                 taken.append(following)
     while fits is not None and taken and not fits(taken):
         taken.pop()
+    now = time.monotonic()
+    for request in taken:
+        request.started = now if request.started is None else request.started
     chosen = {id(request) for request in taken}
     kept = [request for request in waiting if id(request) not in chosen and not request.future.cancelled()]
     waiting.clear()

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -114,6 +115,7 @@ class Pipeline:
         self._starting = False  # start() is under way: submissions wait for it (bounded by `timeout`)
         self._running = threading.Event()
         self._closed = False
+        self._requests: weakref.WeakKeyDictionary[Future[Result], Request] = weakref.WeakKeyDictionary()
         self._handlers: dict[str, Callable[[Message], None]] = {
             Kind.JOIN: self.fleet.pool_spare, Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
             Kind.LINK_LOST: lambda message: self._recoveries.start(
@@ -234,6 +236,7 @@ class Pipeline:
                              self.swapping)
         self.ledger.queue(requests)
         for request in requests:
+            self._requests[request.future] = request
             request.future.add_done_callback(functools.partial(self._answered, request))
         self._admit()
         return [request.future for request in requests]
@@ -249,6 +252,26 @@ class Pipeline:
         """Cancel the request `future` belongs to (as `future.cancel()` does): a waiting request is never
         computed, a running one ends at its next step. False when it had its answer already."""
         return future.cancel()
+
+    def waiting(self) -> int:
+        """How many requests wait to start."""
+        return len(self.ledger.waiting)
+
+    def started_at(self, future: Future[Result]) -> float | None:
+        """When the request of `future` left the waiting queue for a microbatch (`time.monotonic()`), or None
+        while it waits (or when `future` is not this pipeline's)."""
+        request = self._requests.get(future)
+        return None if request is None else request.started
+
+    @property
+    def running(self) -> bool:
+        """Whether it has started, and has not closed nor failed."""
+        return self._running.is_set() and not self._closed and self.ledger.failure is None
+
+    @property
+    def recovering(self) -> bool:
+        """Whether a recovery is under way."""
+        return self._recoveries.running
 
     def _wait_until_running(self) -> None:
         """Return once the pipeline runs: at once, or when a start under way ends (within `timeout`)."""

@@ -1,0 +1,32 @@
+"""What one client may ask of the controller's API: its limits and their defaults (importing this loads no
+server)."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..errors import ConfigError
+
+#: Defaults: choices waiting to start; choices in one request; seconds a request may wait to start; body bytes (a
+#: prompt of a few hundred thousand token ids).
+MAX_WAITING, MAX_PROMPTS, QUEUE_TIMEOUT, MAX_BODY_BYTES = 1024, 128, 600.0, 4 << 20
+
+
+@attrs.frozen
+class ApiLimits:
+    """What one client may ask of the server: `max_waiting` choices waiting to start (429 past it),
+    `max_prompts` choices in one request (prompts times n; 400), `queue_timeout` seconds a request may wait to
+    start (503 after), `max_body_bytes` a request body (413)."""
+
+    max_waiting: int = MAX_WAITING
+    max_prompts: int = MAX_PROMPTS
+    queue_timeout: float = QUEUE_TIMEOUT
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_waiting", "max_prompts", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.queue_timeout, (int, float)) or not self.queue_timeout > 0:
+            raise ConfigError(f"queue_timeout must be a positive number of seconds, got {self.queue_timeout!r}")

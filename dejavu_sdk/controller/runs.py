@@ -1,0 +1,309 @@
+"""One OpenAI request being served: its choices submitted to the pipeline, their tokens and text as they come
+(`updates`), answered whole or streamed as server-sent events in the shape of the API it came in by.
+
+Each choice ends at its end-of-sequence token, its `max_tokens`, or the first stop string in its text (its
+request is then cancelled in the pipeline: no token is computed past the stop for nobody); the update with its
+last token carries its finish reason. Text is made by a `TextStream` per choice, on the API's text threads,
+never on the event loop nor the pipeline's receiver thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, Future
+from typing import Any, Protocol
+
+import attrs
+from aiohttp import web
+
+from ..errors import DejaVuError, RequestFailed
+from ..generation.batching import Result
+from .detokenizer import TextStream
+from .metrics import ControllerMetrics
+from .openai_requests import ApiError, Choice, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class GenerationBackend(Protocol):
+    """What a run is served by: the tokenizer and end-of-sequence ids, the metrics, and a way to submit choices."""
+
+    tokenizer: Any | None
+    eos: list[int]
+    metrics: ControllerMetrics
+
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Result]]:
+        """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive."""
+
+    def started_at(self, future: Future[Result]) -> float | None:
+        """When the choice of `future` left the waiting queue (`time.monotonic()`)."""
+
+
+@attrs.define
+class _ChoiceState:
+    """What one choice has so far: its tokens, its text, and its finish reason once it ended."""
+
+    stream: TextStream | None
+    tokens: list[int] = attrs.field(factory=list)
+    text: str = ""
+    finish: str | None = None
+
+
+@attrs.frozen
+class Update:
+    """New text and tokens of choice `index`; `finish` set on its last."""
+
+    index: int
+    text: str
+    tokens: list[int]
+    finish: str | None
+
+
+class Run:
+    """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued)."""
+
+    def __init__(self, backend: GenerationBackend, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+                 text_threads: Executor) -> None:
+        self.backend, self.request, self.loop, self.text_threads = backend, request, loop, text_threads
+        prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
+        self.id, self.created, self.started = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
+        self.events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()  # (choice, token or None: done)
+        self.states = [_ChoiceState(None if backend.tokenizer is None else TextStream(backend.tokenizer, request.stop))
+                       for _ in request.choices]
+        self.counted = False  # in the metrics as ok, failed, cancelled or timed out (once)
+        self.timed_out: str | None = None  # why it was cancelled before it started
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.futures = backend.submit(request.choices, self._on_token)
+        backend.metrics.in_flight.inc(len(self.futures))
+        for index, future in enumerate(self.futures):
+            future.add_done_callback(functools.partial(self._on_done, index))
+
+    # ---- from the pipeline's receiver thread -----------------------------------------------------------
+    def _on_token(self, index: int, token: int) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token))
+
+    def _on_done(self, index: int, _: Future[Result]) -> None:  # after the choice's last token
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None))
+
+    # ---- tokens to text ----------------------------------------------------------------------------------
+    async def updates(self) -> AsyncIterator[Update]:
+        """Each choice's text and tokens as they come, until every choice has ended; a choice whose computation
+        failed raises its ApiError (the other choices are cancelled)."""
+        open_choices = len(self.states)
+        while open_choices:
+            batch = [await self.events.get()]
+            while not self.events.empty():
+                batch.append(self.events.get_nowait())
+            for index, tokens, done in _coalesced(batch):
+                state = self.states[index]
+                if state.finish is not None:
+                    continue
+                if tokens:
+                    self._note_arrival(len(tokens))
+                    update = await self.loop.run_in_executor(self.text_threads, self._take, index, tokens)
+                elif done:
+                    update = await self.loop.run_in_executor(self.text_threads, self._ended, index)
+                else:
+                    continue
+                if update.finish is not None:
+                    open_choices -= 1
+                if update.text or update.tokens or update.finish is not None:
+                    yield update
+        self._count_ok()
+
+    def _take(self, index: int, tokens: list[int]) -> Update:
+        """Choice `index`'s new tokens, up to its end (end-of-sequence, max_tokens, or a stop string, which
+        cancels it in the pipeline)."""
+        state, limit, eos = self.states[index], self.request.choices[index].max_tokens, self.backend.eos
+        if not state.tokens:
+            started = self.backend.started_at(self.futures[index])
+            if started is not None:
+                self.backend.metrics.queue_time.observe(max(0.0, started - self.started))
+        text, taken = "", []
+        for token in tokens:
+            taken.append(token)
+            state.tokens.append(token)
+            if state.stream is not None:
+                text += state.stream.add([token])
+                if state.stream.stopped is not None:
+                    state.finish = "stop"
+                    self.futures[index].cancel()  # nothing more is computed for it
+                    break
+            if token in eos:
+                state.finish = "stop"
+                break
+            if len(state.tokens) >= limit:
+                state.finish = "length"
+                break
+        if state.finish is not None:
+            self.backend.metrics.finished.labels(state.finish).inc()
+            if state.stream is not None:
+                text += state.stream.finish()
+        state.text += text
+        return Update(index, text, taken, state.finish)
+
+    def _ended(self, index: int) -> Update:
+        """Choice `index`'s future is done before its tokens said it ended: its error, or its end (a cancelled one
+        ends with what it had)."""
+        future, state = self.futures[index], self.states[index]
+        if future.cancelled() and self.timed_out is not None:
+            raise ApiError(503, f"the request was not served: {self.timed_out}", "server_error", "queue_timeout", 5.0)
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            for other in self.futures:
+                other.cancel()
+            self._count("failed")
+            raise _api_error(error)
+        state.finish = "stop" if state.tokens and state.tokens[-1] in self.backend.eos else "length"
+        self.backend.metrics.finished.labels(state.finish).inc()
+        text = "" if state.stream is None else state.stream.finish()
+        state.text += text
+        return Update(index, text, [], state.finish)
+
+    # ---- answers -----------------------------------------------------------------------------------------
+    async def complete(self) -> dict[str, Any]:
+        """The whole answer, once every choice has ended."""
+        try:
+            async for _ in self.updates():
+                pass
+        except asyncio.CancelledError:  # the client left: nothing computes for nobody
+            self.cancel("a client left %s before its answer")
+            raise
+        return {**self._head(), "choices": [self._whole_choice(index) for index in range(len(self.states))],
+                "usage": self._usage()}
+
+    async def stream(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+        """Server-sent events: a chunk per update, an error event if a choice fails, the usage when asked for,
+        then `data: [DONE]`."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **headers})
+        await response.prepare(request)
+        try:
+            if self.request.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's stream does
+                for index in range(len(self.states)):
+                    await self._send(response, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}])
+            try:
+                async for update in self.updates():
+                    await self._send(response, [self._chunk_choice(update)])
+            except ApiError as error:
+                await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+            else:
+                if self.request.include_usage:
+                    await _write(response, {**self._head(), "choices": [], "usage": self._usage()})
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError) as left:  # the client left: its requests end
+            self.cancel("a client left %s before its stream ended")
+            if isinstance(left, asyncio.CancelledError):
+                raise
+        return response
+
+    def time_out(self, why: str) -> None:
+        """Cancel a request that waited too long to start: its answer is a 503 that says `why`."""
+        self.timed_out = why
+        for future in self.futures:
+            future.cancel()
+        self._count("timed_out")
+
+    def cancel(self, why: str) -> None:
+        """Cancel every choice not answered yet (a waiting one is never computed, a running one ends at its next
+        step), and count the request as cancelled, once."""
+        log.info(why, self.id)
+        for future in self.futures:
+            future.cancel()
+        self._count("cancelled")
+
+    # ---- shapes of the two APIs --------------------------------------------------------------------------
+    def _head(self) -> dict[str, Any]:
+        kind = self.request.kind
+        obj = "text_completion" if kind == "completion" else "chat.completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
+
+    def _whole_choice(self, index: int) -> dict[str, Any]:
+        state = self.states[index]
+        if self.request.kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": state.text}, "logprobs": None,
+                    "finish_reason": state.finish}
+        return {"index": index, "text": state.text, "logprobs": None, "finish_reason": state.finish,
+                "token_ids": state.tokens}
+
+    def _chunk_choice(self, update: Update) -> dict[str, Any]:
+        if self.request.kind == "chat":
+            delta = {"content": update.text} if update.text or update.finish is None else {}
+            return {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": update.finish}
+        return {"index": update.index, "text": update.text, "logprobs": None, "finish_reason": update.finish,
+                "token_ids": update.tokens}
+
+    async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]]) -> None:
+        head = self._head()
+        if self.request.kind == "chat":
+            head["object"] = "chat.completion.chunk"
+        extra = {"usage": None} if self.request.include_usage else {}
+        await _write(response, {**head, "choices": choices, **extra})
+
+    def _usage(self) -> dict[str, int]:
+        prompt = sum(len(ids) for ids in self.request.prompts)
+        generated = sum(len(state.tokens) for state in self.states)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+    # ---- counting, once -----------------------------------------------------------------------------------
+    def _note_arrival(self, tokens: int) -> None:
+        """Time to first token, and the time between tokens (a step's tokens arrive together)."""
+        now, metrics = time.monotonic(), self.backend.metrics
+        if self.first_token is None:
+            self.first_token = now
+            metrics.first_token.observe(now - self.started)
+        elif self.last_token is not None:
+            metrics.inter_token.observe((now - self.last_token) / tokens)
+        self.last_token = now
+
+    def _count_ok(self) -> None:
+        if self._count("ok"):
+            metrics = self.backend.metrics
+            metrics.prompt_tokens.inc(sum(len(ids) for ids in self.request.prompts))
+            metrics.generated_tokens.inc(sum(len(state.tokens) for state in self.states))
+            metrics.latency.observe(time.monotonic() - self.started)
+
+    def _count(self, outcome: str) -> bool:
+        if self.counted:
+            return False
+        self.counted = True
+        self.backend.metrics.in_flight.dec(len(self.futures))
+        self.backend.metrics.requests.labels(outcome).inc()
+        return True
+
+
+def _coalesced(events: list[tuple[int, int | None]]) -> list[tuple[int, list[int], bool]]:
+    """Events in order, consecutive tokens of one choice taken together: (choice, tokens, done)."""
+    out: list[tuple[int, list[int], bool]] = []
+    for index, token in events:
+        if token is None:
+            out.append((index, [], True))
+        elif out and out[-1][0] == index and not out[-1][2]:
+            out[-1][1].append(token)
+        else:
+            out.append((index, [token], False))
+    return out
+
+
+def _api_error(error: BaseException) -> ApiError:
+    """A failed choice's error: its own input (400) or computation (500), or the pipeline's failure (503)."""
+    if isinstance(error, RequestFailed):
+        if error.input_error:
+            return ApiError(400, str(error), "invalid_request_error", "bad_request")
+        return ApiError(500, str(error), "server_error", "request_failed")
+    if isinstance(error, DejaVuError):
+        return ApiError(503, f"the serving pipeline failed: {error}", "server_error", "pipeline_failed", 5.0)
+    return ApiError(500, f"generation failed: {error}", "server_error", "request_failed")
+
+
+async def _write(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
