@@ -113,6 +113,21 @@ def test_stop_strings_cut_the_text_streamed_or_not_and_finish_with_stop(controll
         assert (texts, finished) == ({0: cut.text}, {0: "stop"})
 
 
+def test_stop_token_ids_end_a_choice_without_their_text_and_min_tokens_holds_them_back(controller, tokenizer) -> None:
+    client = _client(controller)
+    whole = client.completions.create(model="text", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0]
+    stop = whole.token_ids[3]
+    first = whole.token_ids.index(stop)
+    cut = client.completions.create(model="text", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]}).choices[0]
+    assert (cut.token_ids, cut.finish_reason) == (whole.token_ids[:first + 1], "stop")
+    assert cut.text == tokenizer.decode(whole.token_ids[:first], skip_special_tokens=True)
+    held = client.completions.create(model="text", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                     extra_body={"stop_token_ids": [stop], "min_tokens": first + 2}).choices[0]
+    assert stop not in held.token_ids[:first + 2]  # masked while min_tokens holds
+    assert len(held.token_ids) >= first + 2
+
+
 def test_usage_closes_the_stream_and_the_last_token_carries_the_finish_reason(controller) -> None:
     chunks = list(_client(controller).completions.create(
         model="alias", prompt=PROMPTS[:2], max_tokens=5, temperature=0, stream=True,

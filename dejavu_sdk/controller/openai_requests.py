@@ -231,15 +231,35 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 def _decoding(body: dict[str, Any]) -> dict[str, Any]:
     """Greedy at temperature 0; else sampled with the request's temperature, top_p, top_k and min_p (off unless
     given: OpenAI's API has none, and top_k -1 means off as in vLLM) from a generator seeded with `seed`
-    (drawn by the pipeline when not given). Ranges as vLLM checks them (`Decoding.of`: ConfigError, a 400)."""
+    (drawn by the pipeline when not given); the request's own ends (`_ends`). Ranges as vLLM checks them
+    (`Decoding.of`: ConfigError, a 400)."""
+    ends = _ends(body)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     if temperature == 0:
-        return {"do_sample": False}
+        return {"do_sample": False, **ends}
     seed = body.get("seed")
     if seed is not None and (not _is_id(seed) or not -2**63 <= seed < 2**63):
         raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**63 - 1, got {seed!r}")
     return {"do_sample": True, "temperature": temperature, "top_p": body.get("top_p", 1.0),
-            "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed}
+            "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed, **ends}
+
+
+def _ends(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's extra ends: `stop_token_ids` (the row ends at any), `ignore_eos`, `min_tokens` (end ids masked
+    until then); only those given, so that a pipeline without them sees the decoding it always saw."""
+    ends: dict[str, Any] = {}
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_id(token) and token >= 0 for token in stop_ids):
+            raise ApiError(400, f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}")
+        if stop_ids:
+            ends["stop_token_ids"] = stop_ids
+    if _flag(body, "ignore_eos"):
+        ends["ignore_eos"] = True
+    min_tokens = _integer(body, "min_tokens", 0, minimum=0)
+    if min_tokens:
+        ends["min_tokens"] = min_tokens
+    return ends
 
 
 def _seeded(decoding: dict[str, Any], copy: int) -> dict[str, Any]:

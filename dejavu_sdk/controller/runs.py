@@ -121,7 +121,9 @@ class Run:
     def _take(self, index: int, tokens: list[int]) -> Update:
         """Choice `index`'s new tokens, up to its end (end-of-sequence, max_tokens, or a stop string, which
         cancels it in the pipeline)."""
-        state, limit, eos = self.states[index], self.request.choices[index].max_tokens, self.backend.eos
+        choice = self.request.choices[index]
+        state, limit = self.states[index], choice.max_tokens
+        stop_ids, eos = set(choice.decoding.get("stop_token_ids", ())), self._end_ids(index)
         if not state.tokens:
             started = self.backend.started_at(self.futures[index])
             if started is not None:
@@ -130,7 +132,7 @@ class Run:
         for token in tokens:
             taken.append(token)
             state.tokens.append(token)
-            if state.stream is not None:
+            if state.stream is not None and token not in stop_ids:  # a stop token's own text is left out
                 text += state.stream.add([token])
                 if state.stream.stopped is not None:
                     state.finish = "stop"
@@ -149,6 +151,12 @@ class Run:
         state.text += text
         return Update(index, text, taken, state.finish)
 
+    def _end_ids(self, index: int) -> set[int]:
+        """The ids choice `index` ends at: the model's end-of-sequence ids (unless it ignores them) and its own."""
+        decoding = self.request.choices[index].decoding
+        model = set() if decoding.get("ignore_eos") else set(self.backend.eos)
+        return model | set(decoding.get("stop_token_ids", ()))
+
     def _ended(self, index: int) -> Update:
         """Choice `index`'s future is done before its tokens said it ended: its error, or its end (a cancelled one
         ends with what it had)."""
@@ -161,7 +169,7 @@ class Run:
                 other.cancel()
             self._count("failed")
             raise _api_error(error)
-        state.finish = "stop" if state.tokens and state.tokens[-1] in self.backend.eos else "length"
+        state.finish = "stop" if state.tokens and state.tokens[-1] in self._end_ids(index) else "length"
         self.backend.metrics.finished.labels(state.finish).inc()
         text = "" if state.stream is None else state.stream.finish()
         state.text += text

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -158,7 +158,7 @@ class Microbatch:
         calls = []
         for index, (request, row) in enumerate(zip(self.requests, self.generated, strict=True)):
             if request.on_token is not None and index not in self.dropped:
-                kept = _kept(row, request.max_new_tokens, eos)
+                kept = kept_tokens(row, request.max_new_tokens, request.decoding.ends.ids(eos))
                 calls += [(request.on_token, token) for token in kept[request.streamed:]]
                 request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
         return calls
@@ -184,9 +184,9 @@ class Microbatch:
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
         `max_new_tokens`."""
-        limit = self.requests[row].max_new_tokens
-        kept = _kept(self.generated[row], limit, eos)
-        return len(kept) == limit or bool(kept and kept[-1] in eos)
+        limit, ends = self.requests[row].max_new_tokens, self.requests[row].decoding.ends.ids(eos)
+        kept = kept_tokens(self.generated[row], limit, ends)
+        return len(kept) == limit or bool(kept and kept[-1] in ends)
 
     def ended_rows(self, eos: Sequence[int]) -> list[int]:
         """The rows not answered yet whose tokens have come to their end."""
@@ -196,7 +196,7 @@ class Microbatch:
         """Row `row`'s tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
         `max_new_tokens`."""
         request = self.requests[row]
-        kept = _kept(self.generated[row], request.max_new_tokens, eos)
+        kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
         padding = int((self.mask[row] == 0).sum())
         return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), padding,
                       request.decoding.seed, request.submitted, self.arrived[0] if self.arrived else 0.0,
@@ -215,10 +215,10 @@ def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
     return len(requests) * positions_needed(longest, new) * bytes_per_position
 
 
-def _kept(tokens: list[int], max_new_tokens: int, eos: Sequence[int]) -> list[int]:
-    """A row's tokens up to its own end: its first end-of-sequence token (kept), or `max_new_tokens`."""
+def kept_tokens(tokens: list[int], max_new_tokens: int, ends: Collection[int]) -> list[int]:
+    """A row's tokens up to its own end: its first end id (kept; `ends`: its request's), or `max_new_tokens`."""
     kept = tokens[:max_new_tokens]
-    end = next((index for index, token in enumerate(kept) if token in eos), None)
+    end = next((index for index, token in enumerate(kept) if token in ends), None)
     return kept if end is None else kept[:end + 1]
 
 
@@ -362,7 +362,7 @@ class SlotBatch(Microbatch):
 
     def result(self, row: int, eos: Sequence[int]) -> Result:
         request, stamps = self.requests[row], self.stamps[row]
-        kept = _kept(self.generated[row], request.max_new_tokens, eos)
+        kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
         return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
                       request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
                       stamps[len(kept) - 1] if kept else 0.0, request.number,

@@ -38,40 +38,73 @@ GREEDY_BELOW = 1e-5
 
 
 @attrs.frozen
+class Ends:
+    """How a request's row ends besides its `max_new_tokens`: at the model's end-of-sequence ids (unless
+    `ignore_eos`) or any of `stop_token_ids`, never before `min_tokens` new tokens (those ids are masked until
+    then, as `generate`'s `min_new_tokens` masks them)."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @classmethod
+    def of(cls, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False, min_tokens: int = 0) -> Ends:
+        """ConfigError for ids that are not non-negative integers, a `min_tokens` below 0."""
+        stops = tuple(stop_token_ids or ())
+        if not all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in stops):
+            raise ConfigError(f"stop_token_ids must be token ids (integers of at least 0), got {stop_token_ids!r}")
+        if not isinstance(ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ConfigError(f"min_tokens must be an integer of at least 0, got {min_tokens!r}")
+        return cls(tuple(sorted(set(stops))), ignore_eos, min_tokens)
+
+    def ids(self, eos: Sequence[int]) -> set[int]:
+        """The ids a row ends at, given the model's end-of-sequence ids."""
+        return (set() if self.ignore_eos else set(eos)) | set(self.stop_token_ids)
+
+
+@attrs.frozen
 class Decoding:
     """A request's decoding: greedy, or sampled with `settings` (unset ones come from the model's generation
-    config) from a generator of its own seeded with `seed`. Rows of different decodings share a microbatch."""
+    config) from a generator of its own seeded with `seed`; and how its row ends (`ends`). Rows of different
+    decodings share a microbatch."""
 
     do_sample: bool = False
     settings: tuple[tuple[str, float | int], ...] = ()
     seed: int | None = None
+    ends: Ends = Ends()
 
     @classmethod
-    def of(cls, do_sample: bool = False, seed: int | None = None, **settings: Any) -> Decoding:
+    def of(cls, do_sample: bool = False, seed: int | None = None, *, stop_token_ids: Sequence[int] | None = None,
+           ignore_eos: bool = False, min_tokens: int = 0, **settings: Any) -> Decoding:
         """Check a request's decoding arguments as vLLM checks them (ConfigError): `temperature` >= 0, below
         1e-5 greedy; `top_p` in (0, 1]; `top_k` -1 or 0 (off) or >= 1; `min_p` in [0, 1]; `seed` any integer a
-        `torch.Generator` takes. Sampled requests without a seed get a random one."""
+        `torch.Generator` takes; `stop_token_ids`, `ignore_eos`, `min_tokens` as `Ends.of`. Sampled requests
+        without a seed get a random one."""
+        ends = Ends.of(stop_token_ids, ignore_eos, min_tokens)
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
-            raise ConfigError(f"unknown decoding settings {unknown}; pipelines take do_sample, seed and "
-                              f"{', '.join(SETTINGS)}")
+            raise ConfigError(f"unknown decoding settings {unknown}; pipelines take do_sample, seed, stop_token_ids, "
+                              f"ignore_eos, min_tokens and {', '.join(SETTINGS)}")
         given = {name: _checked(name, value) for name, value in settings.items() if value is not None}
         if not do_sample:
             if given or seed is not None:
                 raise ConfigError(f"{', '.join(sorted(given) + (['seed'] if seed is not None else []))} apply to "
                                   "sampling: pass do_sample=True as well")
-            return cls()
+            return cls(ends=ends)
         if given.get("temperature", 1.0) < GREEDY_BELOW:
-            return cls()
+            return cls(ends=ends)
         if seed is None:
             seed = secrets.randbits(63)
         else:
             _check_seed(seed)
-        return cls(True, tuple(sorted(given.items())), seed)
+        return cls(True, tuple(sorted(given.items())), seed, ends)
 
     def fields(self) -> dict[str, Any]:
         """As message fields, for the last stage."""
-        return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed}
+        return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed,
+                "ends": attrs.asdict(self.ends)}
 
 
 def _checked(name: str, value: Any) -> float | int:
@@ -146,16 +179,16 @@ def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, 
                 limits: list[int], eos: torch.Tensor,
                 pad: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure]]:
     """The `steps`-th new token of each row (one count for all, or a count per row: rows of a slot joined at
-    different steps), padding for rows that ended before; which rows have ended with it (at any of the `eos` ids,
-    at their own `limits` (max_new_tokens), or failed), and why each row that failed now did. A failed row
-    ends: the others go on."""
-    tokens, failures = picker(logits)
+    different steps), padding for rows that ended before; which rows have ended with it (at any of their end ids:
+    the model's `eos` ids and their own `Ends`, at their own `limits` (max_new_tokens), or failed), and why each row
+    that failed now did. A failed row ends: the others go on."""
+    counts = [steps] * len(limits) if isinstance(steps, int) else list(steps)
+    tokens, failures = picker(logits, counts, eos)
     failures = {row: failure for row, failure in failures.items() if not bool(ended[row])}
     failed = torch.zeros_like(ended)
     failed[list(failures)] = True
     tokens = tokens.masked_fill(ended | failed, pad)
-    ended = ended | failed | torch.isin(tokens, eos.to(tokens.device))
-    counts = [steps] * len(limits) if isinstance(steps, int) else list(steps)
+    ended = ended | failed | picker.ends_at(tokens, eos)
     reached = [count >= limit for count, limit in zip(counts, limits, strict=True)]
     return tokens, ended | torch.tensor(reached, dtype=torch.bool, device=ended.device), failures
 
@@ -167,11 +200,13 @@ class _Sampler(NamedTuple):
 
 class TokenPicker:
     """One microbatch's next-token choice at the last stage: each row greedy, or sampled with its own settings
-    from its own generator seeded with its seed (`rows`: each row's `Decoding.fields()`)."""
+    from its own generator seeded with its seed, and ended at its own end ids (`rows`: each row's
+    `Decoding.fields()`)."""
 
     def __init__(self, generation_config: Any, rows: list[dict[str, Any]]) -> None:
         self.samplers: list[_Sampler | None] = []
         self.refused: dict[int, RowFailure] = {}  # rows whose settings the warpers refuse
+        self.ends = [_ends(fields) for fields in rows]
         built: dict[str, LogitsProcessorList] = {}  # rows of equal settings share their warpers
         for row, fields in enumerate(rows):
             if not fields.get("do_sample"):
@@ -199,12 +234,14 @@ class TokenPicker:
         """Keep only `rows`, in that order (the others left a slot)."""
         self.refused = {new: self.refused[old] for new, old in enumerate(rows) if old in self.refused}
         self.samplers = [self.samplers[row] for row in rows]
+        self.ends = [self.ends[row] for row in rows]
 
     def extend(self, other: TokenPicker) -> None:
         """Take `other`'s rows after these (a group joined a slot), with their generators as they stand."""
         offset = len(self.samplers)
         self.refused.update({offset + row: failure for row, failure in other.refused.items()})
         self.samplers += other.samplers
+        self.ends += other.ends
 
     def states(self) -> torch.Tensor | None:
         """Every row's generator state `[rows, n]` (zeros for greedy rows); None when no row samples."""
@@ -220,9 +257,27 @@ class TokenPicker:
             if sampler is not None:
                 sampler.generator.set_state(state.clone())
 
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, RowFailure]]:
-        """Each row's next token from float32 logits `[B, vocab]`, and the rows that could get none (their token
-        is then meaningless). The warpers here read no input ids."""
+    def ends_at(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        """Which rows end with `tokens` (a row each): at one of their end ids, given the model's `eos` ids."""
+        if not any(ends.stop_token_ids or ends.ignore_eos for ends in self.ends):
+            return torch.isin(tokens, eos.to(tokens.device))
+        model_eos = eos.tolist()
+        return torch.tensor([int(token) in ends.ids(model_eos) for token, ends in zip(tokens.tolist(), self.ends,
+                                                                                       strict=True)],
+                            dtype=torch.bool, device=tokens.device)
+
+    def __call__(self, logits: torch.Tensor, counts: Sequence[int] | None = None,
+                 eos: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, RowFailure]]:
+        """Each row's next token from float32 logits `[B, vocab]` (the `counts[row]`-th of its row: its end ids
+        are masked while that is at most its `min_tokens`, as `generate`'s `min_new_tokens` masks them), and the
+        rows that could get none (their token is then meaningless). The warpers here read no input ids."""
+        if counts is not None and eos is not None and any(ends.min_tokens for ends in self.ends):
+            logits = logits.clone()
+            model_eos = eos.tolist()
+            for row, (count, ends) in enumerate(zip(counts, self.ends, strict=True)):
+                masked = sorted(ends.ids(model_eos))
+                if count <= ends.min_tokens and masked:
+                    logits[row, masked] = float("-inf")
         tokens = logits.argmax(-1)
         failures = dict(self.refused)
         broken = (torch.isnan(logits) | torch.isposinf(logits)).any(-1).tolist()
@@ -236,6 +291,13 @@ class TokenPicker:
                 else:
                     tokens[row] = drawn
         return tokens, failures
+
+
+def _ends(fields: dict[str, Any]) -> Ends:
+    """A row's `Ends` from its decoding's message fields."""
+    given = fields.get("ends") or {}
+    return Ends(tuple(given.get("stop_token_ids", ())), bool(given.get("ignore_eos", False)),
+                int(given.get("min_tokens", 0)))
 
 
 def _draw(sampler: _Sampler, logits: torch.Tensor) -> int | RowFailure:

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import ConfigError
-from .batching import Request, left_pad
+from .batching import Request, kept_tokens, left_pad
 from .decoding import TokenPicker, TokenRules
 from .slots import Joining, Round, SlotRows, leave, stack
 
@@ -28,7 +28,7 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
     decoding) and the new tokens the rounds give it, up to its end; a request whose row failed is left out."""
     rules = TokenRules.of(model)
     device = next(model.parameters()).device
-    eos = set(rules.eos)
+    eos = torch.tensor(rules.eos, dtype=torch.long)
     pickers: dict[int, TokenPicker] = {}
     generated: dict[int, list[int]] = {}
     failed: set[int] = set()
@@ -42,7 +42,7 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
 
     def pick(members: Sequence[int], logits: torch.Tensor) -> None:
         for row, member in enumerate(members):
-            tokens, failures = pickers[member](logits[row:row + 1])
+            tokens, failures = pickers[member](logits[row:row + 1], [len(generated[member]) + 1], eos)
             if failures:  # the row ends, failed: the schedule has it leave at the next round
                 failed.add(member)
             generated[member].append(int(tokens[0]))
@@ -79,11 +79,7 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
             if group.complete:
                 pick(group.members, logits)
                 ready, group = (group.cache, group.rows()), None
-    return {member: torch.tensor(_kept(tokens, requests[member].max_new_tokens, eos), dtype=torch.long)
+    return {member: torch.tensor(kept_tokens(tokens, requests[member].max_new_tokens,
+                                       requests[member].decoding.ends.ids(rules.eos)), dtype=torch.long)
             for member, tokens in generated.items() if member not in failed}
 
-
-def _kept(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
-    kept = tokens[:limit]
-    end = next((index for index, token in enumerate(kept) if token in eos), None)
-    return kept if end is None else kept[:end + 1]

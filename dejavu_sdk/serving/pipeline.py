@@ -198,15 +198,17 @@ class Pipeline:
                on_token: Callable[[int], None] | None = None, **settings: Any) -> Future[Result]:
         """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
-        Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`,
-        `min_p` (unset ones from the model's generation config) from a generator of the request's own seeded with
-        `seed` (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
-        `torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True)`. Requests of any settings
-        share microbatches. `on_token(id)` gets each new token as it arrives, on the head's receiver thread
-        (keep it short). The future is answered at the step its request ends, with its `Result`, or a
-        `RequestFailed` of its own (the other requests go on), or the `TransportError` that stopped the
-        pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request off the queue, and ends a
-        running one at its next step. A pipeline still starting queues the request once it is running.
+        Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`, `min_p`
+        (unset ones from the model's generation config) from a generator of the request's own seeded with `seed`
+        (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
+        `torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True)`. A request ends at the model's
+        end-of-sequence ids (not with `ignore_eos=True`) and at its own `stop_token_ids`, never before `min_tokens`
+        new tokens (`generate`'s `min_new_tokens`). Requests of any settings share microbatches. `on_token(id)` gets
+        each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
+        step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
+        `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
+        off the queue, and ends a running one at its next step. A pipeline still starting queues the request once it
+        is running.
         """
         listener = None if on_token is None else (lambda _, token: on_token(token))
         return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
@@ -223,6 +225,11 @@ class Pipeline:
         decoding = Decoding.of(do_sample, seed, **settings)
         if decoding.do_sample and self.options.rules.sampling_refused is not None:
             raise self.options.rules.sampling_refused
+        outside = [token for token in decoding.ends.stop_token_ids if token >= self.vocabulary]
+        if outside:
+            raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary of {self.vocabulary}")
+        if decoding.ends.min_tokens > max_new_tokens:
+            raise ConfigError(f"min_tokens ({decoding.ends.min_tokens}) is more than max_new_tokens ({max_new_tokens})")
         requests: list[Request] = []
         for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
