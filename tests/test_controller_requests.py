@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import attrs
@@ -138,3 +139,55 @@ def test_a_client_that_leaves_cancels_its_request_streamed_or_not(controller) ->
         _wait(lambda: _status(controller)["microbatches"] != [], 10, "the request to start")
     _wait(lambda: _status(controller)["microbatches"] == [], 5, "the abandoned request to stop")
     _wait(lambda: _cancelled(controller) == before + 2, 5, "the request counted as cancelled")
+
+
+def test_sigterm_drains_health_turns_503_new_requests_are_refused_and_the_stream_in_flight_finishes(tmp_path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("client-secret\n")
+    tests = os.path.dirname(__file__)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--listen",
+                                "127.0.0.1:0", "--token-file", str(token_file), "--ignore-eos", "--drain-timeout",
+                                "60"], stdout=subprocess.PIPE, text=True, env=environment)
+    try:
+        assert process.stdout is not None
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", process.stdout.readline())
+        assert match
+        served = _Served(match.group(1), "client-secret")
+        workers = [stage["pid"] for stage in _status(served)["stages"]]
+        stream = _client(served).completions.create(model=MODEL, prompt=[[5, 6, 7]], max_tokens=300, temperature=0,
+                                                    stream=True)
+        tokens = list(next(iter(stream)).choices[0].token_ids)
+        process.send_signal(signal.SIGTERM)
+
+        def health() -> tuple[int, dict]:
+            try:
+                with urllib.request.urlopen(served.url + "/health", timeout=5) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read())
+
+        _wait(lambda: health()[0] == 503, 10, "/health to turn 503")
+        assert health()[1]["status"] == "draining"
+        with pytest.raises(openai.InternalServerError) as refused:  # a 503, with Retry-After
+            _client(served).completions.create(model=MODEL, prompt=[[1, 2]], max_tokens=2)
+        assert refused.value.status_code == 503
+        for chunk in stream:
+            tokens += chunk.choices[0].token_ids
+        assert len(tokens) == 300  # the stream in flight ran to its end
+        assert process.wait(timeout=60) == 0
+        for pid in workers:  # no worker is left behind
+            _wait(lambda pid=pid: not _alive(pid), 10, f"worker {pid} to exit")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone, waiting for its parent to read its status
+        return stat.read().split()[2] != "Z"

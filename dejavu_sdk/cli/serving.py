@@ -102,6 +102,8 @@ def _controller_arguments(parser: Any) -> None:
                         f"at most; past it a request gets a 429 (default {limits.MAX_WAITING})")
     parser.add_argument("--max-prompts", type=int, default=limits.MAX_PROMPTS, help="choices (prompts times n) "
                         f"in one request at most, else a 400 (default {limits.MAX_PROMPTS})")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
+                        "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
                         f"wait to start, then a 503 (default {limits.QUEUE_TIMEOUT:.0f})")
 
@@ -193,7 +195,11 @@ def _serve(args: argparse.Namespace) -> int:
         if not tokens and not os.environ.get(TOKEN_VARIABLE):
             print(f"token: {controller.token}", flush=True)
         stop.wait()
-        logging.info("stopping")
+        logging.info("draining: no new requests; up to %.0f s for those in flight", args.drain_timeout)
+        if controller.drain(args.drain_timeout):
+            logging.info("drained: every request finished; stopping the workers")
+        else:
+            logging.warning("the drain timeout passed with requests in flight: they fail as the workers stop")
     return 0
 
 

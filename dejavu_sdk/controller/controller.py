@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -87,6 +88,7 @@ class Controller:
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
         self._started = threading.Event()  # set once the pipeline serves, or failed to start
+        self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._url: str | None = None
@@ -128,6 +130,8 @@ class Controller:
 
     def health(self) -> tuple[str, str]:
         pipeline = self.pipeline
+        if self._draining:
+            return "draining", "the server is shutting down: it finishes the requests it has and takes no new ones"
         if pipeline.ledger.failure is not None:
             return "failed", f"the pipeline failed: {pipeline.ledger.failure}"
         if pipeline.closed:
@@ -172,6 +176,18 @@ class Controller:
                 self.metrics.failures.inc()
 
     # ---- life cycle -----------------------------------------------------------------------------------
+    def drain(self, timeout: float) -> bool:
+        """Take no new requests (`/health` and new requests answer 503 "draining") and wait up to `timeout`
+        seconds for those waiting or running to finish; whether they all did. `close` then stops the workers
+        (and fails what is left)."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while not self.pipeline.idle():
+            if time.monotonic() > deadline or not self.pipeline.running:
+                return self.pipeline.idle()
+            time.sleep(0.05)
+        return True
+
     def start(self) -> Controller:
         """Start the HTTP server and the stage workers (which may ask it where to join); return once both are
         up."""

@@ -260,6 +260,11 @@ class Pipeline:
         computed, a running one ends at its next step. False when it had its answer already."""
         return future.cancel()
 
+    def idle(self) -> bool:
+        """Whether no request waits and no microbatch is in flight."""
+        status = self.ledger.status()
+        return not status["waiting"] and not status["microbatches"]
+
     def waiting(self) -> int:
         """How many requests wait to start."""
         return len(self.ledger.waiting)
