@@ -264,3 +264,16 @@ def test_a_full_queue_is_a_429_and_a_request_that_waits_too_long_a_503(workers_i
         for thread in busy:
             thread.join(timeout=60)
         assert sorted(answers) == [200, 503, 503]  # the two that waited past 1 s were told so
+
+
+def test_langchain_chat_openai_stops_at_a_stop_sequence_streamed_or_not(controller) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model="text", base_url=controller.url + "/v1", api_key=controller.token, temperature=0,
+                      max_tokens=24, max_retries=0, timeout=120)
+    whole = chat.invoke("Tell me something.").content
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    cut = chat.invoke("Tell me something.", stop=[stop])
+    assert cut.content == whole[:whole.find(stop)]
+    assert cut.response_metadata["finish_reason"] == "stop"
+    assert "".join(chunk.content for chunk in chat.stream("Tell me something.", stop=[stop])) == cut.content
