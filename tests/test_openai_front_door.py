@@ -6,11 +6,13 @@ client understands."""
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 import os
 import re
 import signal
 import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -277,3 +279,24 @@ def test_langchain_chat_openai_stops_at_a_stop_sequence_streamed_or_not(controll
     assert cut.content == whole[:whole.find(stop)]
     assert cut.response_metadata["finish_reason"] == "stop"
     assert "".join(chunk.content for chunk in chat.stream("Tell me something.", stop=[stop])) == cut.content
+
+
+def test_the_api_answers_https_only_with_a_certificate(workers_import_tiny_models, tmp_path) -> None:
+    import httpx
+
+    from dejavu_sdk.testing import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    with pytest.raises(dv.ConfigError, match="both"):
+        dv.Controller(MODEL, tls_cert=cert)
+    with dv.Controller(MODEL, stages=1, port=0, timeout=60, tls_cert=cert, tls_key=key) as controller:
+        assert controller.url.startswith("https://127.0.0.1:")
+        client = openai.OpenAI(base_url=controller.url + "/v1", api_key=controller.token, max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60))
+        answer = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0)
+        assert len(answer.choices[0].token_ids) == 3
+        with pytest.raises(urllib.error.URLError):  # an unverified client is refused
+            urllib.request.urlopen(controller.url + "/health", timeout=10)
+        plain = "http://" + controller.url.removeprefix("https://")
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):  # no plain HTTP
+            urllib.request.urlopen(plain + "/health", timeout=10)

@@ -102,6 +102,8 @@ def _controller_arguments(parser: Any) -> None:
                         f"at most; past it a request gets a 429 (default {limits.MAX_WAITING})")
     parser.add_argument("--max-prompts", type=int, default=limits.MAX_PROMPTS, help="choices (prompts times n) "
                         f"in one request at most, else a 400 (default {limits.MAX_PROMPTS})")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: the API answers HTTPS only")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
@@ -189,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
                     max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
+                    tls_cert=args.tls_cert, tls_key=args.tls_key,
                     worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)

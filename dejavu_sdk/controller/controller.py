@@ -33,6 +33,7 @@ from ..models import load_tokenizer
 from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
+from ..transports.tcp import server_tls_context
 from . import limits
 from .api import build_app
 from .limits import ApiLimits
@@ -62,6 +63,7 @@ class Controller:
     `served_model_name`: the names clients use for the model (default: `model`), the first the one `/v1/models`
     lists first. Limits (`ApiLimits`): `max_waiting` choices waiting to start (429 past it), `max_prompts`
     choices in one request, `queue_timeout` seconds a request may wait to start (503 after), `max_body_bytes`.
+    `tls_cert` and `tls_key` (PEM files): the API answers HTTPS only (`url` starts with https://).
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -69,8 +71,11 @@ class Controller:
                  max_waiting: int = limits.MAX_WAITING, max_prompts: int = limits.MAX_PROMPTS,
                  queue_timeout: float = limits.QUEUE_TIMEOUT, served_model_name: str | Sequence[str] | None = None,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
-                 **pipeline_options: Any) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
+        if (tls_cert is None) != (tls_key is None):
+            raise ConfigError("TLS needs both tls_cert (a PEM certificate chain) and tls_key (its private key)")
+        self._tls = None if tls_cert is None or tls_key is None else server_tls_context(tls_cert, tls_key)
         self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [model])
@@ -97,7 +102,7 @@ class Controller:
 
     @property
     def url(self) -> str:
-        """`http://host:port` once started."""
+        """`http://host:port` (with TLS: https) once started."""
         if self._url is None:
             raise ConfigError("the controller has not started: use it in a with block, or call start()")
         return self._url
@@ -213,7 +218,8 @@ class Controller:
         except OSError as error:
             raise ConfigError(f"cannot listen on {self.host}:{self.port}: {error}") from error
         port = listener.getsockname()[1]
-        self._url = f"http://[{self.host}]:{port}" if ":" in self.host else f"http://{self.host}:{port}"
+        scheme = "http" if self._tls is None else "https"
+        self._url = f"{scheme}://[{self.host}]:{port}" if ":" in self.host else f"{scheme}://{self.host}:{port}"
         loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
 
@@ -223,7 +229,7 @@ class Controller:
                                    handler_cancellation=True)  # a client that leaves cancels its request
             try:
                 loop.run_until_complete(runner.setup())
-                loop.run_until_complete(web.SockSite(runner, listener).start())
+                loop.run_until_complete(web.SockSite(runner, listener, ssl_context=self._tls).start())
             except BaseException as error:
                 ready.set_exception(error)
                 return
