@@ -3,8 +3,9 @@
 A launcher starts a worker that joins the head at a transport URL with the pipeline's token, and returns a
 `WorkerHandle`: the id the launcher gave the worker (which the worker sends when it joins, so that the head
 knows which launched worker is which: process ids collide across machines), its process id, whether it still
-runs, and a way to stop it. `LocalProcesses` starts `python -m dejavu_sdk.serving.bootstrap --join URL
---worker-id ID` processes on this machine (the default); `dejavu_sdk.cluster.ray.RayWorkers` starts Ray actors.
+runs, and a way to stop it. `LocalProcesses` starts workers on this machine (the default: forked from a zygote
+that has their imports done, else `python -m dejavu_sdk.serving.bootstrap --join URL --worker-id ID`);
+`dejavu_sdk.cluster.ray.RayWorkers` starts Ray actors.
 """
 
 from __future__ import annotations
@@ -91,10 +92,21 @@ class JoinedWorker:
 
 
 class LocalProcesses:
-    """Stage workers as processes of this machine, with this process's environment, each with an id of its own."""
+    """Stage workers as processes of this machine, with this process's environment, each with an id of its own.
 
-    def start(self, join: str, token: str) -> ProcessHandle:
+    On Linux they are forked from a zygote that has imported torch and transformers once (`zygote.py`): a
+    worker then starts without the seconds of CPU its imports take. `fork=False` (or another system)
+    starts each as `python -m dejavu_sdk.serving.bootstrap`."""
+
+    def __init__(self, fork: bool = True) -> None:
+        self.fork = fork and sys.platform.startswith("linux")
+
+    def start(self, join: str, token: str) -> WorkerHandle:
         environment = {**os.environ, TOKEN_VARIABLE: token}
         worker_id = uuid.uuid4().hex
+        if self.fork:
+            from .zygote import fork_worker  # not at import: `python -m dejavu_sdk.serving.zygote` runs it as main
+
+            return fork_worker(worker_id, join, environment)
         command = [sys.executable, "-m", "dejavu_sdk.serving.bootstrap", "--join", join, "--worker-id", worker_id]
         return ProcessHandle(subprocess.Popen(command, env=environment), worker_id)

@@ -1,0 +1,222 @@
+"""Stage workers forked from a process that has imported them already, so that a worker starts without the
+seconds its imports take.
+
+A worker's process spends about six seconds of CPU here (2 cores) importing torch and transformers before it
+can join; on this machine a test suite that starts hundreds of pipelines ran its serving tests 2-4 times faster
+forked. The
+zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch) imports them
+once, then forks a worker for each request: the child takes the head's environment and working directory of the
+moment, and runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote runs no torch
+operation and starts no thread, so forking it is safe (the CUDA runtime, thread pools: all start in the child).
+It reaps its children and tells the head how each ended; it exits when the head's end of its pipe closes (the
+head is gone), leaving its workers to find their head gone as they would.
+
+Head and zygote speak one JSON object per line over two pipes: the head asks `{"id", "join", "environment",
+"cwd"}`; the zygote answers `{"started": id, "pid"}` and, later, `{"exited": pid, "status"}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import TransportError
+
+#: Seconds the head waits for the zygote to import the workers' modules and fork the first one.
+START_TIMEOUT = 120.0
+#: Seconds `kill` waits for the zygote to report a killed worker's end.
+KILL_TIMEOUT = 10.0
+
+
+class ForkedWorker:
+    """A worker forked by the zygote: not this process's child, so its end is what the zygote reports."""
+
+    def __init__(self, zygote: Zygote, id: str, pid: int) -> None:
+        self.zygote, self.id, self.pid = zygote, id, pid
+
+    def alive(self) -> bool:
+        if self.zygote.status(self.pid) is not None:
+            return False
+        return self.zygote.alive() or _running(self.pid)  # a zygote gone cannot tell: ask the system
+
+    def exit_status(self) -> str:
+        status = self.zygote.status(self.pid)
+        return "an unknown status (its zygote is gone)" if status is None else _described(status)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.zygote.wait(self.pid, KILL_TIMEOUT)
+
+    def stop(self, timeout: float) -> None:
+        if not self.zygote.wait(self.pid, timeout):
+            self.kill()
+
+
+class Zygote:
+    """The head's side: starts the zygote, asks it for workers, and keeps how each ended."""
+
+    def __init__(self) -> None:
+        requests_read, self._requests = os.pipe()
+        replies, replies_write = os.pipe()
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.serving.zygote", str(requests_read),
+                                             str(replies_write)], pass_fds=(requests_read, replies_write))
+        finally:
+            os.close(requests_read)
+            os.close(replies_write)
+        self._replies = os.fdopen(replies, "r")
+        self._lock = threading.Lock()  # one request at a time
+        self._changed = threading.Condition()
+        self._started: dict[str, int] = {}
+        self._ended: dict[int, int] = {}
+        self._gone = False
+        threading.Thread(target=self._read, name="dejavu-zygote-replies", daemon=True).start()
+
+    def alive(self) -> bool:
+        return not self._gone
+
+    def fork(self, id: str, join: str, environment: dict[str, str]) -> ForkedWorker:
+        """A worker joining `join`, with `environment`; TransportError if the zygote cannot fork one."""
+        request = json.dumps({"id": id, "join": join, "environment": environment, "cwd": os.getcwd()}) + "\n"
+        with self._lock:
+            try:
+                os.write(self._requests, request.encode())
+            except OSError as error:
+                raise TransportError(f"the worker zygote is gone: {error}") from None
+            with self._changed:
+                if not self._changed.wait_for(lambda: id in self._started or self._gone, START_TIMEOUT):
+                    raise TransportError(f"the worker zygote did not fork a worker within {START_TIMEOUT:.0f} s")
+                if id not in self._started:
+                    raise TransportError("the worker zygote exited")
+                return ForkedWorker(self, id, self._started.pop(id))
+
+    def status(self, pid: int) -> int | None:
+        """How worker `pid` ended (a wait status), or None while it runs."""
+        with self._changed:
+            return self._ended.get(pid)
+
+    def wait(self, pid: int, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for worker `pid` to end; whether it did."""
+        with self._changed:
+            return self._changed.wait_for(lambda: pid in self._ended or self._gone, timeout) and pid in self._ended
+
+    def _read(self) -> None:
+        for line in self._replies:
+            reply = json.loads(line)
+            with self._changed:
+                if "started" in reply:
+                    self._started[reply["started"]] = reply["pid"]
+                    self._ended.pop(reply["pid"], None)  # an earlier worker's, whose pid the system reused
+                else:
+                    self._ended[reply["exited"]] = reply["status"]
+                self._changed.notify_all()
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def fork_worker(id: str, join: str, environment: dict[str, str]) -> ForkedWorker:
+    """A worker forked by this process's zygote (started on first use, and again if it died)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or not _zygote.alive():
+            _zygote = Zygote()
+        zygote = _zygote
+    return zygote.fork(id, join, environment)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _described(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"status {os.waitstatus_to_exitcode(status)}"
+
+
+# ---- the zygote's side ---------------------------------------------------------------------------------
+def serve(requests: int, replies: int) -> None:
+    """Fork a worker for each request on `requests` until it closes; report starts and ends on `replies`."""
+    from . import bootstrap  # the imports every worker needs, once  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at the head's terminal is the head's to handle
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.2)
+        _reap(replies)
+        if not readable:
+            continue
+        chunk = os.read(requests, 65536)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _run_child(request, (requests, replies))
+            _reply(replies, {"started": request["id"], "pid": pid})
+
+
+def _reap(replies: int) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _reply(replies, {"exited": pid, "status": status})
+
+
+def _reply(replies: int, reply: dict[str, Any]) -> None:
+    os.write(replies, (json.dumps(reply) + "\n").encode())
+
+
+def _run_child(request: dict[str, Any], pipes: Sequence[int]) -> None:
+    """In the forked child: become a worker as `python -m dejavu_sdk.serving.bootstrap` would, with the head's
+    environment and working directory, then exit with its status."""
+    status = 1
+    try:
+        for fd in pipes:
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["environment"])
+        os.chdir(request["cwd"])
+        paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+        sys.path[:0] = [os.path.abspath(path) for path in paths if os.path.abspath(path) not in sys.path]
+        from .bootstrap import main
+
+        status = main(["--join", request["join"], "--worker-id", request["id"]])
+    except BaseException:  # whatever happens, the child exits here, never returns to the loop
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
