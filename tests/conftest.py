@@ -1,5 +1,5 @@
-"""Shared fixtures: a real S3-compatible server on 127.0.0.1 for the object-storage tests, and stage processes
-that import the tests' tiny models."""
+"""Shared fixtures: a real S3-compatible server on 127.0.0.1 for the object-storage tests, stage processes that
+import the tests' tiny models, and SmolLM2's tokenizer (loaded once: reading it from its GGUF takes seconds)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def _wait_until_serving(endpoint: str, process: subprocess.Popen | None, timeout
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"no S3 server answered at {endpoint} within {timeout:.0f} s")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from dejavu_sdk.models import load_tokenizer
+
+    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="session")

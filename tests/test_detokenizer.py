@@ -11,15 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dejavu_sdk.controller.detokenizer import CLEANUP_REACH, TextStream, cleans_up_spaces
-from dejavu_sdk.models import load_tokenizer
 
 TEXTS = ["I do n't know , it 's fine . Is it ? Yes !", "Ünïcödé: 日本語のテキスト 🙂🚀 and more",
          "Spaces   and\ttabs\nnew lines ' quoted ' , done .", "x" * 50 + " end", "We 're here , we 've been ."]
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return load_tokenizer("smollm2")
+def plain(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ import openai
 import pytest
 
 import dejavu_sdk as dv
-from dejavu_sdk.models import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +32,8 @@ PROMPTS = ["The weather today", "Once upon a time, in a land far away,", "def ma
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import attrs
 import pytest
 
 from dejavu_sdk.controller.openai_requests import ApiError, parse_chat, parse_completion
-from dejavu_sdk.models import load_tokenizer
 
 
 @attrs.frozen
@@ -20,8 +19,8 @@ class _Facts:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def _refused(parse, body, facts, status: int, words: str, max_prompts: int = 16) -> None:
