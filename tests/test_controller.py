@@ -64,6 +64,12 @@ def _raw(controller, path: str, body: bytes | None = None, token: str | None = "
         return status, text
 
 
+def _health(controller) -> str:
+    """`/health`'s status code and state, as "200 serving"."""
+    status, body = _raw(controller, "/health", token=None)
+    return f"{status} {body['status']}"
+
+
 def _two_prompts() -> list[list[int]]:
     return [ids.tolist() for ids in expectations.prompts(2, seed=41)]
 
@@ -230,13 +236,28 @@ def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged
         assert controller.pipeline.recovery == "replicas"  # "auto" with two token stages
         calm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=600, temperature=0)
         streamed: list[int] = []
+        health: list[str] = []
+        watching = threading.Event()
+
+        def watch_health() -> None:  # what /health says from the kill until the stream ends
+            while watching.is_set():
+                health.append(_health(controller))
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch_health, daemon=True)
         for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=600, temperature=0,
                                                stream=True):
             streamed += chunk.choices[0].token_ids or []
             if len(streamed) == 40:
+                watching.set()
+                watcher.start()
                 os.kill(next(stage["pid"] for stage in controller.status()["stages"]
                              if stage["name"] == "token stage 1"), signal.SIGKILL)
+        watching.clear()
+        watcher.join(timeout=10)
         assert streamed == calm.choices[0].token_ids  # nothing lost, nothing twice
+        assert "503 recovering" in health  # while the stage was replaced
+        assert health[-1] == "200 serving"
         _status, text = _raw(controller, "/metrics")
         assert re.search(r"^dejavu_stage_failures_total 1\.0", text, re.MULTILINE)
         assert re.search(r"^dejavu_recoveries_total 1\.0", text, re.MULTILINE)
