@@ -273,9 +273,12 @@ def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch,
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
     monkeypatch.delenv("DEJAVU_TOKEN", raising=False)
     token_file = tmp_path / "token"
-    token_file.write_text("cluster-secret\n")
+    token_file.write_text("worker-secret\n")
     command = [sys.executable, "-m", "dejavu_sdk.cli", "worker", "--token-file", str(token_file), "--controller"]
-    controller = dv.Controller(MODEL, stages=2, microbatch=2, port=0, token="cluster-secret", launch=False)
+    with pytest.raises(dv.ConfigError, match="differ"):
+        dv.Controller(MODEL, token="cluster-secret", worker_token="cluster-secret", launch=False)
+    controller = dv.Controller(MODEL, stages=2, microbatch=2, port=0, token="cluster-secret",
+                               worker_token="worker-secret", launch=False)
     workers: list[subprocess.Popen] = []
     try:
         starting = threading.Thread(target=controller.start)
@@ -284,8 +287,10 @@ def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch,
         while not _listening(controller):
             assert time.monotonic() < deadline, "the controller never listened"
             time.sleep(0.05)
+        assert _raw(controller, "/v1/workers", token="cluster-secret")[0] == 401  # a client's token opens no link
+        assert _raw(controller, "/v1/models", token="worker-secret")[0] == 401  # nor a worker's a client route
         wrong = tmp_path / "wrong"
-        wrong.write_text("guess\n")
+        wrong.write_text("cluster-secret\n")
         refused = subprocess.run([*command[:-3], "--token-file", str(wrong), "--controller", controller.url],
                                  capture_output=True, text=True, timeout=120)
         assert refused.returncode != 0
@@ -305,14 +310,15 @@ def test_workers_started_elsewhere_ask_the_controller_where_to_join(monkeypatch,
 
 @pytest.mark.slow
 def test_dejavu_controller_waits_for_dejavu_worker_controller_and_then_serves(tmp_path) -> None:
-    token_file = tmp_path / "tokens"
+    token_file, worker_token_file = tmp_path / "tokens", tmp_path / "worker-token"
     token_file.write_text("cluster-secret\n")
+    worker_token_file.write_text("worker-secret\n")
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
     environment.pop("DEJAVU_TOKEN", None)
     cli = [sys.executable, "-m", "dejavu_sdk.cli"]
     controller = subprocess.Popen([*cli, "controller", "--model", MODEL, "--stages", "2", "--listen", "127.0.0.1:0",
-                                   "--token-file", str(token_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=environment)
+                                   "--token-file", str(token_file), "--worker-token-file", str(worker_token_file)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     workers: list[subprocess.Popen] = []
     try:
         assert controller.stderr is not None
@@ -324,7 +330,7 @@ def test_dejavu_controller_waits_for_dejavu_worker_controller_and_then_serves(tm
             raise AssertionError("the controller never said where workers join")
         url = match.group(1)
         threading.Thread(target=controller.stderr.read, daemon=True).start()  # its log goes on; keep the pipe open
-        workers = [subprocess.Popen([*cli, "worker", "--controller", url, "--token", "cluster-secret"],
+        workers = [subprocess.Popen([*cli, "worker", "--controller", url, "--token", "worker-secret"],
                                     env=environment) for _ in range(2)]
         assert f"at {url}/v1" in controller.stdout.readline()  # serving once both joined
         client = openai.OpenAI(base_url=url + "/v1", api_key="cluster-secret", max_retries=0, timeout=120)

@@ -77,8 +77,11 @@ def _controller_arguments(parser: Any) -> None:
                         "ucx)")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
                         "port; the URL is printed)")
-    parser.add_argument("--token-file", help="tokens clients present, one per line (the first also secures the "
-                        "workers' links); default: DEJAVU_TOKEN, else a random token printed at start")
+    parser.add_argument("--token-file", help="tokens clients present, one per line; default: DEJAVU_TOKEN, else a "
+                        "random token printed at start")
+    parser.add_argument("--worker-token-file", help="a file whose first token secures the stage workers' links "
+                        "(and lets `dejavu worker --controller` ask where to join); it must differ from every client "
+                        "token; default: DEJAVU_WORKER_TOKEN, else a random one (enough for workers started here)")
     parser.add_argument("--insecure", action="store_true", help="listen beyond loopback with a printed random token")
     parser.add_argument("--recovery", choices=["auto", "replicas", "recompute", "none"], default="auto",
                         help="when a stage dies: replace it and resume from the replicas the decoding stages keep of "
@@ -144,13 +147,15 @@ def add_serving_commands(commands: Any) -> None:
                                  "the head says so or is gone")
     where = worker.add_mutually_exclusive_group(required=True)
     where.add_argument("--controller", help="the controller's URL, http://host:port: the worker asks it where to "
-                       "join (its token: --token, --token-file, else DEJAVU_TOKEN)")
+                       "join (its token, the controller's worker token: --token, --token-file, else "
+                       "DEJAVU_WORKER_TOKEN)")
     where.add_argument("--join", help="the head's URL, tcp://host:port (printed by the head; its token comes from "
                        "DEJAVU_TOKEN)")
     secret = worker.add_mutually_exclusive_group()
-    secret.add_argument("--token", help="the controller's token (visible to other users of this machine in the "
-                        "process list: prefer --token-file or DEJAVU_TOKEN where that matters)")
-    secret.add_argument("--token-file", help="a file whose first token is the controller's (default: DEJAVU_TOKEN)")
+    secret.add_argument("--token", help="the controller's worker token (visible to other users of this machine in "
+                        "the process list: prefer --token-file or DEJAVU_WORKER_TOKEN where that matters)")
+    secret.add_argument("--token-file", help="a file whose first token is the controller's worker token (default: "
+                        "DEJAVU_WORKER_TOKEN, else DEJAVU_TOKEN)")
     worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
@@ -163,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
     import threading
 
     from dejavu_sdk.controller import Controller
+    from dejavu_sdk.controller.controller import WORKER_TOKEN_VARIABLE
     from dejavu_sdk.errors import ConfigError
     from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
     from dejavu_sdk.urls import split_host_port
@@ -182,10 +188,14 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     worker_host, worker_port = split_host_port(args.worker_listen)
-    if args.remote_workers and not tokens and not os.environ.get(TOKEN_VARIABLE):
-        raise ConfigError(f"--remote-workers: workers elsewhere present the token: give --token-file (or "
-                          f"{TOKEN_VARIABLE}) and the same to each `dejavu worker --controller`")
+    worker_tokens = list(read_token_file(args.worker_token_file)) if args.worker_token_file else []
+    if args.worker_token_file and not worker_tokens:
+        raise ConfigError(f"the token file {args.worker_token_file!r} holds no token")
+    if args.remote_workers and not worker_tokens and not os.environ.get(WORKER_TOKEN_VARIABLE):
+        raise ConfigError(f"--remote-workers: workers elsewhere present the workers' token: give --worker-token-file "
+                          f"(or {WORKER_TOKEN_VARIABLE}) and the same to each `dejavu worker --controller`")
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
+                    worker_token=worker_tokens[0] if worker_tokens else None,
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
@@ -210,6 +220,7 @@ def _worker(args: argparse.Namespace) -> int:
     from dejavu_sdk.errors import ConfigError
     from dejavu_sdk.transports.access import TOKEN_VARIABLE, read_token_file
 
+    from ..controller.controller import WORKER_TOKEN_VARIABLE
     from ..controller.workers import ask_where_to_join
     from ..serving.bootstrap import run_worker
 
@@ -220,6 +231,8 @@ def _worker(args: argparse.Namespace) -> int:
         if not tokens:
             raise ConfigError(f"the token file {args.token_file!r} holds no token")
         os.environ[TOKEN_VARIABLE] = tokens[0]
+    elif os.environ.get(WORKER_TOKEN_VARIABLE):
+        os.environ[TOKEN_VARIABLE] = os.environ[WORKER_TOKEN_VARIABLE]
     join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
     run_worker(join, host=args.host, threads=args.threads)
     return 0

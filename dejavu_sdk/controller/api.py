@@ -11,7 +11,8 @@
     GET  /health               200 when serving, 503 while starting, recovering, draining or failed (no token)
     POST /tokenize, /detokenize, GET /version   as vLLM has them
 
-Every other route needs `Authorization: Bearer <token>` (401 otherwise). Errors have OpenAI's shape
+Every other route needs `Authorization: Bearer <token>` (401 otherwise): a client token, and for `/v1/workers`
+the workers' token (neither opens the other's routes). Errors have OpenAI's shape
 (`{"error": {"message", "type", "code"}}`) and the status a client understands: 400 a bad request (and its own
 bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
 Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
@@ -26,16 +27,19 @@ computed, a running one ends at its next step; either is counted as cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import attrs
 from aiohttp import web
 
 from .._version import __version__
@@ -48,8 +52,22 @@ from .runs import Run
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("dejavu_sdk.access")
 
-#: Paths answered without a client token.
-OPEN_PATHS = ("/health", "/version")
+#: A client's own request id is kept when it is this plain; any other gets a new one.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: Paths answered without a token, and those that take the workers' token (and no client token).
+OPEN_PATHS, WORKER_PATHS = ("/health", "/version"), ("/v1/workers",)
+
+
+@attrs.define
+class _Exchange:
+    """One HTTP request as its access-log line tells it: its id, and the tokens it cost."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+_EXCHANGE: contextvars.ContextVar[_Exchange] = contextvars.ContextVar("dejavu_exchange")
 
 
 class ServedModel(Protocol):
@@ -87,11 +105,12 @@ class ServedModel(Protocol):
         """Where stage workers join the pipeline's head (a transport URL)."""
 
 
-def build_app(backend: ServedModel, tokens: Collection[str], limits: ApiLimits) -> web.Application:
-    """The API over `backend`; clients present one of `tokens`."""
+def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, limits: ApiLimits) -> web.Application:
+    """The API over `backend`; clients present one of `tokens`, stage workers `worker_token`."""
     allowed = [token.encode() for token in tokens]
     if not allowed:
         raise ConfigError("the controller needs at least one token for its clients")
+    workers = [worker_token.encode()]
     text_threads = ThreadPoolExecutor(2, thread_name_prefix="dejavu-api-text")
     admission = ThreadPoolExecutor(1, thread_name_prefix="dejavu-api-admission")
 
@@ -99,14 +118,16 @@ def build_app(backend: ServedModel, tokens: Collection[str], limits: ApiLimits) 
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        request["request_id"] = request_id
-        response = await _answer(request, handler, allowed, limits, backend)
+        given = request.headers.get("X-Request-Id", "")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log lines forged in an id
+        exchange = _Exchange(request_id)
+        _EXCHANGE.set(exchange)  # the handler runs in this task, and reads it
+        response = await _answer(request, handler, workers if request.path in WORKER_PATHS else allowed, limits)
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
         access_log.info("%s %s %s %s %d prompt=%d generated=%d %.3fs", request_id, request.remote, request.method,
-                        request.path, response.status, request.get("prompt_tokens", 0),
-                        request.get("generated_tokens", 0), time.monotonic() - started)
+                        request.path, response.status, exchange.prompt_tokens, exchange.generated_tokens,
+                        time.monotonic() - started)
         return response
 
     async def on_cleanup(_: web.Application) -> None:
@@ -131,7 +152,7 @@ def build_app(backend: ServedModel, tokens: Collection[str], limits: ApiLimits) 
 
 
 async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                  allowed: list[bytes], limits: ApiLimits, backend: ServedModel) -> web.StreamResponse:
+                  allowed: list[bytes], limits: ApiLimits) -> web.StreamResponse:
     """The handler's response, or the error that stopped it in OpenAI's shape; never an exception."""
     try:
         if request.path not in OPEN_PATHS:
@@ -205,17 +226,18 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
     except DejaVuError as error:  # the pipeline failed or closed meanwhile
         raise ApiError(503, f"the serving pipeline cannot take requests: {error}", "server_error",
                        "pipeline_failed", 5.0) from None
-    request["prompt_tokens"] = sum(len(ids) for ids in generation.prompts)
+    exchange = _EXCHANGE.get()
+    exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
     watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
     try:
-        headers = {"X-Request-Id": request["request_id"]}
+        headers = {"X-Request-Id": exchange.request_id}
         if generation.stream:
             return await run.stream(request, headers)
         answer = await run.complete()
         return web.json_response(answer, headers=headers)
     finally:
         watch.cancel()
-        request["generated_tokens"] = sum(len(state.tokens) for state in run.states)
+        exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
 
 
 def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:

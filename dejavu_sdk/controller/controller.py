@@ -6,9 +6,10 @@
 
 The controller is the pipeline's head as a service: it starts the stage workers (`dv.Pipeline`, the same
 layouts and options), and answers HTTP on its own thread and event loop (`controller/api.py`) from the moment
-it listens: requests sent while the workers start wait for them (up to `queue_timeout`). Clients and the stage
-workers' links share one secret token: `token=`, else `DEJAVU_TOKEN`, else a random one (`controller.token`).
-It binds 127.0.0.1 unless given another host.
+it listens: requests sent while the workers start wait for them (up to `queue_timeout`). Clients present
+`token=` (else `DEJAVU_TOKEN`, else a random one: `controller.token`) or one of `tokens`; the stage workers' links
+are secured by a secret of their own, `worker_token=` (else `DEJAVU_WORKER_TOKEN`, else a random one), which
+opens no client route, as no client token opens a worker link. It binds 127.0.0.1 unless given another host.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from .openai_requests import Choice
 
 log = logging.getLogger(__name__)
 
+#: The environment variable that may hold the stage workers' link token (`worker_token=`, `--worker-token-file`).
+WORKER_TOKEN_VARIABLE = "DEJAVU_WORKER_TOKEN"
+
 #: The largest request body accepted, bytes (a prompt of a few hundred thousand token ids).
 MAX_BODY_BYTES = limits.MAX_BODY_BYTES
 #: Seconds `start` waits for the HTTP server to listen.
@@ -71,18 +75,23 @@ class Controller:
                  max_waiting: int = limits.MAX_WAITING, max_prompts: int = limits.MAX_PROMPTS,
                  queue_timeout: float = limits.QUEUE_TIMEOUT, served_model_name: str | Sequence[str] | None = None,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
-                 tls_cert: str | None = None, tls_key: str | None = None, **pipeline_options: Any) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, worker_token: str | None = None,
+                 **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("TLS needs both tls_cert (a PEM certificate chain) and tls_key (its private key)")
         self._tls = None if tls_cert is None or tls_key is None else server_tls_context(tls_cert, tls_key)
         self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
+        self.worker_token = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE) or secrets.token_urlsafe(24)
+        if self.worker_token in (self.token, *tokens):
+            raise ConfigError("the workers' token must differ from every client token: a client must not be able "
+                              "to open a worker link")
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [model])
         if not names or not all(isinstance(name, str) and name for name in names):
             raise ConfigError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
         self.model_id, self.names = names[0], names
-        self.pipeline = Pipeline(model, token=self.token, recovery=recovery, host=worker_host, port=worker_port,
+        self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host, port=worker_port,
                                  **pipeline_options)  # ConfigError before any process starts
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
         self.context = self.pipeline.context
@@ -225,7 +234,7 @@ class Controller:
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(build_app(self, self._tokens, self.limits), access_log=None,
+            runner = web.AppRunner(build_app(self, self._tokens, self.worker_token, self.limits), access_log=None,
                                    handler_cancellation=True)  # a client that leaves cancels its request
             try:
                 loop.run_until_complete(runner.setup())
