@@ -21,8 +21,8 @@ def test_forked_workers_serve_and_report_how_they_ended(workers_import_tiny_mode
         assert all(isinstance(handle, ForkedWorker) for handle in handles)
         assert {handle.pid for handle in handles}.isdisjoint({os.getpid(), handles[0].zygote.process.pid})
         assert len(pipe.generate([torch.tensor([5, 6, 7])], 4)[0]) == 4  # tiny_models came from PYTHONPATH
-        os.kill(handles[1].pid, signal.SIGKILL)
-        assert handles[0].zygote.wait(handles[1].pid, 10)
+        os.kill(handles[1].pid, signal.SIGKILL)  # as a crash would
+        assert handles[0].zygote.wait(handles[1].id, handles[1].pid, 10)
         assert not handles[1].alive()
         assert handles[1].exit_status() == "signal 9"
         assert handles[0].alive()

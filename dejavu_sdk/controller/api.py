@@ -87,14 +87,11 @@ class ServedModel(Protocol):
     def health(self) -> tuple[str, str]:
         """("serving" | "starting" | "recovering" | "draining" | "failed", why)."""
 
-    def wait_until_serving(self, timeout: float) -> tuple[str, str]:
-        """Wait (bounded) while starting or recovering; the state it ended in, and why."""
-
     def waiting(self) -> int:
         """Choices waiting to start."""
 
-    def still_waiting(self, futures: Sequence[Future[Any]]) -> bool:
-        """Whether any of `futures`' requests has not started yet."""
+    def none_started(self, futures: Sequence[Future[Any]]) -> bool:
+        """Whether none of `futures`' requests has started (nor ended)."""
 
     def started_at(self, future: Future[Any]) -> float | None: ...
 
@@ -188,6 +185,8 @@ async def _json_body(request: web.Request) -> Any:
         json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be tokenized: refuse it here
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the body is not valid JSON") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise ApiError(400, f"the body's JSON is refused: {error}") from None
     except RecursionError:
         raise ApiError(400, "the body's JSON is nested too deeply") from None
     except UnicodeEncodeError:
@@ -207,14 +206,17 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
     except ApiError:
         backend.metrics.requests.labels("bad_request").inc()
         raise
-    state, why = await loop.run_in_executor(admission, backend.wait_until_serving, limits.queue_timeout)
+    state, why = await _until_serving(backend, limits.queue_timeout)
     if state != "serving":
         raise ApiError(503, f"the server is {state}: {why}", "server_error", f"server_{state}", 5.0)
+    if len(generation.choices) > limits.max_waiting:
+        raise ApiError(400, f"{len(generation.choices)} choices is more than the {limits.max_waiting} this server "
+                       "queues at all (--max-waiting)")
     if backend.waiting() + len(generation.choices) > limits.max_waiting:
         raise ApiError(429, f"{backend.waiting()} choices are waiting already, and this server queues at most "
                        f"{limits.max_waiting} (--max-waiting): try again later", "rate_limit_error",
                        "queue_full", 1.0)
-    submitted = loop.run_in_executor(admission, Run, backend, generation, loop, text_threads)
+    submitted = loop.run_in_executor(admission, Run, backend, generation, loop, text_threads, admission)
     try:
         run = await asyncio.shield(submitted)
     except asyncio.CancelledError:  # the client left while its request was being queued: take it off again
@@ -237,6 +239,7 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
         return web.json_response(answer, headers=headers)
     finally:
         watch.cancel()
+        run.cancel("%s ended before its answer was complete")  # nothing left computing for nobody (if it is)
         exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
 
 
@@ -245,10 +248,21 @@ def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
         submitted.result().cancel("a client left %s while it was being queued")
 
 
+async def _until_serving(backend: ServedModel, timeout: float) -> tuple[str, str]:
+    """Wait (on the loop, holding no thread) while the workers start, up to `timeout` seconds; the state then.
+    Requests sent during a recovery are queued: they wait in the pipeline."""
+    deadline = time.monotonic() + timeout
+    state, why = backend.health()
+    while state == "starting" and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        state, why = backend.health()
+    return ("serving", why) if state == "recovering" else (state, why)
+
+
 async def _queue_timeout(run: Run, backend: ServedModel, timeout: float, admission: Executor) -> None:
-    """Cancel a request still waiting to start after `timeout` seconds: its answer is a 503."""
+    """Cancel a request none of whose choices has started after `timeout` seconds: its answer is a 503."""
     await asyncio.sleep(timeout)
-    if await asyncio.get_running_loop().run_in_executor(admission, backend.still_waiting, run.futures):
+    if await asyncio.get_running_loop().run_in_executor(admission, backend.none_started, run.futures):
         run.time_out(f"it waited {timeout:.0f} s (--queue-timeout) without starting")
 
 

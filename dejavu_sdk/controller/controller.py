@@ -101,7 +101,6 @@ class Controller:
         self.pipeline.on_recovery = lambda report: self.metrics.recovered(report.total)
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
-        self._started = threading.Event()  # set once the pipeline serves, or failed to start
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -156,18 +155,11 @@ class Controller:
             return "recovering", "a failed stage is being replaced; requests wait for it"
         return "serving", ""
 
-    def wait_until_serving(self, timeout: float) -> tuple[str, str]:
-        """Wait while the workers start (up to `timeout` seconds); then the state. Requests sent during a
-        recovery are queued: they wait in the pipeline."""
-        self._started.wait(timeout)
-        state, why = self.health()
-        return ("serving", why) if state == "recovering" else (state, why)
-
     def waiting(self) -> int:
         return self.pipeline.waiting()
 
-    def still_waiting(self, futures: Sequence[Future[Result]]) -> bool:
-        return any(not future.done() and self.pipeline.started_at(future) is None for future in futures)
+    def none_started(self, futures: Sequence[Future[Result]]) -> bool:
+        return all(not future.done() and self.pipeline.started_at(future) is None for future in futures)
 
     def started_at(self, future: Future[Result]) -> float | None:
         return self.pipeline.started_at(future)
@@ -215,8 +207,6 @@ class Controller:
         except BaseException:
             self.close()
             raise
-        finally:
-            self._started.set()
         log.info("serving %s at %s", self.model_id, self.url)
         return self
 

@@ -10,8 +10,8 @@ its character. Clean-up then runs over the raw text (plain string replacements, 
 
 What is sent must stay a prefix of the final text whatever comes next, so three things are held back: a
 character not yet complete, the end of the text where a stop string may be starting (its longest length less
-one character), and for a tokenizer that cleans up spaces the last word and the characters before it that a
-clean-up pattern (" 's", " n't", " ' ", ...) could still rewrite. `finish` sends the rest of the exact text.
+one character), and for a tokenizer that cleans up spaces the last three characters, which a clean-up pattern
+(" 's", " n't", ...) completed by the next token could still rewrite. `finish` sends the rest of the exact text.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: Characters before the last space that a clean-up of spaces may still change: its patterns (" ' " the
-#: longest) start with a space and span at most three characters.
+#: Characters at the end of the text that a clean-up of spaces may still change: its patterns (" n't" the
+#: longest) start with a space and span at most four characters, so one completed by what comes next starts
+#: within the last three.
 CLEANUP_REACH = 3
 
 
@@ -57,10 +58,8 @@ class TextStream:
         if stop is not None:
             self.stopped = stop[1]
             return self._send(text[:stop[0]])
-        safe = len(text) - self.hold
-        if self.cleans_up:
-            safe = min(safe, text.rfind(" ") - CLEANUP_REACH)
-        return self._send(text[:max(safe, 0)])
+        hold = max(self.hold, CLEANUP_REACH) if self.cleans_up else self.hold
+        return self._send(text[:max(len(text) - hold, 0)])
 
     def finish(self) -> str:
         """The rest of the text: the final text is the exact decode of the tokens taken, cut before a stop

@@ -77,7 +77,10 @@ class GenerationRequest:
 def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
     """A `/v1/completions` body: `prompt` as a text, texts, token ids or lists of them."""
     model = _model(body, facts)
-    prompts = _prompts(body.get("prompt"), facts.tokenizer)
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and bool(prompt) and not _is_id(prompt[0])
+    _check_count(len(prompt) if several else 1, body, max_prompts)  # before any is tokenized
+    prompts = _prompts(prompt, facts.tokenizer)
     return _request("completion", model, body, prompts, facts, max_prompts, default_max=16)
 
 
@@ -104,10 +107,7 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
             raise ApiError(400, f"{name}={body[name]!r} is not supported")
-    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
-    if len(prompts) * n > max_prompts:
-        raise ApiError(400, f"{len(prompts)} prompts x n={n} choices is more than the {max_prompts} this server "
-                       "takes in one request (--max-prompts)")
+    n = _check_count(len(prompts), body, max_prompts)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
@@ -119,6 +119,15 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
         limit = _max_tokens(body, default_max, len(prompt), facts.context)
         choices += [Choice(prompt, limit, _seeded(decoding, copy), index) for copy in range(n)]
     return GenerationRequest(kind, model, choices, prompts, _stop(body.get("stop")), stream, include_usage)
+
+
+def _check_count(prompts: int, body: dict[str, Any], max_prompts: int) -> int:
+    """The request's `n`, once its choices (prompts times n) are within `max_prompts` (a 400 otherwise)."""
+    n = _integer(body, "n", 1, minimum=1, maximum=MAX_N)
+    if prompts * n > max_prompts:
+        raise ApiError(400, f"{prompts} prompts x n={n} choices is more than the {max_prompts} this server takes in "
+                       "one request (--max-prompts)")
+    return int(n)
 
 
 def _model(body: Any, facts: ModelFacts) -> str:

@@ -69,8 +69,9 @@ class Run:
     """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued)."""
 
     def __init__(self, backend: GenerationBackend, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-                 text_threads: Executor) -> None:
+                 text_threads: Executor, control: Executor) -> None:
         self.backend, self.request, self.loop, self.text_threads = backend, request, loop, text_threads
+        self.control = control  # cancels go through it: a cancel may wait on a stage, never on the loop
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
         self.id, self.created, self.started = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
         self.events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()  # (choice, token or None: done)
@@ -79,7 +80,7 @@ class Run:
         self.counted = False  # in the metrics as ok, failed, cancelled or timed out (once)
         self.timed_out: str | None = None  # why it was cancelled before it started
         self.first_token: float | None = None
-        self.last_token: float | None = None
+        self.last_token: dict[int, float] = {}  # each choice's last arrival
         self.futures = backend.submit(request.choices, self._on_token)
         backend.metrics.in_flight.inc(len(self.futures))
         for index, future in enumerate(self.futures):
@@ -106,7 +107,7 @@ class Run:
                 if state.finish is not None:
                     continue
                 if tokens:
-                    self._note_arrival(len(tokens))
+                    self._note_arrival(index, len(tokens))
                     update = await self.loop.run_in_executor(self.text_threads, self._take, index, tokens)
                 elif done:
                     update = await self.loop.run_in_executor(self.text_threads, self._ended, index)
@@ -136,7 +137,7 @@ class Run:
                 text += state.stream.add([token])
                 if state.stream.stopped is not None:
                     state.finish = "stop"
-                    self.futures[index].cancel()  # nothing more is computed for it
+                    self._cancel_futures([self.futures[index]])  # nothing more is computed for it
                     break
             if token in eos:
                 state.finish = "stop"
@@ -165,8 +166,7 @@ class Run:
             raise ApiError(503, f"the request was not served: {self.timed_out}", "server_error", "queue_timeout", 5.0)
         error = None if future.cancelled() else future.exception()
         if error is not None:
-            for other in self.futures:
-                other.cancel()
+            self._cancel_futures(self.futures)
             self._count("failed")
             raise _api_error(error)
         state.finish = "stop" if state.tokens and state.tokens[-1] in self._end_ids(index) else "length"
@@ -192,8 +192,8 @@ class Run:
         then `data: [DONE]`."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **headers})
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             if self.request.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's stream does
                 for index in range(len(self.states)):
                     await self._send(response, [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -203,9 +203,16 @@ class Run:
                     await self._send(response, [self._chunk_choice(update)])
             except ApiError as error:
                 await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise
+            except Exception:  # the headers went out: the stream says what went wrong, in its own shape
+                log.exception("streaming %s failed", self.id)
+                self.cancel("%s failed while streaming")
+                await _write(response, {"error": {"message": "internal error; the controller's log says more",
+                                                  "type": "server_error", "code": None}})
             else:
                 if self.request.include_usage:
-                    await _write(response, {**self._head(), "choices": [], "usage": self._usage()})
+                    await self._send(response, [], usage=self._usage())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as left:  # the client left: its requests end
@@ -217,17 +224,26 @@ class Run:
     def time_out(self, why: str) -> None:
         """Cancel a request that waited too long to start: its answer is a 503 that says `why`."""
         self.timed_out = why
-        for future in self.futures:
-            future.cancel()
-        self._count("timed_out")
+        if self._count("timed_out"):
+            self._cancel_futures(self.futures)
 
     def cancel(self, why: str) -> None:
         """Cancel every choice not answered yet (a waiting one is never computed, a running one ends at its next
-        step), and count the request as cancelled, once."""
-        log.info(why, self.id)
-        for future in self.futures:
-            future.cancel()
-        self._count("cancelled")
+        step), and count the request as cancelled, once; nothing for a request already answered or failed."""
+        if self._count("cancelled"):
+            log.info(why, self.id)
+            self._cancel_futures(self.futures)
+
+    def _cancel_futures(self, futures: list[Future[Result]]) -> None:
+        """Cancel `futures` on the control thread (a cancel sends a message to a stage, which may be slow)."""
+        def cancel_all() -> None:
+            for future in futures:
+                future.cancel()
+
+        try:
+            self.control.submit(cancel_all)
+        except RuntimeError:  # the API is shutting down: cancel here
+            cancel_all()
 
     # ---- shapes of the two APIs --------------------------------------------------------------------------
     def _head(self) -> dict[str, Any]:
@@ -250,11 +266,12 @@ class Run:
         return {"index": update.index, "text": update.text, "logprobs": None, "finish_reason": update.finish,
                 "token_ids": update.tokens}
 
-    async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]]) -> None:
+    async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],
+                    usage: dict[str, int] | None = None) -> None:
         head = self._head()
         if self.request.kind == "chat":
             head["object"] = "chat.completion.chunk"
-        extra = {"usage": None} if self.request.include_usage else {}
+        extra = {"usage": usage} if self.request.include_usage else {}
         await _write(response, {**head, "choices": choices, **extra})
 
     def _usage(self) -> dict[str, int]:
@@ -263,15 +280,15 @@ class Run:
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
     # ---- counting, once -----------------------------------------------------------------------------------
-    def _note_arrival(self, tokens: int) -> None:
-        """Time to first token, and the time between tokens (a step's tokens arrive together)."""
+    def _note_arrival(self, index: int, tokens: int) -> None:
+        """Time to first token, and the time between a choice's tokens (tokens that arrive together share it)."""
         now, metrics = time.monotonic(), self.backend.metrics
         if self.first_token is None:
             self.first_token = now
             metrics.first_token.observe(now - self.started)
-        elif self.last_token is not None:
-            metrics.inter_token.observe((now - self.last_token) / tokens)
-        self.last_token = now
+        if index in self.last_token:
+            metrics.inter_token.observe((now - self.last_token[index]) / tokens)
+        self.last_token[index] = now
 
     def _count_ok(self) -> None:
         if self._count("ok"):

@@ -1,18 +1,21 @@
 """Stage workers forked from a process that has imported them already, so that a worker starts without the
 seconds its imports take.
 
-A worker's process spends about six seconds of CPU here (2 cores) importing torch and transformers before it
-can join; on this machine a test suite that starts hundreds of pipelines ran its serving tests 2-4 times faster
-forked. The
-zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch) imports them
+A worker's process spends about six seconds of CPU here (2 cores) importing torch and transformers before it can
+join; on this machine a test suite that starts hundreds of pipelines ran its serving tests 2-4 times faster forked.
+The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch) imports them
 once, then forks a worker for each request: the child takes the head's environment and working directory of the
 moment, and runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote runs no torch
-operation and starts no thread, so forking it is safe (the CUDA runtime, thread pools: all start in the child).
-It reaps its children and tells the head how each ended; it exits when the head's end of its pipe closes (the
-head is gone), leaving its workers to find their head gone as they would.
+operation and starts no thread of its own (numpy's BLAS may hold an idle pool, which is fork-aware), so forking it
+is safe: the CUDA runtime and torch's thread pools start in the child. Settings read at import (`OMP_NUM_THREADS`,
+Hugging Face's cache paths) keep the values the zygote started with: the worker sets its threads itself. It reaps
+its children and tells the head how each ended; it exits when the head's end of its pipe closes (the head is gone),
+leaving its workers to find their head gone as they would.
 
 Head and zygote speak one JSON object per line over two pipes: the head asks `{"id", "join", "environment",
-"cwd"}`; the zygote answers `{"started": id, "pid"}` and, later, `{"exited": pid, "status"}`.
+"cwd"}` (a new worker) or `{"kill": id}`; the zygote answers `{"started": id, "pid"}` (or `{"failed": id,
+"error"}`) and, later, `{"exited": id, "status"}`. Kills go through the zygote, the workers' parent: it signals
+only a child it has not reaped, so a pid the system gave to another process is never killed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -44,21 +48,20 @@ class ForkedWorker:
         self.zygote, self.id, self.pid = zygote, id, pid
 
     def alive(self) -> bool:
-        if self.zygote.status(self.pid) is not None:
+        if self.zygote.status(self.id) is not None:
             return False
         return self.zygote.alive() or _running(self.pid)  # a zygote gone cannot tell: ask the system
 
     def exit_status(self) -> str:
-        status = self.zygote.status(self.pid)
+        status = self.zygote.status(self.id)
         return "an unknown status (its zygote is gone)" if status is None else _described(status)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self.zygote.wait(self.pid, KILL_TIMEOUT)
+        self.zygote.kill(self.id, self.pid)
+        self.zygote.wait(self.id, self.pid, KILL_TIMEOUT)
 
     def stop(self, timeout: float) -> None:
-        if not self.zygote.wait(self.pid, timeout):
+        if not self.zygote.wait(self.id, self.pid, timeout):
             self.kill()
 
 
@@ -77,8 +80,8 @@ class Zygote:
         self._replies = os.fdopen(replies, "r")
         self._lock = threading.Lock()  # one request at a time
         self._changed = threading.Condition()
-        self._started: dict[str, int] = {}
-        self._ended: dict[int, int] = {}
+        self._started: dict[str, int | str] = {}  # a worker's pid, or why it could not be forked
+        self._ended: dict[str, int] = {}  # by worker id: its wait status
         self._gone = False
         threading.Thread(target=self._read, name="dejavu-zygote-replies", daemon=True).start()
 
@@ -87,42 +90,75 @@ class Zygote:
 
     def fork(self, id: str, join: str, environment: dict[str, str]) -> ForkedWorker:
         """A worker joining `join`, with `environment`; TransportError if the zygote cannot fork one."""
-        request = json.dumps({"id": id, "join": join, "environment": environment, "cwd": os.getcwd()}) + "\n"
         with self._lock:
-            try:
-                os.write(self._requests, request.encode())
-            except OSError as error:
-                raise TransportError(f"the worker zygote is gone: {error}") from None
+            self._ask({"id": id, "join": join, "environment": environment, "cwd": os.getcwd()})
             with self._changed:
                 if not self._changed.wait_for(lambda: id in self._started or self._gone, START_TIMEOUT):
+                    self._ask({"kill": id})  # should it fork it after all
                     raise TransportError(f"the worker zygote did not fork a worker within {START_TIMEOUT:.0f} s")
                 if id not in self._started:
                     raise TransportError("the worker zygote exited")
-                return ForkedWorker(self, id, self._started.pop(id))
+                pid = self._started.pop(id)
+        if isinstance(pid, str):
+            raise TransportError(f"the worker zygote could not fork a worker: {pid}")
+        return ForkedWorker(self, id, pid)
 
-    def status(self, pid: int) -> int | None:
-        """How worker `pid` ended (a wait status), or None while it runs."""
-        with self._changed:
-            return self._ended.get(pid)
+    def kill(self, id: str, pid: int) -> None:
+        """Kill worker `id` (the zygote does, if it has not ended); with the zygote gone, by its `pid`."""
+        if self.alive():
+            with contextlib.suppress(TransportError):
+                self._ask({"kill": id})
+                return
+        if self.status(id) is None and _running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
-    def wait(self, pid: int, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for worker `pid` to end; whether it did."""
+    def status(self, id: str) -> int | None:
+        """How worker `id` ended (a wait status), or None while it runs (or nobody can tell)."""
         with self._changed:
-            return self._changed.wait_for(lambda: pid in self._ended or self._gone, timeout) and pid in self._ended
+            return self._ended.get(id)
+
+    def wait(self, id: str, pid: int, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for worker `id` to end; whether it did."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            if self._changed.wait_for(lambda: id in self._ended or self._gone, timeout) and id in self._ended:
+                return True
+        while _running(pid):  # the zygote is gone: watch the process itself
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _ask(self, request: dict[str, Any]) -> None:
+        data = (json.dumps(request) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self._requests, data):]
+        except OSError as error:
+            raise TransportError(f"the worker zygote is gone: {error}") from None
 
     def _read(self) -> None:
-        for line in self._replies:
-            reply = json.loads(line)
+        try:
+            for line in self._replies:
+                reply = json.loads(line)
+                with self._changed:
+                    if "started" in reply:
+                        self._started[reply["started"]] = reply["pid"]
+                    elif "failed" in reply:
+                        self._started[reply["failed"]] = str(reply["error"])
+                    else:
+                        self._ended[reply["exited"]] = reply["status"]
+                    self._changed.notify_all()
+        except (OSError, ValueError):  # a broken reply: the zygote is of no more use
+            pass
+        finally:
             with self._changed:
-                if "started" in reply:
-                    self._started[reply["started"]] = reply["pid"]
-                    self._ended.pop(reply["pid"], None)  # an earlier worker's, whose pid the system reused
-                else:
-                    self._ended[reply["exited"]] = reply["status"]
+                self._gone = True
                 self._changed.notify_all()
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
+            with contextlib.suppress(OSError):
+                os.close(self._requests)  # it exits, if it still runs
+            self.process.wait()
 
 
 _zygote: Zygote | None = None
@@ -160,10 +196,11 @@ def serve(requests: int, replies: int) -> None:
     from . import bootstrap  # the imports every worker needs, once  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at the head's terminal is the head's to handle
+    children: dict[int, str] = {}  # pid -> worker id, until reaped
     pending = b""
     while True:
         readable, _, _ = select.select([requests], [], [], 0.2)
-        _reap(replies)
+        _reap(replies, children)
         if not readable:
             continue
         chunk = os.read(requests, 65536)
@@ -173,13 +210,22 @@ def serve(requests: int, replies: int) -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
-            pid = os.fork()
+            if "kill" in request:
+                for pid in [pid for pid, id in children.items() if id == request["kill"]]:
+                    os.kill(pid, signal.SIGKILL)  # not reaped yet: this pid is still that worker's
+                continue
+            try:
+                pid = os.fork()
+            except OSError as error:
+                _reply(replies, {"failed": request["id"], "error": str(error)})
+                continue
             if pid == 0:
                 _run_child(request, (requests, replies))
+            children[pid] = request["id"]
             _reply(replies, {"started": request["id"], "pid": pid})
 
 
-def _reap(replies: int) -> None:
+def _reap(replies: int, children: dict[int, str]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -187,11 +233,13 @@ def _reap(replies: int) -> None:
             return
         if pid == 0:
             return
-        _reply(replies, {"exited": pid, "status": status})
+        _reply(replies, {"exited": children.pop(pid, str(pid)), "status": status})
 
 
 def _reply(replies: int, reply: dict[str, Any]) -> None:
-    os.write(replies, (json.dumps(reply) + "\n").encode())
+    data = (json.dumps(reply) + "\n").encode()
+    while data:
+        data = data[os.write(replies, data):]
 
 
 def _run_child(request: dict[str, Any], pipes: Sequence[int]) -> None:
