@@ -239,7 +239,7 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
         return web.json_response(answer, headers=headers)
     finally:
         watch.cancel()
-        run.cancel("%s ended before its answer was complete")  # nothing left computing for nobody (if it is)
+        run.cancel("%s ended before its answer was complete (the client left)")  # nothing computes for nobody
         exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
 
 

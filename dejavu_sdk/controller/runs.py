@@ -24,6 +24,7 @@ from aiohttp import web
 
 from ..errors import DejaVuError, RequestFailed
 from ..generation.batching import Result
+from ..generation.decoding import ENDS, Ends
 from .detokenizer import TextStream
 from .metrics import ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest
@@ -155,8 +156,7 @@ class Run:
     def _end_ids(self, index: int) -> set[int]:
         """The ids choice `index` ends at: the model's end-of-sequence ids (unless it ignores them) and its own."""
         decoding = self.request.choices[index].decoding
-        model = set() if decoding.get("ignore_eos") else set(self.backend.eos)
-        return model | set(decoding.get("stop_token_ids", ()))
+        return Ends.of(**{name: decoding[name] for name in ENDS if name in decoding}).ids(self.backend.eos)
 
     def _ended(self, index: int) -> Update:
         """Choice `index`'s future is done before its tokens said it ended: its error, or its end (a cancelled one
@@ -177,19 +177,15 @@ class Run:
 
     # ---- answers -----------------------------------------------------------------------------------------
     async def complete(self) -> dict[str, Any]:
-        """The whole answer, once every choice has ended."""
-        try:
-            async for _ in self.updates():
-                pass
-        except asyncio.CancelledError:  # the client left: nothing computes for nobody
-            self.cancel("a client left %s before its answer")
-            raise
+        """The whole answer, once every choice has ended (a client that leaves: the API cancels the run)."""
+        async for _ in self.updates():
+            pass
         return {**self._head(), "choices": [self._whole_choice(index) for index in range(len(self.states))],
                 "usage": self._usage()}
 
     async def stream(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
         """Server-sent events: a chunk per update, an error event if a choice fails, the usage when asked for,
-        then `data: [DONE]`."""
+        then `data: [DONE]` (a client that leaves: the API cancels the run)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **headers})
         try:
@@ -203,7 +199,7 @@ class Run:
                     await self._send(response, [self._chunk_choice(update)])
             except ApiError as error:
                 await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
-            except (ConnectionResetError, asyncio.CancelledError):
+            except ConnectionResetError:
                 raise
             except Exception:  # the headers went out: the stream says what went wrong, in its own shape
                 log.exception("streaming %s failed", self.id)
@@ -215,10 +211,8 @@ class Run:
                     await self._send(response, [], usage=self._usage())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as left:  # the client left: its requests end
-            self.cancel("a client left %s before its stream ended")
-            if isinstance(left, asyncio.CancelledError):
-                raise
+        except ConnectionResetError:  # the client left: the API cancels what is left of the run
+            pass
         return response
 
     def time_out(self, why: str) -> None:

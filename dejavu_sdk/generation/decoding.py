@@ -31,6 +31,8 @@ from ..errors import ConfigError
 
 #: The sampling settings a request may give (as `engine.generate` takes them).
 SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+#: How a request may end besides its limit (`Ends`).
+ENDS = ("stop_token_ids", "ignore_eos", "min_tokens")
 
 
 #: Below this temperature a request is decoded greedily (as vLLM does): dividing logits by less overflows them.
@@ -206,7 +208,7 @@ class TokenPicker:
     def __init__(self, generation_config: Any, rows: list[dict[str, Any]]) -> None:
         self.samplers: list[_Sampler | None] = []
         self.refused: dict[int, RowFailure] = {}  # rows whose settings the warpers refuse
-        self.ends = [_ends(fields) for fields in rows]
+        self.ends = [Ends.of(**(fields.get("ends") or {})) for fields in rows]
         built: dict[str, LogitsProcessorList] = {}  # rows of equal settings share their warpers
         for row, fields in enumerate(rows):
             if not fields.get("do_sample"):
@@ -291,13 +293,6 @@ class TokenPicker:
                 else:
                     tokens[row] = drawn
         return tokens, failures
-
-
-def _ends(fields: dict[str, Any]) -> Ends:
-    """A row's `Ends` from its decoding's message fields."""
-    given = fields.get("ends") or {}
-    return Ends(tuple(given.get("stop_token_ids", ())), bool(given.get("ignore_eos", False)),
-                int(given.get("min_tokens", 0)))
 
 
 def _draw(sampler: _Sampler, logits: torch.Tensor) -> int | RowFailure:
