@@ -1,16 +1,15 @@
 """Stage workers forked from a process that has imported them already, so that a worker starts without the
 seconds its imports take.
 
-A worker's process spends about six seconds of CPU here (2 cores) importing torch and transformers before it can
-join; on this machine a test suite that starts hundreds of pipelines ran its serving tests 2-4 times faster forked.
-The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch) imports them
-once, then forks a worker for each request: the child takes the head's environment and working directory of the
-moment, and runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote runs no torch
-operation and starts no thread of its own (numpy's BLAS may hold an idle pool, which is fork-aware), so forking it
-is safe: the CUDA runtime and torch's thread pools start in the child. Settings read at import (`OMP_NUM_THREADS`,
-Hugging Face's cache paths) keep the values the zygote started with: the worker sets its threads itself. It reaps
-its children and tells the head how each ended; it exits when the head's end of its pipe closes (the head is gone),
-leaving its workers to find their head gone as they would.
+A worker's process spends seconds of CPU importing torch and transformers before it can join (`python -X importtime`
+shows where). The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch)
+imports them once, then forks a worker for each request: the child takes the head's environment and working
+directory of the moment, and runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote
+runs no torch operation and starts no thread of its own (numpy's BLAS may hold an idle pool, which is fork-aware),
+so forking it is safe: the CUDA runtime and torch's thread pools start in the child. Settings read at import
+(`OMP_NUM_THREADS`, Hugging Face's cache paths) keep the values the zygote started with: the worker sets its threads
+itself. It reaps its children and tells the head how each ended; it exits when the head's end of its pipe closes
+(the head is gone), leaving its workers to find their head gone as they would.
 
 Head and zygote speak one JSON object per line over two pipes: the head asks `{"id", "join", "environment",
 "cwd"}` (a new worker) or `{"kill": id}`; the zygote answers `{"started": id, "pid"}` (or `{"failed": id,
