@@ -140,6 +140,10 @@ class DejaVuEngine:
         from .generation.continuous import runner_for
         from .generation.decoding import Decoding
 
+        asked = sorted(name for name in ("logprobs", "prompt_logprobs") if settings.get(name) is not None)
+        if asked:
+            raise ConfigError(f"{', '.join(asked)}: a pipeline (dejavu_sdk.serving.Pipeline) reports them, "
+                              "generate_many does not")
         runner = runner_for(batching, self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes,
                             swapping=swapping, max_prefill_tokens=max_prefill_tokens, progress=progress)
         return runner.run(runner.requests(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings)))

@@ -62,9 +62,16 @@ class StageAdapter(ABC):
         """
 
     @abstractmethod
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last stage's output: the final norm over every position, then the head on the last one
-        (as `generate` does), as float32 logits `[B, vocab]`."""
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layers between the last decoder layer and the head (the final norm), over every position."""
+
+    def head(self, hidden: torch.Tensor, every_position: bool = False) -> torch.Tensor:
+        """The last stage's output: `final` over every position, then the head on the last one (as `generate`
+        does), as float32 logits `[B, vocab]`; with `every_position`, on each position `[B, T, vocab]`."""
+        final = self.final(hidden)
+        if every_position:
+            return self.model.lm_head(final).float()
+        return self.model.lm_head(final[:, -1:, :])[:, -1, :].float()
 
     @abstractmethod
     def drop_unused(self, first: bool, last: bool) -> None:
@@ -111,8 +118,8 @@ class LlamaAdapter(StageAdapter):
 
         return call
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden)[:, -1:, :])[:, -1, :].float()
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(hidden)
 
     def drop_unused(self, first: bool, last: bool) -> None:
         if not first and not (last and _tied(self.model)):  # a tied head shares the embeddings' weight
@@ -156,13 +163,13 @@ class OPTAdapter(StageAdapter):
 
         return call
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
         decoder = self._decoder
         if decoder.final_layer_norm is not None:
             hidden = decoder.final_layer_norm(hidden)
         if decoder.project_out is not None:
             hidden = decoder.project_out(hidden)
-        return self.model.lm_head(hidden[:, -1:, :])[:, -1, :].float()
+        return hidden
 
     def drop_unused(self, first: bool, last: bool) -> None:
         decoder = self._decoder
@@ -201,8 +208,8 @@ class GPT2Adapter(StageAdapter):
 
         return call
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.transformer.ln_f(hidden)[:, -1:, :])[:, -1, :].float()
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.ln_f(hidden)
 
     def drop_unused(self, first: bool, last: bool) -> None:
         transformer = self.model.transformer

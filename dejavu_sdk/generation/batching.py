@@ -22,6 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..swapping import positions_needed
 from .decoding import Decoding
+from .logprobs import TokenLogprobs
 from .slots import Round
 
 _ids = itertools.count()
@@ -39,6 +40,8 @@ class Request:
     submitted: float = attrs.field(factory=time.monotonic)
     #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
     on_token: Callable[[int], None] | None = None
+    #: With `decoding.logprobs`: called with each new token's log-probabilities, just before `on_token` with it.
+    on_logprobs: Callable[[TokenLogprobs], None] | None = None
     streamed: int = 0  # tokens given to `on_token` so far
     #: When it first left the waiting queue for a microbatch or slot (`time.monotonic()`; None: not yet).
     started: float | None = None
@@ -51,6 +54,8 @@ class Result:
     """A request's new token ids (prompt excluded, up to and including its end-of-sequence token) and where
     it was served: microbatch `microbatch`, row `row` of `rows`, its prompt left-padded by `padding`
     positions to the microbatch's longest; sampled from a generator seeded with `seed` (None: greedy).
+    `logprobs` (a token each) and `prompt_logprobs` (None for the first prompt token, then one each) when its
+    decoding asked for them (`generation.logprobs`).
 
     `submitted`, `first_token` and `finished` are `time.monotonic()` readings at the head: when the request
     was queued, when its first token and its last token arrived (time to first token, time per output token).
@@ -73,6 +78,8 @@ class Result:
     finished: float = 0.0
     request: int = -1
     schedule: tuple[Round, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +144,9 @@ class Microbatch:
     steps_received: int = 0
     #: `steps_received` when the last recovery found it in flight (None: no recovery did).
     seen_by_recovery: int | None = None
+    #: The log-probabilities of rows that ask for them: by (row, token index), and each row's prompt's.
+    logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
+    prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = attrs.field(factory=dict)
 
     def rewind(self, steps: int) -> None:
         """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
@@ -144,22 +154,40 @@ class Microbatch:
         self.generated = [row[:steps] for row in self.generated]
         self.arrived = self.arrived[:steps]
         self.rng_states = {step: state for step, state in self.rng_states.items() if step <= steps}
+        self.logprobs = {key: entry for key, entry in self.logprobs.items() if key[1] < steps}
 
-    def add_step(self, tokens: Sequence[int]) -> None:
-        """One step's tokens, a row each, as they reach the head."""
+    def add_step(self, tokens: Sequence[int], scores: dict[str, Any] | None = None) -> None:
+        """One step's tokens, a row each, as they reach the head, with the step report's log-probability
+        fields (`scores`: by row)."""
         self.arrived.append(time.monotonic())
         self.steps_received += 1
         for row, token in zip(self.generated, tokens, strict=True):
             row.append(token)
+        self.add_scores(scores, int)
 
-    def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[int], None], int]]:
+    def add_scores(self, scores: dict[str, Any] | None, row_of: Callable[[str], int]) -> None:
+        """A step report's log-probability fields, keyed as `row_of` maps them to rows, after its tokens."""
+        if not scores:
+            return
+        for key, entry in (scores.get("logprobs") or {}).items():
+            row = row_of(key)
+            self.logprobs[row, len(self.generated[row]) - 1] = TokenLogprobs.of_wire(entry)
+        for key, entries in (scores.get("prompt_logprobs") or {}).items():
+            self.prompt_logprobs[row_of(key)] = (None, *(TokenLogprobs.of_wire(entry) for entry in entries))
+
+    def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[Any], None], Any]]:
         """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
-        `max_new_tokens`), with the callback to give them to; they count as given from now on."""
-        calls = []
+        `max_new_tokens`), with the callback to give them to (each after its log-probabilities to `on_logprobs`,
+        where asked); they count as given from now on."""
+        calls: list[tuple[Callable[[Any], None], Any]] = []
         for index, (request, row) in enumerate(zip(self.requests, self.generated, strict=True)):
             if request.on_token is not None and index not in self.dropped:
                 kept = kept_tokens(row, request.max_new_tokens, request.decoding.ends.ids(eos))
-                calls += [(request.on_token, token) for token in kept[request.streamed:]]
+                for position in range(request.streamed, len(kept)):
+                    entry = self.logprobs.get((index, position))
+                    if request.on_logprobs is not None and entry is not None:
+                        calls.append((request.on_logprobs, entry))
+                    calls.append((request.on_token, kept[position]))
                 request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
         return calls
 
@@ -179,7 +207,7 @@ class Microbatch:
     def fields(self) -> dict[str, Any]:
         """What the stages need to know of it, as message fields (each row's limit and decoding)."""
         return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens,
-                "decoding": [request.decoding.fields() for request in self.requests]}
+                "decoding": [row_fields(request) for request in self.requests]}
 
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
@@ -200,7 +228,18 @@ class Microbatch:
         padding = int((self.mask[row] == 0).sum())
         return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), padding,
                       request.decoding.seed, request.submitted, self.arrived[0] if self.arrived else 0.0,
-                      self.arrived[len(kept) - 1] if kept else 0.0)
+                      self.arrived[len(kept) - 1] if kept else 0.0, **self.scores_of(row, len(kept)))
+
+    def scores_of(self, row: int, kept: int) -> dict[str, Any]:
+        """A row's log-probabilities for its `Result`, where asked: those of its `kept` tokens, and of its prompt
+        (None if a recovery lost them: they come with the prompt's last columns)."""
+        decoding, out = self.requests[row].decoding, {}
+        if decoding.logprobs is not None:
+            out["logprobs"] = tuple(self.logprobs[row, index] for index in range(kept)
+                                    if (row, index) in self.logprobs)
+        if decoding.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs.get(row)
+        return out
 
     def results(self, eos: Sequence[int]) -> list[Result]:
         """Every row's result (`result`)."""
@@ -213,6 +252,15 @@ def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
     longest = max(request.ids.numel() for request in requests)
     new = max(request.max_new_tokens for request in requests)
     return len(requests) * positions_needed(longest, new) * bytes_per_position
+
+
+def row_fields(request: Request) -> dict[str, Any]:
+    """What the last stage needs of a request's row: its decoding, and its prompt where it asks for the prompt's
+    log-probabilities (the last stage sees hidden states, not ids)."""
+    fields = request.decoding.fields()
+    if request.decoding.prompt_logprobs is not None:
+        fields["prompt"] = request.ids.tolist()
+    return fields
 
 
 def kept_tokens(tokens: list[int], max_new_tokens: int, ends: Collection[int]) -> list[int]:
@@ -319,7 +367,7 @@ class SlotBatch(Microbatch):
         ids, mask = left_pad([request.ids for request in requests], self.pad)
         return ({"members": [request.number for request in requests],
                  "max_new_tokens": [request.max_new_tokens for request in requests],
-                 "decoding": [request.decoding.fields() for request in requests]}, ids, mask)
+                 "decoding": [row_fields(request) for request in requests]}, ids, mask)
 
     def leave_unentered(self, members: Sequence[int]) -> list[Request]:
         """The requests of `members` that did not get in (taken out of their group on the first stage, or their
@@ -335,9 +383,9 @@ class SlotBatch(Microbatch):
         return back
 
     def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int], complete: Sequence[int] = (),
-                  ) -> None:
+                  scores: dict[str, Any] | None = None) -> None:
         """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran (and
-        whether that was its last: `complete`, its members), and each member's new token."""
+        whether that was its last: `complete`, its members), each member's new token and log-probabilities."""
         self.rounds.append(step)
         self.steps_received += 1
         self.present -= {self.rows_of[member] for member in step.left}
@@ -346,15 +394,17 @@ class SlotBatch(Microbatch):
         self.completed = {self.rows_of[member] for member in complete}
         if complete:
             self.staged = {number: group for number, group in self.staged.items() if set(group) - set(complete)}
-        self.add_tokens(members, tokens)
+        self.add_tokens(members, tokens, scores)
 
-    def add_tokens(self, members: Sequence[int], tokens: Sequence[int]) -> None:
-        """New tokens of some members (a round's, or a group's first ones from the prompt pipeline)."""
+    def add_tokens(self, members: Sequence[int], tokens: Sequence[int], scores: dict[str, Any] | None = None) -> None:
+        """New tokens of some members (a round's, or a group's first ones from the prompt pipeline), and the
+        report's log-probability fields (by member)."""
         now = time.monotonic()
         for member, token in zip(members, tokens, strict=True):
             row = self.rows_of[member]
             self.generated[row].append(token)
             self.stamps[row].append(now)
+        self.add_scores(scores, lambda member: self.rows_of[int(member)])
 
     def held(self) -> list[Request]:
         """The requests whose rows the slot's caches hold or are taking in."""
@@ -366,4 +416,5 @@ class SlotBatch(Microbatch):
         return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
                       request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
                       stamps[len(kept) - 1] if kept else 0.0, request.number,
-                      (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])))
+                      (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])),
+                      **self.scores_of(row, len(kept)))

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from ..errors import ConfigError
+from .logprobs import check_count, step_entries
 
 #: The sampling settings a request may give (as `engine.generate` takes them).
 SETTINGS = ("temperature", "top_k", "top_p", "min_p")
@@ -70,43 +71,50 @@ class Ends:
 class Decoding:
     """A request's decoding: greedy, or sampled with `settings` (unset ones come from the model's generation
     config) from a generator of its own seeded with `seed`; and how its row ends (`ends`). Rows of different
-    decodings share a microbatch."""
+    decodings share a microbatch. `logprobs` and `prompt_logprobs` (None: not asked): the log-probability of
+    each new (prompt) token reported with the tokens this many most likely at its position (`generation.logprobs`).
+    """
 
     do_sample: bool = False
     settings: tuple[tuple[str, float | int], ...] = ()
     seed: int | None = None
     ends: Ends = Ends()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def of(cls, do_sample: bool = False, seed: int | None = None, *, stop_token_ids: Sequence[int] | None = None,
-           ignore_eos: bool = False, min_tokens: int = 0, **settings: Any) -> Decoding:
+           ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
+           prompt_logprobs: int | None = None, **settings: Any) -> Decoding:
         """Check a request's decoding arguments as vLLM checks them (ConfigError): `temperature` >= 0, below
         1e-5 greedy; `top_p` in (0, 1]; `top_k` -1 or 0 (off) or >= 1; `min_p` in [0, 1]; `seed` any integer a
-        `torch.Generator` takes; `stop_token_ids`, `ignore_eos`, `min_tokens` as `Ends.of`. Sampled requests
-        without a seed get a random one."""
+        `torch.Generator` takes; `stop_token_ids`, `ignore_eos`, `min_tokens` as `Ends.of`; `logprobs`,
+        `prompt_logprobs` 0 to `MAX_LOGPROBS`. Sampled requests without a seed get a random one."""
         ends = Ends.of(stop_token_ids, ignore_eos, min_tokens)
+        scores = {"logprobs": check_count("logprobs", logprobs),
+                  "prompt_logprobs": check_count("prompt_logprobs", prompt_logprobs)}
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ConfigError(f"unknown decoding settings {unknown}; pipelines take do_sample, seed, stop_token_ids, "
-                              f"ignore_eos, min_tokens and {', '.join(SETTINGS)}")
+                              f"ignore_eos, min_tokens, logprobs, prompt_logprobs and {', '.join(SETTINGS)}")
         given = {name: _checked(name, value) for name, value in settings.items() if value is not None}
         if not do_sample:
             if given or seed is not None:
                 raise ConfigError(f"{', '.join(sorted(given) + (['seed'] if seed is not None else []))} apply to "
                                   "sampling: pass do_sample=True as well")
-            return cls(ends=ends)
+            return cls(ends=ends, **scores)
         if given.get("temperature", 1.0) < GREEDY_BELOW:
-            return cls(ends=ends)
+            return cls(ends=ends, **scores)
         if seed is None:
             seed = secrets.randbits(63)
         else:
             _check_seed(seed)
-        return cls(True, tuple(sorted(given.items())), seed, ends)
+        return cls(True, tuple(sorted(given.items())), seed, ends, **scores)
 
     def fields(self) -> dict[str, Any]:
         """As message fields, for the last stage."""
         return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed,
-                "ends": attrs.asdict(self.ends)}
+                "ends": attrs.asdict(self.ends), "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
 
 
 def _checked(name: str, value: Any) -> float | int:
@@ -209,6 +217,7 @@ class TokenPicker:
         self.samplers: list[_Sampler | None] = []
         self.refused: dict[int, RowFailure] = {}  # rows whose settings the warpers refuse
         self.ends = [Ends.of(**(fields.get("ends") or {})) for fields in rows]
+        self.asks: list[int | None] = [fields.get("logprobs") for fields in rows]  # top counts of rows that ask
         built: dict[str, LogitsProcessorList] = {}  # rows of equal settings share their warpers
         for row, fields in enumerate(rows):
             if not fields.get("do_sample"):
@@ -237,6 +246,7 @@ class TokenPicker:
         self.refused = {new: self.refused[old] for new, old in enumerate(rows) if old in self.refused}
         self.samplers = [self.samplers[row] for row in rows]
         self.ends = [self.ends[row] for row in rows]
+        self.asks = [self.asks[row] for row in rows]
 
     def extend(self, other: TokenPicker) -> None:
         """Take `other`'s rows after these (a group joined a slot), with their generators as they stand."""
@@ -244,6 +254,7 @@ class TokenPicker:
         self.refused.update({offset + row: failure for row, failure in other.refused.items()})
         self.samplers += other.samplers
         self.ends += other.ends
+        self.asks += other.asks
 
     def states(self) -> torch.Tensor | None:
         """Every row's generator state `[rows, n]` (zeros for greedy rows); None when no row samples."""
@@ -258,6 +269,14 @@ class TokenPicker:
         for sampler, state in zip(self.samplers, states, strict=True):
             if sampler is not None:
                 sampler.generator.set_state(state.clone())
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, ended_before: torch.Tensor) -> dict[str, Any]:
+        """The step's log-probabilities (wire form) of the rows that ask for them and got a token (not ended
+        before the step), by row as a message field's key."""
+        if not any(ask is not None for ask in self.asks):
+            return {}
+        live = [not done for done in ended_before.tolist()]
+        return {str(row): entry for row, entry in step_entries(logits, tokens, self.asks, live).items()}
 
     def ends_at(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """Which rows end with `tokens` (a row each): at one of their end ids, given the model's `eos` ids."""

@@ -51,7 +51,8 @@ class Stage:
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                cache: DynamicCache, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                cache: DynamicCache, after_layer: Callable[[int], None] | None = None,
+                on_hidden: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Run the stage on new positions.
 
         `inputs`: token ids `[B, T]` on the first stage, else the previous stage's hidden states `[B, T, H]`;
@@ -59,6 +60,8 @@ class Stage:
         gives them from the mask). Returns the hidden states for the next stage, or on the last stage the
         float32 logits of the position after the last `[B, vocab]`. `after_layer(i)` runs as soon as the
         stage's i-th layer is done (its KV in `cache.layers[i]`): a prompt stage streams that layer's KV from it.
+        `on_hidden(hidden)` gets the last stage's final hidden states `[B, T, H]` before its head (for the logits
+        of every position: `adapter.head(hidden, every_position=True)`).
         """
         hidden = self.adapter.embed(inputs, position_ids) if self.first else inputs
         # `generate` drops a mask without padding, so that attention takes its causal fast path: so do stages.
@@ -68,7 +71,11 @@ class Stage:
             hidden = call(index, layer, hidden)
             if after_layer is not None:
                 after_layer(index)
-        return self.adapter.head(hidden) if self.last else hidden
+        if not self.last:
+            return hidden
+        if on_hidden is not None:
+            on_hidden(hidden)
+        return self.adapter.head(hidden)
 
 
 def check_layers(layers: Any, total: int) -> tuple[int, int]:

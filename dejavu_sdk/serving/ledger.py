@@ -139,9 +139,9 @@ class Ledger(SlotDecisions):
 
     # ---- reports from the stages -----------------------------------------------------------------------
     def on_tokens(self, number: int, tokens: list[int], states: torch.Tensor | None,
-                  failures: dict[str, Any]) -> Outcome:
+                  failures: dict[str, Any], scores: dict[str, Any] | None = None) -> Outcome:
         """A step's tokens (a row each) from the last stage, with the generators' states after it (sampling
-        with recovery) and the rows that failed."""
+        with recovery), the rows that failed, and the report's log-probability fields."""
         outcome = Outcome()
         with self.lock:
             flight = self.flights.get(number)
@@ -149,7 +149,7 @@ class Ledger(SlotDecisions):
                 return outcome
             flight.progress = time.monotonic()
             batch = flight.batch
-            batch.add_step(tokens)
+            batch.add_step(tokens, scores)
             if states is not None:
                 step = len(batch.arrived)
                 batch.rng_states[step] = states.clone()
@@ -160,7 +160,7 @@ class Ledger(SlotDecisions):
         return outcome
 
     def on_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
-                     keep_states: bool) -> Outcome:
+                     keep_states: bool, scores: dict[str, Any] | None = None) -> Outcome:
         """Disaggregated: the prompt pipeline's first tokens; the microbatch waits for a token stage."""
         outcome = Outcome()
         with self.lock:
@@ -168,7 +168,7 @@ class Ledger(SlotDecisions):
             if flight is None or flight.phase is not Phase.PROMPTING:
                 return outcome
             tokens, mask, ended, rng = tensors
-            flight.batch.add_step(tokens[:, 0].tolist())
+            flight.batch.add_step(tokens[:, 0].tolist(), scores)
             if rng.numel() and keep_states:
                 flight.batch.rng_states[1] = rng.clone()
             outcome.answers = self._failed_rows(flight.batch, failures)

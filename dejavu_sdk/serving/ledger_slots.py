@@ -94,7 +94,8 @@ class SlotDecisions(LedgerState):
         batch.opened, batch.idle = True, False
         return 0, Message(kind, {"microbatch": batch.number, **fields, "epoch": epoch}, (ids, mask))
 
-    def on_group_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any]) -> Outcome:
+    def on_group_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
+                           scores: dict[str, Any] | None = None) -> Outcome:
         """Disaggregated: the prompt pipeline's first tokens of group `number`; the group goes to its slot on the
         token pipeline, its KV staged there already (or on its way)."""
         outcome = Outcome()
@@ -108,7 +109,8 @@ class SlotDecisions(LedgerState):
             tokens, _, ended, rng = tensors
             members = group.fields["members"]
             new = [row for row, member in enumerate(members) if not batch.generated[batch.rows_of[member]]]
-            batch.add_tokens([members[row] for row in new], tokens[new, 0].tolist())  # again after a recovery: kept
+            batch.add_tokens([members[row] for row in new], tokens[new, 0].tolist(),  # again after a recovery: kept
+                             _by_member(scores, members, new))
             if rng.numel():
                 batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
             flight.progress = time.monotonic()
@@ -191,7 +193,7 @@ class SlotDecisions(LedgerState):
             if int(fields.get("epoch", 0)) < batch.plan_epoch:
                 return outcome
             flight.progress = time.monotonic()
-            batch.add_round(Round.of(fields["round"]), fields["members"], tokens, fields.get("complete", ()))
+            batch.add_round(Round.of(fields["round"]), fields["members"], tokens, fields.get("complete", ()), fields)
             batch.idle = bool(fields.get("idle"))
             change = fields.get("next") or {}
             batch.next_change = (list(change.get("left", [])), change.get("joined"))
@@ -315,3 +317,11 @@ class SlotDecisions(LedgerState):
                 sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **again, "epoch": epoch},
                                          (group_ids, group_mask))))
         return sends
+
+
+def _by_member(scores: dict[str, Any] | None, members: list[int], rows: list[int]) -> dict[str, Any]:
+    """A group's log-probability fields (by its row in the prompt pipeline's microbatch) for `rows` only, by
+    member."""
+    kept = {str(row) for row in rows}
+    return {name: {str(members[int(row)]): entry for row, entry in (scores or {}).get(name, {}).items() if row in kept}
+            for name in ("logprobs", "prompt_logprobs")}

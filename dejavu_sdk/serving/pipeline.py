@@ -35,6 +35,7 @@ from ..errors import ConfigError, StoreError, TransportError
 from ..generation.admission import Admission
 from ..generation.batching import Request, Result, cache_bytes, check_new_tokens, check_prompt
 from ..generation.decoding import Decoding
+from ..generation.logprobs import TokenLogprobs
 from ..swapping import check_fits_alone
 from ..transports.base import Server
 from .fleet import Fleet
@@ -203,7 +204,9 @@ class Pipeline:
         (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
         `torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True)`. A request ends at the model's
         end-of-sequence ids (not with `ignore_eos=True`) and at its own `stop_token_ids`, never before `min_tokens`
-        new tokens (`generate`'s `min_new_tokens`). Requests of any settings share microbatches. `on_token(id)` gets
+        new tokens (`generate`'s `min_new_tokens`). `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the
+        log-probability of each new (prompt) token and of the n most likely at its position (`Result.logprobs`,
+        `Result.prompt_logprobs`). Requests of any settings share microbatches. `on_token(id)` gets
         each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
         step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
         `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
@@ -216,10 +219,12 @@ class Pipeline:
 
     def submit_all(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                    seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
+                   on_logprobs: Callable[[int, TokenLogprobs], None] | None = None,
                    **settings: Any) -> list[Future[Result]]:
         """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
         decoding as in `submit`, each prompt from its own generator seeded with `seed`; `on_token(index, id)`
-        gets the new tokens of `prompts[index]` as they arrive. Admission takes turns between submissions: a
+        gets the new tokens of `prompts[index]` as they arrive, each after its log-probabilities to
+        `on_logprobs(index, entry)` when `logprobs` is asked. Admission takes turns between submissions: a
         long list does not hold back a submission that comes after it."""
         self._wait_until_running()
         decoding = Decoding.of(do_sample, seed, **settings)
@@ -234,8 +239,9 @@ class Pipeline:
         for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
             listener = None if on_token is None else functools.partial(on_token, index)
+            scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
             request = Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context), decoding,
-                              on_token=listener)
+                              on_token=listener, on_logprobs=scores)
             if requests:  # prompts submitted together are one submission: admission takes turns between them
                 request.group = requests[0].group
             requests.append(request)
@@ -370,7 +376,7 @@ class Pipeline:
             self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
             self._admit()
             return
-        self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {})))
+        self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {}), message.fields))
 
     def _on_not_entered(self, message: Message) -> None:
         self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))
@@ -379,9 +385,10 @@ class Pipeline:
     def _on_prefilled(self, message: Message) -> None:
         number, failures = int(message.fields["microbatch"]), message.fields.get("failed", {})
         if self.ledger.continuous:  # a group's first tokens: it goes to its slot
-            self._carry_out(self.ledger.on_group_prefilled(number, message.tensors, failures))
+            self._carry_out(self.ledger.on_group_prefilled(number, message.tensors, failures, message.fields))
         else:
-            self._carry_out(self.ledger.on_prefilled(number, message.tensors, failures, self.recovery is not None))
+            self._carry_out(self.ledger.on_prefilled(number, message.tensors, failures, self.recovery is not None,
+                                                     message.fields))
         self._admit()
 
     def _on_ended(self, message: Message) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import DejaVuError
-from ..generation.batching import SlotBatch, left_pad
+from ..generation.batching import SlotBatch, left_pad, row_fields
 from ..swapping import positions_needed
 from .fleet import Fleet
 from .layout import Layout
@@ -199,6 +199,6 @@ def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) ->
     if joining is not None:
         group_ids, group_mask = left_pad([requests[member].ids for member in joining.members], pad)
         fields["joining"] = {"members": list(joining.members), "done": joining.done, "started": joining.started,
-                             "decoding": [requests[member].decoding.fields() for member in joining.members],
+                             "decoding": [row_fields(requests[member]) for member in joining.members],
                              "max_new_tokens": [requests[member].max_new_tokens for member in joining.members]}
     return Message(Kind.REWIND, fields, (rows.mask, rows.positions, found.index, group_mask, group_ids, states))

@@ -36,7 +36,7 @@ from ..swapping import positions_needed
 from .messages import Kind, Message, pack, unpack
 from .worker_recovery import RECOVERY, RecoveryHandlers
 from .worker_slots import SlotHandlers
-from .worker_state import HeadGone, MicrobatchState, Role
+from .worker_state import HeadGone, MicrobatchState, Role, score_fields
 
 __all__ = ["QUIET", "Role", "StageWorker", "failure_message"]  # Role is worker_state's, named here with the worker
 
@@ -193,14 +193,18 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             layer = layers[local]
             sender.layer_done(number, first_layer + local, layer.keys, layer.values, self.epoch)
 
-        output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer)
+        prompt_logprobs: dict[str, Any] = {}
+        on_hidden = self._scorer(state, prompt_logprobs)
+        output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer,
+                                    on_hidden=on_hidden)
         if not self.stage.last:
             self._send(self.following, Message(Kind.PREFILL, message.fields, (output, state.mask)))
             return
-        tokens, ended, failures = self._pick(state, output)  # the first tokens; the token pipeline takes over
+        tokens, ended, failures, logprobs = self._pick(state, output)  # the first tokens; the token stages go on
         states = state.picker.states() if state.picker is not None else None
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures},
+        self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures,
+                                                       **score_fields(logprobs, prompt_logprobs)},
                                       (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
 
     def _receive_kv(self, number: int, message: Message) -> None:
@@ -246,12 +250,14 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
 
     def _step(self, number: int, state: MicrobatchState, inputs: torch.Tensor, message: Message, cache: Any) -> None:
         """Run the stage on the microbatch's new positions in `cache`, and pass the result on."""
-        output = self.stage.forward(inputs, state.mask, state.positions, cache)
+        prompt_logprobs: dict[str, Any] = {}
+        on_hidden = self._scorer(state, prompt_logprobs) if message.kind == Kind.PREFILL else None
+        output = self.stage.forward(inputs, state.mask, state.positions, cache, on_hidden=on_hidden)
         if not self.stage.last:
             tensors = (output, state.mask) if message.kind == Kind.PREFILL else (output,)
             self._send(self.following, Message(message.kind, message.fields, tensors))
         else:
-            self._next_tokens(number, state, output)
+            self._next_tokens(number, state, output, prompt_logprobs)
         self._after_step(number, cache, first=message.kind == Kind.PREFILL)
 
     def _after_step(self, number: int, cache: Any, first: bool) -> None:
@@ -273,24 +279,35 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         else:
             self.replicator.step(number, cache)
 
-    def _pick(self, state: MicrobatchState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """Each row's next token (padding once the row has ended), which rows have now ended, and why each row
-        that failed now did (by row, as message fields)."""
+    def _pick(self, state: MicrobatchState,
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """Each row's next token (padding once the row has ended), which rows have now ended, why each row
+        that failed now did, and the log-probabilities of the rows that ask (both by row, as message fields)."""
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         assert state.picker is not None  # made with the microbatch on the last stage
         state.steps += 1
         self.row_steps += int((~state.ended).sum())
+        before = state.ended
         tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
                                                     state.fields["max_new_tokens"], self.eos, self.pad)
-        return tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()}
+        logprobs = state.picker.logprobs(logits, tokens, before)
+        return tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()}, logprobs
 
-    def _next_tokens(self, number: int, state: MicrobatchState, logits: torch.Tensor) -> None:
+    def _scorer(self, state: MicrobatchState, into: dict[str, Any]) -> Any:
+        """The last stage's prompt scorer of a microbatch's prefill (None elsewhere, or when no row asks)."""
+        if not self.stage.last:
+            return None
+        return self.prompt_scorer(state.fields["decoding"], 0, state.mask.shape[1], into)
+
+    def _next_tokens(self, number: int, state: MicrobatchState, logits: torch.Tensor,
+                     prompt_logprobs: dict[str, Any] | None = None) -> None:
         """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
-        tokens, ended, failures = self._pick(state, logits)
+        tokens, ended, failures, logprobs = self._pick(state, logits)
         states = state.picker.states() if state.picker is not None and self.recovery else None
         rng = () if states is None else (states,)
-        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "failed": failures}, (tokens, *rng)))
+        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, "failed": failures,
+                                                    **score_fields(logprobs, prompt_logprobs or {})}, (tokens, *rng)))
         if bool(ended.all()):
             del self.microbatches[number]
             self._send(self.head, Message(Kind.ENDED, {"microbatch": number, "freed": self.role.stages == 1}))

@@ -28,6 +28,7 @@ KV instead of computing it, and the last stage takes the first tokens as given.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from typing import Any
@@ -41,7 +42,7 @@ from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message
 from .slot_replicas import kv_block
-from .worker_state import SlotState, WorkerState
+from .worker_state import SlotState, WorkerState, score_fields
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,12 @@ class SlotHandlers(WorkerState):
         joining = state.joining
         assert joining is not None
         assert joining.members == list(members)
-        output = joining.run(self.stage.forward, inputs, start, stop)
+        forward = self.stage.forward
+        scorer = self.prompt_scorer(state.joining_decodings, start, joining.mask.shape[1], state.prompt_logprobs,
+                                    list(members)) if self.stage.last else None
+        if scorer is not None:
+            forward = functools.partial(forward, on_hidden=scorer)
+        output = joining.run(forward, inputs, start, stop)
         if joining.complete:
             state.ready, state.joining = (joining.cache, joining.rows()), None
         return output
@@ -309,6 +315,7 @@ class SlotHandlers(WorkerState):
             state.limits.update(zip(members, group["max_new_tokens"], strict=True))
             state.cancelled.update(self.kept_cancels(number))  # cancels that overtook the slot's opening
             state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
+            state.joining_decodings, state.prompt_logprobs = list(group["decoding"]), {}
             if rng.numel():
                 state.joining_picker.set_states(rng)
 
@@ -333,14 +340,19 @@ class SlotHandlers(WorkerState):
         members: list[int] = []
         tokens: list[torch.Tensor] = []
         failed: dict[str, Any] = {}
+        logprobs: dict[str, Any] = {}  # by member
+        prompt_logprobs: dict[str, Any] = {}
         pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
         if decoded:
             assert state.picker is not None
             counts = [state.counts[member] + 1 for member in decoded]
             limits = [state.limits[member] for member in decoded]
             self.row_steps += int((~state.ended).sum())
+            before = state.ended
             picked, state.ended, failures = next_tokens(state.picker, logits, state.ended, counts, limits, self.eos,
                                                         self.pad)
+            logprobs.update((str(decoded[int(row)]), entry)
+                            for row, entry in state.picker.logprobs(logits, picked, before).items())
             members += decoded
             tokens.append(picked)
             failed.update({str(decoded[row]): failure.fields() for row, failure in failures.items()})
@@ -361,6 +373,9 @@ class SlotHandlers(WorkerState):
             else:
                 limits = [state.limits[member] for member in group_members]
                 picked, ended, failures = next_tokens(picker, first_logits, cancelled, 1, limits, self.eos, self.pad)
+                logprobs.update((str(group_members[int(row)]), entry)
+                                for row, entry in picker.logprobs(first_logits, picked, cancelled).items())
+                prompt_logprobs, state.prompt_logprobs, state.joining_decodings = state.prompt_logprobs, {}, []
                 members += group_members
                 tokens.append(picked)
                 failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
@@ -380,7 +395,8 @@ class SlotHandlers(WorkerState):
         states = _states(pickers)
         self._send(self.head, Message(Kind.TOKENS, {
             "microbatch": number, "members": members, "failed": failed, "round": step.fields(), "complete": complete,
-            "idle": idle, "next": {"left": left, "joined": None if idle else joined}},
+            "idle": idle, "next": {"left": left, "joined": None if idle else joined},
+            **score_fields(logprobs, prompt_logprobs)},
             (report,) if states is None else (report, states)))
         if idle:
             return

@@ -9,7 +9,9 @@ links with the same `open_links` that a recovery's `relink` uses, and its `Heart
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -18,6 +20,7 @@ import torch
 from ..backends import open_store, open_transport
 from ..errors import TransportError
 from ..generation.decoding import TokenPicker
+from ..generation.logprobs import prompt_scores
 from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage
 from ..store import Store
@@ -108,8 +111,15 @@ class SlotState:
     limits: dict[int, int] = attrs.field(factory=dict)
     cancelled: set[int] = attrs.field(factory=set)
     joining_picker: TokenPicker | None = None
+    joining_decodings: list[dict[str, Any]] = attrs.field(factory=list)  # the joining group's rows' decodings
+    prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # the joining group's, by member, chunk by chunk
     ready_picker: TokenPicker | None = None
     ready_tokens: torch.Tensor | None = None
+
+
+def score_fields(logprobs: dict[str, Any], prompt_logprobs: dict[str, Any]) -> dict[str, Any]:
+    """A step report's log-probability fields, those that hold any (by row, or by member in a slot)."""
+    return {name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)) if value}
 
 
 def open_links(fields: dict[str, Any], role: Role) -> Links:
@@ -198,6 +208,23 @@ class WorkerState:
         """The writer of the slots' replicas, through the replicator of the links now."""
         assert self.replicator is not None  # only asked for with recovery from replicas
         return SlotReplicas(self.replicator)
+
+    def prompt_scorer(self, decodings: list[dict[str, Any]], start: int, width: int, into: dict[str, Any],
+                      keys: list[int] | None = None) -> Callable[[torch.Tensor], None] | None:
+        """The last stage's `on_hidden` for the prompt columns [start, ...) of rows left-padded to `width`: it
+        puts the prompt log-probabilities of the rows that ask (`decodings[row]`: a `prompt` and its
+        `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a message field's key; None when none asks."""
+        asks = {row: (fields["prompt"], int(fields["prompt_logprobs"])) for row, fields in enumerate(decodings)
+                if fields.get("prompt") is not None}
+        if not asks:
+            return None
+        head = functools.partial(self.stage.adapter.head, every_position=True)
+
+        def score(hidden: torch.Tensor) -> None:
+            for row, entries in prompt_scores(head, hidden, start, width, asks).items():
+                into.setdefault(str(row if keys is None else keys[row]), []).extend(entries)
+
+        return score
 
     def _send(self, link: Transport | None, message: Message) -> None:
         """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the

@@ -1,0 +1,139 @@
+"""Log-probabilities of new and prompt tokens (`logprobs=`, `prompt_logprobs=`): a request alone gets the
+log-softmax of the very logits `model.generate` computes at each step (its token's and the top n), and of a forward
+pass over its prompt; in static and continuous batching, with its prompt run in chunks, and disaggregated; rows that
+do not ask get none; `on_logprobs` streams each token's entry before `on_token` gets the token."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import tiny_models
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, prompt_scores
+from dejavu_sdk.serving import Pipeline
+
+pytestmark = pytest.mark.usefixtures("module_workers_import_tiny_models")
+
+NEW = 6
+TOP = 3
+PROMPT_TOP = 2
+PROMPTS = [torch.tensor([5, 17, 33, 8, 61, 12, 40, 9, 27, 3, 71]), torch.tensor([14, 2, 50, 6]),
+           torch.tensor([30, 31, 7, 44, 19, 58, 11])]
+
+
+def _expected(model, prompt: torch.Tensor) -> tuple[list[int], list[tuple[float, list[int]]], list[float]]:
+    """`model.generate`'s tokens for `prompt` alone, the log-softmax of each step's logits at its token with the
+    top ids, and each prompt token's (from the second) under one forward over the prompt."""
+    out = model.generate(prompt[None], attention_mask=torch.ones(1, prompt.numel(), dtype=torch.long),
+                         do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, prompt.numel():].tolist()
+    steps = []
+    for token, logits in zip(tokens, out.logits, strict=True):
+        values = torch.log_softmax(logits[0].float(), -1)
+        steps.append((float(values[token]), values.topk(TOP).indices.tolist()))
+    with torch.no_grad():
+        values = torch.log_softmax(model(prompt[None]).logits[0].float(), -1)
+    prompt_values = [float(values[position, prompt[position + 1]]) for position in range(prompt.numel() - 1)]
+    return tokens, steps, prompt_values
+
+
+LAYOUTS = {
+    "static-2-stages": {"stages": 2, "batching": "static"},
+    "continuous-chunked": {"stages": 2, "batching": "continuous", "max_prefill_tokens": 4},
+    "continuous-disaggregated": {"prompt_stages": 1, "token_stages": 1, "batching": "continuous"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_them(layout) -> None:
+    model = tiny_models.llama()
+    model.generation_config.eos_token_id = None  # every row runs its NEW tokens
+    expected = [_expected(model, prompt) for prompt in PROMPTS]
+    streamed: dict[int, list] = {0: [], 1: [], 2: []}
+    lock = threading.Lock()
+
+    def on_logprobs(index: int, entry) -> None:
+        with lock:
+            streamed[index].append(("logprobs", entry))
+
+    def on_token(index: int, token: int) -> None:
+        with lock:
+            streamed[index].append(("token", token))
+
+    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, **LAYOUTS[layout]) as pipe:
+        leads = []
+        for _ in range(2):  # a slot per stage, each decoding before the next request comes
+            decoding = threading.Event()
+            leads.append(pipe.submit(PROMPTS[2], 4 * NEW, ignore_eos=True, on_token=lambda _, event=decoding: event.set()))
+            assert decoding.wait(60)
+        # the others join a slot while it decodes: under continuous batching their prompts run in chunks there
+        asking = pipe.submit_all(PROMPTS[:2], NEW, logprobs=TOP, prompt_logprobs=PROMPT_TOP, on_token=on_token,
+                                 on_logprobs=on_logprobs, ignore_eos=True)
+        results = [future.result(timeout=120) for future in [*asking, *leads]]
+    if layout == "continuous-chunked":
+        assert any(step.prefill is not None and step.decoded and step.prefill[2] - step.prefill[1] <= 4
+                   for step in results[0].schedule), "the prompts were not run in chunks beside decoding"
+    for index, result in enumerate(results[:2]):
+        tokens, steps, prompt_values = expected[index]
+        assert result.tokens.tolist() == tokens
+        assert result.logprobs is not None and len(result.logprobs) == NEW
+        for entry, (value, top) in zip(result.logprobs, steps, strict=True):
+            assert entry.logprob == pytest.approx(value, abs=1e-5)
+            assert [token for token, _ in entry.top] == top
+            assert [value for _, value in entry.top] == sorted((value for _, value in entry.top), reverse=True)
+        assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+        assert [entry.logprob for entry in result.prompt_logprobs[1:]] == pytest.approx(prompt_values, abs=1e-4)
+        assert all(len(entry.top) == PROMPT_TOP for entry in result.prompt_logprobs[1:])
+        # each token streamed after its own entry
+        events = streamed[index]
+        assert [kind for kind, _ in events] == ["logprobs", "token"] * NEW
+        assert [value for kind, value in events if kind == "token"] == tokens
+        assert [value for kind, value in events if kind == "logprobs"] == list(result.logprobs)
+    for lead in results[2:]:
+        assert lead.logprobs is None and lead.prompt_logprobs is None
+        assert lead.tokens.tolist()[:NEW] == expected[2][0]
+
+
+def test_logprob_counts_are_checked() -> None:
+    for bad in (-1, MAX_LOGPROBS + 1, True, 1.5, "2"):
+        with pytest.raises(dv.ConfigError, match="logprobs"):
+            Decoding.of(logprobs=bad)
+        with pytest.raises(dv.ConfigError, match="prompt_logprobs"):
+            Decoding.of(prompt_logprobs=bad)
+    decoding = Decoding.of(do_sample=True, seed=3, logprobs=0, prompt_logprobs=MAX_LOGPROBS)
+    assert (decoding.logprobs, decoding.prompt_logprobs) == (0, MAX_LOGPROBS)
+
+
+def test_the_engine_refuses_logprobs_it_does_not_compute() -> None:
+    engine = dv.DejaVuEngine(tiny_models.llama())
+    with pytest.raises(dv.ConfigError, match="logprobs"):
+        engine.generate_many([PROMPTS[1]], 2, logprobs=1)
+
+
+def test_prompt_scores_of_chunks_concatenate_to_those_of_the_whole() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(16, 8)
+    hidden = torch.randn(2, 9, 8)
+    prompts = {0: ([3, 1, 4, 1, 5, 9, 2], 2), 1: ([6, 5, 3, 5, 8, 9, 7, 9, 3], 0)}  # row 0 left-padded by 2
+
+    def head(states: torch.Tensor) -> torch.Tensor:
+        return states @ weight.T
+
+    whole = prompt_scores(head, hidden, 0, 9, prompts)
+    chunked: dict[int, list] = {0: [], 1: []}
+    for start in range(0, 9, 4):
+        for row, entries in prompt_scores(head, hidden[:, start:start + 4], start, 9, prompts).items():
+            chunked[row] += entries
+    for row in whole:  # equal up to the rounding of products of another shape
+        assert [entry[1] for entry in chunked[row]] == [entry[1] for entry in whole[row]]
+        assert [entry[0] for entry in chunked[row]] == pytest.approx([entry[0] for entry in whole[row]], abs=1e-6)
+    assert [len(whole[0]), len(whole[1])] == [6, 8]
+    values = torch.log_softmax(head(hidden[0, 2:8]), -1)
+    assert [entry[0] for entry in whole[0]] == pytest.approx([float(values[index, token])
+                                                              for index, token in enumerate(prompts[0][0][1:])])
