@@ -129,6 +129,78 @@ def test_stop_token_ids_end_a_choice_without_their_text_and_min_tokens_holds_the
     assert len(held.token_ids) >= first + 2
 
 
+def _reference(prompt: list[int], new: int) -> tuple[list[int], list[list[float]], list[list[float]]]:
+    """The served model's greedy tokens for `prompt` alone (from `generate`), the log-softmax of each step's
+    logits, and of a forward pass over the prompt and those tokens (each position's)."""
+    import tiny_models
+    import torch
+
+    model = tiny_models.llama_text()
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    steps = [torch.log_softmax(logits[0].float(), -1).tolist() for logits in out.logits]
+    with torch.no_grad():
+        forward = torch.log_softmax(model(out.sequences).logits[0].float(), -1).tolist()
+    return out.sequences[0, len(prompt):].tolist(), steps, forward
+
+
+def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_them(controller, tokenizer) -> None:
+    client = _client(controller)
+    prompt = tokenizer(PROMPTS[1])["input_ids"]
+    tokens, steps, forward = _reference(prompt, 6)
+    whole = client.completions.create(model="text", prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert whole.token_ids == tokens
+    listed = whole.logprobs
+    assert listed.tokens == [tokenizer.decode([token]) for token in tokens]
+    assert listed.token_logprobs == pytest.approx([step[token] for step, token in zip(steps, tokens)], abs=1e-5)
+    for top, step, token in zip(listed.top_logprobs, steps, tokens):
+        best = sorted(range(len(step)), key=step.__getitem__, reverse=True)[:2]
+        assert top == pytest.approx({tokenizer.decode([other]): step[other] for other in [*best, token]}, abs=1e-5)
+    assert listed.text_offset == [sum(len(text) for text in listed.tokens[:index]) for index in range(6)]
+    # streamed: the same entries, chunk by chunk
+    chunks = list(client.completions.create(model="text", prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = [choice.logprobs for chunk in chunks for choice in chunk.choices if choice.logprobs]
+    assert sum((part.token_logprobs for part in streamed), []) == listed.token_logprobs
+    assert sum((part.text_offset for part in streamed), []) == listed.text_offset
+    # echo: the prompt's tokens first, their log-probabilities from one forward pass (the first has none)
+    echoed = client.completions.create(model="text", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                       echo=True).choices[0]
+    assert echoed.text == tokenizer.decode(prompt) + tokenizer.decode(tokens[:1])
+    values = echoed.logprobs.token_logprobs
+    assert len(values) == len(prompt) + 1 and values[0] is None and echoed.logprobs.top_logprobs[0] is None
+    want = [forward[position - 1][prompt[position]] for position in range(1, len(prompt))]
+    assert values[1:-1] == pytest.approx(want, abs=1e-4)
+    assert values[-1] == pytest.approx(steps[0][tokens[0]], abs=1e-5)
+    # the chat's shape
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = client.chat.completions.create(model="text", messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in content)  # greedy: the top one
+    assert "".join(entry.token for entry in content) == chat.message.content
+    chunks = list(client.chat.completions.create(model="text", messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    assert [entry.logprob for chunk in chunks for choice in chunk.choices if choice.logprobs
+            for entry in choice.logprobs.content] == [entry.logprob for entry in content]
+    assert client.chat.completions.create(model="text", messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("route, body, words", [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "'logprobs' must be an integer from 0 to 20"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo is answered whole"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "'top_logprobs' needs 'logprobs': true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo is a"),
+])
+def test_bad_logprob_requests_are_400s(controller, route, body, words) -> None:
+    status, answer, _ = _raw(controller.url, route, json.dumps({"model": "text", **body}).encode(), controller.token)
+    assert (status, words in answer["error"]["message"]) == (400, True), answer
+
+
 def test_usage_closes_the_stream_and_the_last_token_carries_the_finish_reason(controller) -> None:
     chunks = list(_client(controller).completions.create(
         model="alias", prompt=PROMPTS[:2], max_tokens=5, temperature=0, stream=True,

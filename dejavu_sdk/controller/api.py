@@ -82,7 +82,8 @@ class ServedModel(Protocol):
     @property
     def names(self) -> Sequence[str]: ...
 
-    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Any]]: ...
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
+               on_logprobs: Callable[[int, Any], None] | None = None) -> list[Future[Any]]: ...
 
     def health(self) -> tuple[str, str]:
         """("serving" | "starting" | "recovering" | "draining" | "failed", why)."""

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from ..errors import ConfigError, TransportError
 from ..generation.batching import Result
+from ..generation.logprobs import TokenLogprobs
 from ..models import load_tokenizer
 from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
@@ -116,10 +117,11 @@ class Controller:
         return self._url
 
     # ---- what the API serves from -------------------------------------------------------------------
-    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Result]]:
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
+               on_logprobs: Callable[[int, TokenLogprobs], None] | None = None) -> list[Future[Result]]:
         """Queue the choices, those of equal limits and decodings together (one submission: admission takes
-        turns between submissions); `on_token(index, id)` as tokens arrive. A refused one (ConfigError) takes
-        back those already queued."""
+        turns between submissions); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
+        `on_logprobs(index, entry)` where asked. A refused one (ConfigError) takes back those already queued."""
         futures: list[Future[Result]] = []
         try:
             start = 0
@@ -131,6 +133,7 @@ class Controller:
                 futures += self.pipeline.submit_all(
                     [choice.prompt for choice in choices[start:end]], choices[start].max_tokens,
                     on_token=functools.partial(_shifted, on_token, start),
+                    on_logprobs=None if on_logprobs is None else functools.partial(_shifted, on_logprobs, start),
                     **choices[start].decoding)
                 start = end
         except BaseException:
@@ -257,6 +260,6 @@ class Controller:
         self.close()
 
 
-def _shifted(on_token: Callable[[int, int], None], offset: int, index: int, token: int) -> None:
-    """`on_token` of the choice `offset + index` (a submission's `index`-th prompt)."""
-    on_token(offset + index, token)
+def _shifted(callback: Callable[[int, Any], None], offset: int, index: int, value: Any) -> None:
+    """`callback` (`on_token`, `on_logprobs`) of the choice `offset + index` (a submission's `index`-th prompt)."""
+    callback(offset + index, value)

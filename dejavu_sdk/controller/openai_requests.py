@@ -14,13 +14,14 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+from ..generation.logprobs import MAX_LOGPROBS
+
 #: Arguments of OpenAI's APIs that change the output and are not supported, with the values that change nothing
 #: (sent by clients that fill in defaults).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-               "best_of": (None, 1), "logprobs": (None, 0, False), "top_logprobs": (None, 0), "echo": (None, False),
-               "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-               "tool_choice": (None, "none"), "function_call": (None, "none"),
+               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+               "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
                "response_format": (None, {"type": "text"})}
 #: Most stop strings a request may give, and longest (characters).
 MAX_STOPS, MAX_STOP_LENGTH = 16, 256
@@ -72,6 +73,10 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    #: The top tokens listed beside each token's log-probability (None: no log-probabilities asked for).
+    logprobs: int | None = None
+    #: Completions: the answer's text (and log-probabilities) begin with the prompt's.
+    echo: bool = False
 
 
 def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
@@ -81,7 +86,13 @@ def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> Generati
     several = isinstance(prompt, list) and bool(prompt) and not _is_id(prompt[0])
     _check_count(len(prompt) if several else 1, body, max_prompts)  # before any is tokenized
     prompts = _prompts(prompt, facts.tokenizer)
-    return _request("completion", model, body, prompts, facts, max_prompts, default_max=16)
+    logprobs = _integer(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    echo = _flag(body, "echo")
+    if echo and _flag(body, "stream"):
+        raise ApiError(400, "echo is answered whole: send it without stream")
+    scores = {} if logprobs is None else {"logprobs": logprobs, **({"prompt_logprobs": logprobs} if echo else {})}
+    return _request("completion", model, body, prompts, facts, max_prompts, default_max=16, scores=scores,
+                    echo=echo)
 
 
 def parse_chat(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
@@ -99,11 +110,18 @@ def parse_chat(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequ
     prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _request("chat", model, body, [prompt], facts, max_prompts, default_max=None)
+    if body.get("echo") not in (None, False):
+        raise ApiError(400, "echo is a /v1/completions argument")
+    top = _integer(body, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if top is not None and not _flag(body, "logprobs"):
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
+    scores = {"logprobs": top or 0} if _flag(body, "logprobs") else {}
+    return _request("chat", model, body, [prompt], facts, max_prompts, default_max=None, scores=scores)
 
 
 def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, Any], prompts: list[list[int]],
-             facts: ModelFacts, max_prompts: int, default_max: int | None) -> GenerationRequest:
+             facts: ModelFacts, max_prompts: int, default_max: int | None, scores: dict[str, int],
+             echo: bool = False) -> GenerationRequest:
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
             raise ApiError(400, f"{name}={body[name]!r} is not supported")
@@ -113,12 +131,13 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
     if options is not None and (not isinstance(options, dict) or not stream):
         raise ApiError(400, "'stream_options' is an object, and only with stream: true")
     include_usage = isinstance(options, dict) and _flag(options, "include_usage")
-    decoding = _decoding(body)
+    decoding = {**_decoding(body), **scores}
     choices = []
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(body, default_max, len(prompt), facts.context)
         choices += [Choice(prompt, limit, _seeded(decoding, copy), index) for copy in range(n)]
-    return GenerationRequest(kind, model, choices, prompts, _stop(body.get("stop")), stream, include_usage)
+    return GenerationRequest(kind, model, choices, prompts, _stop(body.get("stop")), stream, include_usage,
+                             scores.get("logprobs"), echo)
 
 
 def _check_count(prompts: int, body: dict[str, Any], max_prompts: int) -> int:

@@ -10,6 +10,7 @@ never on the event loop nor the pipeline's receiver thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -25,7 +26,9 @@ from aiohttp import web
 from ..errors import DejaVuError, RequestFailed
 from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
+from ..generation.logprobs import TokenLogprobs
 from .detokenizer import TextStream
+from .logprob_shapes import chat_logprobs, completion_logprobs
 from .metrics import ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest
 
@@ -39,8 +42,10 @@ class GenerationBackend(Protocol):
     eos: list[int]
     metrics: ControllerMetrics
 
-    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None]) -> list[Future[Result]]:
-        """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive."""
+    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
+               on_logprobs: Callable[[int, TokenLogprobs], None] | None = None) -> list[Future[Result]]:
+        """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive, each after
+        its log-probabilities to `on_logprobs(index, entry)` where the choices ask for them."""
 
     def started_at(self, future: Future[Result]) -> float | None:
         """When the choice of `future` left the waiting queue (`time.monotonic()`)."""
@@ -54,16 +59,23 @@ class _ChoiceState:
     tokens: list[int] = attrs.field(factory=list)
     text: str = ""
     finish: str | None = None
+    #: Where asked: each token's log-probabilities, those that arrived before their token, and the characters of
+    #: the token texts listed so far (the next one's text offset).
+    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
+    arriving: collections.deque[TokenLogprobs] = attrs.field(factory=collections.deque)
+    listed: int = 0
 
 
 @attrs.frozen
 class Update:
-    """New text and tokens of choice `index`; `finish` set on its last."""
+    """New text and tokens of choice `index` (with their log-probabilities where asked); `finish` set on its
+    last."""
 
     index: int
     text: str
     tokens: list[int]
     finish: str | None
+    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
 
 
 class Run:
@@ -82,7 +94,8 @@ class Run:
         self.timed_out: str | None = None  # why it was cancelled before it started
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}  # each choice's last arrival
-        self.futures = backend.submit(request.choices, self._on_token)
+        self.futures = backend.submit(request.choices, self._on_token,
+                                      None if request.logprobs is None else self._on_logprobs)
         backend.metrics.in_flight.inc(len(self.futures))
         for index, future in enumerate(self.futures):
             future.add_done_callback(functools.partial(self._on_done, index))
@@ -90,6 +103,9 @@ class Run:
     # ---- from the pipeline's receiver thread -----------------------------------------------------------
     def _on_token(self, index: int, token: int) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token))
+
+    def _on_logprobs(self, index: int, entry: TokenLogprobs) -> None:  # just before its token
+        self.states[index].arriving.append(entry)
 
     def _on_done(self, index: int, _: Future[Result]) -> None:  # after the choice's last token
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None))
@@ -130,10 +146,12 @@ class Run:
             started = self.backend.started_at(self.futures[index])
             if started is not None:
                 self.backend.metrics.queue_time.observe(max(0.0, started - self.started))
-        text, taken = "", []
+        text, taken, scores = "", [], []
         for token in tokens:
             taken.append(token)
             state.tokens.append(token)
+            if self.request.logprobs is not None and state.arriving:
+                scores.append(state.arriving.popleft())
             if state.stream is not None and token not in stop_ids:  # a stop token's own text is left out
                 text += state.stream.add([token])
                 if state.stream.stopped is not None:
@@ -151,7 +169,8 @@ class Run:
             if state.stream is not None:
                 text += state.stream.finish()
         state.text += text
-        return Update(index, text, taken, state.finish)
+        state.logprobs += scores
+        return Update(index, text, taken, state.finish, scores)
 
     def _end_ids(self, index: int) -> set[int]:
         """The ids choice `index` ends at: the model's end-of-sequence ids (unless it ignores them) and its own."""
@@ -246,18 +265,42 @@ class Run:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
 
     def _whole_choice(self, index: int) -> dict[str, Any]:
-        state = self.states[index]
+        state, tokenizer = self.states[index], self.backend.tokenizer
+        asked = self.request.logprobs is not None
         if self.request.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": state.text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": state.text},
+                    "logprobs": chat_logprobs(tokenizer, state.tokens, state.logprobs) if asked else None,
                     "finish_reason": state.finish}
-        return {"index": index, "text": state.text, "logprobs": None, "finish_reason": state.finish,
-                "token_ids": state.tokens}
+        text, tokens, entries = state.text, state.tokens, list[TokenLogprobs | None](state.logprobs)
+        if self.request.echo:
+            prompt = self.request.prompts[self.request.choices[index].prompt_index]
+            text = ("" if tokenizer is None else tokenizer.decode(prompt)) + text
+            tokens, entries = [*prompt, *tokens], [*self._prompt_logprobs(index, len(prompt)), *entries]
+        return {"index": index, "text": text, "finish_reason": state.finish, "token_ids": state.tokens,
+                "logprobs": completion_logprobs(tokenizer, tokens, entries) if asked else None}
+
+    def _prompt_logprobs(self, index: int, length: int) -> list[TokenLogprobs | None]:
+        """Choice `index`'s prompt's log-probabilities (`length` tokens; none asked: Nones)."""
+        if self.request.logprobs is None:
+            return [None] * length
+        found = self.futures[index].result().prompt_logprobs
+        if found is None or len(found) != length:
+            raise ApiError(503, "the prompt's log-probabilities were lost in a recovery: send the request again",
+                           "server_error", "prompt_logprobs_lost", 1.0)
+        return list(found)
 
     def _chunk_choice(self, update: Update) -> dict[str, Any]:
+        tokenizer, state = self.backend.tokenizer, self.states[update.index]
+        asked = self.request.logprobs is not None
         if self.request.kind == "chat":
             delta = {"content": update.text} if update.text or update.finish is None else {}
-            return {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": update.finish}
-        return {"index": update.index, "text": update.text, "logprobs": None, "finish_reason": update.finish,
+            return {"index": update.index, "delta": delta, "finish_reason": update.finish,
+                    "logprobs": chat_logprobs(tokenizer, update.tokens, update.logprobs) if asked else None}
+        logprobs = None
+        if asked:
+            logprobs = completion_logprobs(tokenizer, update.tokens, update.logprobs, state.listed)
+            state.listed += sum(len(text) for text in logprobs["tokens"])
+        return {"index": update.index, "text": update.text, "logprobs": logprobs, "finish_reason": update.finish,
                 "token_ids": update.tokens}
 
     async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],

@@ -233,7 +233,7 @@ class Microbatch:
     def scores_of(self, row: int, kept: int) -> dict[str, Any]:
         """A row's log-probabilities for its `Result`, where asked: those of its `kept` tokens, and of its prompt
         (None if a recovery lost them: they come with the prompt's last columns)."""
-        decoding, out = self.requests[row].decoding, {}
+        decoding, out = self.requests[row].decoding, dict[str, Any]()
         if decoding.logprobs is not None:
             out["logprobs"] = tuple(self.logprobs[row, index] for index in range(kept)
                                     if (row, index) in self.logprobs)

@@ -91,8 +91,7 @@ class Decoding:
         `torch.Generator` takes; `stop_token_ids`, `ignore_eos`, `min_tokens` as `Ends.of`; `logprobs`,
         `prompt_logprobs` 0 to `MAX_LOGPROBS`. Sampled requests without a seed get a random one."""
         ends = Ends.of(stop_token_ids, ignore_eos, min_tokens)
-        scores = {"logprobs": check_count("logprobs", logprobs),
-                  "prompt_logprobs": check_count("prompt_logprobs", prompt_logprobs)}
+        logprobs, prompt_logprobs = check_count("logprobs", logprobs), check_count("prompt_logprobs", prompt_logprobs)
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ConfigError(f"unknown decoding settings {unknown}; pipelines take do_sample, seed, stop_token_ids, "
@@ -102,14 +101,14 @@ class Decoding:
             if given or seed is not None:
                 raise ConfigError(f"{', '.join(sorted(given) + (['seed'] if seed is not None else []))} apply to "
                                   "sampling: pass do_sample=True as well")
-            return cls(ends=ends, **scores)
+            return cls(ends=ends, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if given.get("temperature", 1.0) < GREEDY_BELOW:
-            return cls(ends=ends, **scores)
+            return cls(ends=ends, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if seed is None:
             seed = secrets.randbits(63)
         else:
             _check_seed(seed)
-        return cls(True, tuple(sorted(given.items())), seed, ends, **scores)
+        return cls(True, tuple(sorted(given.items())), seed, ends, logprobs, prompt_logprobs)
 
     def fields(self) -> dict[str, Any]:
         """As message fields, for the last stage."""
