@@ -70,7 +70,8 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
         leads = []
         for _ in range(2):  # a slot per stage, each decoding before the next request comes
             decoding = threading.Event()
-            leads.append(pipe.submit(PROMPTS[2], 4 * NEW, ignore_eos=True, on_token=lambda _, event=decoding: event.set()))
+            leads.append(pipe.submit(PROMPTS[2], 4 * NEW, ignore_eos=True,
+                                     on_token=lambda _, event=decoding: event.set()))
             assert decoding.wait(60)
         # the others join a slot while it decodes: under continuous batching their prompts run in chunks there
         asking = pipe.submit_all(PROMPTS[:2], NEW, logprobs=TOP, prompt_logprobs=PROMPT_TOP, on_token=on_token,
@@ -82,12 +83,14 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
     for index, result in enumerate(results[:2]):
         tokens, steps, prompt_values = expected[index]
         assert result.tokens.tolist() == tokens
-        assert result.logprobs is not None and len(result.logprobs) == NEW
+        assert result.logprobs is not None
+        assert len(result.logprobs) == NEW
         for entry, (value, top) in zip(result.logprobs, steps, strict=True):
             assert entry.logprob == pytest.approx(value, abs=1e-5)
             assert [token for token, _ in entry.top] == top
             assert [value for _, value in entry.top] == sorted((value for _, value in entry.top), reverse=True)
-        assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+        assert result.prompt_logprobs is not None
+        assert result.prompt_logprobs[0] is None
         assert [entry.logprob for entry in result.prompt_logprobs[1:]] == pytest.approx(prompt_values, abs=1e-4)
         assert all(len(entry.top) == PROMPT_TOP for entry in result.prompt_logprobs[1:])
         # each token streamed after its own entry
@@ -96,7 +99,7 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
         assert [value for kind, value in events if kind == "token"] == tokens
         assert [value for kind, value in events if kind == "logprobs"] == list(result.logprobs)
     for lead in results[2:]:
-        assert lead.logprobs is None and lead.prompt_logprobs is None
+        assert (lead.logprobs, lead.prompt_logprobs) == (None, None)
         assert lead.tokens.tolist()[:NEW] == expected[2][0]
 
 

@@ -154,8 +154,9 @@ def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_the
     assert whole.token_ids == tokens
     listed = whole.logprobs
     assert listed.tokens == [tokenizer.decode([token]) for token in tokens]
-    assert listed.token_logprobs == pytest.approx([step[token] for step, token in zip(steps, tokens)], abs=1e-5)
-    for top, step, token in zip(listed.top_logprobs, steps, tokens):
+    chosen = [step[token] for step, token in zip(steps, tokens, strict=True)]
+    assert listed.token_logprobs == pytest.approx(chosen, abs=1e-5)
+    for top, step, token in zip(listed.top_logprobs, steps, tokens, strict=True):
         best = sorted(range(len(step)), key=step.__getitem__, reverse=True)[:2]
         assert top == pytest.approx({tokenizer.decode([other]): step[other] for other in [*best, token]}, abs=1e-5)
     assert listed.text_offset == [sum(len(text) for text in listed.tokens[:index]) for index in range(6)]
@@ -163,14 +164,15 @@ def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_the
     chunks = list(client.completions.create(model="text", prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
                                             stream=True, extra_body={"ignore_eos": True}))
     streamed = [choice.logprobs for chunk in chunks for choice in chunk.choices if choice.logprobs]
-    assert sum((part.token_logprobs for part in streamed), []) == listed.token_logprobs
-    assert sum((part.text_offset for part in streamed), []) == listed.text_offset
+    assert [value for part in streamed for value in part.token_logprobs] == listed.token_logprobs
+    assert [offset for part in streamed for offset in part.text_offset] == listed.text_offset
     # echo: the prompt's tokens first, their log-probabilities from one forward pass (the first has none)
     echoed = client.completions.create(model="text", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
                                        echo=True).choices[0]
     assert echoed.text == tokenizer.decode(prompt) + tokenizer.decode(tokens[:1])
     values = echoed.logprobs.token_logprobs
-    assert len(values) == len(prompt) + 1 and values[0] is None and echoed.logprobs.top_logprobs[0] is None
+    assert len(values) == len(prompt) + 1
+    assert (values[0], echoed.logprobs.top_logprobs[0]) == (None, None)
     want = [forward[position - 1][prompt[position]] for position in range(1, len(prompt))]
     assert values[1:-1] == pytest.approx(want, abs=1e-4)
     assert values[-1] == pytest.approx(steps[0][tokens[0]], abs=1e-5)
@@ -179,7 +181,7 @@ def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_the
     chat = client.chat.completions.create(model="text", messages=messages, max_tokens=5, temperature=0,
                                           logprobs=True, top_logprobs=3).choices[0]
     content = chat.logprobs.content
-    assert len(content) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert [len(entry.top_logprobs) for entry in content] == [3] * 5
     assert all(entry.top_logprobs[0].logprob >= entry.logprob for entry in content)  # greedy: the top one
     assert "".join(entry.token for entry in content) == chat.message.content
     chunks = list(client.chat.completions.create(model="text", messages=messages, max_tokens=5, temperature=0,
@@ -189,7 +191,7 @@ def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_the
     assert client.chat.completions.create(model="text", messages=messages, max_tokens=2).choices[0].logprobs is None
 
 
-@pytest.mark.parametrize("route, body, words", [
+@pytest.mark.parametrize(("route", "body", "words"), [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "'logprobs' must be an integer from 0 to 20"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo is answered whole"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
