@@ -107,10 +107,19 @@ def _controller_arguments(parser: Any) -> None:
                         f"in one request at most, else a 400 (default {limits.MAX_PROMPTS})")
     parser.add_argument("--tls-cert", help="PEM certificate chain: the API answers HTTPS only")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    _link_tls_arguments(parser)
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
                         f"wait to start, then a 503 (default {limits.QUEUE_TIMEOUT:.0f})")
+
+
+def _link_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link-tls-cert", help="PEM certificate the pipeline's inboxes (the head's, each stage "
+                        "worker's) serve: TLS on every link between them (tcp; all three --link-tls-* together)")
+    parser.add_argument("--link-tls-key", help="PEM private key of --link-tls-cert")
+    parser.add_argument("--link-tls-ca", help="PEM certificate authority the links verify their peers against "
+                        "(--link-tls-cert itself when it signs itself)")
 
 
 def add_serving_commands(commands: Any) -> None:
@@ -159,6 +168,7 @@ def add_serving_commands(commands: Any) -> None:
     worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
+    _link_tls_arguments(worker)
     worker.set_defaults(run=_worker)
 
 
@@ -201,8 +211,9 @@ def _serve(args: argparse.Namespace) -> int:
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
                     max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
-                    tls_cert=args.tls_cert, tls_key=args.tls_key,
-                    worker_port=worker_port, launch=not args.remote_workers, **layout) as controller:
+                    tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
+                    link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, worker_port=worker_port,
+                    launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
         if not tokens and not os.environ.get(TOKEN_VARIABLE):
@@ -223,6 +234,7 @@ def _worker(args: argparse.Namespace) -> int:
     from ..controller.controller import WORKER_TOKEN_VARIABLE
     from ..controller.workers import ask_where_to_join
     from ..serving.bootstrap import run_worker
+    from ..serving.link_tls import LinkTls
 
     if args.token:
         os.environ[TOKEN_VARIABLE] = args.token  # the links to the head and the neighbours present it too
@@ -233,6 +245,9 @@ def _worker(args: argparse.Namespace) -> int:
         os.environ[TOKEN_VARIABLE] = tokens[0]
     elif os.environ.get(WORKER_TOKEN_VARIABLE):
         os.environ[TOKEN_VARIABLE] = os.environ[WORKER_TOKEN_VARIABLE]
+    tls = LinkTls.of(args.link_tls_cert, args.link_tls_key, args.link_tls_ca)
+    if tls is not None:  # every link the worker opens, and its inbox, take them from its environment
+        os.environ.update(tls.environment())
     join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
     run_worker(join, host=args.host, threads=args.threads)
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -43,10 +44,10 @@ class _StageWorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def serve(self, join: str, token: str, host: str | None, worker_id: str) -> None:
+    def serve(self, join: str, token: str, host: str | None, worker_id: str, environment: dict[str, str]) -> None:
         from ..serving.bootstrap import run_worker
 
-        os.environ[TOKEN_VARIABLE] = token
+        os.environ.update({**environment, TOKEN_VARIABLE: token})
         run_worker(join, host=host or ray.util.get_node_ip_address(), worker_id=worker_id)
 
 
@@ -88,7 +89,7 @@ class RayWorkers:
         self.options = {"num_cpus": 0, "max_concurrency": 2, **options}  # serve blocks; pid answers meanwhile
         self._actor_class = ray.remote(_StageWorkerActor)
 
-    def start(self, join: str, token: str) -> RayWorkerHandle:
+    def start(self, join: str, token: str, environment: Mapping[str, str]) -> RayWorkerHandle:
         actor: Any = self._actor_class.options(**self.options).remote()  # an actor handle: its methods are remote
         try:
             pid = int(ray.get(actor.pid.remote(), timeout=START_TIMEOUT))
@@ -96,7 +97,8 @@ class RayWorkers:
             ray.kill(actor, no_restart=True)
             raise
         worker_id = uuid.uuid4().hex
-        return RayWorkerHandle(actor, worker_id, pid, actor.serve.remote(join, token, self.host, worker_id))
+        return RayWorkerHandle(actor, worker_id, pid, actor.serve.remote(join, token, self.host, worker_id,
+                                                                             dict(environment)))
 
 
 class _ControllerActor:

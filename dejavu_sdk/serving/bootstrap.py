@@ -26,6 +26,7 @@ from ..generation.stage import Stage
 from ..models import load_model
 from ..transports.access import TOKEN_VARIABLE
 from ..transports.base import Server, Transport
+from .link_tls import LinkTls, inbox_options, link_options
 from .messages import Kind, Message, pack, unpack
 from .worker import QUIET, StageWorker, failure_message
 from .worker_state import HeadGone, Role, open_links
@@ -70,7 +71,9 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
     the head's choice)."""
     token = os.environ.get(TOKEN_VARIABLE) or None
     scheme = join.partition("://")[0]
-    with serve(f"{scheme}://{host}:0", token=token) as inbox, open_transport(join) as head:
+    tls = LinkTls.from_environment()
+    with serve(f"{scheme}://{host}:0", token=token, **inbox_options(tls)) as inbox, \
+            open_transport(join, **link_options(tls)) as head:
         _join(head, Message(Kind.JOIN, {"url": inbox.url, "pid": os.getpid(), "worker": worker_id}))
         assign = unpack(inbox.recv_tensor(timeout=ASSIGN_TIMEOUT))
         model = None

@@ -22,6 +22,7 @@ from ..backends import open_transport
 from ..errors import ConfigError, TransportError
 from ..transports.base import Server, Transport
 from .launchers import JoinedWorker, WorkerHandle
+from .link_tls import link_options, worker_environment
 from .messages import Kind, Message, pack, unpack
 from .options import PipelineOptions
 
@@ -98,7 +99,7 @@ class Fleet:
                               for _, worker, pid in joined]
             self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
         self.urls = [url for url, _, _ in joined]
-        self.links = [open_transport(url, token=self.options.token) for url in self.urls]
+        self.links = [self._link(url) for url in self.urls]
         for index in range(len(self.layout.stages)):
             self.send(index, Message(Kind.ASSIGN, self.assignment(index, eos, pad, recovery)))
         ready: set[int] = set()
@@ -182,7 +183,11 @@ class Fleet:
     def _launch(self) -> WorkerHandle:
         """A worker that joins this head, started by the launcher."""
         assert self.options.launcher is not None  # only launched pipelines start workers
-        return self.options.launcher.start(self.url(), self.options.token)
+        return self.options.launcher.start(self.url(), self.options.token, worker_environment(self.options.link_tls))
+
+    def _link(self, url: str) -> Transport:
+        """A link to a worker's inbox, with the pipeline's token (and TLS)."""
+        return open_transport(url, token=self.options.token, **link_options(self.options.link_tls))
 
     def _launch_spare(self) -> None:
         spare = self._launch()
@@ -194,7 +199,7 @@ class Fleet:
         One that cannot be reached is left out (a launched one is dropped with the next pruning)."""
         url = join.fields["url"]
         try:
-            with open_transport(url, token=self.options.token) as link:
+            with self._link(url) as link:
                 link.send_tensor(pack(Message(Kind.STANDBY, {"model": self.options.model,
                                                              "threads": self.options.threads})))
         except TransportError as error:
@@ -254,7 +259,7 @@ class Fleet:
             self.assigned[self.layout.stages[index].name] = self.epoch
         self.links[index].close()
         self.urls[index] = spare.url
-        self.links[index] = open_transport(spare.url, token=self.options.token)
+        self.links[index] = self._link(spare.url)
 
     def stage_status(self) -> list[dict[str, Any]]:
         """Each stage: its name, role and layers, its launched process (pid, alive) and its last heartbeat."""
@@ -307,7 +312,7 @@ class Fleet:
             joined = {spare.worker: spare.url for spare in [*self.pool, *self.warming.values()]}
             stages, spares = list(self.processes), dict(self.spares)
         for url in joined.values():
-            with contextlib.suppress(TransportError), open_transport(url, token=self.options.token) as link:
+            with contextlib.suppress(TransportError), self._link(url) as link:
                 link.send_tensor(pack(Message(Kind.SHUTDOWN)))
         for worker, process in spares.items():
             if worker not in joined:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Mapping
 from typing import Protocol
 
 from ..transports.access import TOKEN_VARIABLE
@@ -41,8 +42,9 @@ class WorkerHandle(Protocol):
 class Launcher(Protocol):
     """Starts stage workers that join a head."""
 
-    def start(self, join: str, token: str) -> WorkerHandle:
-        """A worker that joins the head at `join`, presenting `token`."""
+    def start(self, join: str, token: str, environment: Mapping[str, str]) -> WorkerHandle:
+        """A worker that joins the head at `join`, presenting `token`, with `environment` added to its own (the
+        pipeline's link settings: `link_tls.worker_environment`)."""
 
 
 class ProcessHandle:
@@ -101,8 +103,8 @@ class LocalProcesses:
     def __init__(self, fork: bool = True) -> None:
         self.fork = fork and sys.platform.startswith("linux")
 
-    def start(self, join: str, token: str) -> WorkerHandle:
-        environment = {**os.environ, TOKEN_VARIABLE: token}
+    def start(self, join: str, token: str, environment: Mapping[str, str]) -> WorkerHandle:
+        environment = {**os.environ, TOKEN_VARIABLE: token, **environment}
         worker_id = uuid.uuid4().hex
         if self.fork:
             from .zygote import fork_worker  # not at import: `python -m dejavu_sdk.serving.zygote` runs it as main

@@ -40,6 +40,7 @@ from ..timing import measure_times
 from ..transports.access import TOKEN_VARIABLE
 from .launchers import Launcher, LocalProcesses
 from .layout import Layout, pipelines_for
+from .link_tls import LinkTls
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class PipelineOptions:
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
     (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
-    `DEJAVU_TOKEN`, else a random one handed to the workers it launches).
+    `DEJAVU_TOKEN`, else a random one handed to the workers it launches). `link_tls_cert`, `link_tls_key`,
+    `link_tls_ca`: TLS on every link of the pipeline (`link_tls`; tcp only).
     """
 
     model: str
@@ -126,6 +128,7 @@ class PipelineOptions:
     kv_bytes_per_token: int
     batching: str = "static"
     max_prefill_tokens: int | None = None
+    link_tls: LinkTls | None = None
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -136,9 +139,11 @@ class PipelineOptions:
               recovery: str | None = None, replica_store: str | None = None, standby: int = 0,
               ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
               host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
-              max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> PipelineOptions:
+              max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS, link_tls_cert: str | None = None,
+              link_tls_key: str | None = None, link_tls_ca: str | None = None) -> PipelineOptions:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
+        link_tls = LinkTls.of(link_tls_cert, link_tls_key, link_tls_ca, transport)
         _positive_integer(microbatch, "microbatch")
         _seconds(timeout, "timeout")
         _seconds(heartbeat, "heartbeat", most=60)
@@ -188,7 +193,7 @@ class PipelineOptions:
                    f"p{secrets.token_hex(4)}-", standby, threads,
                    LocalProcesses() if launch is True else (launch or None), host, port,
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
-                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens)
+                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls)
 
 
 def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> str:

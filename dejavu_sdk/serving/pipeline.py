@@ -40,6 +40,7 @@ from ..swapping import check_fits_alone
 from ..transports.base import Server
 from .fleet import Fleet
 from .ledger import Ledger, Outcome, answer, stream
+from .link_tls import inbox_options
 from .messages import Kind, Message, unpack
 from .options import PipelineOptions
 from .recovery import Recoveries, RecoveryReport
@@ -146,7 +147,7 @@ class Pipeline:
         """Open the head's inbox, where workers join (`url`), without waiting for them: `start` does."""
         if self._inbox is None:
             self._inbox = serve(f"{self.transport}://{self.options.host}:{self.options.port}",
-                                token=self.options.token)
+                                token=self.options.token, **inbox_options(self.options.link_tls))
         return self._inbox.url
 
     def start(self) -> Pipeline:

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..backends import open_transport
 from ..errors import DejaVuError, TransportError
 from ..generation.decoding import TokenPicker
 from ..generation.stage import position_ids
@@ -28,7 +27,7 @@ from .messages import Kind, Message, pack
 from .replication import assemble, cache_from, held_positions, replica_stream
 from .slot_replicas import piece_stream
 from .worker_slot_recovery import SlotRecoveryHandlers
-from .worker_state import MicrobatchState, open_links
+from .worker_state import MicrobatchState, open_link, open_links
 
 #: The head's recovery messages (`pause` starts a new epoch); `drop` also forgets a microbatch that failed.
 RECOVERY = ("pause", "relink", "send_replica", "restore", "drop", "rewind")
@@ -81,7 +80,7 @@ class RecoveryHandlers(SlotRecoveryHandlers):
             answer["error"] = f"{type(error).__name__}: {error}"
         else:
             try:
-                with open_transport(fields["to"]) as replacement:
+                with open_link(fields["to"]) as replacement:
                     replacement.send_tensor(pack(Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch,
                                                                         "part": part}, (block,))))
             except TransportError as error:  # the replacement is gone too
