@@ -12,8 +12,9 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
+from dejavu_sdk.generation import logprobs
 from dejavu_sdk.generation.decoding import Decoding
-from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, prompt_scores
+from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, prompt_scores
 from dejavu_sdk.serving import Pipeline
 
 pytestmark = pytest.mark.usefixtures("module_workers_import_tiny_models")
@@ -44,6 +45,7 @@ def _expected(model, prompt: torch.Tensor) -> tuple[list[int], list[tuple[float,
 
 LAYOUTS = {
     "static-2-stages": {"stages": 2, "batching": "static"},
+    "static-disaggregated": {"prompt_stages": 1, "token_stages": 1, "batching": "static"},
     "continuous-chunked": {"stages": 2, "batching": "continuous", "max_prefill_tokens": 4},
     "continuous-disaggregated": {"prompt_stages": 1, "token_stages": 1, "batching": "continuous"},
 }
@@ -93,11 +95,12 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
         assert result.prompt_logprobs[0] is None
         assert [entry.logprob for entry in result.prompt_logprobs[1:]] == pytest.approx(prompt_values, abs=1e-4)
         assert all(len(entry.top) == PROMPT_TOP for entry in result.prompt_logprobs[1:])
-        # each token streamed after its own entry
+        # the prompt's entries first, then each token after its own entry
         events = streamed[index]
-        assert [kind for kind, _ in events] == ["logprobs", "token"] * NEW
+        assert [kind for kind, _ in events] == ["logprobs"] + ["logprobs", "token"] * NEW
+        assert events[0][1] == PromptLogprobs(result.prompt_logprobs)
         assert [value for kind, value in events if kind == "token"] == tokens
-        assert [value for kind, value in events if kind == "logprobs"] == list(result.logprobs)
+        assert [value for kind, value in events[1:] if kind == "logprobs"] == list(result.logprobs)
     for lead in results[2:]:
         assert (lead.logprobs, lead.prompt_logprobs) == (None, None)
         assert lead.tokens.tolist()[:NEW] == expected[2][0]
@@ -119,7 +122,7 @@ def test_the_engine_refuses_logprobs_it_does_not_compute() -> None:
         engine.generate_many([PROMPTS[1]], 2, logprobs=1)
 
 
-def test_prompt_scores_of_chunks_concatenate_to_those_of_the_whole() -> None:
+def test_prompt_scores_of_chunks_concatenate_to_those_of_the_whole(monkeypatch) -> None:
     torch.manual_seed(0)
     weight = torch.randn(16, 8)
     hidden = torch.randn(2, 9, 8)
@@ -128,15 +131,22 @@ def test_prompt_scores_of_chunks_concatenate_to_those_of_the_whole() -> None:
     def head(states: torch.Tensor) -> torch.Tensor:
         return states @ weight.T
 
-    whole = prompt_scores(head, hidden, 0, 9, prompts)
-    chunked: dict[int, list] = {0: [], 1: []}
+    whole = {row: entries for row, (first, entries) in prompt_scores(head, hidden, 0, 9, prompts).items()
+             if first == 1}
+    chunked: dict[int, dict] = {0: {}, 1: {}}
     for start in range(0, 9, 4):
-        for row, entries in prompt_scores(head, hidden[:, start:start + 4], start, 9, prompts).items():
-            chunked[row] += entries
+        for row, (first, entries) in prompt_scores(head, hidden[:, start:start + 4], start, 9, prompts).items():
+            chunked[row].update(enumerate(entries, start=first))  # by the index of the prompt token
     for row in whole:  # equal up to the rounding of products of another shape
-        assert [entry[1] for entry in chunked[row]] == [entry[1] for entry in whole[row]]
-        assert [entry[0] for entry in chunked[row]] == pytest.approx([entry[0] for entry in whole[row]], abs=1e-6)
+        pieces = [chunked[row][index] for index in sorted(chunked[row])]
+        assert sorted(chunked[row]) == list(range(1, len(prompts[row][0])))
+        assert [entry[1] for entry in pieces] == [entry[1] for entry in whole[row]]
+        assert [entry[0] for entry in pieces] == pytest.approx([entry[0] for entry in whole[row]], abs=1e-5)
     assert [len(whole[0]), len(whole[1])] == [6, 8]
     values = torch.log_softmax(head(hidden[0, 2:8]), -1)
     assert [entry[0] for entry in whole[0]] == pytest.approx([float(values[index, token])
                                                               for index, token in enumerate(prompts[0][0][1:])])
+    monkeypatch.setattr(logprobs, "SCORED_COLUMNS", 3)  # a long prompt's logits made a few positions at a time
+    blocked = prompt_scores(head, hidden, 0, 9, prompts)[1][1]
+    assert [entry[1] for entry in blocked] == [entry[1] for entry in whole[1]]
+    assert [entry[0] for entry in blocked] == pytest.approx([entry[0] for entry in whole[1]], abs=1e-5)

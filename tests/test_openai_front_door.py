@@ -176,6 +176,11 @@ def test_logprobs_and_echo_are_those_of_the_model_as_the_openai_client_reads_the
     want = [forward[position - 1][prompt[position]] for position in range(1, len(prompt))]
     assert values[1:-1] == pytest.approx(want, abs=1e-4)
     assert values[-1] == pytest.approx(steps[0][tokens[0]], abs=1e-5)
+    # echo with a stop string: the choice is cancelled at its stop, its prompt's entries are kept
+    stopped = client.completions.create(model="text", prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                                        echo=True, stop=[whole.text[2:5]], extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.logprobs.token_logprobs[:len(prompt)] == values[:len(prompt)]
     # the chat's shape
     messages = [{"role": "user", "content": "Say something."}]
     chat = client.chat.completions.create(model="text", messages=messages, max_tokens=5, temperature=0,

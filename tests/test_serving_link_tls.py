@@ -79,6 +79,8 @@ def test_link_tls_needs_all_three_files_and_tcp(certificate, tmp_path) -> None:
     tls = LinkTls.of(cert, key, cert)
     assert LinkTls.from_environment(tls.environment()) == tls
     assert LinkTls.from_environment({CERT_VARIABLE: "", KEY_VARIABLE: "", CA_VARIABLE: ""}) is None
+    with pytest.raises(dv.ConfigError, match="go together"):
+        LinkTls.from_environment({CERT_VARIABLE: cert})
     with pytest.raises(dv.ConfigError, match="link_tls"):
         Pipeline("tiny_models:llama", stages=1, link_tls_cert=cert)
 

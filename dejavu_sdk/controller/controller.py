@@ -30,7 +30,7 @@ from aiohttp import web
 
 from ..errors import ConfigError, TransportError
 from ..generation.batching import Result
-from ..generation.logprobs import TokenLogprobs
+from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..models import load_tokenizer
 from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
@@ -118,7 +118,8 @@ class Controller:
 
     # ---- what the API serves from -------------------------------------------------------------------
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
-               on_logprobs: Callable[[int, TokenLogprobs], None] | None = None) -> list[Future[Result]]:
+               on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
+               ) -> list[Future[Result]]:
         """Queue the choices, those of equal limits and decodings together (one submission: admission takes
         turns between submissions); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
         `on_logprobs(index, entry)` where asked. A refused one (ConfigError) takes back those already queued."""

@@ -1,7 +1,8 @@
 """Log-probabilities in the shapes of OpenAI's two APIs: the completions' `{tokens, token_logprobs, top_logprobs,
 text_offset}` (the chosen token listed among the top ones, as OpenAI lists it) and the chat's
 `{content: [{token, logprob, bytes, top_logprobs}]}`. A token's text is its own decoding; a model served without a
-tokenizer names tokens `token_id:<id>` (as vLLM does). JSON has no infinity: -inf is written as `FLOOR`.
+tokenizer names tokens `token_id:<id>` (as vLLM does). JSON has no infinity: -inf is written as `FLOOR`. An entry
+a recovery lost is a null log-probability with no top tokens.
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ def completion_logprobs(tokenizer: Any | None, tokens: Sequence[int], entries: S
             "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any | None, tokens: Sequence[int], entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(tokenizer: Any | None, tokens: Sequence[int],
+                  entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
     """The chat's `logprobs` of `tokens` (an entry each)."""
-    return {"content": [{**_chat_token(tokenizer, token, entry.logprob),
-                         "top_logprobs": [_chat_token(tokenizer, other, value) for other, value in entry.top]}
+    return {"content": [{**_chat_token(tokenizer, token, None if entry is None else entry.logprob),
+                         "top_logprobs": [] if entry is None else [_chat_token(tokenizer, other, value)
+                                                                   for other, value in entry.top]}
                         for token, entry in zip(tokens, entries, strict=True)]}
 
 
-def _chat_token(tokenizer: Any | None, token: int, logprob: float) -> dict[str, Any]:
+def _chat_token(tokenizer: Any | None, token: int, logprob: float | None) -> dict[str, Any]:
     text = token_text(tokenizer, token)
-    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+    return {"token": text, "logprob": None if logprob is None else _finite(logprob),
+            "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
 
 def _finite(value: float) -> float:

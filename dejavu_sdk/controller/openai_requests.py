@@ -86,7 +86,8 @@ def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> Generati
     several = isinstance(prompt, list) and bool(prompt) and not _is_id(prompt[0])
     _check_count(len(prompt) if several else 1, body, max_prompts)  # before any is tokenized
     prompts = _prompts(prompt, facts.tokenizer)
-    logprobs = _integer(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    logprobs = None if body.get("logprobs") is False else _integer(body, "logprobs", None, minimum=0,
+                                                                    maximum=MAX_LOGPROBS)
     echo = _flag(body, "echo")
     if echo and _flag(body, "stream"):
         raise ApiError(400, "echo is answered whole: send it without stream")

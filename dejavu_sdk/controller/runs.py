@@ -26,7 +26,7 @@ from aiohttp import web
 from ..errors import DejaVuError, RequestFailed
 from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
-from ..generation.logprobs import TokenLogprobs
+from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from .detokenizer import TextStream
 from .logprob_shapes import chat_logprobs, completion_logprobs
 from .metrics import ControllerMetrics
@@ -43,7 +43,8 @@ class GenerationBackend(Protocol):
     metrics: ControllerMetrics
 
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
-               on_logprobs: Callable[[int, TokenLogprobs], None] | None = None) -> list[Future[Result]]:
+               on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
+               ) -> list[Future[Result]]:
         """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive, each after
         its log-probabilities to `on_logprobs(index, entry)` where the choices ask for them."""
 
@@ -59,23 +60,25 @@ class _ChoiceState:
     tokens: list[int] = attrs.field(factory=list)
     text: str = ""
     finish: str | None = None
-    #: Where asked: each token's log-probabilities, those that arrived before their token, and the characters of
-    #: the token texts listed so far (the next one's text offset).
-    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
+    #: Where asked: each token's log-probabilities (None: lost), those that arrived before their token (on the
+    #: receiver thread), the prompt's (echo), and the characters of the token texts listed so far (the next
+    #: one's text offset, streamed).
+    logprobs: list[TokenLogprobs | None] = attrs.field(factory=list)
     arriving: collections.deque[TokenLogprobs] = attrs.field(factory=collections.deque)
+    prompt: PromptLogprobs | None = None
     listed: int = 0
 
 
 @attrs.frozen
 class Update:
-    """New text and tokens of choice `index` (with their log-probabilities where asked); `finish` set on its
-    last."""
+    """New text and tokens of choice `index` (with their log-probabilities, in the API's shape, where asked);
+    `finish` set on its last."""
 
     index: int
     text: str
     tokens: list[int]
     finish: str | None
-    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
+    logprobs: dict[str, Any] | None = None
 
 
 class Run:
@@ -87,7 +90,8 @@ class Run:
         self.control = control  # cancels go through it: a cancel may wait on a stage, never on the loop
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
         self.id, self.created, self.started = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
-        self.events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()  # (choice, token or None: done)
+        #: (choice, token or None: done, the token's log-probabilities where asked)
+        self.events: asyncio.Queue[tuple[int, int | None, TokenLogprobs | None]] = asyncio.Queue()
         self.states = [_ChoiceState(None if backend.tokenizer is None else TextStream(backend.tokenizer, request.stop))
                        for _ in request.choices]
         self.counted = False  # in the metrics as ok, failed, cancelled or timed out (once)
@@ -102,13 +106,18 @@ class Run:
 
     # ---- from the pipeline's receiver thread -----------------------------------------------------------
     def _on_token(self, index: int, token: int) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token))
+        arriving = self.states[index].arriving  # its entry came just before it, on this thread
+        entry = arriving.popleft() if arriving else None
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry))
 
-    def _on_logprobs(self, index: int, entry: TokenLogprobs) -> None:  # just before its token
-        self.states[index].arriving.append(entry)
+    def _on_logprobs(self, index: int, entry: TokenLogprobs | PromptLogprobs) -> None:
+        if isinstance(entry, PromptLogprobs):  # before the first token
+            self.states[index].prompt = entry
+        else:
+            self.states[index].arriving.append(entry)
 
     def _on_done(self, index: int, _: Future[Result]) -> None:  # after the choice's last token
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None, None))
 
     # ---- tokens to text ----------------------------------------------------------------------------------
     async def updates(self) -> AsyncIterator[Update]:
@@ -119,13 +128,13 @@ class Run:
             batch = [await self.events.get()]
             while not self.events.empty():
                 batch.append(self.events.get_nowait())
-            for index, tokens, done in _coalesced(batch):
+            for index, tokens, entries, done in _coalesced(batch):
                 state = self.states[index]
                 if state.finish is not None:
                     continue
                 if tokens:
                     self._note_arrival(index, len(tokens))
-                    update = await self.loop.run_in_executor(self.text_threads, self._take, index, tokens)
+                    update = await self.loop.run_in_executor(self.text_threads, self._take, index, tokens, entries)
                 elif done:
                     update = await self.loop.run_in_executor(self.text_threads, self._ended, index)
                 else:
@@ -136,7 +145,7 @@ class Run:
                     yield update
         self._count_ok()
 
-    def _take(self, index: int, tokens: list[int]) -> Update:
+    def _take(self, index: int, tokens: list[int], entries: list[TokenLogprobs | None]) -> Update:
         """Choice `index`'s new tokens, up to its end (end-of-sequence, max_tokens, or a stop string, which
         cancels it in the pipeline)."""
         choice = self.request.choices[index]
@@ -147,11 +156,10 @@ class Run:
             if started is not None:
                 self.backend.metrics.queue_time.observe(max(0.0, started - self.started))
         text, taken, scores = "", [], []
-        for token in tokens:
+        for token, entry in zip(tokens, entries, strict=True):
             taken.append(token)
             state.tokens.append(token)
-            if self.request.logprobs is not None and state.arriving:
-                scores.append(state.arriving.popleft())
+            scores.append(entry)
             if state.stream is not None and token not in stop_ids:  # a stop token's own text is left out
                 text += state.stream.add([token])
                 if state.stream.stopped is not None:
@@ -170,7 +178,18 @@ class Run:
                 text += state.stream.finish()
         state.text += text
         state.logprobs += scores
-        return Update(index, text, taken, state.finish, scores)
+        return Update(index, text, taken, state.finish, self._shaped(state, taken, scores))
+
+    def _shaped(self, state: _ChoiceState, tokens: list[int], entries: list[TokenLogprobs | None]) -> Any:
+        """A chunk's log-probabilities in the API's shape (None where not asked); text offsets go on from the
+        choice's last chunk."""
+        if self.request.logprobs is None:
+            return None
+        if self.request.kind == "chat":
+            return chat_logprobs(self.backend.tokenizer, tokens, entries)
+        shaped = completion_logprobs(self.backend.tokenizer, tokens, entries, state.listed)
+        state.listed += sum(len(text) for text in shaped["tokens"])
+        return shaped
 
     def _end_ids(self, index: int) -> set[int]:
         """The ids choice `index` ends at: the model's end-of-sequence ids (unless it ignores them) and its own."""
@@ -199,8 +218,9 @@ class Run:
         """The whole answer, once every choice has ended (a client that leaves: the API cancels the run)."""
         async for _ in self.updates():
             pass
-        return {**self._head(), "choices": [self._whole_choice(index) for index in range(len(self.states))],
-                "usage": self._usage()}
+        choices = await self.loop.run_in_executor(  # token texts are decoded off the event loop
+            self.text_threads, lambda: [self._whole_choice(index) for index in range(len(self.states))])
+        return {**self._head(), "choices": choices, "usage": self._usage()}
 
     async def stream(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
         """Server-sent events: a chunk per update, an error event if a choice fails, the usage when asked for,
@@ -215,7 +235,7 @@ class Run:
                                                  "logprobs": None, "finish_reason": None}])
             try:
                 async for update in self.updates():
-                    await self._send(response, [self._chunk_choice(update)])
+                    await self._send(response, [self._chunk_choice(update, self.request.kind)])
             except ApiError as error:
                 await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
             except ConnectionResetError:
@@ -271,37 +291,31 @@ class Run:
             return {"index": index, "message": {"role": "assistant", "content": state.text},
                     "logprobs": chat_logprobs(tokenizer, state.tokens, state.logprobs) if asked else None,
                     "finish_reason": state.finish}
-        text, tokens, entries = state.text, state.tokens, list[TokenLogprobs | None](state.logprobs)
+        text, tokens, entries = state.text, state.tokens, state.logprobs
         if self.request.echo:
             prompt = self.request.prompts[self.request.choices[index].prompt_index]
-            text = ("" if tokenizer is None else tokenizer.decode(prompt)) + text
-            tokens, entries = [*prompt, *tokens], [*self._prompt_logprobs(index, len(prompt)), *entries]
+            text = ("" if tokenizer is None else tokenizer.decode(prompt, skip_special_tokens=True)) + text
+            tokens = [*prompt, *tokens]
+            if asked:
+                entries = [*self._prompt_logprobs(index, len(prompt)), *entries]
         return {"index": index, "text": text, "finish_reason": state.finish, "token_ids": state.tokens,
                 "logprobs": completion_logprobs(tokenizer, tokens, entries) if asked else None}
 
     def _prompt_logprobs(self, index: int, length: int) -> list[TokenLogprobs | None]:
-        """Choice `index`'s prompt's log-probabilities (`length` tokens; none asked: Nones)."""
-        if self.request.logprobs is None:
-            return [None] * length
-        found = self.futures[index].result().prompt_logprobs
-        if found is None or len(found) != length:
+        """Choice `index`'s prompt's log-probabilities (`length` tokens, the first None)."""
+        found = self.states[index].prompt
+        if found is None or found.entries is None or len(found.entries) != length:
             raise ApiError(503, "the prompt's log-probabilities were lost in a recovery: send the request again",
                            "server_error", "prompt_logprobs_lost", 1.0)
-        return list(found)
+        return list(found.entries)
 
-    def _chunk_choice(self, update: Update) -> dict[str, Any]:
-        tokenizer, state = self.backend.tokenizer, self.states[update.index]
-        asked = self.request.logprobs is not None
-        if self.request.kind == "chat":
+    @staticmethod
+    def _chunk_choice(update: Update, kind: str) -> dict[str, Any]:
+        if kind == "chat":
             delta = {"content": update.text} if update.text or update.finish is None else {}
-            return {"index": update.index, "delta": delta, "finish_reason": update.finish,
-                    "logprobs": chat_logprobs(tokenizer, update.tokens, update.logprobs) if asked else None}
-        logprobs = None
-        if asked:
-            logprobs = completion_logprobs(tokenizer, update.tokens, update.logprobs, state.listed)
-            state.listed += sum(len(text) for text in logprobs["tokens"])
-        return {"index": update.index, "text": update.text, "logprobs": logprobs, "finish_reason": update.finish,
-                "token_ids": update.tokens}
+            return {"index": update.index, "delta": delta, "finish_reason": update.finish, "logprobs": update.logprobs}
+        return {"index": update.index, "text": update.text, "logprobs": update.logprobs,
+                "finish_reason": update.finish, "token_ids": update.tokens}
 
     async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],
                     usage: dict[str, int] | None = None) -> None:
@@ -343,16 +357,18 @@ class Run:
         return True
 
 
-def _coalesced(events: list[tuple[int, int | None]]) -> list[tuple[int, list[int], bool]]:
-    """Events in order, consecutive tokens of one choice taken together: (choice, tokens, done)."""
-    out: list[tuple[int, list[int], bool]] = []
-    for index, token in events:
+def _coalesced(events: list[tuple[int, int | None, TokenLogprobs | None]],
+               ) -> list[tuple[int, list[int], list[TokenLogprobs | None], bool]]:
+    """Events in order, consecutive tokens of one choice taken together: (choice, tokens, their entries, done)."""
+    out: list[tuple[int, list[int], list[TokenLogprobs | None], bool]] = []
+    for index, token, entry in events:
         if token is None:
-            out.append((index, [], True))
-        elif out and out[-1][0] == index and not out[-1][2]:
+            out.append((index, [], [], True))
+        elif out and out[-1][0] == index and not out[-1][3]:
             out[-1][1].append(token)
+            out[-1][2].append(entry)
         else:
-            out.append((index, [token], False))
+            out.append((index, [token], [entry], False))
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..swapping import positions_needed
 from .decoding import Decoding
-from .logprobs import TokenLogprobs
+from .logprobs import PromptLogprobs, TokenLogprobs
 from .slots import Round
 
 _ids = itertools.count()
@@ -40,8 +40,9 @@ class Request:
     submitted: float = attrs.field(factory=time.monotonic)
     #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
     on_token: Callable[[int], None] | None = None
-    #: With `decoding.logprobs`: called with each new token's log-probabilities, just before `on_token` with it.
-    on_logprobs: Callable[[TokenLogprobs], None] | None = None
+    #: With `decoding.prompt_logprobs`: called with the prompt's (`PromptLogprobs`) before its first token; with
+    #: `decoding.logprobs`: with each new token's (`TokenLogprobs`), just before `on_token` gets it (if set).
+    on_logprobs: Callable[[TokenLogprobs | PromptLogprobs], None] | None = None
     streamed: int = 0  # tokens given to `on_token` so far
     #: When it first left the waiting queue for a microbatch or slot (`time.monotonic()`; None: not yet).
     started: float | None = None
@@ -55,7 +56,7 @@ class Result:
     it was served: microbatch `microbatch`, row `row` of `rows`, its prompt left-padded by `padding`
     positions to the microbatch's longest; sampled from a generator seeded with `seed` (None: greedy).
     `logprobs` (a token each) and `prompt_logprobs` (None for the first prompt token, then one each) when its
-    decoding asked for them (`generation.logprobs`).
+    decoding asked for them (`generation.logprobs`); None if a recovery lost some.
 
     `submitted`, `first_token` and `finished` are `time.monotonic()` readings at the head: when the request
     was queued, when its first token and its last token arrived (time to first token, time per output token).
@@ -144,9 +145,10 @@ class Microbatch:
     steps_received: int = 0
     #: `steps_received` when the last recovery found it in flight (None: no recovery did).
     seen_by_recovery: int | None = None
-    #: The log-probabilities of rows that ask for them: by (row, token index), and each row's prompt's.
+    #: The log-probabilities of rows that ask for them: by (row, token index), and of their prompts' tokens by
+    #: (row, prompt index).
     logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
-    prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = attrs.field(factory=dict)
+    prompt_logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
 
     def rewind(self, steps: int) -> None:
         """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
@@ -172,8 +174,17 @@ class Microbatch:
         for key, entry in (scores.get("logprobs") or {}).items():
             row = row_of(key)
             self.logprobs[row, len(self.generated[row]) - 1] = TokenLogprobs.of_wire(entry)
-        for key, entries in (scores.get("prompt_logprobs") or {}).items():
-            self.prompt_logprobs[row_of(key)] = (None, *(TokenLogprobs.of_wire(entry) for entry in entries))
+        for key, (first, entries) in (scores.get("prompt_logprobs") or {}).items():
+            row = row_of(key)
+            for index, entry in enumerate(entries, start=int(first)):
+                self.prompt_logprobs[row, index] = TokenLogprobs.of_wire(entry)
+
+    def prompt_entries(self, row: int) -> tuple[TokenLogprobs | None, ...] | None:
+        """Row `row`'s prompt log-probabilities (None for its first token), or None if some are missing."""
+        length = self.requests[row].ids.numel()
+        if any((row, index) not in self.prompt_logprobs for index in range(1, length)):
+            return None
+        return (None, *(self.prompt_logprobs[row, index] for index in range(1, length)))
 
     def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[Any], None], Any]]:
         """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
@@ -181,14 +192,19 @@ class Microbatch:
         where asked); they count as given from now on."""
         calls: list[tuple[Callable[[Any], None], Any]] = []
         for index, (request, row) in enumerate(zip(self.requests, self.generated, strict=True)):
-            if request.on_token is not None and index not in self.dropped:
-                kept = kept_tokens(row, request.max_new_tokens, request.decoding.ends.ids(eos))
-                for position in range(request.streamed, len(kept)):
-                    entry = self.logprobs.get((index, position))
-                    if request.on_logprobs is not None and entry is not None:
-                        calls.append((request.on_logprobs, entry))
+            if (request.on_token is None and request.on_logprobs is None) or index in self.dropped:
+                continue
+            kept = kept_tokens(row, request.max_new_tokens, request.decoding.ends.ids(eos))
+            scores = request.on_logprobs
+            if scores is not None and request.streamed == 0 and kept and request.decoding.prompt_logprobs is not None:
+                calls.append((scores, PromptLogprobs(self.prompt_entries(index))))
+            for position in range(request.streamed, len(kept)):
+                entry = self.logprobs.get((index, position))
+                if scores is not None and entry is not None:
+                    calls.append((scores, entry))
+                if request.on_token is not None:
                     calls.append((request.on_token, kept[position]))
-                request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
+            request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
         return calls
 
     @classmethod
@@ -231,14 +247,14 @@ class Microbatch:
                       self.arrived[len(kept) - 1] if kept else 0.0, **self.scores_of(row, len(kept)))
 
     def scores_of(self, row: int, kept: int) -> dict[str, Any]:
-        """A row's log-probabilities for its `Result`, where asked: those of its `kept` tokens, and of its prompt
-        (None if a recovery lost them: they come with the prompt's last columns)."""
+        """A row's log-probabilities for its `Result`, where asked: those of its `kept` tokens and of its prompt
+        (None if some are missing)."""
         decoding, out = self.requests[row].decoding, dict[str, Any]()
         if decoding.logprobs is not None:
-            out["logprobs"] = tuple(self.logprobs[row, index] for index in range(kept)
-                                    if (row, index) in self.logprobs)
+            entries = [self.logprobs.get((row, index)) for index in range(kept)]
+            out["logprobs"] = None if None in entries else tuple(entries)
         if decoding.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self.prompt_logprobs.get(row)
+            out["prompt_logprobs"] = self.prompt_entries(row)
         return out
 
     def results(self, eos: Sequence[int]) -> list[Result]:

@@ -7,7 +7,9 @@ reports by default), and the `top` most likely tokens with theirs. Prompt log-pr
 of every prompt position, as one forward pass of the model over the prompt gives them; the first prompt token
 has none.
 
-On the wire (message fields, JSON) an entry is `[logprob, [ids], [logprobs]]`.
+On the wire (message fields, JSON) an entry is `[logprob, [ids], [logprobs]]`; a prompt's entries come as
+`[index, [entries]]`, the entries of its tokens from `index` on (a prompt run in chunks sends each chunk's with
+the round that ran it: a recovery that runs a chunk again sends the same entries again).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from ..errors import ConfigError
 MAX_LOGPROBS = 20
 #: What a JSON answer says for a log-probability of -inf (JSON has no infinity): vLLM's floor.
 FLOOR = -9999.0
+#: Prompt positions whose logits are made at once (a long prompt's logits over a large vocabulary take GBs).
+SCORED_COLUMNS = 256
 
 
 @attrs.frozen
@@ -41,6 +45,14 @@ class TokenLogprobs:
     def of_wire(cls, entry: Sequence[Any]) -> TokenLogprobs:
         logprob, ids, values = entry
         return cls(float(logprob), tuple((int(token), float(value)) for token, value in zip(ids, values, strict=True)))
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """A prompt's log-probabilities, given to a request's `on_logprobs` before its first token: None for the first
+    prompt token, then a `TokenLogprobs` each (`entries` None: a recovery lost some)."""
+
+    entries: tuple[TokenLogprobs | None, ...] | None
 
 
 def scored(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprobs]:
@@ -68,22 +80,27 @@ def step_entries(logits: torch.Tensor, tokens: torch.Tensor, asks: Sequence[int 
 
 
 def prompt_scores(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, start: int, width: int,
-                  prompts: Mapping[int, tuple[Sequence[int], int]]) -> dict[int, list[list[Any]]]:
-    """The prompt entries (wire form) that columns [start, start + T) of prompts left-padded to `width` give:
-    `hidden` `[B, T, H]` their final hidden states, `head` the last stage's head over every position, `prompts`
-    the rows that ask (row: its prompt's ids and top count). A prompt run in chunks gets its entries chunk by
-    chunk, in order: their concatenation is `prompt_entries` of the whole."""
+                  prompts: Mapping[int, tuple[Sequence[int], int]]) -> dict[int, list[Any]]:
+    """The prompt entries (wire form `[index, [entries]]`) that columns [start, start + T) of prompts left-padded
+    to `width` give: `hidden` `[B, T, H]` their final hidden states, `head` the last stage's head over every
+    position, `prompts` the rows that ask (row: its prompt's ids and top count). Position p gives the entry of
+    prompt token p + 1; rows with none in these columns are left out. The logits are made `SCORED_COLUMNS`
+    positions at a time."""
     stop = start + hidden.shape[1]
-    out: dict[int, list[list[Any]]] = {}
+    out: dict[int, list[Any]] = {}
     for row, (ids, top) in prompts.items():
         first = width - len(ids)  # the column of the prompt's first token
         low, high = max(start, first), min(stop, width - 1)  # the columns whose next token is a prompt token
         if low >= high:
-            out[row] = []
             continue
-        logits = head(hidden[row:row + 1, low - start:high - start])[0]
-        following = torch.as_tensor(list(ids[low + 1 - first:high + 1 - first]), dtype=torch.long)
-        out[row] = [entry.wire() for entry in scored(logits, following, top)]
+        entries: list[list[Any]] = []
+        for column in range(low, high, SCORED_COLUMNS):
+            end = min(column + SCORED_COLUMNS, high)
+            logits = head(hidden[row:row + 1, column - start:end - start])[0]
+            following = torch.as_tensor(list(ids[column + 1 - first:end + 1 - first]), dtype=torch.long,
+                                        device=logits.device)
+            entries += [entry.wire() for entry in scored(logits, following, top)]
+        out[row] = [low + 1 - first, entries]
     return out
 
 

@@ -304,13 +304,14 @@ def answer(answers: list[Answer]) -> None:
                 future.set_result(result)
 
 
-def stream(calls: list[tuple[Callable[[int], None], int]]) -> None:
-    """Give requests their new tokens (outside the ledger's lock); a failing callback stops none of the others."""
-    for callback, token in calls:
+def stream(calls: list[tuple[Callable[[Any], None], Any]]) -> None:
+    """Give requests their new tokens and log-probabilities (outside the ledger's lock); a failing callback stops
+    none of the others."""
+    for callback, value in calls:
         try:
-            callback(token)
+            callback(value)
         except Exception:  # noqa: PERF203 - one callback's failure must not keep tokens from the others
-            log.exception("a request's on_token callback failed")
+            log.exception("a request's on_token or on_logprobs callback failed")
 
 
 def _status(number: int, batch: Microbatch) -> dict[str, Any]:

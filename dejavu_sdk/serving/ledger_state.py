@@ -51,11 +51,11 @@ Answer = tuple["Future[Result]", Any]  # a future and its result or error
 @attrs.define
 class Outcome:
     """What a decision asks the pipeline to do: `sends` (stage index, message), `answers` (future, result or
-    error) and `calls` (a request's on_token callback, token)."""
+    error) and `calls` (a request's `on_token` with a token, or its `on_logprobs` with log-probabilities)."""
 
     sends: list[tuple[int, Message]] = attrs.field(factory=list)
     answers: list[Answer] = attrs.field(factory=list)
-    calls: list[tuple[Callable[[int], None], int]] = attrs.field(factory=list)
+    calls: list[tuple[Callable[[Any], None], Any]] = attrs.field(factory=list)
 
 
 @attrs.frozen

@@ -3,13 +3,15 @@
 One certificate for the pipeline (`cert`, with its private key `key`) is served by every inbox, and every link
 verifies its peer against `ca` (the PEM file of the authority that signed it, or the certificate itself when it
 signs itself). The certificate must name the addresses the inboxes listen on (for workers on one machine,
-127.0.0.1). Only `tcp` links carry TLS. With it, the activations, KV caches and tokens that cross the network are
-encrypted, and a worker joins only a head that proves it holds the pipeline's key (the workers' token proves the
-reverse).
+127.0.0.1). Only `tcp` links carry TLS. With it, what the stages send each other (activations, prompt KV handed
+to token stages, replicas held by a neighbour, tokens) is encrypted, and a worker joins only a head that proves it
+holds the pipeline's key (the workers' token proves the reverse). A `replica_store` is reached its own way (its
+URL's options, e.g. a `tcp://` store server's TLS), not over these links.
 
 The head takes it as `Pipeline(..., link_tls_cert=, link_tls_key=, link_tls_ca=)`; the workers it launches get it
 in their environment (`DEJAVU_LINK_TLS_CERT`, `DEJAVU_LINK_TLS_KEY`, `DEJAVU_LINK_TLS_CA`), and so does `dejavu
-worker --link-tls-cert ... --link-tls-key ... --link-tls-ca ...`.
+worker --link-tls-cert ... --link-tls-key ... --link-tls-ca ...`. The paths are the head's: workers on other
+machines (Ray actors included) need the files at the same paths.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ class LinkTls:
 
     @classmethod
     def from_environment(cls, environment: Mapping[str, str] | None = None) -> LinkTls | None:
-        """The settings a launched worker was given (None: its links are plain)."""
+        """The settings a launched worker was given (None: its links are plain); the head checked the files."""
         environment = os.environ if environment is None else environment
-        return cls.of(environment.get(CERT_VARIABLE) or None, environment.get(KEY_VARIABLE) or None,
-                      environment.get(CA_VARIABLE) or None)
+        cert, key, ca = (environment.get(name) or None for name in (CERT_VARIABLE, KEY_VARIABLE, CA_VARIABLE))
+        if cert is None and key is None and ca is None:
+            return None
+        if cert is None or key is None or ca is None:
+            raise ConfigError(f"{CERT_VARIABLE}, {KEY_VARIABLE} and {CA_VARIABLE} go together; some are unset")
+        return cls(cert, key, ca)
 
     def environment(self) -> dict[str, str]:
         """What a worker's environment holds of it."""

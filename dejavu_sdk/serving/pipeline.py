@@ -35,7 +35,7 @@ from ..errors import ConfigError, StoreError, TransportError
 from ..generation.admission import Admission
 from ..generation.batching import Request, Result, cache_bytes, check_new_tokens, check_prompt
 from ..generation.decoding import Decoding
-from ..generation.logprobs import TokenLogprobs
+from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..swapping import check_fits_alone
 from ..transports.base import Server
 from .fleet import Fleet
@@ -197,7 +197,9 @@ class Pipeline:
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False, seed: int | None = None,
-               on_token: Callable[[int], None] | None = None, **settings: Any) -> Future[Result]:
+               on_token: Callable[[int], None] | None = None,
+               on_logprobs: Callable[[TokenLogprobs | PromptLogprobs], None] | None = None,
+               **settings: Any) -> Future[Result]:
         """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
         Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`, `min_p`
@@ -207,25 +209,28 @@ class Pipeline:
         end-of-sequence ids (not with `ignore_eos=True`) and at its own `stop_token_ids`, never before `min_tokens`
         new tokens (`generate`'s `min_new_tokens`). `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the
         log-probability of each new (prompt) token and of the n most likely at its position (`Result.logprobs`,
-        `Result.prompt_logprobs`). Requests of any settings share microbatches. `on_token(id)` gets
-        each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
+        `Result.prompt_logprobs`; `on_logprobs` gets the prompt's as a `PromptLogprobs` before the first token, and
+        each token's `TokenLogprobs` before `on_token` gets the token). Requests of any settings share
+        microbatches. `on_token(id)` gets each new token as it arrives, on the head's receiver thread (keep it
+        short). The future is answered at the
         step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
         `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
         off the queue, and ends a running one at its next step. A pipeline still starting queues the request once it
         is running.
         """
         listener = None if on_token is None else (lambda _, token: on_token(token))
+        scores = None if on_logprobs is None else (lambda _, entry: on_logprobs(entry))
         return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
-                               **settings)[0]
+                               on_logprobs=scores, **settings)[0]
 
     def submit_all(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                    seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
-                   on_logprobs: Callable[[int, TokenLogprobs], None] | None = None,
+                   on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
                    **settings: Any) -> list[Future[Result]]:
         """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
         decoding as in `submit`, each prompt from its own generator seeded with `seed`; `on_token(index, id)`
-        gets the new tokens of `prompts[index]` as they arrive, each after its log-probabilities to
-        `on_logprobs(index, entry)` when `logprobs` is asked. Admission takes turns between submissions: a
+        gets the new tokens of `prompts[index]` as they arrive, and `on_logprobs(index, entry)` their
+        log-probabilities, as `submit`'s `on_logprobs`. Admission takes turns between submissions: a
         long list does not hold back a submission that comes after it."""
         self._wait_until_running()
         decoding = Decoding.of(do_sample, seed, **settings)

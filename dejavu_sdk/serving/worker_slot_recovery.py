@@ -113,6 +113,7 @@ class SlotRecoveryHandlers(SlotHandlers):
         joining = fields.get("joining")
         if joining is not None:
             state.joining_picker = TokenPicker(config, joining["decoding"])
+            state.joining_decodings = list(joining["decoding"])  # its later chunks' prompt log-probabilities
 
 
 def _take_back(state: SlotState, cache: Any) -> Any:

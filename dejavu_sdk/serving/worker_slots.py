@@ -341,7 +341,7 @@ class SlotHandlers(WorkerState):
         tokens: list[torch.Tensor] = []
         failed: dict[str, Any] = {}
         logprobs: dict[str, Any] = {}  # by member
-        prompt_logprobs: dict[str, Any] = {}
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, {}  # of the chunk this round ran
         pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
         if decoded:
             assert state.picker is not None
@@ -375,7 +375,6 @@ class SlotHandlers(WorkerState):
                 picked, ended, failures = next_tokens(picker, first_logits, cancelled, 1, limits, self.eos, self.pad)
                 logprobs.update((str(group_members[int(row)]), entry)
                                 for row, entry in picker.logprobs(first_logits, picked, cancelled).items())
-                prompt_logprobs, state.prompt_logprobs, state.joining_decodings = state.prompt_logprobs, {}, []
                 members += group_members
                 tokens.append(picked)
                 failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
@@ -384,6 +383,7 @@ class SlotHandlers(WorkerState):
             state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
             state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
+            state.joining_decodings = []
             joined = [group_members[row] for row in keep]
             self._let_go(state, [member for member in group_members if member not in set(joined)])
         state.last = None  # tokens were picked: a recovery cannot take this round back

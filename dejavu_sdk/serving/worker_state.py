@@ -113,7 +113,7 @@ class SlotState:
     cancelled: set[int] = attrs.field(factory=set)
     joining_picker: TokenPicker | None = None
     joining_decodings: list[dict[str, Any]] = attrs.field(factory=list)  # the joining group's rows' decodings
-    prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # the joining group's, by member, chunk by chunk
+    prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # this round's chunk's, by member
     ready_picker: TokenPicker | None = None
     ready_tokens: torch.Tensor | None = None
 
@@ -218,8 +218,9 @@ class WorkerState:
     def prompt_scorer(self, decodings: list[dict[str, Any]], start: int, width: int, into: dict[str, Any],
                       keys: list[int] | None = None) -> Callable[[torch.Tensor], None] | None:
         """The last stage's `on_hidden` for the prompt columns [start, ...) of rows left-padded to `width`: it
-        puts the prompt log-probabilities of the rows that ask (`decodings[row]`: a `prompt` and its
-        `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a message field's key; None when none asks."""
+        puts the prompt log-probabilities of these columns (wire form) of the rows that ask (`decodings[row]`: a
+        `prompt` and its `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a message field's key; None
+        when none asks."""
         asks = {row: (fields["prompt"], int(fields["prompt_logprobs"])) for row, fields in enumerate(decodings)
                 if fields.get("prompt") is not None}
         if not asks:
@@ -228,7 +229,7 @@ class WorkerState:
 
         def score(hidden: torch.Tensor) -> None:
             for row, entries in prompt_scores(head, hidden, start, width, asks).items():
-                into.setdefault(str(row if keys is None else keys[row]), []).extend(entries)
+                into[str(row if keys is None else keys[row])] = entries
 
         return score
 
