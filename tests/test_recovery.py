@@ -26,7 +26,7 @@ from dejavu_sdk.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
-NEW = 200
+NEW = 120
 DISAGGREGATED = {"prompt_stages": 1, "token_stages": 2}
 SAMPLING = {"do_sample": True, "seed": 5, "temperature": 0.8, "top_k": 20}
 #: Static microbatches of two, watched closely: each row equals `model.generate` on its microbatch (continuous
