@@ -10,6 +10,8 @@
     GET  /metrics              Prometheus text format
     GET  /health               200 when serving, 503 while starting, recovering, draining or failed (no token)
     POST /tokenize, /detokenize, GET /version   as vLLM has them
+    GET /tokenizer_info                         the tokenizer's special tokens and chat template (lm-eval's remote
+                                                tokenizer reads them)
 
 Every other route needs `Authorization: Bearer <token>` (401 otherwise): a client token, and for `/v1/workers`
 the workers' token (neither opens the other's routes). Errors have OpenAI's shape
@@ -44,6 +46,7 @@ from aiohttp import web
 
 from .._version import __version__
 from ..errors import ConfigError, DejaVuError
+from .journal import Journal
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
@@ -78,6 +81,7 @@ class ServedModel(Protocol):
     context: int | None
     eos: list[int]
     metrics: ControllerMetrics
+    journal: Journal | None
 
     @property
     def names(self) -> Sequence[str]: ...
@@ -146,6 +150,7 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
     app.router.add_get("/version", _version)
     app.router.add_post("/tokenize", functools.partial(_tokenize, backend=backend, text_threads=text_threads))
     app.router.add_post("/detokenize", functools.partial(_detokenize, backend=backend, text_threads=text_threads))
+    app.router.add_get("/tokenizer_info", functools.partial(_tokenizer_info, backend=backend))
     return app
 
 
@@ -328,6 +333,16 @@ async def _detokenize(request: web.Request, backend: ServedModel, text_threads: 
         raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocabulary - 1}")
     text = await asyncio.get_running_loop().run_in_executor(text_threads, _tokenizer(backend).decode, tokens)
     return web.json_response({"prompt": text})
+
+
+async def _tokenizer_info(_: web.Request, backend: ServedModel) -> web.Response:
+    """What a client needs to tokenize as the server does (vLLM's `/tokenizer_info`): the special tokens, the
+    chat template and the context."""
+    tokenizer = _tokenizer(backend)
+    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return web.json_response({"tokenizer_class": type(tokenizer).__name__, **special,
+                              "chat_template": getattr(tokenizer, "chat_template", None),
+                              "model_max_length": backend.context})
 
 
 def _tokenizer(backend: ServedModel) -> Any:
