@@ -397,8 +397,10 @@ class Recoveries:
             answer(outcome.answers)
             try:
                 for index, message in outcome.sends:
+                    # the poison bound counts a microbatch resumed once its message is on its way: a stage it kills
+                    # on arrival may break the send itself
+                    self.ledger.seen_by_recovery(int(message.fields["microbatch"]))
                     self.send(index, message)
-                    self.ledger.seen_by_recovery(int(message.fields["microbatch"]))  # the poison bound
             except TransportError as lost:  # a stage died as the pipeline went on: recover again
                 again = f"resuming after a recovery failed: {lost}"
             self.notify_recovery(report)
