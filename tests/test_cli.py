@@ -32,10 +32,9 @@ def test_no_command_prints_help_and_fails(capsys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", ["file://{tmp}/kv", None])
-def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path, store) -> None:
-    store_arguments = ["--store", store.format(tmp=tmp_path)] if store else []
-    assert main(["demo", *store_arguments, "--random-model", "--new-tokens", "24"]) == 0
+def test_demo_kills_and_resumes_to_identical_text(capsys, tmp_path) -> None:
+    """With a store of the user's choice (the default store: the main job of CI runs `dejavu demo` as is)."""
+    assert main(["demo", "--store", f"file://{tmp_path}/kv", "--random-model", "--new-tokens", "24"]) == 0
     output = capsys.readouterr().out
     assert "killed (SIGKILL), mid-decode" in output
     assert "outputs are identical" in output
