@@ -108,6 +108,8 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--tls-cert", help="PEM certificate chain: the API answers HTTPS only")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     _link_tls_arguments(parser)
+    parser.add_argument("--journal", help="a store URL that outlives this process (lmdb://, file://, s3://, a tcp:// "
+                        "store server): every admitted request and every streamed token is recorded there")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
@@ -212,7 +214,8 @@ def _serve(args: argparse.Namespace) -> int:
                     max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
-                    link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, worker_port=worker_port,
+                    link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,
+                    worker_port=worker_port,
                     launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)

@@ -38,6 +38,7 @@ from ..transports.access import TOKEN_VARIABLE
 from ..transports.tcp import server_tls_context
 from . import limits
 from .api import build_app
+from .journal import Journal
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
@@ -69,6 +70,8 @@ class Controller:
     lists first. Limits (`ApiLimits`): `max_waiting` choices waiting to start (429 past it), `max_prompts`
     choices in one request, `queue_timeout` seconds a request may wait to start (503 after), `max_body_bytes`.
     `tls_cert` and `tls_key` (PEM files): the API answers HTTPS only (`url` starts with https://).
+    `journal`: a store URL that outlives the process, where every admitted request and every streamed token is
+    recorded (`controller.journal`; `read_journal` reads it back).
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -77,7 +80,7 @@ class Controller:
                  queue_timeout: float = limits.QUEUE_TIMEOUT, served_model_name: str | Sequence[str] | None = None,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
                  tls_cert: str | None = None, tls_key: str | None = None, worker_token: str | None = None,
-                 **pipeline_options: Any) -> None:
+                 journal: str | None = None, **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("TLS needs both tls_cert (a PEM certificate chain) and tls_key (its private key)")
@@ -94,6 +97,7 @@ class Controller:
         self.model_id, self.names = names[0], names
         self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host, port=worker_port,
                                  **pipeline_options)  # ConfigError before any process starts
+        self.journal = None if journal is None else Journal(journal)
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
         self.context = self.pipeline.context
         self.eos = self.pipeline.eos
@@ -253,6 +257,8 @@ class Controller:
             self._thread.join(timeout=10)
             self._loop = self._thread = None
         self.pipeline.close()
+        if self.journal is not None:
+            self.journal.close()
 
     def __enter__(self) -> Controller:
         return self.start()

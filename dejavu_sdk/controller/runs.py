@@ -28,6 +28,7 @@ from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from .detokenizer import TextStream
+from .journal import Journal, with_seeds
 from .logprob_shapes import chat_logprobs, completion_logprobs
 from .metrics import ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest
@@ -41,6 +42,7 @@ class GenerationBackend(Protocol):
     tokenizer: Any | None
     eos: list[int]
     metrics: ControllerMetrics
+    journal: Journal | None
 
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
@@ -86,6 +88,9 @@ class Run:
 
     def __init__(self, backend: GenerationBackend, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
                  text_threads: Executor, control: Executor) -> None:
+        self.journal = backend.journal
+        if self.journal is not None:
+            request = with_seeds(request)
         self.backend, self.request, self.loop, self.text_threads = backend, request, loop, text_threads
         self.control = control  # cancels go through it: a cancel may wait on a stage, never on the loop
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
@@ -98,14 +103,25 @@ class Run:
         self.timed_out: str | None = None  # why it was cancelled before it started
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}  # each choice's last arrival
-        self.futures = backend.submit(request.choices, self._on_token,
-                                      None if request.logprobs is None else self._on_logprobs)
+        self.journaled = [0] * len(request.choices)  # tokens of each choice given to the journal
+        if self.journal is not None:
+            self.journal.admitted(self.id, attrs.asdict(request))
+        try:
+            self.futures = backend.submit(request.choices, self._on_token,
+                                          None if request.logprobs is None else self._on_logprobs)
+        except BaseException:
+            if self.journal is not None:
+                self.journal.answered(self.id, "refused")
+            raise
         backend.metrics.in_flight.inc(len(self.futures))
         for index, future in enumerate(self.futures):
             future.add_done_callback(functools.partial(self._on_done, index))
 
     # ---- from the pipeline's receiver thread -----------------------------------------------------------
     def _on_token(self, index: int, token: int) -> None:
+        if self.journal is not None:
+            self.journal.token(self.id, index, self.journaled[index], token)
+            self.journaled[index] += 1
         arriving = self.states[index].arriving  # its entry came just before it, on this thread
         entry = arriving.popleft() if arriving else None
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry))
@@ -173,7 +189,7 @@ class Run:
                 state.finish = "length"
                 break
         if state.finish is not None:
-            self.backend.metrics.finished.labels(state.finish).inc()
+            self._note_finish(index, state.finish)
             if state.stream is not None:
                 text += state.stream.finish()
         state.text += text
@@ -208,7 +224,7 @@ class Run:
             self._count("failed")
             raise _api_error(error)
         state.finish = "stop" if state.tokens and state.tokens[-1] in self._end_ids(index) else "length"
-        self.backend.metrics.finished.labels(state.finish).inc()
+        self._note_finish(index, state.finish)
         text = "" if state.stream is None else state.stream.finish()
         state.text += text
         return Update(index, text, [], state.finish)
@@ -348,12 +364,19 @@ class Run:
             metrics.generated_tokens.inc(sum(len(state.tokens) for state in self.states))
             metrics.latency.observe(time.monotonic() - self.started)
 
+    def _note_finish(self, index: int, reason: str) -> None:
+        self.backend.metrics.finished.labels(reason).inc()
+        if self.journal is not None:
+            self.journal.finished(self.id, index, reason)
+
     def _count(self, outcome: str) -> bool:
         if self.counted:
             return False
         self.counted = True
         self.backend.metrics.in_flight.dec(len(self.futures))
         self.backend.metrics.requests.labels(outcome).inc()
+        if self.journal is not None:
+            self.journal.answered(self.id, outcome)
         return True
 
 

@@ -1,0 +1,181 @@
+"""The controller's journal: every request it admitted and every token it streamed, in a store that outlives it.
+
+A controller started with `journal=` (`--journal`; any store URL that outlives the process: `lmdb://`, `file://`,
+`s3://`, `tcp://` to a `dejavu serve-store`) records each admitted request (its prompts as token ids, limits,
+decodings with the seed each choice samples from, stop strings and answer shape), each token as the pipeline
+streams it, each choice's end, and each request's answer. Writing never happens on the event loop nor on the
+pipeline's receiver thread: they put entries on a queue, and a writer thread groups what arrived within
+`interval` seconds into one record (a progress record of the stream `dejavu-journal`, under a run id of the
+controller's incarnation that sorts by its start). So each record holds what a step's worth of time added, and
+its size does not grow with the requests' lengths.
+
+`read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order: a record
+is written whole or not at all, and records are read in the order they were written, so what a reader sees after a
+kill -9 is a prefix of what was streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from ..backends import open_store
+from ..blocks import ProgressKey
+from ..errors import ConfigError, DejaVuError
+from ..store import Store
+from .openai_requests import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+#: The stream id the journal's records live under.
+JOURNAL_STREAM = "dejavu-journal"
+#: Seconds of entries grouped into one record.
+INTERVAL = 0.05
+
+
+@attrs.define
+class JournaledRequest:
+    """A request as the journal holds it: what was admitted (`admitted`: the request's fields), each choice's
+    tokens so far and finish reason once it ended, and whether it was answered (`answered`: its outcome)."""
+
+    id: str
+    admitted: dict[str, Any]
+    tokens: dict[int, list[int]] = attrs.field(factory=dict)
+    finish: dict[int, str] = attrs.field(factory=dict)
+    answered: str | None = None
+
+
+class Journal:
+    """The writing side, opened on a store URL; `close()` writes what is queued and closes the store."""
+
+    def __init__(self, url: str, interval: float = INTERVAL) -> None:
+        if not isinstance(url, str):
+            raise ConfigError(f"journal= takes a store URL, got {type(url).__name__}")
+        self.store = open_store(url)
+        if not self.store.persistent:
+            self.store.close()
+            raise ConfigError(f"journal={url!r} would not outlive this process: give lmdb://, file://, s3:// or a "
+                              "tcp:// store server")
+        self.url, self.interval = url, interval
+        self.run = f"{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"  # sorts by the incarnation's start
+        #: Entries to write; None: close; an Event: set it once what came before is written.
+        self._entries: queue.SimpleQueue[tuple[str, Any] | threading.Event | None] = queue.SimpleQueue()
+        self._step = 0
+        self.error: DejaVuError | None = None  # the write that failed (the journal then stops writing)
+        self._thread = threading.Thread(target=self._write_loop, name="dejavu-journal", daemon=True)
+        self._thread.start()
+
+    # ---- from any thread: a queue put, nothing more -------------------------------------------------------
+    def admitted(self, request_id: str, fields: dict[str, Any]) -> None:
+        self._entries.put(("admitted", [request_id, fields]))
+
+    def token(self, request_id: str, choice: int, index: int, token: int) -> None:
+        """Choice `choice`'s token number `index` (from 0)."""
+        self._entries.put(("token", [request_id, choice, index, token]))
+
+    def finished(self, request_id: str, choice: int, reason: str) -> None:
+        self._entries.put(("finished", [request_id, choice, reason]))
+
+    def answered(self, request_id: str, outcome: str) -> None:
+        self._entries.put(("answered", [request_id, outcome]))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until what was queued before this call is written (False: not within `timeout` seconds)."""
+        written = threading.Event()
+        self._entries.put(written)
+        return written.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (waiting up to `timeout` seconds), then close the store. Closing twice is
+        harmless."""
+        if self.store.closed:
+            return
+        self._entries.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the journal's writer did not finish within %.0f s", timeout)
+            return
+        self.store.close()
+
+    # ---- the writer thread -------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        closing = False
+        while not closing:
+            batch: list[tuple[str, Any]] = []
+            waiting: list[threading.Event] = []  # flushes to answer once this batch is written
+            deadline = time.monotonic() + self.interval
+            entry = self._entries.get()
+            while True:
+                if entry is None:
+                    closing = True
+                elif isinstance(entry, threading.Event):
+                    waiting.append(entry)
+                else:
+                    batch.append(entry)
+                if closing or waiting:
+                    break
+                try:
+                    entry = self._entries.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+            if batch and self.error is None:
+                self._write(batch)
+            for written in waiting:
+                written.set()
+
+    def _write(self, batch: list[tuple[str, Any]]) -> None:
+        record: dict[str, list[Any]] = {}
+        for kind, entry in batch:
+            record.setdefault(kind, []).append(entry)
+        try:
+            self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, 0, self._step), json.dumps(record).encode())
+        except DejaVuError as error:
+            self.error = error
+            log.error("the journal at %s stopped: %s", self.url, error)
+            return
+        self._step += 1
+
+
+def with_seeds(request: GenerationRequest) -> GenerationRequest:
+    """`request` with a seed drawn for each sampled choice that has none: a journaled choice must say which
+    generator it samples from, so that a successor can go on with the same tokens."""
+    choices = [choice if not choice.decoding.get("do_sample") or choice.decoding.get("seed") is not None
+               else attrs.evolve(choice, decoding={**choice.decoding, "seed": secrets.randbits(63)})
+               for choice in request.choices]
+    return attrs.evolve(request, choices=choices)
+
+
+def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
+    """Every request the journal at `url` holds, in the order they were admitted, by id."""
+    store = open_store(url)
+    try:
+        keys = store.progress_keys(JOURNAL_STREAM)
+        return fold(json.loads(store.read_progress(key)) for key in keys)
+    finally:
+        if isinstance(url, str):
+            store.close()
+
+
+def fold(records: Iterable[dict[str, list[Any]]]) -> dict[str, JournaledRequest]:
+    """The requests that `records`, in the order they were written, describe."""
+    requests: dict[str, JournaledRequest] = {}
+    for record in records:
+        for request_id, fields in record.get("admitted", []):
+            requests[request_id] = JournaledRequest(request_id, fields)
+        for request_id, choice, index, token in record.get("token", []):
+            tokens = requests[request_id].tokens.setdefault(int(choice), [])
+            if index == len(tokens):
+                tokens.append(int(token))
+        for request_id, choice, reason in record.get("finished", []):
+            requests[request_id].finish[int(choice)] = reason
+        for request_id, outcome in record.get("answered", []):
+            requests[request_id].answered = outcome
+    return requests

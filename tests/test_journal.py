@@ -1,0 +1,110 @@
+"""The controller's journal (`journal=`, `--journal`): every admitted request (with the seed each sampled choice
+draws from), every streamed token and every end, written off the event loop in grouped records to a store that
+outlives the process; read back whole after a clean close, and as a gapless prefix after a kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import openai
+import pytest
+
+import dejavu_sdk as dv
+from dejavu_sdk.cli import build_parser
+from dejavu_sdk.controller.journal import Journal, read_journal
+
+
+def test_what_is_written_is_read_back_and_a_journal_must_outlive_the_process(tmp_path) -> None:
+    url = f"lmdb://{tmp_path}/journal"
+    journal = Journal(url, interval=0.01)
+    journal.admitted("cmpl-1", {"choices": [{"prompt": [1, 2]}, {"prompt": [3]}]})
+    for index, token in enumerate([5, 6, 7]):
+        journal.token("cmpl-1", 0, index, token)
+    journal.token("cmpl-1", 1, 0, 9)
+    journal.finished("cmpl-1", 0, "length")
+    journal.answered("cmpl-1", "ok")
+    journal.admitted("cmpl-2", {"choices": [{"prompt": [4]}]})
+    journal.close()
+    journal.close()  # twice: harmless
+    requests = read_journal(url)
+    assert list(requests) == ["cmpl-1", "cmpl-2"]
+    first = requests["cmpl-1"]
+    assert (first.tokens, first.finish, first.answered) == ({0: [5, 6, 7], 1: [9]}, {0: "length"}, "ok")
+    assert first.admitted == {"choices": [{"prompt": [1, 2]}, {"prompt": [3]}]}
+    assert (requests["cmpl-2"].tokens, requests["cmpl-2"].answered) == ({}, None)
+    with pytest.raises(dv.ConfigError, match="outlive"):
+        Journal("memory://")
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from dejavu_sdk.controller.journal import Journal
+journal = Journal({url!r}, interval=0.005)
+journal.admitted("cmpl-1", {{"choices": [{{"prompt": [1]}}]}})
+for index in range(100000):
+    journal.token("cmpl-1", 0, index, index * 7 % 1000)
+    if index % 50 == 0:
+        print(index, flush=True)
+        time.sleep(0.002)
+"""
+
+
+@pytest.mark.slow
+def test_a_journal_killed_mid_write_reads_back_a_gapless_prefix(tmp_path) -> None:
+    url = f"lmdb://{tmp_path}/journal"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER.format(tests=str(tmp_path), url=url))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while int(child.stdout.readline() or -1) < 2000:  # well into its writing
+            assert time.monotonic() < deadline, "the writer did not get going"
+            assert child.poll() is None, "the writer ended"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    tokens = read_journal(url)["cmpl-1"].tokens[0]
+    assert len(tokens) > 1000
+    assert tokens == [index * 7 % 1000 for index in range(len(tokens))]
+
+
+@pytest.mark.slow
+def test_a_journaled_controller_records_each_request_as_its_client_got_it(workers_import_tiny_models,
+                                                                           tmp_path) -> None:
+    url = f"lmdb://{tmp_path}/journal"
+    with dv.Controller("tiny_models:llama", stages=1, microbatch=4, port=0, timeout=60, journal=url) as controller:
+        client = openai.OpenAI(base_url=controller.url + "/v1", api_key=controller.token, max_retries=0, timeout=60)
+        greedy = client.completions.create(model="tiny_models:llama", prompt=[[5, 17, 33], [8, 61]], max_tokens=8,
+                                           temperature=0)
+        sampled = client.completions.create(model="tiny_models:llama", prompt=[5, 17, 33], max_tokens=8, n=2,
+                                            temperature=1.0)  # no seed: the journal holds the ones drawn
+        streamed = list(client.completions.create(model="tiny_models:llama", prompt=[9, 9, 2], max_tokens=6,
+                                                  temperature=0, stream=True))
+        controller.journal.flush()
+        requests = read_journal(controller.journal.store)  # the controller's own open store
+        assert set(requests) >= {greedy.id, sampled.id}
+        for answer in (greedy, sampled):
+            journaled = requests[answer.id]
+            assert journaled.tokens == {choice.index: choice.token_ids for choice in answer.choices}
+            assert journaled.finish == {choice.index: choice.finish_reason for choice in answer.choices}
+            assert journaled.answered == "ok"
+        seeds = [choice["decoding"]["seed"] for choice in requests[sampled.id].admitted["choices"]]
+        assert all(isinstance(seed, int) for seed in seeds)
+        for choice, seed in zip(sampled.choices, seeds, strict=True):  # the journaled seed gives the same tokens
+            again = client.completions.create(model="tiny_models:llama", prompt=[5, 17, 33], max_tokens=8,
+                                              temperature=1.0, seed=seed)
+            assert again.choices[0].token_ids == choice.token_ids
+        stream_id = streamed[0].id
+        assert requests[stream_id].tokens[0] == [token for chunk in streamed for choice in chunk.choices
+                                                 for token in choice.token_ids or []]
+
+
+def test_serve_and_controller_take_a_journal() -> None:
+    parser = build_parser()
+    for command in ("serve", "controller"):
+        assert parser.parse_args([command, "--model", "smollm2", "--journal", "lmdb:///j"]).journal == "lmdb:///j"
