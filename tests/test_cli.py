@@ -12,6 +12,7 @@ from dejavu_sdk.cli import main
 from dejavu_sdk.models import smollm2_available
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_console_script_lists_its_commands() -> None:
     result = subprocess.run(["dejavu", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0

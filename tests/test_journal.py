@@ -41,6 +41,17 @@ def test_what_is_written_is_read_back_and_a_journal_must_outlive_the_process(tmp
         Journal("memory://")
 
 
+def test_a_journal_that_cannot_write_stops_and_says_why_without_raising(tmp_path) -> None:
+    journal = Journal(f"lmdb://{tmp_path}/journal", interval=0.01)
+    journal.admitted("cmpl-1", {"unwritable": object()})
+    assert journal.flush()
+    assert isinstance(journal.error, dv.DejaVuError)
+    assert "not JSON serializable" in str(journal.error)
+    journal.token("cmpl-1", 0, 0, 5)  # queued and dropped: the caller is never held up nor failed
+    assert journal.flush()
+    journal.close()
+
+
 WRITER = """
 import sys, time
 sys.path.insert(0, {tests!r})

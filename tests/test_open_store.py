@@ -113,6 +113,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_only_the_chosen_backend_is_imported() -> None:
     result = _run("""
         import sys, dejavu_sdk as dv
@@ -125,6 +126,7 @@ def test_only_the_chosen_backend_is_imported() -> None:
     assert result.stdout.strip() == "[]", result.stderr
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_missing_dependency_gives_an_install_hint() -> None:
     result = _run("""
         import sys

@@ -20,6 +20,7 @@ def _serve_store(*arguments: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, env=environment)
 
 
+@pytest.mark.slow  # a Python process of its own
 @pytest.mark.parametrize("listen", ["tcp://0.0.0.0:0", "tcp://[::]:0"])
 def test_an_open_server_beyond_loopback_is_refused_and_says_why(listen: str) -> None:
     result = _serve_store("--listen", listen)
@@ -29,6 +30,7 @@ def test_an_open_server_beyond_loopback_is_refused_and_says_why(listen: str) -> 
     assert "--insecure" in result.stderr
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_token_file_gives_each_token_its_streams(tmp_path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("# token  stream-id prefix\nroot-secret\nteam-a-secret team-a.\n")

@@ -84,6 +84,7 @@ _HELPERS = """
 """
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_other_processes_read_committed_blocks(tmp_path) -> None:
     store = LmdbStore(tmp_path, map_size=1 << 16)
     for step in range(20):
@@ -204,6 +205,7 @@ def test_running_out_of_reader_slots_raises_store_error_until_readers_are_releas
     assert store.keys("req-1") == [_key(0), _key(1)]
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_truncated_data_file_is_refused_at_open_instead_of_crashing_on_read(tmp_path) -> None:
     with LmdbStore(tmp_path, sync=False) as store:
         for step in range(16):

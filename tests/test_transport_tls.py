@@ -63,6 +63,7 @@ def test_tls_options_are_refused_where_there_is_no_tls(certificate) -> None:
         dv.serve("tcp://127.0.0.1:0", "memory://", tls_cert=cert, tls_key=cert)
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_serve_store_speaks_tls_with_a_token_from_the_environment(certificate) -> None:
     cert, key = certificate
     options = ["--tls-cert", cert, "--tls-key", key]

@@ -137,9 +137,9 @@ class Journal:
             record.setdefault(kind, []).append(entry)
         try:
             self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, 0, self._step), json.dumps(record).encode())
-        except DejaVuError as error:
-            self.error = error
-            log.error("the journal at %s stopped: %s", self.url, error)
+        except Exception as error:  # a store that fails, or an entry it cannot hold: the journal stops, serving goes on
+            self.error = error if isinstance(error, DejaVuError) else DejaVuError(f"{type(error).__name__}: {error}")
+            log.error("the journal at %s stopped: %s", self.url, self.error)
             return
         self._step += 1
 
