@@ -269,13 +269,12 @@ class TokenPicker:
             if sampler is not None:
                 sampler.generator.set_state(state.clone())
 
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, ended_before: torch.Tensor) -> dict[str, Any]:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, ended_before: torch.Tensor) -> dict[int, Any]:
         """The step's log-probabilities (wire form) of the rows that ask for them and got a token (not ended
-        before the step), by row as a message field's key."""
+        before the step), by row."""
         if not any(ask is not None for ask in self.asks):
             return {}
-        live = [not done for done in ended_before.tolist()]
-        return {str(row): entry for row, entry in step_entries(logits, tokens, self.asks, live).items()}
+        return step_entries(logits, tokens, self.asks, [not done for done in ended_before.tolist()])
 
     def ends_at(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """Which rows end with `tokens` (a row each): at one of their end ids, given the model's `eos` ids."""

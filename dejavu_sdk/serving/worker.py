@@ -291,7 +291,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         before = state.ended
         tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
                                                     state.fields["max_new_tokens"], self.eos, self.pad)
-        logprobs = state.picker.logprobs(logits, tokens, before)
+        logprobs = {str(row): entry for row, entry in state.picker.logprobs(logits, tokens, before).items()}
         return tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()}, logprobs
 
     def _scorer(self, state: MicrobatchState, into: dict[str, Any]) -> Any:

@@ -351,7 +351,7 @@ class SlotHandlers(WorkerState):
             before = state.ended
             picked, state.ended, failures = next_tokens(state.picker, logits, state.ended, counts, limits, self.eos,
                                                         self.pad)
-            logprobs.update((str(decoded[int(row)]), entry)
+            logprobs.update((str(decoded[row]), entry)
                             for row, entry in state.picker.logprobs(logits, picked, before).items())
             members += decoded
             tokens.append(picked)
@@ -373,7 +373,7 @@ class SlotHandlers(WorkerState):
             else:
                 limits = [state.limits[member] for member in group_members]
                 picked, ended, failures = next_tokens(picker, first_logits, cancelled, 1, limits, self.eos, self.pad)
-                logprobs.update((str(group_members[int(row)]), entry)
+                logprobs.update((str(group_members[row]), entry)
                                 for row, entry in picker.logprobs(first_logits, picked, cancelled).items())
                 members += group_members
                 tokens.append(picked)
