@@ -283,7 +283,7 @@ class StreamingCache(DynamicCache):
         self._refuse(f"crop({tokens_to_remove})", "it removes positions from the end of the cache (assisted decoding, "
                      "prompt lookup and speculative decoding drop rejected draft tokens this way)", _NO_ROLLBACK)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **options: object) -> None:  # options: what newer transformers pass along
         self._refuse("activate_past_recording()", "it prepares the cache to be rolled back with crop (assisted "
                      "decoding, prompt lookup, speculative decoding)", _NO_ROLLBACK)
 

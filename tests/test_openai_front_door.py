@@ -329,7 +329,9 @@ def test_a_full_queue_is_a_429_and_a_request_that_waits_too_long_a_503(workers_i
     with dv.Controller(MODEL, stages=1, microbatch=1, port=0, timeout=60, tokenizer=tokenizer, max_waiting=2,
                        queue_timeout=1, batching="static") as controller:
         url, token = controller.url, controller.token
-        long = json.dumps({"model": MODEL, "prompt": "Go", "max_tokens": 300, "temperature": 0}).encode()
+        # The running request takes seconds (1000 tokens, no early end), far longer than the waiting ones' 1 s.
+        long = json.dumps({"model": MODEL, "prompt": "Go", "max_tokens": 1000, "temperature": 0,
+                           "ignore_eos": True}).encode()
         answers: list[int] = []
         busy = [threading.Thread(target=lambda: answers.append(_raw(url, "/v1/completions", long, token)[0]),
                                  daemon=True) for _ in range(3)]
