@@ -160,7 +160,8 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
     monkeypatch.setenv("DEJAVU_BENCH_MODEL", "smollm2")  # the bench sets it to --model; restored afterwards
     samples, figure = tmp_path / "serving.json", tmp_path / "serving.png"
     variants = ("static", "continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-static",
-                "disaggregated-continuous")  # the static one-stage and mixed pipelines: as their continuous ones
+                "disaggregated-continuous", "controller", "controller-journal")  # the static one-stage and mixed
+    # pipelines: as their continuous ones
     arguments = ["bench", "serving", "--model", "tiny_models:llama", "--requests", "4", "--microbatch", "2",
                  "--repeats", "1", "--rates", "4,all", "--gain", "24,4", "--loss", "6,6", "--openai", "12,6",
                  "--variants", ",".join(variants), "--quiet", "--json", str(samples), "--plot", str(figure)]
@@ -172,7 +173,8 @@ def test_bench_serving_reports_every_variant_and_the_planners_prediction(tmp_pat
                      "| all at once | disaggregated-continuous |", "disaggregated/mixed predicted",
                      "Measured disaggregated-continuous/mixed-continuous at all at once req/s", "### Targets",
                      "| one-stage-continuous | openai | all at once | >= 1.00x |",
-                     "| disaggregated-continuous | gain | 4 | >= 0.95x |", "CC-BY-4.0"):
+                     "| disaggregated-continuous | gain | 4 | >= 0.95x |", "CC-BY-4.0", "| all at once | controller |",
+                     "### The journal's cost", "| loss | all at once | >= 0.98x |"):
         assert expected in output
     assert "Measured disaggregated-static/" not in output  # the continuous pair is preferred when both ran
     recorded = json.loads(samples.read_text())

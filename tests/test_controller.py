@@ -153,7 +153,8 @@ def test_a_client_that_leaves_mid_stream_harms_nobody(controller) -> None:
         "Authorization": f"Bearer {controller.token}", "Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200
-    assert response.readline().startswith(b"data: {")  # the first token's chunk
+    assert response.readline().startswith(b"id: cmpl-")  # the first token's event: its id,
+    assert response.readline().startswith(b"data: {")  # and its chunk
     connection.sock.close()  # gone, without reading the rest
     deadline = time.monotonic() + 60
     while True:  # its request finishes unheard and is counted: nothing stays in flight

@@ -16,6 +16,9 @@ gaps are scaled so that requests arrive at a given rate. Each workload is served
     disaggregated-static      `Pipeline(prompt_stages=1, token_stages=1, batching="static")`: a prompt stage
     disaggregated-continuous  process streams each prompt's KV to a token stage process; `batching="continuous"`
                               beside it
+    controller                one-stage-continuous behind `dv.Controller`, each request streamed over HTTP by a
+    controller-journal        client of its own; with a journal in LMDB beside it (`bench/serving_http.py`):
+                              their ratio is what the journal costs
 
 where `rows` is two microbatches' rows: every variant keeps at most as many rows in flight (a mixed pipeline
 two microbatches, or slots, of `microbatch` rows, disaggregated static two microbatches on its token side; one
@@ -59,6 +62,7 @@ from ..report import markdown_table
 from ..timing import measure_times
 from ..traces import Trace, load_trace
 from .common import machine_description
+from .serving_http import CONTROLLERS, JOURNAL_TARGET, ControllerServer
 
 #: The pipelines, by variant: the layout and the batching asked for.
 PIPELINES: dict[str, tuple[dict[str, int], str]] = {
@@ -71,7 +75,7 @@ PIPELINES: dict[str, tuple[dict[str, int], str]] = {
 }
 #: Hugging Face's ways, in one process.
 BASELINES = ("static", "continuous")
-VARIANTS = (*BASELINES, *PIPELINES)
+VARIANTS = (*BASELINES, *PIPELINES, *CONTROLLERS)
 #: What runs unless `variants` says otherwise: the ones the targets are about, in about 50 minutes here.
 DEFAULT_VARIANTS = ("continuous", "one-stage-continuous", "mixed-continuous", "disaggregated-continuous",
                     "disaggregated-static")
@@ -290,6 +294,21 @@ class ServingReport:
                         rows.append([variant, name, _rate(rate), f">= {target:.2f}x", spread.text(), verdict])
         return rows
 
+    def journal_rows(self) -> list[list[str]]:
+        """Per workload and rate: the journal's tokens/s ratio (`controller-journal` over `controller`, paired by
+        repeat) against `JOURNAL_TARGET`."""
+        rows = []
+        for name in self.workloads:
+            for rate in self.rates:
+                ratios = self.ratios("controller-journal", name, rate, reference="controller")
+                if ratios:
+                    spread = Spread.of(ratios)
+                    verdict = "met" if spread.median >= JOURNAL_TARGET else \
+                        f"missed by {100 * (JOURNAL_TARGET - spread.median) / JOURNAL_TARGET:.1f}%"
+                    rows.append([name, _rate(rate), f">= {JOURNAL_TARGET:.2f}x", spread.text(3),
+                                 ", ".join(f"{r:.3f}" for r in ratios), verdict])
+        return rows
+
     def to_markdown(self) -> str:
         lines = [f"Machine: {self.machine}. At most {self.rows} rows in flight in every variant (microbatch "
                  f"{self.microbatch}; one-stage pipelines, and disaggregated continuous ones on their token stage, "
@@ -339,6 +358,12 @@ class ServingReport:
                       "runs" + (": " + "; ".join(f"repeat {run.repeat} {run.workload} {_rate(run.rate)} "
                                                   f"{run.variant} {run.foreign:.2f}" for run in busy) if busy else "")
                       + ".", ""]
+        journal = self.journal_rows()
+        if journal:
+            lines += ["### The journal's cost: `controller-journal` tokens/s over `controller`'s (median of the "
+                      "per-repeat ratios, least-most in brackets)", "",
+                      markdown_table(["workload", "rate (req/s)", "target", "measured", "per repeat", "verdict"],
+                                     journal), ""]
         targets = self.target_rows()
         if targets:
             lines += [f"### Targets: tokens/s against Hugging Face `{REFERENCE}` with the same row cap "
@@ -636,6 +661,7 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
             report.predictions[load.name] = predict(model, load, microbatch, stage_threads)
     spec = f"{__name__}:bench_model"
     pipelines: dict[str, Any] = {}
+    controllers: dict[str, ControllerServer] = {}
     hf = HFContinuous(model, rows, loads)
     try:
         for name in variants:
@@ -649,12 +675,18 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
             if pipe.batching != batching:
                 raise ConfigError(f"{name}: the pipeline runs {pipe.batching} batching, not {batching}")
             pipelines[name] = pipe
+        for name in variants:
+            if name in CONTROLLERS:
+                controllers[name] = ControllerServer(spec, name, rows, threads, max_prefill_tokens, transport)
         for pipe in pipelines.values():
             pipe.start()
+        for server in controllers.values():
+            server.start()
         servers: dict[str, Server] = {
             "static": lambda p, n, a, s: serve_static(model, p, n, a, rows, 0, s),
             "continuous": hf.serve,
             **{name: _pipeline_server(pipe) for name, pipe in pipelines.items()},
+            **{name: server.serve for name, server in controllers.items()},
         }
         _warm_up(servers, variants, loads, model.config.vocab_size)
         total = len(loads) * len(rates) * repeats * len(variants)
@@ -678,6 +710,8 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
         hf.close()
         for pipe in pipelines.values():
             pipe.close()
+        for server in controllers.values():
+            server.close()
     return report
 
 

@@ -219,7 +219,9 @@ def add_bench_commands(commands: Any) -> None:
     serving.add_argument("--variants", default="continuous,one-stage-continuous,mixed-continuous,"
                          "disaggregated-continuous,disaggregated-static", help="comma-separated, of static, "
                          "continuous (Hugging Face), one-stage-static, one-stage-continuous, mixed-static, "
-                         "mixed-continuous, disaggregated-static, disaggregated-continuous (pipelines)")
+                         "mixed-continuous, disaggregated-static, disaggregated-continuous (pipelines), controller, "
+                         "controller-journal (one-stage-continuous behind dv.Controller, streamed over HTTP, without "
+                         "and with a journal: their ratio is the journal's cost)")
     serving.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a continuous "
                          "pipeline prefills per step beside decoding")
     serving.add_argument("--transport", default="tcp", help="the pipelines' transport")

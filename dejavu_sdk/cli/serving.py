@@ -109,7 +109,11 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     _link_tls_arguments(parser)
     parser.add_argument("--journal", help="a store URL that outlives this process (lmdb://, file://, s3://, a tcp:// "
-                        "store server): every admitted request and every streamed token is recorded there")
+                        "store server): every admitted request and every streamed token is recorded there; a "
+                        "controller started on the journal of one that died goes on with its requests")
+    parser.add_argument("--keep-finished", type=float, default=limits.KEEP_FINISHED, help="seconds an ended "
+                        "request stays readable at /v1/requests/<id> and its stream resumable (default "
+                        f"{limits.KEEP_FINISHED:.0f})")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
@@ -215,6 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
                     link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,
+                    keep_finished=args.keep_finished,
                     worker_port=worker_port,
                     launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",

@@ -5,6 +5,10 @@
                                stream_options.include_usage; each choice has its text and its `token_ids`
     POST /v1/chat/completions  messages rendered with the model's chat template; max_completion_tokens (or
                                max_tokens; default: up to the context), the same decoding, n, stop, stream
+    GET  /v1/requests/<id>     a running or recently ended request (`keep_finished`): its status, each choice's
+                               text, token ids and finish reason so far
+    GET  /v1/requests/<id>/stream   its server-sent events again, past the `Last-Event-ID` a client got (every
+                               event has `id: <request id>:<position>`), from this controller or its successor
     GET  /v1/models            the model served, under each of its names
     GET  /v1/status            the serving layout, its stages, the microbatches in flight
     GET  /metrics              Prometheus text format
@@ -22,8 +26,9 @@ while the pipeline starts, recovers, drains or has failed, with `Retry-After` wh
 client sends can take the controller down, and a request's failure is its own. Tokenizing, rendering templates
 and detokenizing run on the API's text threads, submitting on its admission thread: the event loop only moves
 bytes, so `/health` and `/metrics` answer while a stage hangs. Each request gets an `X-Request-Id` (the client's,
-or a new one) and one access-log line. A client that leaves cancels its request: a waiting one is never
-computed, a running one ends at its next step; either is counted as cancelled.
+or a new one) and one access-log line. Without a journal, a client that leaves cancels its request: a waiting one
+is never computed, a running one ends at its next step; either is counted as cancelled. With a journal, the
+request goes on to its end, for the client to resume.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ from aiohttp import web
 
 from .._version import __version__
 from ..errors import ConfigError, DejaVuError
-from .journal import Journal
+from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
+from .run_book import RunBook
 from .runs import Run
 
 log = logging.getLogger(__name__)
@@ -59,6 +65,9 @@ access_log = logging.getLogger("dejavu_sdk.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Paths answered without a token, and those that take the workers' token (and no client token).
 OPEN_PATHS, WORKER_PATHS = ("/health", "/version"), ("/v1/workers",)
+#: Where an app keeps its runs, and the threads that run's text and admission use.
+BOOK = web.AppKey("book", RunBook)
+TEXT_THREADS, ADMISSION = web.AppKey("text_threads", ThreadPoolExecutor), web.AppKey("admission", ThreadPoolExecutor)
 
 
 @attrs.define
@@ -133,15 +142,20 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
         return response
 
     async def on_cleanup(_: web.Application) -> None:
+        book.close()
         text_threads.shutdown(wait=False, cancel_futures=True)
         admission.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application(middlewares=[guard], client_max_size=limits.max_body_bytes)
     app.on_cleanup.append(on_cleanup)
+    book = RunBook(limits.keep_finished)
+    app[BOOK], app[TEXT_THREADS], app[ADMISSION] = book, text_threads, admission
     generate = functools.partial(_generate, backend=backend, limits=limits, text_threads=text_threads,
-                                 admission=admission)
+                                 admission=admission, book=book)
     app.router.add_post("/v1/completions", functools.partial(generate, parse=parse_completion))
     app.router.add_post("/v1/chat/completions", functools.partial(generate, parse=parse_chat))
+    app.router.add_get("/v1/requests/{id}", functools.partial(_request_now, backend=backend, book=book))
+    app.router.add_get("/v1/requests/{id}/stream", functools.partial(_request_stream, backend=backend, book=book))
     app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
     app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
     app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
@@ -201,7 +215,7 @@ async def _json_body(request: web.Request) -> Any:
 
 
 async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimits, text_threads: Executor,
-                    admission: Executor,
+                    admission: Executor, book: RunBook,
                     parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
     """A completions or chat request: checked and tokenized off the loop, admitted once the pipeline serves
     (bounded by the queue timeout), answered whole or streamed."""
@@ -234,6 +248,8 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
     except DejaVuError as error:  # the pipeline failed or closed meanwhile
         raise ApiError(503, f"the serving pipeline cannot take requests: {error}", "server_error",
                        "pipeline_failed", 5.0) from None
+    run.start()
+    book.add(run)
     exchange = _EXCHANGE.get()
     exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
     watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
@@ -245,13 +261,56 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
         return web.json_response(answer, headers=headers)
     finally:
         watch.cancel()
-        run.cancel("%s ended before its answer was complete (the client left)")  # nothing computes for nobody
+        if backend.journal is None:  # nothing computes for nobody; with a journal, the client may resume it
+            run.cancel("%s ended before its answer was complete (the client left)")
         exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
 
 
 def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
     if not submitted.cancelled() and submitted.exception() is None:
-        submitted.result().cancel("a client left %s while it was being queued")
+        run = submitted.result()
+        run.start()  # its end is counted (and journaled) as any run's
+        run.cancel("a client left %s while it was being queued")
+
+
+def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
+    run = book.get(request.match_info["id"])
+    state, why = backend.health()
+    if run is None and state == "starting":  # it may be one of the journal's, not taken over yet
+        raise ApiError(503, f"the server is starting: {why}", "server_error", "server_starting", 1.0)
+    if run is None:
+        raise ApiError(404, f"no request {request.match_info['id'][:200]!r} here: it is unknown, or ended longer ago "
+                       f"than this server keeps requests ({book.keep_finished:.0f} s, --keep-finished)",
+                       code="request_not_found")
+    return run
+
+
+async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
+    """A running or recently ended request: its status and each choice's text and tokens so far."""
+    return web.json_response(_run(request, backend, book).snapshot())
+
+
+async def _request_stream(request: web.Request, backend: ServedModel, book: RunBook) -> web.StreamResponse:
+    """A request's server-sent events again, past the `Last-Event-ID` the client got (none: all of them). A
+    client that leaves this stream leaves the request be."""
+    run = _run(request, backend, book)
+    last = request.headers.get("Last-Event-ID")
+    after = None if last is None else run.positions_of(last)
+    return await run.stream(request, {"X-Request-Id": _EXCHANGE.get().request_id}, after)
+
+
+async def adopt(app: web.Application, backend: ServedModel, requests: Sequence[JournaledRequest]) -> list[Run]:
+    """Go on with the requests a predecessor's journal holds (on this app's loop): each kept as a run of this
+    controller under its own id, its unended choices computed again from their prompts."""
+    loop, book = asyncio.get_running_loop(), app[BOOK]
+    runs = []
+    for journaled in requests:
+        run = await loop.run_in_executor(app[ADMISSION], functools.partial(
+            Run, backend, journaled.request(), loop, app[TEXT_THREADS], app[ADMISSION], adopted=journaled))
+        run.start()
+        book.add(run)
+        runs.append(run)
+    return runs
 
 
 async def _until_serving(backend: ServedModel, timeout: float) -> tuple[str, str]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import attrs
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
@@ -37,8 +38,8 @@ from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
 from ..transports.tcp import server_tls_context
 from . import limits
-from .api import build_app
-from .journal import Journal
+from .api import adopt, build_app
+from .journal import Journal, JournaledRequest, read_journal
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
@@ -50,8 +51,19 @@ WORKER_TOKEN_VARIABLE = "DEJAVU_WORKER_TOKEN"
 
 #: The largest request body accepted, bytes (a prompt of a few hundred thousand token ids).
 MAX_BODY_BYTES = limits.MAX_BODY_BYTES
-#: Seconds `start` waits for the HTTP server to listen.
-LISTEN_TIMEOUT = 30.0
+#: Seconds `start` waits for the HTTP server to listen, and for the journal's requests to be queued again.
+LISTEN_TIMEOUT = ADOPT_TIMEOUT = 30.0
+
+
+@attrs.frozen
+class Adoption:
+    """What a controller took over from its predecessor's journal: the requests still running (`going_on`), each
+    with the tokens the journal held that are computed again from the prompt (`recomputed`: no worker holds
+    their caches), and the ended ones kept for clients to read (`kept`)."""
+
+    going_on: list[str] = attrs.field(factory=list)
+    recomputed: dict[str, int] = attrs.field(factory=dict)
+    kept: list[str] = attrs.field(factory=list)
 
 
 class Controller:
@@ -71,7 +83,10 @@ class Controller:
     choices in one request, `queue_timeout` seconds a request may wait to start (503 after), `max_body_bytes`.
     `tls_cert` and `tls_key` (PEM files): the API answers HTTPS only (`url` starts with https://).
     `journal`: a store URL that outlives the process, where every admitted request and every streamed token is
-    recorded (`controller.journal`; `read_journal` reads it back).
+    recorded (`controller.journal`; `read_journal` reads it back); a token reaches its client once the journal
+    holds it. A controller started on the journal of one that died goes on with its requests (`adoption` says
+    which) under their ids, for their clients to resume (`GET /v1/requests/<id>/stream` with `Last-Event-ID`).
+    `keep_finished`: seconds an ended request stays readable there.
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -80,12 +95,13 @@ class Controller:
                  queue_timeout: float = limits.QUEUE_TIMEOUT, served_model_name: str | Sequence[str] | None = None,
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
                  tls_cert: str | None = None, tls_key: str | None = None, worker_token: str | None = None,
-                 journal: str | None = None, **pipeline_options: Any) -> None:
+                 journal: str | None = None, keep_finished: float = limits.KEEP_FINISHED,
+                 **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("TLS needs both tls_cert (a PEM certificate chain) and tls_key (its private key)")
         self._tls = None if tls_cert is None or tls_key is None else server_tls_context(tls_cert, tls_key)
-        self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes)
+        self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes, keep_finished)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         self.worker_token = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE) or secrets.token_urlsafe(24)
         if self.worker_token in (self.token, *tokens):
@@ -108,6 +124,9 @@ class Controller:
         self._tokens = [self.token, *tokens]
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._app: web.Application | None = None
+        self.adoption = Adoption()
+        self._adopting = False  # taking over a journal's requests: "starting" until they are queued
         self._thread: threading.Thread | None = None
         self._url: str | None = None
         self._failures_seen = 0
@@ -159,6 +178,8 @@ class Controller:
             return "failed", "the pipeline is closed"
         if not pipeline.running:
             return "starting", "the stage workers are starting"
+        if self._adopting:
+            return "starting", "taking over the requests of the journal"
         if pipeline.recovering:
             return "recovering", "a failed stage is being replaced; requests wait for it"
         return "serving", ""
@@ -173,7 +194,7 @@ class Controller:
         return self.pipeline.started_at(future)
 
     def status(self) -> dict[str, Any]:
-        return {"model": self.model_id, **self.pipeline.status()}
+        return {"model": self.model_id, **self.pipeline.status(), "adopted": attrs.asdict(self.adoption)}
 
     @property
     def join_url(self) -> str:
@@ -206,17 +227,43 @@ class Controller:
         """Start the HTTP server and the stage workers (which may ask it where to join); return once both are
         up."""
         try:
+            inherited = [] if self.journal is None else self._inherited()
+            self._adopting = bool(inherited)
             self.pipeline.listen()
             self._start_http()
             if not self.pipeline.launch:
                 log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
                             len(self.pipeline.stage_table), self.url)
             self.pipeline.start()
+            if inherited:
+                self._adopt(inherited)
+                self._adopting = False
         except BaseException:
             self.close()
             raise
         log.info("serving %s at %s", self.model_id, self.url)
         return self
+
+    def _inherited(self) -> list[JournaledRequest]:
+        """The requests of the journal a successor takes over: those not answered, and those answered within
+        `keep_finished` seconds."""
+        assert self.journal is not None
+        now = time.time()
+        return [journaled for journaled in read_journal(self.journal.store).values()
+                if journaled.answered is None or now - journaled.answered_at <= self.limits.keep_finished]
+
+    def _adopt(self, inherited: list[JournaledRequest]) -> None:
+        assert self._loop is not None
+        assert self._app is not None
+        runs = asyncio.run_coroutine_threadsafe(adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
+        going = [run for run in runs if run.outcome is None]
+        self.adoption = Adoption([run.id for run in going],
+                                 {run.id: sum(map(len, run.known)) for run in going if any(run.known)},
+                                 [run.id for run in runs if run.outcome is not None])
+        if going:
+            log.warning("took over %d requests from the journal; %d tokens it held are computed again from their "
+                        "prompts (no worker holds their caches): %s", len(going),
+                        sum(self.adoption.recomputed.values()), ", ".join(self.adoption.going_on))
 
     def _start_http(self) -> None:
         try:
@@ -232,7 +279,8 @@ class Controller:
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            runner = web.AppRunner(build_app(self, self._tokens, self.worker_token, self.limits), access_log=None,
+            self._app = build_app(self, self._tokens, self.worker_token, self.limits)
+            runner = web.AppRunner(self._app, access_log=None,
                                    handler_cancellation=True)  # a client that leaves cancels its request
             try:
                 loop.run_until_complete(runner.setup())

@@ -5,9 +5,11 @@ A controller started with `journal=` (`--journal`; any store URL that outlives t
 decodings with the seed each choice samples from, stop strings and answer shape), each token as the pipeline
 streams it, each choice's end, and each request's answer. Writing never happens on the event loop nor on the
 pipeline's receiver thread: they put entries on a queue, and a writer thread groups what arrived within
-`interval` seconds into one record (a progress record of the stream `dejavu-journal`, under a run id of the
-controller's incarnation that sorts by its start). So each record holds what a step's worth of time added, and
-its size does not grow with the requests' lengths.
+up to `interval` seconds into one record (a progress record of the stream `dejavu-journal`, under a run id of
+the controller's incarnation that sorts by its start), written as soon as the queue is empty. So each record
+holds what a step's worth of time added, and its size does not grow with the requests' lengths. Each entry has a
+sequence number, and `when_written(n, callback)` says when the entries up to the n-th are written: the API sends
+a token to its client only once the journal holds it, so a successor never owes a client a token it cannot know.
 
 `read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order: a record
 is written whole or not at all, and records are read in the order they were written, so what a reader sees after a
@@ -22,7 +24,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -31,7 +33,7 @@ from ..backends import open_store
 from ..blocks import ProgressKey
 from ..errors import ConfigError, DejaVuError
 from ..store import Store
-from .openai_requests import GenerationRequest
+from .openai_requests import Choice, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,21 @@ INTERVAL = 0.05
 @attrs.define
 class JournaledRequest:
     """A request as the journal holds it: what was admitted (`admitted`: the request's fields), each choice's
-    tokens so far and finish reason once it ended, and whether it was answered (`answered`: its outcome)."""
+    tokens so far and finish reason once it ended, and whether it was answered (`answered`: its outcome, at
+    `answered_at`, seconds since the epoch)."""
 
     id: str
     admitted: dict[str, Any]
     tokens: dict[int, list[int]] = attrs.field(factory=dict)
     finish: dict[int, str] = attrs.field(factory=dict)
     answered: str | None = None
+    answered_at: float = 0.0
+
+    def request(self) -> GenerationRequest:
+        """The request as it was admitted."""
+        fields = self.admitted
+        return GenerationRequest(**{**fields, "choices": [Choice(**choice) for choice in fields["choices"]],
+                                    "stop": tuple(fields["stop"])})
 
 
 class Journal:
@@ -66,26 +76,58 @@ class Journal:
                               "tcp:// store server")
         self.url, self.interval = url, interval
         self.run = f"{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"  # sorts by the incarnation's start
-        #: Entries to write; None: close; an Event: set it once what came before is written.
-        self._entries: queue.SimpleQueue[tuple[str, Any] | threading.Event | None] = queue.SimpleQueue()
+        #: Entries to write (kind, fields, sequence number); None: close; an Event: set it once what came before
+        #: is written.
+        self._entries: queue.SimpleQueue[tuple[str, Any, int] | threading.Event | None] = queue.SimpleQueue()
         self._step = 0
         self.error: DejaVuError | None = None  # the write that failed (the journal then stops writing)
+        self._lock = threading.Lock()
+        self._queued = self.written = 0  # entries queued and written so far
+        self._stopped = False  # written no more (failed or closed): every wait ends at once
+        self._waiting: list[tuple[int, Callable[[], object]]] = []  # (sequence number, callback) not yet due
         self._thread = threading.Thread(target=self._write_loop, name="dejavu-journal", daemon=True)
         self._thread.start()
 
     # ---- from any thread: a queue put, nothing more -------------------------------------------------------
-    def admitted(self, request_id: str, fields: dict[str, Any]) -> None:
-        self._entries.put(("admitted", [request_id, fields]))
+    def admitted(self, request_id: str, fields: dict[str, Any]) -> int:
+        return self._put("admitted", [request_id, fields])
 
-    def token(self, request_id: str, choice: int, index: int, token: int) -> None:
-        """Choice `choice`'s token number `index` (from 0)."""
-        self._entries.put(("token", [request_id, choice, index, token]))
+    def token(self, request_id: str, choice: int, index: int, token: int) -> int:
+        """Choice `choice`'s token number `index` (from 0); the entry's sequence number."""
+        return self._put("token", [request_id, choice, index, token])
 
-    def finished(self, request_id: str, choice: int, reason: str) -> None:
-        self._entries.put(("finished", [request_id, choice, reason]))
+    def finished(self, request_id: str, choice: int, reason: str) -> int:
+        return self._put("finished", [request_id, choice, reason])
 
-    def answered(self, request_id: str, outcome: str) -> None:
-        self._entries.put(("answered", [request_id, outcome]))
+    def answered(self, request_id: str, outcome: str) -> int:
+        return self._put("answered", [request_id, outcome, time.time()])
+
+    def _put(self, kind: str, fields: list[Any]) -> int:
+        with self._lock:  # sequence numbers in the queue's order
+            self._queued += 1
+            self._entries.put((kind, fields, self._queued))
+            return self._queued
+
+    def when_written(self, sequence: int, callback: Callable[[], object]) -> None:
+        """Call `callback()` once the entries up to number `sequence` are written, or the journal writes no more
+        (failed or closed): here if that is so already, else on the writer thread."""
+        with self._lock:
+            due = self._stopped or self.written >= sequence
+            if not due:
+                self._waiting.append((sequence, callback))
+        if due:
+            callback()
+
+    def _wrote(self, sequence: int, stopped: bool = False) -> None:
+        """Entries up to `sequence` are written (or, `stopped`, none will be): call the callbacks now due."""
+        with self._lock:
+            self.written = max(self.written, sequence)
+            self._stopped = self._stopped or stopped
+            due = [callback for number, callback in self._waiting if self._stopped or number <= self.written]
+            self._waiting = [(number, callback) for number, callback in self._waiting
+                             if not self._stopped and number > self.written]
+        for callback in due:
+            callback()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until what was queued before this call is written (False: not within `timeout` seconds)."""
@@ -109,10 +151,10 @@ class Journal:
     def _write_loop(self) -> None:
         closing = False
         while not closing:
-            batch: list[tuple[str, Any]] = []
+            batch: list[tuple[str, Any, int]] = []
             waiting: list[threading.Event] = []  # flushes to answer once this batch is written
-            deadline = time.monotonic() + self.interval
             entry = self._entries.get()
+            deadline = time.monotonic() + self.interval
             while True:
                 if entry is None:
                     closing = True
@@ -120,20 +162,23 @@ class Journal:
                     waiting.append(entry)
                 else:
                     batch.append(entry)
-                if closing or waiting:
+                if closing or waiting or time.monotonic() >= deadline:
                     break
-                try:
-                    entry = self._entries.get(timeout=max(0.0, deadline - time.monotonic()))
+                try:  # what is queued now, without waiting for more: a token waits for its record
+                    entry = self._entries.get_nowait()
                 except queue.Empty:
                     break
             if batch and self.error is None:
                 self._write(batch)
+            if batch:
+                self._wrote(batch[-1][2], stopped=self.error is not None)
             for written in waiting:
                 written.set()
+        self._wrote(self._queued, stopped=True)
 
-    def _write(self, batch: list[tuple[str, Any]]) -> None:
+    def _write(self, batch: list[tuple[str, Any, int]]) -> None:
         record: dict[str, list[Any]] = {}
-        for kind, entry in batch:
+        for kind, entry, _ in batch:
             record.setdefault(kind, []).append(entry)
         try:
             self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, 0, self._step), json.dumps(record).encode())
@@ -176,6 +221,7 @@ def fold(records: Iterable[dict[str, list[Any]]]) -> dict[str, JournaledRequest]
                 tokens.append(int(token))
         for request_id, choice, reason in record.get("finished", []):
             requests[request_id].finish[int(choice)] = reason
-        for request_id, outcome in record.get("answered", []):
+        for request_id, outcome, *when in record.get("answered", []):
             requests[request_id].answered = outcome
+            requests[request_id].answered_at = float(when[0]) if when else 0.0
     return requests

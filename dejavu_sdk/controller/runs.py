@@ -1,5 +1,13 @@
 """One OpenAI request being served: its choices submitted to the pipeline, their tokens and text as they come
-(`updates`), answered whole or streamed as server-sent events in the shape of the API it came in by.
+(the run's log of updates, written by a task of its own), answered whole or streamed as server-sent events in the
+shape of the API it came in by, to its client and to any client that resumes it (`GET /v1/requests/<id>/stream`).
+
+Each event of a stream carries `id: <request id>:<position>`, a position per choice (comma-separated when
+there are several): the choice's tokens sent so far, and its end as one more. A client that reconnects with the
+last id it got (`Last-Event-ID`) gets every later token once. With a journal, a token goes out only once the
+journal holds it, and a successor controller adopts the request (`Run(..., adopted=)`): the journal's tokens
+replayed a token per update (a client resumes at any of them), the rest computed again from the prompt, the
+tokens the journal had checked against it.
 
 Each choice ends at its end-of-sequence token, its `max_tokens`, or the first stop string in its text (its
 request is then cancelled in the pipeline: no token is computed past the stop for nobody); the update with its
@@ -28,12 +36,17 @@ from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from .detokenizer import TextStream
-from .journal import Journal, with_seeds
+from .journal import Journal, JournaledRequest, with_seeds
 from .logprob_shapes import chat_logprobs, completion_logprobs
 from .metrics import ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest
 
 log = logging.getLogger(__name__)
+
+#: The response header that names a streamed request (its resumable id) before its first event.
+REQUEST_HEADER = "X-Dejavu-Request-Id"
+#: Seconds a token waits for the journal to hold it before it is sent anyway (the journal's store hangs).
+JOURNAL_WAIT = 30.0
 
 
 class GenerationBackend(Protocol):
@@ -74,76 +87,215 @@ class _ChoiceState:
 @attrs.frozen
 class Update:
     """New text and tokens of choice `index` (with their log-probabilities, in the API's shape, where asked);
-    `finish` set on its last."""
+    `finish` set on its last. `position`: the choice's tokens through this update, and its end as one more."""
 
     index: int
     text: str
     tokens: list[int]
     finish: str | None
     logprobs: dict[str, Any] | None = None
+    position: int = 0
+
+    def past(self, delivered: int) -> Update:
+        """What of this update a client that has `delivered` positions of its choice has not had: all of it, or
+        (a position inside it, which a client can only name after an update of another controller) the tokens
+        and end past it, without text."""
+        first = self.position - len(self.tokens) - (self.finish is not None)
+        if delivered <= first:
+            return self
+        return attrs.evolve(self, text="", tokens=self.tokens[delivered - first:], logprobs=None)
 
 
 class Run:
-    """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued)."""
+    """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued); `start` (on
+    the event loop) starts the task that writes its log. `adopted`: the request as a predecessor's journal holds
+    it, gone on with under its id."""
 
     def __init__(self, backend: GenerationBackend, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-                 text_threads: Executor, control: Executor) -> None:
+                 text_threads: Executor, control: Executor, adopted: JournaledRequest | None = None) -> None:
         self.journal = backend.journal
-        if self.journal is not None:
+        if self.journal is not None and adopted is None:
             request = with_seeds(request)
         self.backend, self.request, self.loop, self.text_threads = backend, request, loop, text_threads
         self.control = control  # cancels go through it: a cancel may wait on a stage, never on the loop
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        self.id, self.created, self.started = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), time.monotonic()
-        #: (choice, token or None: done, the token's log-probabilities where asked)
-        self.events: asyncio.Queue[tuple[int, int | None, TokenLogprobs | None]] = asyncio.Queue()
+        self.id = adopted.id if adopted is not None else f"{prefix}-{uuid.uuid4().hex}"
+        self.created, self.started = int(time.time()), time.monotonic()
+        #: (choice, token or None: done, the token's log-probabilities where asked, its journal entry's number)
+        self.events: asyncio.Queue[tuple[int, int | None, TokenLogprobs | None, int]] = asyncio.Queue()
         self.states = [_ChoiceState(None if backend.tokenizer is None else TextStream(backend.tokenizer, request.stop))
                        for _ in request.choices]
-        self.counted = False  # in the metrics as ok, failed, cancelled or timed out (once)
+        self.outcome: str | None = None  # ok, failed, cancelled or timed out, in the metrics once
         self.timed_out: str | None = None  # why it was cancelled before it started
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}  # each choice's last arrival
-        self.journaled = [0] * len(request.choices)  # tokens of each choice given to the journal
-        if self.journal is not None:
+        #: The updates so far, what ended the run (None: it ended well), whether it ended, and an event set (and
+        #: replaced) at each change of these.
+        self.log: list[Update] = []
+        self.error: ApiError | None = None
+        self.over = False
+        self._changed = asyncio.Event()
+        self._positions = [0] * len(request.choices)
+        self._task: asyncio.Task[None] | None = None
+        #: Tokens of each choice that a journal held (adopted: computed again, each checked against its own), those
+        #: the pipeline gave, and those given to this controller's journal.
+        self.known = [list(adopted.tokens.get(index, [])) if adopted else [] for index in range(len(request.choices))]
+        self.arrived = [0] * len(request.choices)
+        self.journaled = [len(tokens) for tokens in self.known]
+        self.diverged: str | None = None  # a recomputed token that differs from the journal's
+        if adopted is not None:
+            self.outcome = adopted.answered  # one answered already is counted no more
+            self._replay(adopted)
+        elif self.journal is not None:
             self.journal.admitted(self.id, attrs.asdict(request))
+        self._submit()
+
+    def _submit(self) -> None:
+        """Queue the choices that have not ended (all of a new request)."""
+        going = [index for index, state in enumerate(self.states) if state.finish is None]
+        self.futures: list[Future[Result]] = [_ended_future() for _ in self.states]
         try:
-            self.futures = backend.submit(request.choices, self._on_token,
-                                          None if request.logprobs is None else self._on_logprobs)
+            submitted = self.backend.submit(
+                [self.request.choices[index] for index in going], functools.partial(self._on_token_of, going),
+                None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going))
         except BaseException:
             if self.journal is not None:
                 self.journal.answered(self.id, "refused")
             raise
-        backend.metrics.in_flight.inc(len(self.futures))
-        for index, future in enumerate(self.futures):
+        for index, future in zip(going, submitted, strict=True):
+            self.futures[index] = future
             future.add_done_callback(functools.partial(self._on_done, index))
+        if self.outcome is None:
+            self.backend.metrics.in_flight.inc(len(self.futures))
+
+    def start(self) -> None:
+        """Start writing the log (on the event loop; once)."""
+        if self._task is None:
+            self._task = self.loop.create_task(self._write_log())
+
+    def _replay(self, adopted: JournaledRequest) -> None:
+        """The journal's tokens of an adopted request as updates, a token each, with the text and ends its
+        predecessor streamed."""
+        for index, state in enumerate(self.states):
+            for token in self.known[index]:
+                self._logged(self._advance(index, [token], [None]))
+                if state.finish is not None:  # tokens past a stop string were journaled, never sent
+                    break
+            finish = adopted.finish.get(index)
+            if state.finish is None and finish is not None:  # ended by the pipeline (a cancel, a failure)
+                state.finish = finish
+                text = "" if state.stream is None else state.stream.finish()
+                state.text += text
+                self._logged(Update(index, text, [], finish))
 
     # ---- from the pipeline's receiver thread -----------------------------------------------------------
-    def _on_token(self, index: int, token: int) -> None:
-        if self.journal is not None:
-            self.journal.token(self.id, index, self.journaled[index], token)
-            self.journaled[index] += 1
+    def _on_token_of(self, going: list[int], submitted: int, token: int) -> None:
+        """The token of the `submitted`-th choice queued (`going[submitted]`)."""
+        index = going[submitted]
+        if self.diverged is not None:  # the request fails as its choices end: nothing more goes out
+            return
         arriving = self.states[index].arriving  # its entry came just before it, on this thread
         entry = arriving.popleft() if arriving else None
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry))
+        position, known = self.arrived[index], self.known[index]
+        self.arrived[index] += 1
+        if position < len(known):  # computed again: the journal had it, and a client may have had it
+            if token != known[position] and self.diverged is None:
+                self.diverged = (f"choice {index}'s token {position} computed again is {token}, not the "
+                                 f"{known[position]} first streamed: the request cannot go on exactly")
+                self._cancel_futures(self.futures)
+            return
+        sequence = 0
+        if self.journal is not None:
+            sequence = self.journal.token(self.id, index, self.journaled[index], token)
+            self.journaled[index] += 1
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry, sequence))
 
-    def _on_logprobs(self, index: int, entry: TokenLogprobs | PromptLogprobs) -> None:
+    def _on_logprobs_of(self, going: list[int], submitted: int, entry: TokenLogprobs | PromptLogprobs) -> None:
+        state = self.states[going[submitted]]
         if isinstance(entry, PromptLogprobs):  # before the first token
-            self.states[index].prompt = entry
+            state.prompt = entry
         else:
-            self.states[index].arriving.append(entry)
+            state.arriving.append(entry)
 
     def _on_done(self, index: int, _: Future[Result]) -> None:  # after the choice's last token
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None, None))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, None, None, 0))
+
+    # ---- the log ---------------------------------------------------------------------------------------------
+    async def _write_log(self) -> None:
+        try:
+            async for update in self._updates():
+                self._logged(update)
+        except ApiError as error:
+            self.error = error
+        except Exception:
+            log.exception("serving %s failed", self.id)
+            self.cancel("%s failed while its tokens were made into text")
+            self.error = ApiError(500, "internal error; the controller's log says more", "server_error")
+        finally:
+            self.over = True
+            self._wake()
+
+    def _logged(self, update: Update) -> None:
+        """Append `update` to the log, with its position."""
+        self._positions[update.index] += len(update.tokens)
+        position = self._positions[update.index] + (update.finish is not None)
+        self.log.append(attrs.evolve(update, position=position))
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def ended(self) -> None:
+        """Wait until every choice has ended (or the run failed); a waiter that is cancelled leaves the run be."""
+        self.start()
+        assert self._task is not None
+        await asyncio.shield(self._task)
+
+    async def follow(self, after: list[int]) -> AsyncIterator[tuple[Update, str]]:
+        """The updates past the positions `after` (one per choice), each with its event id, as they come; the
+        run's ApiError where it failed."""
+        sent, positions = 0, list(after)
+        while True:
+            changed = self._changed
+            while sent < len(self.log):
+                update = self.log[sent]
+                sent += 1
+                if update.position > positions[update.index]:
+                    update = update.past(positions[update.index])
+                    positions[update.index] = update.position
+                    yield update, self.event_id(positions)
+            if self.over:
+                if self.error is not None:
+                    raise self.error
+                return
+            await changed.wait()
+
+    def event_id(self, positions: list[int]) -> str:
+        return f"{self.id}:{','.join(str(position) for position in positions)}"
+
+    def positions_of(self, event_id: str) -> list[int]:
+        """The positions a client's `Last-Event-ID` names (ApiError 400: not an id of this run's events)."""
+        run, _, listed = event_id.strip().rpartition(":")
+        try:
+            positions = [int(position) for position in listed.split(",")]
+        except ValueError:
+            positions = []
+        if run != self.id or len(positions) != len(self.states) or min(positions) < 0:
+            raise ApiError(400, f"Last-Event-ID {event_id[:200]!r} is not an event of {self.id}: it has the form "
+                           f"{self.id}:<position>, a position per choice")
+        return positions
 
     # ---- tokens to text ----------------------------------------------------------------------------------
-    async def updates(self) -> AsyncIterator[Update]:
+    async def _updates(self) -> AsyncIterator[Update]:
         """Each choice's text and tokens as they come, until every choice has ended; a choice whose computation
         failed raises its ApiError (the other choices are cancelled)."""
-        open_choices = len(self.states)
+        open_choices = sum(state.finish is None for state in self.states)
         while open_choices:
             batch = [await self.events.get()]
             while not self.events.empty():
                 batch.append(self.events.get_nowait())
+            await self._until_journaled(max(event[3] for event in batch))
             for index, tokens, entries, done in _coalesced(batch):
                 state = self.states[index]
                 if state.finish is not None:
@@ -161,16 +313,38 @@ class Run:
                     yield update
         self._count_ok()
 
+    async def _until_journaled(self, sequence: int) -> None:
+        """Wait until the journal holds its entries up to number `sequence` (bounded: JOURNAL_WAIT)."""
+        if self.journal is None or sequence == 0:
+            return
+        written: asyncio.Future[None] = self.loop.create_future()
+        self.journal.when_written(sequence, functools.partial(self.loop.call_soon_threadsafe, _settle, written))
+        try:
+            await asyncio.wait_for(written, JOURNAL_WAIT)
+        except TimeoutError:
+            log.warning("%s: the journal did not hold its tokens within %.0f s; they are sent anyway", self.id,
+                        JOURNAL_WAIT)
+
     def _take(self, index: int, tokens: list[int], entries: list[TokenLogprobs | None]) -> Update:
         """Choice `index`'s new tokens, up to its end (end-of-sequence, max_tokens, or a stop string, which
         cancels it in the pipeline)."""
-        choice = self.request.choices[index]
-        state, limit = self.states[index], choice.max_tokens
-        stop_ids, eos = set(choice.decoding.get("stop_token_ids", ())), self._end_ids(index)
+        state = self.states[index]
         if not state.tokens:
             started = self.backend.started_at(self.futures[index])
             if started is not None:
                 self.backend.metrics.queue_time.observe(max(0.0, started - self.started))
+        update = self._advance(index, tokens, entries)
+        if update.finish is not None:
+            self._note_finish(index, update.finish)
+            if state.stream is not None and state.stream.stopped is not None:
+                self._cancel_futures([self.futures[index]])  # nothing more is computed for it
+        return update
+
+    def _advance(self, index: int, tokens: list[int], entries: list[TokenLogprobs | None]) -> Update:
+        """Choice `index`'s state past its new tokens, up to its end; the update that says so."""
+        choice = self.request.choices[index]
+        state, limit = self.states[index], choice.max_tokens
+        stop_ids, eos = set(choice.decoding.get("stop_token_ids", ())), self._end_ids(index)
         text, taken, scores = "", [], []
         for token, entry in zip(tokens, entries, strict=True):
             taken.append(token)
@@ -180,7 +354,6 @@ class Run:
                 text += state.stream.add([token])
                 if state.stream.stopped is not None:
                     state.finish = "stop"
-                    self._cancel_futures([self.futures[index]])  # nothing more is computed for it
                     break
             if token in eos:
                 state.finish = "stop"
@@ -188,10 +361,8 @@ class Run:
             if len(state.tokens) >= limit:
                 state.finish = "length"
                 break
-        if state.finish is not None:
-            self._note_finish(index, state.finish)
-            if state.stream is not None:
-                text += state.stream.finish()
+        if state.finish is not None and state.stream is not None:
+            text += state.stream.finish()
         state.text += text
         state.logprobs += scores
         return Update(index, text, taken, state.finish, self._shaped(state, taken, scores))
@@ -216,6 +387,9 @@ class Run:
         """Choice `index`'s future is done before its tokens said it ended: its error, or its end (a cancelled one
         ends with what it had)."""
         future, state = self.futures[index], self.states[index]
+        if self.diverged is not None:
+            self._count("failed")
+            raise ApiError(500, self.diverged, "server_error", "recomputation_diverged")
         if future.cancelled() and self.timed_out is not None:
             raise ApiError(503, f"the request was not served: {self.timed_out}", "server_error", "queue_timeout", 5.0)
         error = None if future.cancelled() else future.exception()
@@ -231,44 +405,59 @@ class Run:
 
     # ---- answers -----------------------------------------------------------------------------------------
     async def complete(self) -> dict[str, Any]:
-        """The whole answer, once every choice has ended (a client that leaves: the API cancels the run)."""
-        async for _ in self.updates():
-            pass
+        """The whole answer, once every choice has ended."""
+        await self.ended()
+        if self.error is not None:
+            raise self.error
         choices = await self.loop.run_in_executor(  # token texts are decoded off the event loop
             self.text_threads, lambda: [self._whole_choice(index) for index in range(len(self.states))])
         return {**self._head(), "choices": choices, "usage": self._usage()}
 
-    async def stream(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-        """Server-sent events: a chunk per update, an error event if a choice fails, the usage when asked for,
-        then `data: [DONE]` (a client that leaves: the API cancels the run)."""
+    async def stream(self, request: web.Request, headers: dict[str, str],
+                     after: list[int] | None = None) -> web.StreamResponse:
+        """Server-sent events past the positions `after` (None: the whole stream): a chunk per update with its
+        event id, an error event if a choice fails, the usage when asked for, then `data: [DONE]`."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **headers})
+                                               REQUEST_HEADER: self.id, **headers})
         try:
             await response.prepare(request)
-            if self.request.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's stream does
+            if after is None and self.request.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's
                 for index in range(len(self.states)):
                     await self._send(response, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}])
+                                                 "logprobs": None, "finish_reason": None}],
+                                     event_id=self.event_id([0] * len(self.states)))
             try:
-                async for update in self.updates():
-                    await self._send(response, [self._chunk_choice(update, self.request.kind)])
+                async for update, event_id in self.follow(after or [0] * len(self.states)):
+                    await self._send(response, [self._chunk_choice(update, self.request.kind)], event_id=event_id)
             except ApiError as error:
                 await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
-            except ConnectionResetError:
-                raise
-            except Exception:  # the headers went out: the stream says what went wrong, in its own shape
-                log.exception("streaming %s failed", self.id)
-                self.cancel("%s failed while streaming")
-                await _write(response, {"error": {"message": "internal error; the controller's log says more",
-                                                  "type": "server_error", "code": None}})
             else:
                 if self.request.include_usage:
                     await self._send(response, [], usage=self._usage())
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:  # the client left: the API cancels what is left of the run
+        except ConnectionResetError:  # the client left: the API decides what becomes of the run
             pass
         return response
+
+    def snapshot(self) -> dict[str, Any]:
+        """The request as `GET /v1/requests/<id>` answers it: its status (running, or how it ended), each
+        choice's text, tokens and finish reason so far, the usage, and its error where it failed."""
+        texts, tokens = ["" for _ in self.states], [[] for _ in self.states]  # type: list[str], list[list[int]]
+        finish: list[str | None] = [None for _ in self.states]
+        for update in self.log:
+            texts[update.index] += update.text
+            tokens[update.index] += update.tokens
+            finish[update.index] = update.finish or finish[update.index]
+        status = "running" if not self.over else "failed" if self.error is not None else \
+            "finished" if self.outcome in (None, "ok") else self.outcome
+        answer = {**self._head(), "object": "request", "status": status,
+                  "choices": [{"index": index, "text": texts[index], "token_ids": tokens[index],
+                               "finish_reason": finish[index]} for index in range(len(self.states))],
+                  "usage": self._usage()}
+        if self.error is not None:
+            answer["error"] = {"message": self.error.message, "type": self.error.kind, "code": self.error.code}
+        return answer
 
     def time_out(self, why: str) -> None:
         """Cancel a request that waited too long to start: its answer is a 503 that says `why`."""
@@ -334,12 +523,12 @@ class Run:
                 "finish_reason": update.finish, "token_ids": update.tokens}
 
     async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],
-                    usage: dict[str, int] | None = None) -> None:
+                    usage: dict[str, int] | None = None, event_id: str | None = None) -> None:
         head = self._head()
         if self.request.kind == "chat":
             head["object"] = "chat.completion.chunk"
         extra = {"usage": usage} if self.request.include_usage else {}
-        await _write(response, {**head, "choices": choices, **extra})
+        await _write(response, {**head, "choices": choices, **extra}, event_id)
 
     def _usage(self) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.request.prompts)
@@ -370,9 +559,9 @@ class Run:
             self.journal.finished(self.id, index, reason)
 
     def _count(self, outcome: str) -> bool:
-        if self.counted:
+        if self.outcome is not None:
             return False
-        self.counted = True
+        self.outcome = outcome
         self.backend.metrics.in_flight.dec(len(self.futures))
         self.backend.metrics.requests.labels(outcome).inc()
         if self.journal is not None:
@@ -380,11 +569,11 @@ class Run:
         return True
 
 
-def _coalesced(events: list[tuple[int, int | None, TokenLogprobs | None]],
+def _coalesced(events: list[tuple[int, int | None, TokenLogprobs | None, int]],
                ) -> list[tuple[int, list[int], list[TokenLogprobs | None], bool]]:
     """Events in order, consecutive tokens of one choice taken together: (choice, tokens, their entries, done)."""
     out: list[tuple[int, list[int], list[TokenLogprobs | None], bool]] = []
-    for index, token, entry in events:
+    for index, token, entry, _ in events:
         if token is None:
             out.append((index, [], [], True))
         elif out and out[-1][0] == index and not out[-1][3]:
@@ -406,5 +595,18 @@ def _api_error(error: BaseException) -> ApiError:
     return ApiError(500, f"generation failed: {error}", "server_error", "request_failed")
 
 
-async def _write(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+def _ended_future() -> Future[Result]:
+    """The future of a choice that ended before this controller (adopted): done, and never computed here."""
+    future: Future[Result] = Future()
+    future.cancel()
+    return future
+
+
+def _settle(written: asyncio.Future[None]) -> None:
+    if not written.done():
+        written.set_result(None)
+
+
+async def _write(response: web.StreamResponse, chunk: dict[str, Any], event_id: str | None = None) -> None:
+    head = "" if event_id is None else f"id: {event_id}\n"
+    await response.write(f"{head}data: {json.dumps(chunk)}\n\n".encode())
