@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -140,7 +143,7 @@ def test_held_positions_count_only_what_every_layer_has_without_a_gap() -> None:
 # ---- settings ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("arguments", "match"), [
     ({"recovery": "magic"}, "recovery='magic'"),
-    ({"recovery": "replicas", "transport": "gloo"}, "tcp links"),
+    ({"recovery": "replicas", "transport": "nccl"}, r"links that reconnect to a replacement \(tcp, gloo, ucx\)"),
     ({"recovery": "replicas", "swapping": True}, "swapping"),
     ({"recovery": "replicas", "stages": 1}, "two decoding stages"),
     ({"recovery": "replicas", "prompt_stages": 2, "token_stages": 1}, "two decoding stages"),
@@ -397,3 +400,60 @@ def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None
     assert not report.resumed
     expected = _expected(results, prompts, pad, eos, SAMPLING)
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
+
+
+@pytest.mark.slow
+def test_a_replaced_worker_started_elsewhere_that_wakes_up_is_told_by_its_epoch_to_exit(monkeypatch) -> None:
+    """Workers started by hand (nothing here can kill them), one more than the stages (a spare): token stage 1's
+    is stopped (SIGSTOP) and replaced; woken (SIGCONT), its next heartbeat is answered with `fenced` and it
+    exits, and every token equals a failure-free run's, streamed once."""
+    monkeypatch.setenv("DEJAVU_TOKEN", "fencing-secret")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = [subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", f"tcp://127.0.0.1:{port}",
+                                 "--threads", "1", "--worker-id", f"by-hand-{number}"]) for number in range(4)]
+    try:
+        prompts = expectations.prompts(4, seed=3)
+        streamed: dict[int, list[int]] = defaultdict(list)
+        with Pipeline("tiny_models:llama", recovery="replicas", launch=False, port=port, **STATIC,
+                      **DISAGGREGATED) as pipe:
+            futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
+            _wait_for_steps(pipe, 10)
+            known = {f"by-hand-{number}" for number in range(len(workers))}
+            assert {stage["worker"] for stage in pipe.status()["stages"]} < known  # by the ids they were given
+            victim = _stage_pid(pipe, "token stage 1")
+            os.kill(victim, signal.SIGSTOP)
+            _wait_for_recoveries(pipe, 1)
+            assert _stage_pid(pipe, "token stage 1") != victim
+            os.kill(victim, signal.SIGCONT)
+            stopped = next(worker for worker in workers if worker.pid == victim)
+            assert stopped.wait(timeout=30) == 0  # told to exit, and gone
+            results = [future.result(timeout=120) for future in futures]
+            pad, eos = pipe.pad, pipe.eos
+        for index, (result, want) in enumerate(zip(results, _expected(results, prompts, pad, eos, {}), strict=True)):
+            assert torch.equal(result.tokens, want), f"request {index}"
+            assert streamed[index] == want.tolist(), f"request {index} streamed tokens lost or twice"
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.kill(worker.pid, signal.SIGCONT)
+                worker.kill()
+            worker.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("transport", "how"), [("gloo", signal.SIGKILL), ("ucx", signal.SIGSTOP)])
+def test_recovery_goes_on_over_gloo_and_ucx_links_too(transport: str, how: signal.Signals) -> None:
+    """A token stage killed (gloo) or hung (ucx): the replacement links to its neighbours over the same transport,
+    and every request equals a failure-free run's, streamed once."""
+    prompts = expectations.prompts(4, seed=12)
+    with Pipeline("tiny_models:llama", recovery="replicas", transport=transport, **STATIC, **DISAGGREGATED) as pipe:
+        assert pipe.recovery == "replicas"
+        results, streamed = _serve_through_failures(pipe, prompts, ["token stage 0"], how, random.Random(transport),
+                                                    {})
+        pad, eos = pipe.pad, pipe.eos
+        assert len(pipe.recoveries) == 1
+    for index, (result, want) in enumerate(zip(results, _expected(results, prompts, pad, eos, {}), strict=True)):
+        assert torch.equal(result.tokens, want), f"request {index}"
+        assert streamed[index] == want.tolist(), f"request {index} streamed tokens lost or twice"

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,10 @@ class DistChannel(Channel):
         self._timeout = timeout
         self._device = device
 
-    def _wait(self, work: Any, what: str, idle: bool = False) -> None:
+    def _wait(self, start: Callable[[], Any], what: str, idle: bool = False) -> None:
+        """Start an operation (`start()`: its work) and wait for it; gloo raises from either when the peer is gone."""
         try:
+            work = start()
             if idle or self._timeout is None:
                 work.wait()
             else:
@@ -84,12 +87,12 @@ class DistChannel(Channel):
         tensor = torch.from_numpy(array)
         if self._device.type != "cpu":
             tensor = tensor.to(self._device)
-        self._wait(self._group.send([tensor], self._peer_rank, _TAG), "sending to")
+        self._wait(lambda: self._group.send([tensor], self._peer_rank, _TAG), "sending to")
 
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         target = torch.from_numpy(buffer)
         landing = target if self._device.type == "cpu" else torch.empty_like(target, device=self._device)
-        self._wait(self._group.recv([landing], self._peer_rank, _TAG), "receiving from", idle)
+        self._wait(lambda: self._group.recv([landing], self._peer_rank, _TAG), "receiving from", idle)
         if landing is not target:
             target.copy_(landing)
 

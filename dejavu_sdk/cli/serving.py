@@ -174,6 +174,8 @@ def add_serving_commands(commands: Any) -> None:
     worker.add_argument("--host", default="127.0.0.1", help="the address this worker listens on for its neighbours "
                         "(default: loopback)")
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
+    worker.add_argument("--worker-id", help="a name for this worker that is unique in the deployment (a "
+                        "supervisor's or scheduler's id; process ids collide across machines), sent when it joins")
     _link_tls_arguments(worker)
     worker.set_defaults(run=_worker)
 
@@ -257,5 +259,5 @@ def _worker(args: argparse.Namespace) -> int:
     if tls is not None:  # every link the worker opens, and its inbox, take them from its environment
         os.environ.update(tls.environment())
     join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
-    run_worker(join, host=args.host, threads=args.threads)
+    run_worker(join, host=args.host, threads=args.threads, worker_id=args.worker_id)
     return 0

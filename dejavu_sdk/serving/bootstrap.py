@@ -39,11 +39,13 @@ JOIN_TIMEOUT = 120.0
 
 class Heartbeat:
     """Posts `heartbeat` to the head every `interval` seconds from a thread of its own, however busy the stage
-    is (a stopped or hung process sends none: the head counts it dead after a few missed). A head that no
-    longer takes them is kept as `error` for the worker's loop to raise."""
+    is (a stopped or hung process sends none: the head counts it dead after a few missed), with the worker's
+    epoch and inbox (a worker replaced meanwhile is told there to exit). A head that no longer takes them is kept
+    as `error` for the worker's loop to raise."""
 
-    def __init__(self, head: Transport, stage: str, interval: float, epoch: Callable[[], int] = lambda: 0) -> None:
-        self.head, self.stage, self.interval, self.epoch = head, stage, interval, epoch
+    def __init__(self, head: Transport, stage: str, interval: float, epoch: Callable[[], int] = lambda: 0,
+                 url: str | None = None) -> None:
+        self.head, self.stage, self.interval, self.epoch, self.url = head, stage, interval, epoch, url
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dejavu-heartbeat", daemon=True)
@@ -52,7 +54,8 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                self.head.post_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch()})))
+                self.head.post_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
+                                                                     "url": self.url})))
         except Exception as error:  # the head is gone: the worker stops
             self.error = error
 
@@ -102,7 +105,8 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
         heartbeat: Heartbeat | None = None
         try:
             head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))
-            worker.heartbeat = heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch)
+            worker.heartbeat = heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch,
+                                                     inbox.url)
             worker.run()
         finally:
             if heartbeat is not None:

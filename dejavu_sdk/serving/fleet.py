@@ -4,7 +4,8 @@ epoch, and the pool of spare workers that replace dead stages.
 A worker joins with its inbox's address, its pid and the id its launcher gave it (`worker`; None for a worker
 started by hand). Spares (launched for a recovery, or kept warm as `standby`) are known by that id: pids collide
 across machines. Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
-still sends (a heartbeat, a failure) is ignored; a replaced process the pipeline launched is killed.
+still sends (a heartbeat, a failure) is ignored; a replaced process the pipeline launched is killed, and one
+started elsewhere is told to exit when its heartbeat comes again (`fence_stale`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds the head waits for every worker to join and load its stage.
 START_TIMEOUT = 300.0
+#: Seconds between two tellings of one replaced worker to exit.
+FENCE_EVERY = 1.0
 
 
 @attrs.frozen
@@ -49,7 +52,7 @@ class Fleet:
         self.options, self.layout, self.url = options, options.layout, url
         self.lock = threading.Lock()
         self.epoch = 0  # raised by each recovery: messages of older epochs are dropped
-        self.processes: list[WorkerHandle] = []  # each stage's process, when the pipeline launched it
+        self.processes: list[WorkerHandle] = []  # each stage's process (a worker that joined on its own: its id)
         self.links: list[Transport] = []  # to each stage's inbox
         self.urls: list[str] = []  # each stage's inbox
         self.beats: dict[str, float] = {}  # per stage name: when its last heartbeat (or `ready`) arrived
@@ -59,6 +62,7 @@ class Fleet:
         self.warming: dict[str, Spare] = {}  # spares loading the model, by inbox
         self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
+        self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
 
     @property
@@ -98,6 +102,8 @@ class Fleet:
             self.processes = [by_id.pop(worker) if worker in by_id else JoinedWorker(pid, worker)
                               for _, worker, pid in joined]
             self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
+        else:
+            self.processes = [JoinedWorker(pid, worker) for _, worker, pid in joined]
         self.urls = [url for url, _, _ in joined]
         self.links = [self._link(url) for url in self.urls]
         for index in range(len(self.layout.stages)):
@@ -179,6 +185,27 @@ class Fleet:
         if index < len(self.processes) and self.processes[index].alive():
             self.processes[index].kill()
 
+    def fence_stale(self, url: str, stage: str, epoch: int) -> None:
+        """Tell the worker at `url`, which served `stage` until a recovery after `epoch` and still speaks, to exit
+        (a stopped or cut-off worker started elsewhere, which cannot be killed from here). At most once a second
+        per worker, from a thread of its own: the head's receiver never waits on it."""
+        now = time.monotonic()
+        with self.lock:
+            if now - self._fenced.get(url, -FENCE_EVERY) < FENCE_EVERY:
+                return
+            self._fenced[url] = now
+            current = self.epoch
+
+        def tell() -> None:
+            try:
+                with self._link(url) as link:
+                    link.send_tensor(pack(Message(Kind.FENCED, {"stage": stage, "epoch": current, "was": epoch})))
+                log.warning("%s's worker of epoch %d at %s spoke again: told to exit", stage, epoch, url)
+            except TransportError as error:
+                log.info("could not tell %s's replaced worker at %s to exit: %s", stage, url, error)
+
+        threading.Thread(target=tell, name="dejavu-fence", daemon=True).start()
+
     # ---- spares ----------------------------------------------------------------------------------------
     def _launch(self) -> WorkerHandle:
         """A worker that joins this head, started by the launcher."""
@@ -253,9 +280,8 @@ class Fleet:
         """The `spare` will be stage `index`: its links and process are now the stage's (its assignment follows,
         once every replacement is placed)."""
         with self.lock:
-            if self.launch:  # a worker started by hand has no handle here: heartbeats watch it
-                self.processes[index] = (self.spares.pop(spare.worker) if spare.worker in self.spares
-                                         else JoinedWorker(spare.pid, spare.worker))
+            self.processes[index] = (self.spares.pop(spare.worker) if spare.worker in self.spares
+                                     else JoinedWorker(spare.pid, spare.worker))  # by hand: heartbeats watch it
             self.assigned[self.layout.stages[index].name] = self.epoch
         self.links[index].close()
         self.urls[index] = spare.url
@@ -266,7 +292,7 @@ class Fleet:
         stages: list[dict[str, Any]] = [{"name": stage.name, "role": stage.role, "layers": list(stage.layers)}
                                         for stage in self.layout.stages]
         for stage, process in zip(stages, self.processes, strict=False):
-            stage.update(pid=process.pid, alive=process.alive())
+            stage.update(pid=process.pid, worker=process.id, alive=process.alive())
         now = time.monotonic()
         with self.lock:
             for stage in stages:

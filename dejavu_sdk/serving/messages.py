@@ -41,6 +41,7 @@ class Kind(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     FAILED = "failed"  # a stage could not go on (its process stops)
     SHUTDOWN = "shutdown"
+    FENCED = "fenced"  # head -> a replaced worker that still speaks: another worker has its stage; exit
     STATS = "stats"  # head: report your caches; stage: here they are
     # a microbatch's steps: head -> first stage, stage -> stage, last stage -> head
     PREFILL = "prefill"

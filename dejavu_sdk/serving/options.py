@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
 #: The ways a pipeline may recover from a dead stage.
 RECOVERY = ("replicas", "recompute")
+#: The transports whose links reconnect to a stage's replacement (each link its own connection, or its own
+#: two-rank gloo group); NCCL's communicators are not torn down and rebuilt around a hung peer yet.
+RECOVERABLE_TRANSPORTS = ("tcp", "gloo", "ucx")
 #: A joining prompt's positions run per step beside decoding rows, by default (vLLM's chunked-prefill budget).
 DEFAULT_PREFILL_TOKENS = 256
 #: The smallest body cap a controller takes.
@@ -225,8 +228,9 @@ def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int
     if recovery not in (*RECOVERY, "auto"):
         raise ConfigError(f"recovery={recovery!r}: use {', '.join(map(repr, RECOVERY))} or 'auto', or None to fail "
                           "the requests in flight when a stage dies")
-    refusals = {"transport": None if transport == "tcp" else
-                f"recovery needs tcp links, which reconnect to a replacement; {transport} links do not yet",
+    refusals = {"transport": None if transport in RECOVERABLE_TRANSPORTS else
+                f"recovery needs links that reconnect to a replacement ({', '.join(RECOVERABLE_TRANSPORTS)}); "
+                f"{transport} links do not yet",
                 "swapping": "recovery and swapping=True do not combine yet: recovery keeps every cache on the device"
                 if swapping else None}
     replicas = {"ring": None if len(pipelines[-1]) >= 2 or replica_store else

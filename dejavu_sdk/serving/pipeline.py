@@ -125,8 +125,7 @@ class Pipeline:
                 int(message.fields.get("epoch", 0))),
             Kind.TOKENS: self._on_tokens, Kind.PREFILLED: self._on_prefilled, Kind.ENDED: self._on_ended,
             Kind.FREED: self._on_freed, Kind.MICROBATCH_FAILED: self._on_microbatch_failed,
-            Kind.HEARTBEAT: lambda message: self.fleet.beat(str(message.fields["stage"]),
-                                                            int(message.fields.get("epoch", 0))),
+            Kind.HEARTBEAT: self._on_heartbeat,
             Kind.STATS: self.fleet.stats_arrived, Kind.FAILED: self._on_failed,
             Kind.NOT_ENTERED: self._on_not_entered}
 
@@ -383,6 +382,14 @@ class Pipeline:
             self._admit()
             return
         self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {}), message.fields))
+
+    def _on_heartbeat(self, message: Message) -> None:
+        """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
+        stage, epoch, url = str(message.fields["stage"]), int(message.fields.get("epoch", 0)), message.fields.get("url")
+        if self.fleet.replaced_since(stage, epoch) and isinstance(url, str):
+            self.fleet.fence_stale(url, stage, epoch)
+        else:
+            self.fleet.beat(stage, epoch)
 
     def _on_not_entered(self, message: Message) -> None:
         self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))

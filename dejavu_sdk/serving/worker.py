@@ -71,6 +71,10 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                     message = unpack(packed)
                     if message.kind == Kind.SHUTDOWN:
                         return
+                    if message.kind == Kind.FENCED:
+                        log.warning("%s: another worker has served this stage since epoch %s (this one was stopped "
+                                    "or cut off meanwhile): exiting", self.role.name, message.fields.get("epoch"))
+                        return
                     self.handle(message)
                 if self.sender is not None:
                     self.sender.check()
