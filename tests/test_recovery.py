@@ -416,8 +416,10 @@ def test_a_replaced_worker_started_elsewhere_that_wakes_up_is_told_by_its_epoch_
     try:
         prompts = expectations.prompts(4, seed=3)
         streamed: dict[int, list[int]] = defaultdict(list)
-        with Pipeline("tiny_models:llama", recovery="replicas", launch=False, port=port, **STATIC,
-                      **DISAGGREGATED) as pipe:
+        # A stopped worker started elsewhere is not killed: a neighbour's send to it waits out `timeout` before
+        # the neighbour can pause, so the test keeps it short.
+        with Pipeline("tiny_models:llama", recovery="replicas", launch=False, port=port,
+                      **{**STATIC, "timeout": 10}, **DISAGGREGATED) as pipe:
             futures = pipe.submit_all(prompts, NEW, on_token=lambda index, token: streamed[index].append(token))
             _wait_for_steps(pipe, 10)
             known = {f"by-hand-{number}" for number in range(len(workers))}

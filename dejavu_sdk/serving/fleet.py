@@ -21,7 +21,7 @@ import attrs
 
 from ..backends import open_transport
 from ..errors import ConfigError, TransportError
-from ..transports.base import Server, Transport
+from ..transports.base import CLIENT_TIMEOUT, Server, Transport
 from .launchers import JoinedWorker, WorkerHandle
 from .link_tls import link_options, worker_environment
 from .messages import Kind, Message, pack, unpack
@@ -133,7 +133,9 @@ class Fleet:
 
     def links_of(self, index: int) -> dict[str, Any]:
         store = self.options.replica_store
-        return self.layout.links(index, self.urls, None if store is None else store.url, self.options.replica_prefix)
+        return {**self.layout.links(index, self.urls, None if store is None else store.url,
+                                    self.options.replica_prefix),
+                "link_timeout": min(self.options.timeout, CLIENT_TIMEOUT)}  # never longer than a link's default
 
     # ---- talking to the stages -------------------------------------------------------------------------
     def send(self, index: int, message: Message) -> None:

@@ -123,18 +123,22 @@ def score_fields(logprobs: dict[str, Any], prompt_logprobs: dict[str, Any]) -> d
     return {name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)) if value}
 
 
-def open_link(url: str) -> Transport:
-    """A link to another inbox of this worker's pipeline (the token, and TLS, from the worker's environment)."""
-    return open_transport(url, **link_options(LinkTls.from_environment()))
+def open_link(url: str, timeout: float | None = None) -> Transport:
+    """A link to another inbox of this worker's pipeline (the token, and TLS, from the worker's environment); each
+    message must reach it within `timeout` seconds (the pipeline's; None: the transport's default), so that a
+    neighbour stopped or cut off holds a stage up no longer than that."""
+    options = {} if timeout is None else {"timeout": timeout}
+    return open_transport(url, **options, **link_options(LinkTls.from_environment()))
 
 
 def open_links(fields: dict[str, Any], role: Role) -> Links:
     """A stage's links, from its assignment (or a recovery's `relink`): to the next stage of its pipeline, the
     last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
     of its replicas."""
-    following = open_link(fields["next"]) if fields.get("next") else None
-    first = open_link(fields["first"]) if role.decodes and role.last else None
-    token_links = [open_link(url) for url in fields.get("token_stages", [])]
+    timeout = fields.get("link_timeout")
+    following = open_link(fields["next"], timeout) if fields.get("next") else None
+    first = open_link(fields["first"], timeout) if role.decodes and role.last else None
+    token_links = [open_link(url, timeout) for url in fields.get("token_stages", [])]
     sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
     replicator = None
     start, stop = fields["layers"]
@@ -142,7 +146,7 @@ def open_links(fields: dict[str, Any], role: Role) -> Links:
     if fields.get("replica_store"):
         replicator = Replicator(open_store(fields["replica_store"]), role.number, stop - start, prefix)
     elif fields.get("holder"):
-        replicator = Replicator(Store(open_link(fields["holder"])), role.number, stop - start, prefix)
+        replicator = Replicator(Store(open_link(fields["holder"], timeout)), role.number, stop - start, prefix)
     return following, first, sender, replicator
 
 
