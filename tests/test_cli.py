@@ -240,6 +240,27 @@ def test_bench_recovery_reports_both_recoveries_beside_failure_free_runs(tmp_pat
     assert "--kill-step must lie between" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_bench_recovery_kill_controller_times_the_way_back_to_a_new_token(tmp_path, capsys, monkeypatch) -> None:
+    tests = str(Path(__file__).parent)  # dejavu serve's processes load tiny_models:llama_text themselves
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    samples = tmp_path / "controller.json"
+    arguments = ["bench", "recovery", "--kill", "controller", "--model", "tiny_models:llama_text", "--microbatch",
+                 "2", "--prompt-tokens", "8", "--new-tokens", "40", "--kill-step", "12", "--repeats", "1", "--quiet",
+                 "--json", str(samples)]
+    assert main(arguments) == 0
+    output = capsys.readouterr().out
+    for expected in ("| detection |", "| journal read |", "| workers |", "| adoption |", "| resume |", "| total |",
+                     "SIGKILLed when the first client had 12 tokens"):
+        assert expected in output
+    (kill,) = json.loads(samples.read_text())["kills"]
+    parts = ("detection", "start", "journal_read", "workers", "adoption", "resume")
+    assert all(kill[part] >= 0 for part in parts)
+    assert sum(kill[part] for part in parts) <= kill["total"] + 0.5  # the parts lie within the whole
+    assert kill["recomputed"] >= 12  # every token the first client had was journaled, and computed again
+    assert main(["bench", "recovery", "--kill", "controller", "--plot", str(tmp_path / "x.png"), "--quiet"]) == 2
+
+
 def test_bench_swapping_reports_both_variants_beside_the_planner(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny_models, loaded in this process
     samples, figure = tmp_path / "swapping.json", tmp_path / "swapping.png"

@@ -1,20 +1,25 @@
 """The Ray launcher on a one-node Ray started here: stage workers as Ray actors, a dead one replaced by a new
-actor, and the controller as an actor too."""
+actor, and the controller as an actor too, restarted by Ray from its journal."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 from pathlib import Path
 
 import expectations
+import httpx
 import openai
 import pytest
 import ray
 import torch
+from resuming_clients import ResumingClient
 from test_recovery import NEW, _expected, _stage_pid, _wait_for_recoveries, _wait_for_steps
 
 from dejavu_sdk.cluster.ray import RayWorkers, serve_on_ray
+from dejavu_sdk.errors import ConfigError
 from dejavu_sdk.serving import Pipeline
 
 TESTS = str(Path(__file__).parent)
@@ -66,5 +71,41 @@ def test_the_controller_serves_from_a_ray_actor(one_node_ray) -> None:
         assert [stage["alive"] for stage in served.status()["stages"]] == [True, True]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=served.url + "/v1", api_key="guess", max_retries=0).models.list()
+    finally:
+        served.close()
+
+
+@pytest.mark.slow
+def test_the_controller_actor_killed_is_restarted_by_ray_and_goes_on_from_its_journal(one_node_ray, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="journal"):
+        serve_on_ray("tiny_models:llama_text", max_restarts=1, port=8123)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    served = serve_on_ray("tiny_models:llama_text", stages=1, microbatch=4, port=port, host="127.0.0.1",
+                          journal=f"file://{tmp_path}/journal", max_restarts=1)
+    try:
+        bodies = [{"model": "tiny_models:llama_text", "prompt": [9 + client, 4, 5], "max_tokens": 40,
+                   "ignore_eos": True, "temperature": 1.0 if client % 2 else 0, "seed": 70 + client}
+                  for client in range(4)]
+        headers = {"Authorization": f"Bearer {served.token}"}
+        expected = [httpx.post(served.url + "/v1/completions", json=body, headers=headers,
+                               timeout=120).json()["choices"][0]["token_ids"] for body in bodies]
+        progress = [0] * len(bodies)
+        clients = [ResumingClient(served.url, served.token, body, progress, slot) for slot, body in enumerate(bodies)]
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 120
+        while sum(progress) < 12:
+            assert time.monotonic() < deadline, "the clients got no tokens"
+            time.sleep(0.005)
+        ray.kill(served.actor, no_restart=False)  # its process dies; Ray starts it again
+        for client in clients:
+            client.join(timeout=300)
+        for slot, client in enumerate(clients):
+            assert client.error is None, f"client {slot}: {client.error!r}"
+            assert client.tokens == expected[slot], f"client {slot} (reconnected {client.reconnects} times)"
+        assert sum(client.reconnects for client in clients) > 0
+        assert served.status()["adopted"]["going_on"]  # the restarted actor took the requests over
     finally:
         served.close()

@@ -1,11 +1,10 @@
 """Chaos: `dejavu serve --journal` SIGKILLed at a random moment while 16 clients stream (greedy and seeded
-sampling); a new one started on the same journal and address goes on with every request, and each client,
-reconnecting with its `Last-Event-ID`, ends with exactly the tokens of a run without the failure: none missing,
-none twice."""
+sampling), alone or with its stage worker; a new one started on the same journal and address goes on with every
+request, and each client, reconnecting with its `Last-Event-ID`, ends with exactly the tokens of a run without
+the failure: none missing, none twice."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -13,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from resuming_clients import ResumingClient
 
 MODEL = "tiny_models:llama_text"
 TESTS = str(Path(__file__).parent)
@@ -45,68 +44,10 @@ def _serving(process: subprocess.Popen) -> str:
     return match.group(1)
 
 
-def _body(client: int, stream: bool) -> dict:
+def _body(client: int) -> dict:
     sampled = client % 2 == 1
     return {"model": MODEL, "prompt": [5 + client, 17, 33 + client], "max_tokens": NEW, "ignore_eos": True,
-            "temperature": 1.0 if sampled else 0, **({"seed": 1000 + client} if sampled else {}), "stream": stream}
-
-
-class StreamingClient(threading.Thread):
-    """One client: streams its request, and on a broken connection reconnects with its last event id (or sends the
-    request again if the server never heard of it) until its stream ends."""
-
-    def __init__(self, url: str, client: int, progress: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.url, self.client, self.progress = url, client, progress
-        self.tokens: list[int] = []
-        self.request_id: str | None = None
-        self.last: str | None = None
-        self.finish: str | None = None
-        self.reconnects = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            deadline = time.monotonic() + RECONNECT + 120
-            while self.finish is None:
-                assert time.monotonic() < deadline, f"client {self.client} did not finish"
-                try:
-                    self._attempt()
-                except (httpx.HTTPError, OSError):
-                    self.reconnects += 1
-                    time.sleep(0.2)
-        except BaseException as error:
-            self.error = error
-
-    def _attempt(self) -> None:
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        if self.request_id is None:
-            request = ("POST", f"{self.url}/v1/completions", {"json": _body(self.client, True)})
-        else:
-            request = ("GET", f"{self.url}/v1/requests/{self.request_id}/stream", {})
-            if self.last is not None:
-                headers["Last-Event-ID"] = self.last
-        method, url, extra = request
-        with httpx.stream(method, url, headers=headers, timeout=30, **extra) as response:
-            if response.status_code == 404 and not self.tokens:  # admitted, but not journaled: send it again
-                self.request_id = None
-                return
-            if response.status_code in (502, 503):
-                raise httpx.HTTPError(f"{response.status_code}: not serving yet")
-            assert response.status_code == 200, response.read()
-            self.request_id = response.headers["X-Dejavu-Request-Id"]
-            event_id = None
-            for line in response.iter_lines():
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    for choice in chunk["choices"]:
-                        self.tokens += choice["token_ids"]
-                        self.progress[self.client] = len(self.tokens)
-                        self.finish = choice["finish_reason"] or self.finish
-                    self.last = event_id
+            "temperature": 1.0 if sampled else 0, **({"seed": 1000 + client} if sampled else {})}
 
 
 def _free_port() -> int:
@@ -116,7 +57,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path) -> None:
+@pytest.mark.parametrize("with_stage", [False, True], ids=["controller", "controller-and-its-stage"])
+def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, with_stage: bool) -> None:
     port, journal = _free_port(), f"file://{tmp_path}/journal"
     first = _serve(port, journal, tmp_path)
     processes = [first]
@@ -125,10 +67,12 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         headers = {"Authorization": f"Bearer {TOKEN}"}
         expected = []  # the failure-free run
         for client in range(CLIENTS):
-            answer = httpx.post(f"{url}/v1/completions", json=_body(client, False), headers=headers, timeout=120)
+            answer = httpx.post(f"{url}/v1/completions", json=_body(client), headers=headers, timeout=120)
             expected.append(answer.json()["choices"][0]["token_ids"])
+        stage_pid = httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["stages"][-1]["pid"]
         progress = [0] * CLIENTS
-        clients = [StreamingClient(url, client, progress) for client in range(CLIENTS)]
+        clients = [ResumingClient(url, TOKEN, _body(client), progress, client, RECONNECT + 120)
+                   for client in range(CLIENTS)]
         for client in clients:
             client.start()
         kill_after = random.Random().randint(CLIENTS, CLIENTS * NEW // 2)  # tokens received by all, before the kill
@@ -136,6 +80,8 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         while sum(progress) < kill_after:
             assert time.monotonic() < deadline, f"the clients got {sum(progress)} tokens in 120 s"
             time.sleep(0.005)
+        if with_stage:  # its stage worker in the same instant (as a machine that hosted both would go)
+            os.kill(stage_pid, signal.SIGKILL)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
         killed_at = sum(progress)

@@ -132,6 +132,17 @@ def _bench_recovery(args: argparse.Namespace) -> int:
                           ("prompt-stages", args.prompt_stages)):
         if value < 1:
             raise ConfigError(f"--{option} must be positive")
+    if args.kill == "controller":
+        from ..bench.recovery_controller import run_controller_recovery_bench
+
+        if args.plot:
+            raise ConfigError("--kill controller draws no figure: its parts are a table")
+        killed = run_controller_recovery_bench(args.model, rows=args.microbatch, prompt_tokens=args.prompt_tokens,
+                                               new_tokens=args.new_tokens, kill_step=args.kill_step,
+                                               repeats=args.repeats, progress=not args.quiet)
+        print(killed.to_markdown())
+        write_outputs(args, killed)
+        return 0
     report = run_recovery_bench(args.model, prompt_stages=args.prompt_stages, token_stages=args.token_stages,
                                 microbatch=args.microbatch, prompt_tokens=args.prompt_tokens,
                                 new_tokens=args.new_tokens, kill_step=args.kill_step, repeats=args.repeats,
@@ -252,5 +263,9 @@ def add_bench_commands(commands: Any) -> None:
     recovery.add_argument("--kill-step", type=int, help="the decode step at which the last token stage is killed "
                           "(default: half of --new-tokens)")
     recovery.add_argument("--repeats", type=int, default=3)
+    recovery.add_argument("--kill", choices=["stage", "controller"], default="stage", help="stage: the last token "
+                          "stage of two pipelines (replicas against recompute); controller: `dejavu serve --journal` "
+                          "itself, a new one started on its journal while its clients reconnect (the stage "
+                          "options do not apply)")
     add_output_arguments(recovery, figures="latencies with and without a failure, and the time from kill to serving")
     recovery.set_defaults(run=_bench_recovery)

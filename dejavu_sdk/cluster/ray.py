@@ -13,13 +13,16 @@
 Ray places each worker where its resources are (`num_cpus`, `num_gpus`, `resources`, any other actor
 option); the worker listens on its node's address. When a stage dies (its actor killed, its node lost,
 its process stopped), the pipeline's recovery asks the launcher for a replacement, a new actor, and
-resumes from the replicas. Actors are not restarted by Ray itself: the pipeline decides.
+resumes from the replicas. Stage actors are not restarted by Ray itself: the pipeline decides. The controller's
+actor is, where `serve_on_ray(..., max_restarts=N, journal=URL)` asks for it: Ray starts it again from its
+constructor's arguments, on the same address, token and journal, and it goes on with the journal's requests for
+their clients to resume (docs/cluster.md).
 """
 
 from __future__ import annotations
 
 import os
-import threading
+import secrets
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -102,19 +105,19 @@ class RayWorkers:
 
 
 class _ControllerActor:
-    """A Ray actor hosting a `Controller` whose stage workers are Ray actors too."""
+    """A Ray actor hosting a `Controller` whose stage workers are Ray actors too, started by its constructor: an
+    actor Ray restarts starts its controller again, from the same arguments."""
 
-    def __init__(self) -> None:
-        self._controller: Any = None
-        self._stopped = threading.Event()
-
-    def start(self, model: str, options: dict[str, Any], worker_options: dict[str, Any]) -> tuple[str, str]:
+    def __init__(self, model: str, options: dict[str, Any], worker_options: dict[str, Any]) -> None:
         from ..controller import Controller
 
+        options = dict(options)
         host = options.pop("host", None) or ray.util.get_node_ip_address()
         workers = RayWorkers(**{"host": host if host in ("127.0.0.1", "::1", "localhost") else None,
                                 **worker_options})
         self._controller = Controller(model, host=host, worker_host=host, launch=workers, **options).start()
+
+    def address(self) -> tuple[str, str]:
         return self._controller.url, self._controller.token
 
     def status(self) -> dict[str, Any]:
@@ -143,10 +146,24 @@ class RayServed:
 
 
 def serve_on_ray(model: str, *, controller_options: dict[str, Any] | None = None,
-                 worker_options: dict[str, Any] | None = None, **options: Any) -> RayServed:
+                 worker_options: dict[str, Any] | None = None, max_restarts: int = 0, **options: Any) -> RayServed:
     """Start a `Controller` for `model` in a Ray actor (with `controller_options`, e.g. `resources`), its stage
     workers as Ray actors (with `worker_options`); `options` go to the `Controller` (layout, `port` (default
-    8000), `token`, `recovery`, `standby`, ...)."""
-    actor: Any = ray.remote(_ControllerActor).options(num_cpus=0, **(controller_options or {})).remote()
-    url, token = ray.get(actor.start.remote(model, options, worker_options or {}), timeout=START_TIMEOUT)
+    8000), `token`, `recovery`, `standby`, `journal`, ...). `max_restarts`: how often Ray starts the controller's
+    actor again after it died; each incarnation serves at the same address with the same tokens and goes on from
+    the journal (so it needs `journal=` and a fixed `port`)."""
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise ConfigError(f"max_restarts must be a count of restarts (-1: without end), got {max_restarts!r}")
+    if max_restarts:
+        if not options.get("journal"):
+            raise ConfigError("a restarted controller goes on from its journal: give journal= with max_restarts")
+        if options.get("port", 8000) == 0:
+            raise ConfigError("a restarted controller must answer where its clients reconnect: give a port, not 0")
+        # every incarnation takes the same tokens: clients and workers keep theirs
+        options.setdefault("token", secrets.token_urlsafe(24))
+        options.setdefault("worker_token", secrets.token_urlsafe(24))
+    actor: Any = ray.remote(_ControllerActor).options(
+        num_cpus=0, max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0,
+        **(controller_options or {})).remote(model, options, worker_options or {})
+    url, token = ray.get(actor.address.remote(), timeout=START_TIMEOUT)
     return RayServed(url, token, actor)

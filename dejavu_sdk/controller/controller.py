@@ -59,11 +59,15 @@ LISTEN_TIMEOUT = ADOPT_TIMEOUT = 30.0
 class Adoption:
     """What a controller took over from its predecessor's journal: the requests still running (`going_on`), each
     with the tokens the journal held that are computed again from the prompt (`recomputed`: no worker holds
-    their caches), and the ended ones kept for clients to read (`kept`)."""
+    their caches), and the ended ones kept for clients to read (`kept`); and the seconds its start spent reading
+    the journal, starting the stage workers and queuing the requests again."""
 
     going_on: list[str] = attrs.field(factory=list)
     recomputed: dict[str, int] = attrs.field(factory=dict)
     kept: list[str] = attrs.field(factory=list)
+    read_seconds: float = 0.0
+    workers_seconds: float = 0.0
+    adopt_seconds: float = 0.0
 
 
 class Controller:
@@ -227,7 +231,9 @@ class Controller:
         """Start the HTTP server and the stage workers (which may ask it where to join); return once both are
         up."""
         try:
+            began = time.monotonic()
             inherited = [] if self.journal is None else self._inherited()
+            read = time.monotonic()
             self._adopting = bool(inherited)
             self.pipeline.listen()
             self._start_http()
@@ -235,9 +241,12 @@ class Controller:
                 log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
                             len(self.pipeline.stage_table), self.url)
             self.pipeline.start()
+            started = time.monotonic()
             if inherited:
                 self._adopt(inherited)
                 self._adopting = False
+            self.adoption = attrs.evolve(self.adoption, read_seconds=read - began, workers_seconds=started - read,
+                                         adopt_seconds=time.monotonic() - started)
         except BaseException:
             self.close()
             raise
