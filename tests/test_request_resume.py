@@ -121,13 +121,17 @@ def _first_run(tokenizer, tmp_path, *asks: dict) -> tuple[list, dict]:
         return answers, read_journal(first.journal.store)
 
 
-def _cut(held, request_id: str, keep: int, url: str, wrong_at: int | None = None) -> None:
+def _cut(held, request_id: str, keep: int, url: str, wrong_at: int | None = None,
+         answered: str | None = None) -> None:
     """Write to `url` the journal a controller killed after `keep` tokens of `request_id` leaves (the token at
-    `wrong_at` changed: what a computation that went another way streamed)."""
+    `wrong_at` changed: what a computation that went another way streamed; `answered`: the request's outcome,
+    written before the kill)."""
     journal = Journal(url)
     journal.admitted(request_id, held[request_id].admitted)
     for index, token in enumerate(held[request_id].tokens[0][:keep]):
         journal.token(request_id, 0, index, token + (1 if index == wrong_at else 0))
+    if answered is not None:
+        journal.answered(request_id, answered)
     journal.close()
 
 
@@ -159,6 +163,12 @@ def test_a_successor_goes_on_with_the_journal_s_requests_and_their_clients_resum
         assert third.adoption.going_on == []
         assert sorted(third.adoption.kept) == sorted([greedy.id, sampled.id])
         assert _get(third, greedy.id)[1]["choices"][0]["token_ids"] == greedy.choices[0].token_ids
+    _cut(held, sampled.id, 3, f"file://{tmp_path}/left", answered="cancelled")  # its client left, no journal kept
+    with _controller(tokenizer, f"file://{tmp_path}/left") as fourth:  # an unfinished choice of an ended request
+        assert (fourth.adoption.going_on, fourth.adoption.kept) == ([], [sampled.id])
+        now = _get(fourth, sampled.id)[1]
+        assert (now["status"], now["choices"][0]["token_ids"]) == ("cancelled", sampled.choices[0].token_ids[:3])
+        assert fourth.pipeline.idle()  # nothing computed for it
 
 
 @pytest.mark.slow

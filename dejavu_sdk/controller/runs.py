@@ -151,8 +151,9 @@ class Run:
         self._submit()
 
     def _submit(self) -> None:
-        """Queue the choices that have not ended (all of a new request)."""
-        going = [index for index, state in enumerate(self.states) if state.finish is None]
+        """Queue the choices that have not ended (all of a new request; none of one answered already)."""
+        going = [] if self.outcome is not None else [index for index, state in enumerate(self.states)
+                                                     if state.finish is None]
         self.futures: list[Future[Result]] = [_ended_future() for _ in self.states]
         try:
             submitted = self.backend.submit(
@@ -290,7 +291,7 @@ class Run:
     async def _updates(self) -> AsyncIterator[Update]:
         """Each choice's text and tokens as they come, until every choice has ended; a choice whose computation
         failed raises its ApiError (the other choices are cancelled)."""
-        open_choices = sum(state.finish is None for state in self.states)
+        open_choices = 0 if self.outcome is not None else sum(state.finish is None for state in self.states)
         while open_choices:
             batch = [await self.events.get()]
             while not self.events.empty():
