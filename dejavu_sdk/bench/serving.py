@@ -686,7 +686,7 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
             "static": lambda p, n, a, s: serve_static(model, p, n, a, rows, 0, s),
             "continuous": hf.serve,
             **{name: _pipeline_server(pipe) for name, pipe in pipelines.items()},
-            **{name: server.serve for name, server in controllers.items()},
+            **{name: _controller_server(server) for name, server in controllers.items()},
         }
         _warm_up(servers, variants, loads, model.config.vocab_size)
         total = len(loads) * len(rates) * repeats * len(variants)
@@ -717,6 +717,15 @@ def run_serving_bench(model_name: str = "smollm2", *, requests: int = 12, microb
 
 def _pipeline_server(pipe: Any) -> Server:
     return lambda prompts, new_tokens, arrivals, seeds: serve_pipeline(pipe, prompts, new_tokens, arrivals, seeds)
+
+
+def _controller_server(server: ControllerServer) -> Server:
+    def serve(prompts: list[torch.Tensor], new_tokens: Sequence[int], arrivals: Sequence[float],
+              seeds: Sequence[int] | None) -> tuple[float, list[Served]]:
+        makespan, times = server.serve(prompts, new_tokens, arrivals, seeds)
+        return makespan, [Served(*each) for each in times]
+
+    return serve
 
 
 def _warm_up(servers: dict[str, Server], variants: Sequence[str], loads: list[Workload], vocabulary: int) -> None:

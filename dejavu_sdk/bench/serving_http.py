@@ -41,14 +41,12 @@ class ControllerServer:
         self.controller.start()
 
     def serve(self, prompts: list[torch.Tensor], new_tokens: Sequence[int], arrivals: Sequence[float],
-              seeds: Sequence[int] | None) -> tuple[float, list[Any]]:
+              seeds: Sequence[int] | None) -> tuple[float, list[tuple[float, float, int]]]:
         """Each request streamed at its arrival by a client thread of its own; the makespan and each request's
-        times from its sending (first token and last token as its client read them)."""
-        from .serving import Served
-
+        (first token, last token) seconds from its sending, as its client read them, and its tokens."""
         start = time.monotonic()
 
-        def one(number: int) -> tuple[Served, float]:
+        def one(number: int) -> tuple[tuple[float, float, int], float]:
             delay = start + arrivals[number] - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -66,7 +64,7 @@ class ControllerServer:
                             first = time.monotonic() - sent
                         tokens += count
             done = time.monotonic()
-            return Served(first if first is not None else done - sent, done - sent, tokens), done
+            return (first if first is not None else done - sent, done - sent, tokens), done
 
         with ThreadPoolExecutor(len(prompts), thread_name_prefix="dejavu-bench-client") as clients:
             answers = list(clients.map(one, range(len(prompts))))
