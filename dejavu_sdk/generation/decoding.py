@@ -202,6 +202,15 @@ def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, 
     return tokens, ended | torch.tensor(reached, dtype=torch.bool, device=ended.device), failures
 
 
+def next_tokens_scored(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int | Sequence[int],
+                       limits: list[int], eos: torch.Tensor, pad: int,
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure], dict[int, Any]]:
+    """`next_tokens`, with the step's log-probabilities (`TokenPicker.logprobs`, by row) of the rows that ask for
+    them and had not ended before it: what a serving stage reports with each step's tokens."""
+    tokens, now_ended, failures = next_tokens(picker, logits, ended, steps, limits, eos, pad)
+    return tokens, now_ended, failures, picker.logprobs(logits, tokens, ended)
+
+
 class _Sampler(NamedTuple):
     warpers: LogitsProcessorList
     generator: torch.Generator

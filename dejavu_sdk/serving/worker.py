@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import ReplicationError, TransportError
-from ..generation.decoding import TokenPicker, next_tokens
+from ..generation.decoding import TokenPicker, next_tokens_scored
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message, pack, unpack
@@ -292,11 +292,10 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         assert state.picker is not None  # made with the microbatch on the last stage
         state.steps += 1
         self.row_steps += int((~state.ended).sum())
-        before = state.ended
-        tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
-                                                    state.fields["max_new_tokens"], self.eos, self.pad)
-        logprobs = {str(row): entry for row, entry in state.picker.logprobs(logits, tokens, before).items()}
-        return tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()}, logprobs
+        tokens, state.ended, failures, logprobs = next_tokens_scored(
+            state.picker, logits, state.ended, state.steps, state.fields["max_new_tokens"], self.eos, self.pad)
+        return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
+                {str(row): entry for row, entry in logprobs.items()})
 
     def _scorer(self, state: MicrobatchState, into: dict[str, Any]) -> Any:
         """The last stage's prompt scorer of a microbatch's prefill (None elsewhere, or when no row asks)."""

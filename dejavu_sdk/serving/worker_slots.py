@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..generation.batching import group_rows
-from ..generation.decoding import TokenPicker, next_tokens
+from ..generation.decoding import TokenPicker, next_tokens_scored
 from ..generation.slots import Joining, Round, SlotRows, leave, stack
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
@@ -348,14 +348,12 @@ class SlotHandlers(WorkerState):
             counts = [state.counts[member] + 1 for member in decoded]
             limits = [state.limits[member] for member in decoded]
             self.row_steps += int((~state.ended).sum())
-            before = state.ended
-            picked, state.ended, failures = next_tokens(state.picker, logits, state.ended, counts, limits, self.eos,
-                                                        self.pad)
-            logprobs.update((str(decoded[row]), entry)
-                            for row, entry in state.picker.logprobs(logits, picked, before).items())
+            picked, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended, counts,
+                                                                       limits, self.eos, self.pad)
+            logprobs.update(_by_member(decoded, scores))
             members += decoded
             tokens.append(picked)
-            failed.update({str(decoded[row]): failure.fields() for row, failure in failures.items()})
+            failed.update(_by_member(decoded, {row: failure.fields() for row, failure in failures.items()}))
             for member in decoded:
                 state.counts[member] += 1
             pickers.append((len(decoded), state.picker.states() if self.recovery else None))
@@ -372,12 +370,12 @@ class SlotHandlers(WorkerState):
                 ended = cancelled | torch.tensor([member in fields["group"]["ended"] for member in group_members])
             else:
                 limits = [state.limits[member] for member in group_members]
-                picked, ended, failures = next_tokens(picker, first_logits, cancelled, 1, limits, self.eos, self.pad)
-                logprobs.update((str(group_members[row]), entry)
-                                for row, entry in picker.logprobs(first_logits, picked, cancelled).items())
+                picked, ended, failures, scores = next_tokens_scored(picker, first_logits, cancelled, 1, limits,
+                                                                     self.eos, self.pad)
+                logprobs.update(_by_member(group_members, scores))
                 members += group_members
                 tokens.append(picked)
-                failed.update({str(group_members[row]): failure.fields() for row, failure in failures.items()})
+                failed.update(_by_member(group_members, {row: failure.fields() for row, failure in failures.items()}))
                 pickers.append((len(group_members), picker.states() if self.recovery else None))
             keep = [row for row, done in enumerate(ended.tolist()) if not done]
             state.counts.update((group_members[row], 1) for row in keep)
@@ -434,3 +432,8 @@ def _group_rows(group: Message, rows: list[int]) -> Message:
     ids, mask = group.tensors
     fields, ids, mask = group_rows(group.fields, ids, mask, rows)
     return Message(group.kind, fields, (ids, mask))
+
+
+def _by_member(members: list[int], by_row: dict[int, Any]) -> dict[str, Any]:
+    """Entries by row of a pick over `members`, keyed by member (as message fields)."""
+    return {str(members[row]): entry for row, entry in by_row.items()}
