@@ -47,9 +47,9 @@ def _stage_pid(pipe: Pipeline, name: str) -> int:
 def _serve_rows_together(pipe: Pipeline, prompts, limits, blockers: int, streamed: dict | None = None) -> list:
     """Fill the pipeline's microbatch slots with `blockers` long requests, then submit one request per row of ROWS
     so that they wait, and start, as one microbatch; their futures."""
-    for index in range(blockers):
+    for index in range(blockers):  # one at a time: two sent together could share a microbatch
         pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
-    _wait(lambda: len(pipe.status()["microbatches"]) == blockers, 60, "the blockers in flight")
+        _wait(lambda count=index + 1: len(pipe.status()["microbatches"]) == count, 60, "the blockers in flight")
     futures = []
     for row, (decoding, limit) in enumerate(zip(ROWS, limits, strict=True)):
         on_token = None if streamed is None else streamed.setdefault(row, []).append

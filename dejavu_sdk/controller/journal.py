@@ -127,7 +127,10 @@ class Journal:
             self._waiting = [(number, callback) for number, callback in self._waiting
                              if not self._stopped and number > self.written]
         for callback in due:
-            callback()
+            try:
+                callback()
+            except Exception:  # noqa: PERF203 - a waiter gone meanwhile (its event loop closed): none to tell
+                log.debug("a journal waiter could not be told", exc_info=True)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until what was queued before this call is written (False: not within `timeout` seconds)."""

@@ -42,9 +42,11 @@ class RunBook:
         return len(self._runs)
 
     def close(self) -> None:
-        """Keep nothing more (the API stops)."""
+        """Keep nothing more, and stop every run's log (the API stops)."""
         for task in list(self._keeping):
             task.cancel()
+        for run in self._runs.values():
+            run.abandon()
         self._runs.clear()
 
     async def _forget_when_kept(self, run: Run) -> None:

@@ -174,6 +174,11 @@ class Run:
         if self._task is None:
             self._task = self.loop.create_task(self._write_log())
 
+    def abandon(self) -> None:
+        """Stop writing the log (the API stops; the pipeline fails what is left)."""
+        if self._task is not None:
+            self._task.cancel()
+
     def _replay(self, adopted: JournaledRequest) -> None:
         """The journal's tokens of an adopted request as updates, a token each, with the text and ends its
         predecessor streamed."""
