@@ -12,11 +12,13 @@ now, answer `warm`, and wait for an `assign`) or `shutdown`. The token of the he
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -35,17 +37,25 @@ from .worker_state import HeadGone, Role, open_links
 ASSIGN_TIMEOUT = 120.0
 #: Seconds a worker keeps trying to reach a head that is not listening yet.
 JOIN_TIMEOUT = 120.0
+#: Seconds between an orphan's tries to rejoin the head at its address.
+REJOIN_EVERY = 0.5
+#: The transports whose head an orphan can rejoin: a new head at the same address takes a new connection.
+REJOINABLE = ("tcp",)
+
+log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Posts `heartbeat` to the head every `interval` seconds from a thread of its own, however busy the stage
-    is (a stopped or hung process sends none: the head counts it dead after a few missed), with the worker's
-    epoch and inbox (a worker replaced meanwhile is told there to exit). A head that no longer takes them is kept
+    """Sends `heartbeat` to the head every `interval` seconds from a thread and a link of its own, however busy
+    the stage is (a stopped or hung process sends none: the head counts it dead after a few missed), with the
+    worker's epoch and inbox (a worker replaced meanwhile is told there to exit). Each waits for the head's
+    inbox to take it, at most `timeout` seconds: a head that no longer takes them (gone, or stopped) is kept
     as `error` for the worker's loop to raise."""
 
-    def __init__(self, head: Transport, stage: str, interval: float, epoch: Callable[[], int] = lambda: 0,
-                 url: str | None = None) -> None:
-        self.head, self.stage, self.interval, self.epoch, self.url = head, stage, interval, epoch, url
+    def __init__(self, head: str, stage: str, interval: float, timeout: float,
+                 epoch: Callable[[], int] = lambda: 0, url: str | None = None) -> None:
+        self.stage, self.interval, self.epoch, self.url = stage, interval, epoch, url
+        self.head = open_transport(head, timeout=timeout, **link_options(LinkTls.from_environment()))
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dejavu-heartbeat", daemon=True)
@@ -54,7 +64,7 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.interval):
-                self.head.post_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
+                self.head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
                                                                      "url": self.url})))
         except Exception as error:  # the head is gone: the worker stops
             self.error = error
@@ -66,12 +76,16 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.head.close()
 
 
-def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, worker_id: str | None = None) -> None:
+def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, worker_id: str | None = None,
+               orphan_timeout: float | None = None) -> None:
     """Join the head at `join` (a transport URL such as tcp://host:port) as `worker_id` (the launcher's, or
     None), serve the stage it assigns, and return once it says `shutdown`. `threads`: torch threads (default:
-    the head's choice)."""
+    the head's choice). A head that is gone leaves the worker an orphan: it keeps its stage loaded and asks the
+    head now at `join` (a successor at the same address) to take it back, for `orphan_timeout` seconds (default:
+    the head's choice, `PipelineOptions.orphan_timeout`; over tcp), then returns."""
     token = os.environ.get(TOKEN_VARIABLE) or None
     scheme = join.partition("://")[0]
     tls = LinkTls.from_environment()
@@ -85,33 +99,90 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             model = load_model(assign.fields["model"])
             head.send_tensor(pack(Message(Kind.WARM, {"url": inbox.url})))
             assign = _wait_for_assignment(inbox, head)
-        if assign.kind == Kind.SHUTDOWN:
-            return
-        if assign.kind != "assign":
-            raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
-        fields = assign.fields
-        torch.set_num_threads(threads if threads is not None else fields["threads"])  # the worker's own choice first
+        stage: Stage | None = None
+        while assign.kind != Kind.SHUTDOWN:
+            if assign.kind != "assign":
+                raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
+            fields = assign.fields
+            torch.set_num_threads(threads if threads is not None else fields["threads"])  # the worker's own first
+            if stage is None or stage.layers != tuple(fields["layers"]):  # a rejoined worker keeps its stage loaded
+                try:
+                    stage = Stage(model if model is not None else load_model(fields["model"]), tuple(fields["layers"]))
+                except Exception as error:  # whatever stops the stage from loading, the head must hear of it
+                    head.send_tensor(failure_message(fields["stage"], error, int(fields.get("epoch", 0))))
+                    raise
+                model = None  # the stage took it over
+            try:
+                _serve_stage(stage, fields, inbox, join)
+                return
+            except HeadGone as gone:
+                timeout = orphan_timeout if orphan_timeout is not None else float(fields.get("orphan_timeout", 0))
+                if scheme not in REJOINABLE or timeout <= 0:
+                    raise
+                log.warning("%s: %s; asking the head at %s to take the stage back for up to %.0f s", fields["stage"],
+                            gone, join, timeout)
+                answer = _rejoin(head, inbox, Message(Kind.REJOIN, {
+                    "url": inbox.url, "pid": os.getpid(), "worker": worker_id, "stage": fields["stage"],
+                    "layers": list(stage.layers), "model": fields["model"], "epoch": int(fields.get("epoch", 0))}),
+                    timeout)
+                if answer is None:
+                    log.warning("%s: no head took the stage back within %.0f s: stopping", fields["stage"], timeout)
+                    return
+                assign = answer
+
+
+def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str) -> None:
+    """Be the stage the assignment `fields` describe until the head at `join` says `shutdown` (HeadGone: the
+    head is gone), on links of its own (what was posted on a former head's is lost with it)."""
+    role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
+    following, first, sender, replicator = open_links(fields, role)
+    head = open_transport(join, **link_options(LinkTls.from_environment()))
+    worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
+                         bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
+                         int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
+                         fields.get("batching", "static"), fields.get("max_prefill_tokens"))
+    heartbeat: Heartbeat | None = None
+    try:
+        head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))
+        interval = float(fields["heartbeat"])
+        worker.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
+                                                 interval * int(fields.get("missed_beats", 3)),
+                                                 lambda: worker.epoch, inbox.url)
+        worker.run()
+    finally:
+        if heartbeat is not None:
+            heartbeat.close()
+        worker.close()
+        head.close()
+
+
+def _rejoin(head: Transport, inbox: Server, rejoin: Message, timeout: float) -> Message | None:
+    """An orphan's wait: send `rejoin` to the head's address every REJOIN_EVERY seconds until a head takes it
+    (then wait for its answer: an assignment, or shutdown) or `timeout` seconds pass (None). What the inbox
+    gets meanwhile from the old pipeline (steps its neighbours sent before they noticed) is dropped."""
+    deadline = time.monotonic() + timeout
+    with open_transport(head.url, timeout=REJOIN_EVERY * 4, **link_options(LinkTls.from_environment())) as link:
+        return _rejoin_through(link, inbox, rejoin, deadline)
+
+
+def _rejoin_through(link: Transport, inbox: Server, rejoin: Message, deadline: float) -> Message | None:
+    while True:
         try:
-            stage = Stage(model if model is not None else load_model(fields["model"]), tuple(fields["layers"]))
-        except Exception as error:  # whatever stops the stage from loading, the head must hear of it
-            head.send_tensor(failure_message(fields["stage"], error, int(fields.get("epoch", 0))))
-            raise
-        role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
-        following, first, sender, replicator = open_links(fields, role)
-        worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
-                             bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
-                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
-                             fields.get("batching", "static"), fields.get("max_prefill_tokens"))
-        heartbeat: Heartbeat | None = None
-        try:
-            head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))
-            worker.heartbeat = heartbeat = Heartbeat(head, role.name, float(fields["heartbeat"]), lambda: worker.epoch,
-                                                     inbox.url)
-            worker.run()
-        finally:
-            if heartbeat is not None:
-                heartbeat.close()
-            worker.close()
+            link.send_tensor(pack(rejoin))
+            answer_by = time.monotonic() + ASSIGN_TIMEOUT  # taken: the head assigns once every stage is there
+        except TransportError:
+            answer_by = min(time.monotonic() + REJOIN_EVERY, deadline)
+        while (remaining := answer_by - time.monotonic()) > 0:
+            try:
+                message = unpack(inbox.recv_tensor(timeout=remaining))
+            except TransportError:  # a quiet inbox
+                continue
+            if message.kind in (Kind.ASSIGN, Kind.SHUTDOWN):
+                return message
+            if message.kind == Kind.FENCED:
+                return None
+        if time.monotonic() >= deadline:
+            return None
 
 
 def _join(head: Transport, join: Message) -> None:
@@ -146,9 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker-id", help="the id its launcher gave it, sent to the head when it joins")
     parser.add_argument("--host", default="127.0.0.1", help="the address it listens on for its neighbours")
     parser.add_argument("--threads", type=int, help="torch threads for its stage (default: the head's choice)")
+    parser.add_argument("--orphan-timeout", type=float, help="seconds it keeps its stage and asks a successor at "
+                        "the head's address to take it back, once the head is gone (default: the head's choice)")
     args = parser.parse_args(argv)
     try:
-        run_worker(args.join, host=args.host, threads=args.threads, worker_id=args.worker_id)
+        run_worker(args.join, host=args.host, threads=args.threads, worker_id=args.worker_id,
+                   orphan_timeout=args.orphan_timeout)
     except DejaVuError as error:
         print(f"dejavu: error: {error}", file=sys.stderr)
         return 2

@@ -62,6 +62,7 @@ class Fleet:
         self.warming: dict[str, Spare] = {}  # spares loading the model, by inbox
         self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
+        self.rejoined: list[str] = []  # stages whose worker (a former head's) took them back at the start
         self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
 
@@ -70,62 +71,120 @@ class Fleet:
         return self.options.launcher is not None
 
     # ---- starting ---------------------------------------------------------------------------------------
-    def start(self, inbox: Server, eos: list[int], pad: int, recovery: bool) -> None:
+    def start(self, inbox: Server, eos: list[int], pad: int, recovery: bool, rejoin_wait: float = 0.0) -> None:
         """Launch a worker per stage (and the standbys), assign each worker its stage in the order they join
-        the head's `inbox`, and return once every stage is loaded."""
+        the head's `inbox`, and return once every stage is loaded. Workers of a head that died at this address
+        rejoin with their stage loaded (`rejoin`): the first `rejoin_wait` seconds are theirs, and workers are
+        launched only for the stages none took back (`rejoined` names those taken back)."""
+        stages = len(self.layout.stages)
+        members: dict[int, tuple[str, str | None, int]] = {}  # stage index: its worker's inbox, id and pid
+        epochs: list[int] = []  # those the rejoined workers served in
+        deadline = time.monotonic() + START_TIMEOUT
 
-        def next_message(deadline: float, waiting_for: str) -> Message:
-            while True:
-                self.check_processes()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportError(f"waited {START_TIMEOUT:.0f} s for {waiting_for}")
-                with contextlib.suppress(TransportError):  # a quiet inbox
-                    return unpack(inbox.recv_tensor(timeout=min(1.0, remaining)))
+        def next_message(until: float, waiting_for: str) -> Message | None:
+            self.check_processes()
+            remaining = min(until, deadline) - time.monotonic()
+            if remaining <= 0:
+                if until < deadline:
+                    return None
+                raise TransportError(f"waited {START_TIMEOUT:.0f} s for {waiting_for}")
+            with contextlib.suppress(TransportError):  # a quiet inbox
+                return unpack(inbox.recv_tensor(timeout=min(1.0, remaining)))
+            return None
 
+        def take(message: Message | None) -> None:
+            if message is None:
+                return
+            fields = message.fields
+            if message.kind == Kind.JOIN and fields.get("worker") in self.spares:
+                self.pool_spare(message)
+            elif message.kind == Kind.WARM:
+                self.warmed(str(fields["url"]))
+            elif message.kind == Kind.JOIN:
+                members[min(set(range(stages)) - set(members))] = (fields["url"], fields.get("worker"),
+                                                                   int(fields["pid"]))
+            elif message.kind == Kind.REJOIN:
+                index = self._stage_taken_back(message, set(members))
+                if index is None:
+                    self.turn_away(message)
+                else:
+                    members[index] = (fields["url"], fields.get("worker"), int(fields["pid"]))
+                    epochs.append(int(fields.get("epoch", 0)))
+                    self.rejoined.append(self.layout.stages[index].name)
+
+        until = time.monotonic() + rejoin_wait
+        while len(members) < stages and time.monotonic() < until:
+            take(next_message(until, "rejoining workers"))
+        launched: list[WorkerHandle] = []
         if self.launch:
-            self.processes = [self._launch() for _ in self.layout.stages]
+            launched = [self._launch() for _ in range(stages - len(members))]
             for _ in range(self.options.standby):
                 self._launch_spare()
-        deadline = time.monotonic() + START_TIMEOUT
-        joined: list[tuple[str, str | None, int]] = []
-        while len(joined) < len(self.layout.stages):
-            message = next_message(deadline, "every stage worker to join")
-            if message.kind == Kind.JOIN and message.fields.get("worker") in self.spares:
-                self.pool_spare(message)
-            elif message.kind == Kind.WARM:
-                self.warmed(str(message.fields["url"]))
-            elif message.kind == Kind.JOIN:
-                joined.append((message.fields["url"], message.fields.get("worker"), int(message.fields["pid"])))
-        if self.launch:  # stages go in the order workers joined: each stage's process is the one that joined as it
-            by_id = {process.id: process for process in self.processes}
-            self.processes = [by_id.pop(worker) if worker in by_id else JoinedWorker(pid, worker)
-                              for _, worker, pid in joined]
-            self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
-        else:
-            self.processes = [JoinedWorker(pid, worker) for _, worker, pid in joined]
+        while len(members) < stages:
+            take(next_message(deadline, "every stage worker to join"))
+        # stages go in the order workers joined: each stage's process is the one that joined as it
+        by_id = {process.id: process for process in launched}
+        joined = [members[index] for index in range(stages)]
+        self.processes = [by_id.pop(worker) if worker in by_id else JoinedWorker(pid, worker)
+                          for _, worker, pid in joined]
+        self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
+        if epochs:  # whatever the old pipeline's stages still send each other is of an older epoch: dropped
+            self.epoch = max(epochs) + 1
+            self.assigned = {stage.name: self.epoch for stage in self.layout.stages}
         self.urls = [url for url, _, _ in joined]
         self.links = [self._link(url) for url in self.urls]
-        for index in range(len(self.layout.stages)):
+        for index in range(stages):
             self.send(index, Message(Kind.ASSIGN, self.assignment(index, eos, pad, recovery)))
         ready: set[int] = set()
-        while len(ready) < len(self.layout.stages):
+        while len(ready) < stages:
             message = next_message(deadline, "every stage worker to load its stage")
-            if message.kind == Kind.JOIN:  # a standby that joined after the stage workers
+            if message is None:
+                continue
+            if message.kind == Kind.FAILED:
+                raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
+            if message.kind == Kind.READY:
+                ready.add(message.fields["stage"])
+            elif message.kind == Kind.JOIN:  # a standby that joined after the stage workers
                 self.pool_spare(message)
             elif message.kind == Kind.WARM:
                 self.warmed(str(message.fields["url"]))
-            elif message.kind == Kind.FAILED:
-                raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
-            elif message.kind == Kind.READY:
-                ready.add(message.fields["stage"])
+            elif message.kind == Kind.REJOIN:  # every stage has its worker
+                self.turn_away(message)
         self.beats = {stage.name: time.monotonic() for stage in self.layout.stages}
+
+    def _stage_taken_back(self, rejoin: Message, taken: set[int]) -> int | None:
+        """The stage a rejoining worker takes back: the one of its name, when it holds that stage's layers of this
+        model and no other worker has it; else None."""
+        fields = rejoin.fields
+        for index, stage in enumerate(self.layout.stages):
+            if stage.name == fields.get("stage"):
+                if index in taken or list(stage.layers) != list(fields.get("layers", ())) \
+                        or fields.get("model") != self.options.model:
+                    return None
+                return index
+        return None
+
+    def turn_away(self, rejoin: Message) -> None:
+        """Tell a worker that asks to rejoin while no stage needs it to stop (from a thread: the head's receiver
+        never waits on a worker)."""
+        url, stage = str(rejoin.fields["url"]), rejoin.fields.get("stage")
+
+        def tell() -> None:
+            try:
+                with self._link(url) as link:
+                    link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+                log.info("a worker of a former head asked to rejoin as %s: no stage needs it, told to stop", stage)
+            except TransportError as error:
+                log.info("could not tell the former %s worker at %s to stop: %s", stage, url, error)
+
+        threading.Thread(target=tell, name="dejavu-turn-away", daemon=True).start()
 
     def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> dict[str, Any]:
         """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
         stage, options = self.layout.stages[index], self.options
         return {"model": options.model, "stage": stage.name, "threads": options.threads, "eos": eos, "pad": pad,
-                "swapping": options.swapping, "heartbeat": options.heartbeat, "recovery": recovery,
+                "swapping": options.swapping, "heartbeat": options.heartbeat, "missed_beats": options.missed_beats,
+                "orphan_timeout": options.orphan_timeout, "recovery": recovery,
                 "batching": options.batching, "max_prefill_tokens": options.max_prefill_tokens,
                 "epoch": self.epoch, "role": stage.role, "number": stage.number,
                 "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
@@ -170,6 +229,15 @@ class Fleet:
     def replaced_since(self, stage: str, epoch: int) -> bool:
         """Whether `stage`'s worker was replaced after `epoch` (what its old worker says is no one's)."""
         return epoch < self.assigned.get(stage, 0)
+
+    def serves(self, stage: str, url: str, epoch: int) -> bool:
+        """Whether the worker with inbox `url`, in `epoch`, serves `stage` now (not a replaced one, nor one of a
+        former head at this address)."""
+        if self.replaced_since(stage, epoch):
+            return False
+        with self.lock:
+            names = [candidate.name for candidate in self.layout.stages]
+            return stage not in names or names.index(stage) >= len(self.urls) or self.urls[names.index(stage)] == url
 
     def exited(self) -> list[int]:
         """The stages whose launched process has exited."""

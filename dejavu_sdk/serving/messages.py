@@ -34,6 +34,7 @@ class Kind(str, enum.Enum):
 
     # a worker's life: worker -> head, head -> worker
     JOIN = "join"  # a worker's inbox, pid and launcher-given id
+    REJOIN = "rejoin"  # a worker whose head died, to the head now at its address: its stage, and the same
     STANDBY = "standby"  # head: load the model and wait as a spare
     WARM = "warm"  # a spare has loaded the model
     ASSIGN = "assign"  # head: be this stage, with these links

@@ -9,6 +9,7 @@ change.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -53,6 +54,8 @@ RECOVERY = ("replicas", "recompute")
 RECOVERABLE_TRANSPORTS = ("tcp", "gloo", "ucx")
 #: A joining prompt's positions run per step beside decoding rows, by default (vLLM's chunked-prefill budget).
 DEFAULT_PREFILL_TOKENS = 256
+#: Seconds a worker whose head is gone waits for a successor to take its stage back (`orphan_timeout`).
+ORPHAN_TIMEOUT = 60.0
 #: The smallest body cap a controller takes.
 MIN_BODY_BYTES = 1024
 
@@ -100,6 +103,8 @@ class PipelineOptions:
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
     (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
+    `orphan_timeout`: seconds a worker whose head is gone keeps its stage loaded, asking the head's address to
+    take it back (a successor started there, as a controller with a journal is), before it stops (0: at once).
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches). `link_tls_cert`, `link_tls_key`,
     `link_tls_ca`: TLS on every link of the pipeline (`link_tls`; tcp only).
@@ -132,6 +137,7 @@ class PipelineOptions:
     batching: str = "static"
     max_prefill_tokens: int | None = None
     link_tls: LinkTls | None = None
+    orphan_timeout: float = ORPHAN_TIMEOUT
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -143,7 +149,8 @@ class PipelineOptions:
               ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
               host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
               max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS, link_tls_cert: str | None = None,
-              link_tls_key: str | None = None, link_tls_ca: str | None = None) -> PipelineOptions:
+              link_tls_key: str | None = None, link_tls_ca: str | None = None,
+              orphan_timeout: float = ORPHAN_TIMEOUT) -> PipelineOptions:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         link_tls = LinkTls.of(link_tls_cert, link_tls_key, link_tls_ca, transport)
@@ -151,6 +158,7 @@ class PipelineOptions:
         _seconds(timeout, "timeout")
         _seconds(heartbeat, "heartbeat", most=60)
         _positive_integer(missed_beats, "missed_beats")
+        _seconds(orphan_timeout, "orphan_timeout", zero=True)
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
         reference = load_model(model)  # ConfigError for a bad name, before any process starts
@@ -196,7 +204,8 @@ class PipelineOptions:
                    f"p{secrets.token_hex(4)}-", standby, threads,
                    LocalProcesses() if launch is True else (launch or None), host, port,
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
-                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls)
+                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls,
+                   float(orphan_timeout))
 
 
 def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> str:
@@ -326,7 +335,10 @@ def _positive_integer(value: Any, name: str) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _seconds(value: Any, name: str, most: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (most and value > most):
+def _seconds(value: Any, name: str, most: float | None = None, zero: bool = False) -> None:
+    """A ConfigError unless `value` is a finite number of seconds above 0 (or 0 itself, `zero`), at most `most`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero) or (most and value > most):
+        lowest = "0 or more" if zero else "positive"
         raise ConfigError(f"{name} must be a number of seconds in (0, {most}], got {value!r}" if most else
-                          f"{name} must be a positive number of seconds, got {value!r}")
+                          f"{name} must be a {lowest} number of seconds, got {value!r}")

@@ -119,7 +119,8 @@ class Pipeline:
         self._closed = False
         self._requests: weakref.WeakKeyDictionary[Future[Result], Request] = weakref.WeakKeyDictionary()
         self._handlers: dict[str, Callable[[Message], None]] = {
-            Kind.JOIN: self.fleet.pool_spare, Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
+            Kind.JOIN: self.fleet.pool_spare, Kind.REJOIN: self.fleet.turn_away,
+            Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
             Kind.LINK_LOST: lambda message: self._recoveries.start(
                 set(), f"{message.fields['stage']} lost a link: {message.fields['error']}",
                 int(message.fields.get("epoch", 0))),
@@ -149,14 +150,15 @@ class Pipeline:
                                 token=self.options.token, **inbox_options(self.options.link_tls))
         return self._inbox.url
 
-    def start(self) -> Pipeline:
+    def start(self, rejoin_wait: float = 0.0) -> Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
-        loaded them."""
+        loaded them. `rejoin_wait`: seconds first given to the workers of a head that served at this address
+        and died to take their stages back (`rejoined`), before workers are launched for the others."""
         self.listen()
         self._starting = True
         try:
             assert self._inbox is not None  # listening
-            self.fleet.start(self._inbox, self.eos, self.pad, self.recovery is not None)
+            self.fleet.start(self._inbox, self.eos, self.pad, self.recovery is not None, rejoin_wait)
         except BaseException:
             self.close()
             raise
@@ -386,7 +388,7 @@ class Pipeline:
     def _on_heartbeat(self, message: Message) -> None:
         """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
         stage, epoch, url = str(message.fields["stage"]), int(message.fields.get("epoch", 0)), message.fields.get("url")
-        if self.fleet.replaced_since(stage, epoch) and isinstance(url, str):
+        if isinstance(url, str) and not self.fleet.serves(stage, url, epoch):
             self.fleet.fence_stale(url, stage, epoch)
         else:
             self.fleet.beat(stage, epoch)

@@ -78,21 +78,30 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                     self.handle(message)
                 if self.sender is not None:
                     self.sender.check()
-            except (TransportError, ReplicationError) as error:  # a neighbour (or replica holder) is unreachable
-                if not self.recovery or isinstance(error, HeadGone):
-                    self.head.send_tensor(failure_message(self.role.name, error, self.epoch))
+            except HeadGone:  # nobody to tell: the worker waits for a successor, or stops
+                raise
+            except (TransportError, ReplicationError) as error:  # a neighbour, the replica holder or the head
+                if not self.recovery:
+                    self._tell_head(failure_message(self.role.name, error, self.epoch))
                     raise
                 self._link_lost(error)
             except Exception as error:  # a bad message, or the stage failed: tell the head
-                self.head.send_tensor(failure_message(self.role.name, error, self.epoch))
+                self._tell_head(failure_message(self.role.name, error, self.epoch))
                 raise
+
+    def _tell_head(self, message: torch.Tensor) -> None:
+        """Send the head a packed message; HeadGone if it cannot be reached (then none is left to tell)."""
+        try:
+            self.head.send_tensor(message)
+        except TransportError as error:
+            raise HeadGone(f"the head cannot be reached: {error}") from error
 
     def _link_lost(self, error: BaseException) -> None:
         """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
         if self._reported_epoch < self.epoch:
             self._reported_epoch = self.epoch
-            self.head.send_tensor(pack(Message(Kind.LINK_LOST, {"stage": self.role.name, "epoch": self.epoch,
-                                                             "error": str(error)})))
+            self._tell_head(pack(Message(Kind.LINK_LOST, {"stage": self.role.name, "epoch": self.epoch,
+                                                          "error": str(error)})))
 
     def handle(self, message: Message) -> None:
         number = int(message.fields.get("microbatch", -1))

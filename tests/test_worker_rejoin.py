@@ -1,0 +1,79 @@
+"""The head's side of workers that outlive their controller: a worker of a former head (a heartbeat from an inbox
+the head never gave its stage) is told to exit, and one asking to rejoin a stage it cannot have (another worker
+serves it, or it holds other layers) is told to stop. The whole way (a controller killed, its worker rejoining
+the successor; one stopped past the orphan timeout) is tests/test_controller_chaos.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.messages import Kind, Message, pack, unpack
+
+TOKEN = "rejoin-token"
+pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
+
+
+def _next_kind(inbox, timeout: float = 30) -> str:
+    return unpack(inbox.recv_tensor(timeout=timeout)).kind
+
+
+def _rejoin(url: str, stage: str, layers: list[int], model: str = "tiny_models:llama") -> Message:
+    return Message(Kind.REJOIN, {"url": url, "pid": 1, "worker": "former", "stage": stage, "layers": layers,
+                                 "model": model, "epoch": 3})
+
+
+def test_a_former_heads_worker_is_fenced_and_late_rejoins_are_turned_away() -> None:
+    with Pipeline("tiny_models:llama", token=TOKEN) as pipe, \
+            dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
+        head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "stage 0", "epoch": 0, "url": former.url})))
+        assert _next_kind(former) == Kind.FENCED  # same stage name and epoch, but not the inbox the head assigned
+        head.send_tensor(pack(_rejoin(former.url, "stage 0", [0, 2])))
+        assert _next_kind(former) == Kind.SHUTDOWN  # the stage has its worker
+        ids = torch.tensor([[5, 6, 7]])
+        assert len(pipe.generate(ids, max_new_tokens=4)[0]) == 4  # the real worker still serves
+
+
+def test_a_rejoin_for_other_layers_is_turned_away_and_the_stage_gets_a_new_worker() -> None:
+    pipe = Pipeline("tiny_models:llama", token=TOKEN)
+    try:
+        pipe.listen()
+        with dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
+            head.send_tensor(pack(_rejoin(former.url, "stage 0", [0, 1])))  # a layout this pipeline does not have
+            pipe.start(rejoin_wait=1.0)
+            assert _next_kind(former) == Kind.SHUTDOWN
+        assert pipe.fleet.rejoined == []
+        assert len(pipe.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)[0]) == 2
+    finally:
+        pipe.close()
+
+
+@pytest.mark.slow
+def test_a_worker_whose_head_is_gone_stops_after_its_own_orphan_timeout() -> None:
+    """`dejavu worker --orphan-timeout 1` overrides the head's 60 s: once the head's address refuses, it asks to
+    rejoin for a second and exits cleanly."""
+    pipe = Pipeline("tiny_models:llama", token=TOKEN, launch=False, heartbeat=0.5)
+    worker = None
+    try:
+        url = pipe.listen()
+        environment = {**os.environ, "DEJAVU_TOKEN": TOKEN}
+        worker = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", url,
+                                   "--orphan-timeout", "1"], env=environment)
+        pipe.start()
+        assert pipe.options.orphan_timeout == 60
+        assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+        pipe._inbox.close()  # the head's address refuses, as a dead head's does (no shutdown is sent)
+        gone = time.monotonic()
+        assert worker.wait(timeout=30) == 0
+        assert 1 < time.monotonic() - gone < 15  # missed heartbeats (0.5 s x 3), then the orphan's second
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        pipe.close()
