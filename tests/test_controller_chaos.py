@@ -27,13 +27,21 @@ CLIENTS, NEW = 16, 40
 RECONNECT = 120.0
 
 
-def _serve(port: int, journal: str, tmp_path: Path) -> subprocess.Popen:
+def _serve(port: int, journal: str, tmp_path: Path, *options: str) -> subprocess.Popen:
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN + "\n")
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--listen",
                              f"127.0.0.1:{port}", "--token-file", str(token_file), "--journal", journal,
-                             "--microbatch", "4"], stdout=subprocess.PIPE, text=True, env=environment)
+                             "--microbatch", "4", *options], stdout=subprocess.PIPE, text=True, env=environment)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _serving(process: subprocess.Popen) -> str:
@@ -57,10 +65,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("with_stage", [False, True], ids=["controller", "controller-and-its-stage"])
-def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, with_stage: bool) -> None:
+@pytest.mark.parametrize("failure", ["controller", "controller-and-its-stage", "controller-stopped"])
+def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, failure: str) -> None:
+    """Killed alone: its stage worker rejoins the successor (no new worker starts). Killed with its stage: a new
+    worker starts. Stopped (SIGSTOP) past the workers' orphan timeout: the worker stops on its own, and the
+    successor (started once a supervisor has killed the stopped one) starts a new one."""
     port, journal = _free_port(), f"file://{tmp_path}/journal"
-    first = _serve(port, journal, tmp_path)
+    orphan_timeout = 3.0 if failure == "controller-stopped" else 60.0  # the default: a successor takes seconds
+    first = _serve(port, journal, tmp_path, "--orphan-timeout", str(orphan_timeout))
     processes = [first]
     try:
         url = _serving(first)
@@ -80,8 +92,15 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         while sum(progress) < kill_after:
             assert time.monotonic() < deadline, f"the clients got {sum(progress)} tokens in 120 s"
             time.sleep(0.005)
-        if with_stage:  # its stage worker in the same instant (as a machine that hosted both would go)
+        if failure == "controller-and-its-stage":  # in the same instant (as a machine that hosted both would go)
             os.kill(stage_pid, signal.SIGKILL)
+        if failure == "controller-stopped":
+            os.kill(first.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while _running(stage_pid):  # missed heartbeats (3 x 1 s), then the orphan timeout
+                assert time.monotonic() - stopped < 60, "the stage worker outlived its stopped controller by 60 s"
+                time.sleep(0.1)
+            assert time.monotonic() - stopped > orphan_timeout, "the worker stopped before its orphan timeout"
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
         killed_at = sum(progress)
@@ -99,6 +118,9 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         adopted = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["adopted"]
         assert adopted["going_on"], "the successor took over no request"
         assert adopted["recomputed"], "no request had a token journaled"  # and the report says what it redid
+        assert adopted["rejoined"] == (["stage 0"] if failure == "controller" else [])
+        stages = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["stages"]
+        assert (stages[-1]["pid"] == stage_pid) == (failure == "controller")
     finally:
         for process in processes:
             if process.poll() is None:

@@ -114,6 +114,10 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--keep-finished", type=float, default=limits.KEEP_FINISHED, help="seconds an ended "
                         "request stays readable at /v1/requests/<id> and its stream resumable (default "
                         f"{limits.KEEP_FINISHED:.0f})")
+    parser.add_argument("--orphan-timeout", type=float, help="seconds a stage worker whose controller is gone "
+                        "keeps its stage loaded and asks the worker address to take it back (a controller started on "
+                        "the same --journal rejoins it), before it stops (default: dv.Pipeline's orphan_timeout, "
+                        "60; 0: at once)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
@@ -176,6 +180,9 @@ def add_serving_commands(commands: Any) -> None:
     worker.add_argument("--threads", type=int, help="torch threads for this stage (default: the head's choice)")
     worker.add_argument("--worker-id", help="a name for this worker that is unique in the deployment (a "
                         "supervisor's or scheduler's id; process ids collide across machines), sent when it joins")
+    worker.add_argument("--orphan-timeout", type=float, help="once its controller is gone: seconds it keeps its "
+                        "stage loaded and asks the controller's worker address to take it back (a successor on the "
+                        "same journal), before it stops (default: the controller's --orphan-timeout)")
     _link_tls_arguments(worker)
     worker.set_defaults(run=_worker)
 
@@ -221,8 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
                     link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,
-                    keep_finished=args.keep_finished,
-                    worker_port=worker_port,
+                    keep_finished=args.keep_finished, worker_port=worker_port,
+                    **({} if args.orphan_timeout is None else {"orphan_timeout": args.orphan_timeout}),
                     launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",
               flush=True)
@@ -259,5 +266,6 @@ def _worker(args: argparse.Namespace) -> int:
     if tls is not None:  # every link the worker opens, and its inbox, take them from its environment
         os.environ.update(tls.environment())
     join = args.join or ask_where_to_join(args.controller, os.environ.get(TOKEN_VARIABLE))
-    run_worker(join, host=args.host, threads=args.threads, worker_id=args.worker_id)
+    run_worker(join, host=args.host, threads=args.threads, worker_id=args.worker_id,
+               orphan_timeout=args.orphan_timeout)
     return 0

@@ -22,6 +22,7 @@ import secrets
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -39,7 +40,7 @@ from ..transports.access import TOKEN_VARIABLE
 from ..transports.tcp import server_tls_context
 from . import limits
 from .api import adopt, build_app
-from .journal import Journal, JournaledRequest, read_journal
+from .journal import Journal, JournaledRequest, read_head, read_journal
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
@@ -53,18 +54,23 @@ WORKER_TOKEN_VARIABLE = "DEJAVU_WORKER_TOKEN"
 MAX_BODY_BYTES = limits.MAX_BODY_BYTES
 #: Seconds `start` waits for the HTTP server to listen, and for the journal's requests to be queued again.
 LISTEN_TIMEOUT = ADOPT_TIMEOUT = 30.0
+#: Seconds a successor gives its predecessor's stage workers to rejoin before it starts workers of its own
+#: (they ask every 0.5 s from a second after the predecessor died; the wait ends once every stage is back).
+REJOIN_WAIT = 3.0
 
 
 @attrs.frozen
 class Adoption:
     """What a controller took over from its predecessor's journal: the requests still running (`going_on`), each
-    with the tokens the journal held that are computed again from the prompt (`recomputed`: no worker holds
-    their caches), and the ended ones kept for clients to read (`kept`); and the seconds its start spent reading
-    the journal, starting the stage workers and queuing the requests again."""
+    with the tokens the journal held that are computed again from the prompt (`recomputed`: the caches are not
+    taken over), the ended ones kept for clients to read (`kept`), and the stages whose worker (the
+    predecessor's, with its stage loaded) rejoined (`rejoined`); and the seconds its start spent reading the
+    journal, getting the stage workers (rejoined, or started) and queuing the requests again."""
 
     going_on: list[str] = attrs.field(factory=list)
     recomputed: dict[str, int] = attrs.field(factory=dict)
     kept: list[str] = attrs.field(factory=list)
+    rejoined: list[str] = attrs.field(factory=list)
     read_seconds: float = 0.0
     workers_seconds: float = 0.0
     adopt_seconds: float = 0.0
@@ -107,17 +113,29 @@ class Controller:
         self._tls = None if tls_cert is None or tls_key is None else server_tls_context(tls_cert, tls_key)
         self.limits = ApiLimits(max_waiting, max_prompts, queue_timeout, max_body_bytes, keep_finished)
         self.token = token or os.environ.get(TOKEN_VARIABLE) or secrets.token_urlsafe(24)
-        self.worker_token = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE) or secrets.token_urlsafe(24)
-        if self.worker_token in (self.token, *tokens):
-            raise ConfigError("the workers' token must differ from every client token: a client must not be able "
-                              "to open a worker link")
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [model])
         if not names or not all(isinstance(name, str) and name for name in names):
             raise ConfigError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
         self.model_id, self.names = names[0], names
-        self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host, port=worker_port,
-                                 **pipeline_options)  # ConfigError before any process starts
         self.journal = None if journal is None else Journal(journal)
+        try:
+            # the workers of a predecessor on this journal rejoin where it had them join, with its token
+            former = None if self.journal is None else read_head(self.journal.store)
+            given = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE)
+            self.worker_token = given or (former.token if former is not None else None) or secrets.token_urlsafe(24)
+            self._drawn_worker_token = not given  # written to the journal for a successor; a given one never is
+            if self.worker_token in (self.token, *tokens):
+                raise ConfigError("the workers' token must differ from every client token: a client must not be "
+                                  "able to open a worker link")
+            if former is not None and worker_port == 0:
+                worker_port = _former_port(former.url, worker_host)
+            self._rejoin_wait = REJOIN_WAIT if former is not None else 0.0
+            self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host,
+                                     port=worker_port, **pipeline_options)  # ConfigError before any process starts
+        except BaseException:
+            if self.journal is not None:
+                self.journal.close()
+            raise
         self.tokenizer = load_tokenizer(model) if tokenizer == "auto" else tokenizer
         self.context = self.pipeline.context
         self.eos = self.pipeline.eos
@@ -236,16 +254,19 @@ class Controller:
             read = time.monotonic()
             self._adopting = bool(inherited)
             self.pipeline.listen()
+            if self.journal is not None:
+                self.journal.head(self.pipeline.url, self.worker_token if self._drawn_worker_token else None)
             self._start_http()
             if not self.pipeline.launch:
                 log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
                             len(self.pipeline.stage_table), self.url)
-            self.pipeline.start()
+            self.pipeline.start(self._rejoin_wait)
             started = time.monotonic()
             if inherited:
                 self._adopt(inherited)
                 self._adopting = False
-            self.adoption = attrs.evolve(self.adoption, read_seconds=read - began, workers_seconds=started - read,
+            self.adoption = attrs.evolve(self.adoption, rejoined=list(self.pipeline.fleet.rejoined),
+                                         read_seconds=read - began, workers_seconds=started - read,
                                          adopt_seconds=time.monotonic() - started)
         except BaseException:
             self.close()
@@ -315,6 +336,7 @@ class Controller:
             self._loop = self._thread = None
         self.pipeline.close()
         if self.journal is not None:
+            self.journal.head(None)  # its workers are told to stop: a successor waits for none to rejoin
             self.journal.close()
 
     def __enter__(self) -> Controller:
@@ -322,6 +344,22 @@ class Controller:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _former_port(url: str, host: str) -> int:
+    """The port of a predecessor's worker address `url`, to listen on again when it is free and on `host`; else 0
+    (any free port: its workers, which could not reach it, stop after their orphan timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname != host.strip("[]") or parts.port is None:
+        return 0
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), parts.port))
+    except OSError as error:
+        log.warning("the former controller's worker address %s is taken (%s): its workers cannot rejoin", url, error)
+        return 0
+    return parts.port
 
 
 def _shifted(callback: Callable[[int, Any], None], offset: int, index: int, value: Any) -> None:

@@ -102,6 +102,11 @@ class Journal:
     def answered(self, request_id: str, outcome: str) -> int:
         return self._put("answered", [request_id, outcome, time.time()])
 
+    def head(self, url: str | None, token: str | None = None) -> int:
+        """Where this controller's stage workers join (and, when it drew it, their links' token): a successor
+        listens there too, so that they can rejoin it. None: the controller closed, and its workers stopped."""
+        return self._put("head", [url, token])
+
     def _put(self, kind: str, fields: list[Any]) -> int:
         with self._lock:  # sequence numbers in the queue's order
             self._queued += 1
@@ -201,12 +206,31 @@ def with_seeds(request: GenerationRequest) -> GenerationRequest:
     return attrs.evolve(request, choices=choices)
 
 
+@attrs.frozen
+class JournaledHead:
+    """Where the last controller of a journal had its stage workers join, and their token if it drew it."""
+
+    url: str
+    token: str | None
+
+
 def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
     """Every request the journal at `url` holds, in the order they were admitted, by id."""
+    return fold(_records(url))
+
+
+def read_head(url: str | Store) -> JournaledHead | None:
+    """Where the last controller on the journal at `url` had its workers join (None: none said, or it closed and
+    its workers stopped)."""
+    heads = [entry for record in _records(url) for entry in record.get("head", [])]
+    return JournaledHead(*heads[-1]) if heads and heads[-1][0] is not None else None
+
+
+def _records(url: str | Store) -> list[dict[str, list[Any]]]:
+    """The journal's records, in the order they were written."""
     store = open_store(url)
     try:
-        keys = store.progress_keys(JOURNAL_STREAM)
-        return fold(json.loads(store.read_progress(key)) for key in keys)
+        return [json.loads(store.read_progress(key)) for key in store.progress_keys(JOURNAL_STREAM)]
     finally:
         if isinstance(url, str):
             store.close()
