@@ -6,9 +6,9 @@ streams `rows` requests from clients of their own, and SIGKILLs the controller w
 would; its own detection of the death comes on top), and each client reconnects with its `Last-Event-ID` until
 its stream goes on. Reported, from the kill to the first new token a reconnected client gets: detection (the
 process gone), start (the new process until it reads its journal: interpreter, imports, model and tokenizer),
-journal read, workers (the new stage workers start: today's workers exit with their controller), adoption (the
-requests queued again) and resume (from serving to that first token: the tokens the journal held are computed
-again from the prompts first).
+journal read, rejoin (the stage workers of the killed controller, which wait as orphans, take their stages back;
+a stage without one gets a new worker, which loads the model), adoption (the requests queued again) and resume
+(from serving to that first token: the tokens the journal held are computed again from the prompts first).
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ class ControllerKill:
     detection: float
     start: float
     journal_read: float
-    workers: float
+    rejoin: float
     adoption: float
     resume: float
     total: float
     recomputed: int
+    rejoined: int  # stages whose worker rejoined (the others started a new one)
 
 
 @attrs.define
@@ -65,16 +66,18 @@ class ControllerRecoveryReport:
     kills: list[ControllerKill] = attrs.field(factory=list)
 
     def to_markdown(self) -> str:
-        parts = ("detection", "start", "journal_read", "workers", "adoption", "resume", "total")
+        parts = ("detection", "start", "journal_read", "rejoin", "adoption", "resume", "total")
         rows = [[part.replace("_", " "), f"{statistics.median(getattr(kill, part) for kill in self.kills):.2f}",
                  ", ".join(f"{getattr(kill, part):.2f}" for kill in self.kills)] for part in parts]
         recomputed = ", ".join(str(kill.recomputed) for kill in self.kills)
+        rejoined = ", ".join(str(kill.rejoined) for kill in self.kills)
         return "\n".join([
             f"Machine: {self.machine}. `dejavu serve --model {self.model} --journal lmdb://...`, {self.rows} "
             f"streamed requests of {self.prompt_tokens} prompt tokens and {self.new_tokens} new ones; the "
             f"controller SIGKILLed when the first client had {self.kill_step} tokens, a new one started at once.", "",
             markdown_table(["from the kill to the first new token", "median (s)", "per repeat (s)"], rows), "",
-            f"Tokens computed again from the prompts, per repeat: {recomputed}.", ""])
+            f"Tokens computed again from the prompts, per repeat: {recomputed}. Stages whose worker rejoined, per "
+            f"repeat: {rejoined}.", ""])
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -222,9 +225,9 @@ def _one_kill(model: str, prompts: list[list[int]], new_tokens: int, kill_step: 
         resumed = min(client.resumed for client in clients if client.resumed is not None)
         inside = adopted["read_seconds"] + adopted["workers_seconds"] + adopted["adopt_seconds"]
         return ControllerKill(detection=gone - killed, start=serving - servers[1].started - inside,
-                              journal_read=adopted["read_seconds"], workers=adopted["workers_seconds"],
+                              journal_read=adopted["read_seconds"], rejoin=adopted["workers_seconds"],
                               adoption=adopted["adopt_seconds"], resume=resumed - serving, total=resumed - killed,
-                              recomputed=sum(adopted["recomputed"].values()))
+                              recomputed=sum(adopted["recomputed"].values()), rejoined=len(adopted["rejoined"]))
     finally:
         for server in servers:
             server.stop()
