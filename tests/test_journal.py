@@ -119,3 +119,48 @@ def test_serve_and_controller_take_a_journal() -> None:
     parser = build_parser()
     for command in ("serve", "controller"):
         assert parser.parse_args([command, "--model", "smollm2", "--journal", "lmdb:///j"]).journal == "lmdb:///j"
+
+
+def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requests(tmp_path) -> None:
+    """Past `compact_bytes` the writer writes a snapshot and removes what came before it: the records left stay
+    few, a request answered more than keep_finished ago is gone, a running one keeps every token, and a successor
+    (another Journal on the URL) keeps the requests of the one before it through its own snapshots."""
+    url = f"lmdb://{tmp_path}/journal"
+    first = Journal(url, interval=0.0, keep_finished=0.0, compact_bytes=2000)
+    first.head("tcp://127.0.0.1:5000", None)
+    first.admitted("cmpl-done", {"choices": [{"prompt": [1]}]})
+    first.token("cmpl-done", 0, 0, 3)
+    first.answered("cmpl-done", "ok")
+    first.admitted("cmpl-running", {"choices": [{"prompt": [2]}]})
+    for index in range(600):
+        first.token("cmpl-running", 0, index, index % 97)
+        if index % 10 == 0:
+            assert first.flush()  # a record every ten tokens
+    first.close()
+    store = dv.open_store(url)
+    try:
+        kept = store.progress_keys("dejavu-journal")
+    finally:
+        store.close()
+    assert max(key.log for key in kept) >= 3  # snapshots were written (600 token records, a few KB of them)
+    assert {key.log for key in kept} == {max(key.log for key in kept)}  # nothing before the last one is left
+    assert min(key.step for key in kept) == 0  # the snapshot itself
+    held = read_journal(url)
+    assert list(held) == ["cmpl-running"]  # answered, and past keep_finished at the last snapshot
+    assert held["cmpl-running"].tokens == {0: [index % 97 for index in range(600)]}
+    second = Journal(url, interval=0.0, compact_bytes=2000)
+    assert second.found.head == first.held.head
+    assert second.found.head.url == "tcp://127.0.0.1:5000"
+    for index in range(600, 1200):
+        second.token("cmpl-running", 0, index, index % 97)
+        if index % 10 == 0:
+            assert second.flush()
+    second.close()
+    held = read_journal(url)
+    assert held["cmpl-running"].admitted == {"choices": [{"prompt": [2]}]}  # written by the first only
+    assert held["cmpl-running"].tokens == {0: [index % 97 for index in range(1200)]}
+    store = dv.open_store(url)
+    try:
+        assert {key.run for key in store.progress_keys("dejavu-journal")} == {second.run}  # the first's are gone
+    finally:
+        store.close()

@@ -40,7 +40,7 @@ from ..transports.access import TOKEN_VARIABLE
 from ..transports.tcp import server_tls_context
 from . import limits
 from .api import adopt, build_app
-from .journal import Journal, JournaledRequest, read_head, read_journal
+from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
@@ -117,10 +117,10 @@ class Controller:
         if not names or not all(isinstance(name, str) and name for name in names):
             raise ConfigError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
         self.model_id, self.names = names[0], names
-        self.journal = None if journal is None else Journal(journal)
+        self.journal = None if journal is None else Journal(journal, keep_finished=keep_finished)
         try:
             # the workers of a predecessor on this journal rejoin where it had them join, with its token
-            former = None if self.journal is None else read_head(self.journal.store)
+            former = None if self.journal is None else self.journal.found.head
             given = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE)
             self.worker_token = given or (former.token if former is not None else None) or secrets.token_urlsafe(24)
             self._drawn_worker_token = not given  # written to the journal for a successor; a given one never is
@@ -279,7 +279,7 @@ class Controller:
         `keep_finished` seconds."""
         assert self.journal is not None
         now = time.time()
-        return [journaled for journaled in read_journal(self.journal.store).values()
+        return [journaled for journaled in self.journal.found.requests.values()
                 if journaled.answered is None or now - journaled.answered_at <= self.limits.keep_finished]
 
     def _adopt(self, inherited: list[JournaledRequest]) -> None:

@@ -14,6 +14,13 @@ a token to its client only once the journal holds it, so a successor never owes 
 `read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order: a record
 is written whole or not at all, and records are read in the order they were written, so what a reader sees after a
 kill -9 is a prefix of what was streamed.
+
+The journal does not grow without end: the writer folds what it writes (starting from what the journal held when
+it opened, a predecessor's requests included), and once the records written since the last snapshot outweigh
+`compact_bytes` (and twice that snapshot) it writes a snapshot (the head, every request not answered, and those
+answered within `keep_finished` seconds, as step 0 of a new log) and then removes every record before it. A reader
+starts at the last snapshot; a kill between the snapshot and the removal leaves records that the next snapshot
+removes.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ..backends import open_store
 from ..blocks import ProgressKey
 from ..errors import ConfigError, DejaVuError
 from ..store import Store
+from .limits import KEEP_FINISHED
 from .openai_requests import Choice, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,8 @@ log = logging.getLogger(__name__)
 JOURNAL_STREAM = "dejavu-journal"
 #: Seconds of entries grouped into one record.
 INTERVAL = 0.05
+#: Bytes of records (at least) between two snapshots (`compact_bytes`).
+COMPACT_BYTES = 8 << 20
 
 
 @attrs.define
@@ -66,7 +76,8 @@ class JournaledRequest:
 class Journal:
     """The writing side, opened on a store URL; `close()` writes what is queued and closes the store."""
 
-    def __init__(self, url: str, interval: float = INTERVAL) -> None:
+    def __init__(self, url: str, interval: float = INTERVAL, keep_finished: float = KEEP_FINISHED,
+                 compact_bytes: int = COMPACT_BYTES) -> None:
         if not isinstance(url, str):
             raise ConfigError(f"journal= takes a store URL, got {type(url).__name__}")
         self.store = open_store(url)
@@ -74,7 +85,19 @@ class Journal:
             self.store.close()
             raise ConfigError(f"journal={url!r} would not outlive this process: give lmdb://, file://, s3:// or a "
                               "tcp:// store server")
-        self.url, self.interval = url, interval
+        self.url, self.interval, self.keep_finished, self.compact_bytes = url, interval, keep_finished, compact_bytes
+        try:
+            records = _records(self.store)
+        except BaseException:
+            self.store.close()
+            raise
+        #: What the journal held when it opened (a predecessor's requests and head, for a successor to take over).
+        self.found = JournalState.fold(records)
+        #: What it holds: the writer thread's, each record folded in as it is written.
+        self.held = JournalState.fold(records)
+        self._since_snapshot = 0  # bytes written since the last snapshot (or the opening)
+        self._snapshot_bytes = 0
+        self._log = 0
         self.run = f"{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"  # sorts by the incarnation's start
         #: Entries to write (kind, fields, sequence number); None: close; an Event: set it once what came before
         #: is written.
@@ -189,12 +212,35 @@ class Journal:
         for kind, entry, _ in batch:
             record.setdefault(kind, []).append(entry)
         try:
-            self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, 0, self._step), json.dumps(record).encode())
+            written = json.dumps(record).encode()
+            self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, self._log, self._step), written)
         except Exception as error:  # a store that fails, or an entry it cannot hold: the journal stops, serving goes on
             self.error = error if isinstance(error, DejaVuError) else DejaVuError(f"{type(error).__name__}: {error}")
             log.error("the journal at %s stopped: %s", self.url, self.error)
             return
         self._step += 1
+        self.held.apply(record)
+        self._since_snapshot += len(written)
+        if self._since_snapshot > max(self.compact_bytes, 2 * self._snapshot_bytes):
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Write what the journal holds as step 0 of a new log, then remove every record before it."""
+        self.held.forget_answered(time.time() - self.keep_finished)
+        snapshot = json.dumps(self.held.snapshot()).encode()
+        key = ProgressKey(JOURNAL_STREAM, self.run, self._log + 1, 0)
+        try:
+            self.store.put_progress(key, snapshot)
+        except Exception as error:  # not written: the records stay, and so does what they say
+            log.warning("the journal at %s could not write a snapshot (its records stay): %s", self.url, error)
+            return
+        self._log, self._step = key.log, 1
+        self._since_snapshot, self._snapshot_bytes = 0, len(snapshot)
+        try:
+            for run in sorted({older.run for older in self.store.progress_keys(JOURNAL_STREAM) if older < key}):
+                self.store.remove_progress(JOURNAL_STREAM, run, below_log=key.log if run == self.run else None)
+        except Exception as error:  # left for the next snapshot: readers start at this one
+            log.warning("the journal at %s could not remove the records before its snapshot: %s", self.url, error)
 
 
 def with_seeds(request: GenerationRequest) -> GenerationRequest:
@@ -216,39 +262,68 @@ class JournaledHead:
 
 def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
     """Every request the journal at `url` holds, in the order they were admitted, by id."""
-    return fold(_records(url))
+    return JournalState.fold(_records(url)).requests
 
 
-def read_head(url: str | Store) -> JournaledHead | None:
-    """Where the last controller on the journal at `url` had its workers join (None: none said, or it closed and
-    its workers stopped)."""
-    heads = [entry for record in _records(url) for entry in record.get("head", [])]
-    return JournaledHead(*heads[-1]) if heads and heads[-1][0] is not None else None
-
-
-def _records(url: str | Store) -> list[dict[str, list[Any]]]:
-    """The journal's records, in the order they were written."""
+def _records(url: str | Store) -> list[dict[str, Any]]:
+    """The journal's records from its last snapshot on, in the order they were written."""
     store = open_store(url)
     try:
-        return [json.loads(store.read_progress(key)) for key in store.progress_keys(JOURNAL_STREAM)]
+        keys = store.progress_keys(JOURNAL_STREAM)
+        snapshots = [index for index, key in enumerate(keys) if key.log > 0 and key.step == 0]
+        return [json.loads(store.read_progress(key)) for key in keys[snapshots[-1] if snapshots else 0:]]
     finally:
         if isinstance(url, str):
             store.close()
 
 
-def fold(records: Iterable[dict[str, list[Any]]]) -> dict[str, JournaledRequest]:
-    """The requests that `records`, in the order they were written, describe."""
-    requests: dict[str, JournaledRequest] = {}
-    for record in records:
+@attrs.define
+class JournalState:
+    """What a journal's records say: its requests, by id in the order admitted, and its head."""
+
+    requests: dict[str, JournaledRequest] = attrs.field(factory=dict)
+    head: JournaledHead | None = None
+
+    @classmethod
+    def fold(cls, records: Iterable[dict[str, Any]]) -> JournalState:
+        """The state that `records`, in the order they were written, describe."""
+        state = cls()
+        for record in records:
+            state.apply(record)
+        return state
+
+    def apply(self, record: dict[str, Any]) -> None:
+        """Fold one record in: a snapshot replaces what came before it."""
+        requests = self.requests
+        if "snapshot" in record:
+            requests.clear()
+            for request_id, admitted, tokens, finish, answered, answered_at in record["snapshot"]:
+                requests[request_id] = JournaledRequest(
+                    request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
+                    {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at))
+        for url, token in record.get("head", []):
+            self.head = None if url is None else JournaledHead(url, token)
         for request_id, fields in record.get("admitted", []):
             requests[request_id] = JournaledRequest(request_id, fields)
+        unknown = JournaledRequest("", {})  # what is said of a request no longer held (answered, forgotten) goes here
         for request_id, choice, index, token in record.get("token", []):
-            tokens = requests[request_id].tokens.setdefault(int(choice), [])
+            tokens = requests.get(request_id, unknown).tokens.setdefault(int(choice), [])
             if index == len(tokens):
                 tokens.append(int(token))
         for request_id, choice, reason in record.get("finished", []):
-            requests[request_id].finish[int(choice)] = reason
+            requests.get(request_id, unknown).finish[int(choice)] = reason
         for request_id, outcome, *when in record.get("answered", []):
-            requests[request_id].answered = outcome
-            requests[request_id].answered_at = float(when[0]) if when else 0.0
-    return requests
+            requests.get(request_id, unknown).answered = outcome
+            requests.get(request_id, unknown).answered_at = float(when[0]) if when else 0.0
+
+    def forget_answered(self, before: float) -> None:
+        """Drop the requests answered before `before` (seconds since the epoch): no successor keeps them."""
+        self.requests = {request_id: request for request_id, request in self.requests.items()
+                         if request.answered is None or request.answered_at >= before}
+
+    def snapshot(self) -> dict[str, Any]:
+        """A record that says all of this at once."""
+        head = [] if self.head is None else [[self.head.url, self.head.token]]
+        return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
+                              request.answered_at] for request in self.requests.values()],
+                "head": head or [[None, None]]}
