@@ -109,21 +109,30 @@ def random_llama(*, layers: int = 4, hidden_size: int = 64, intermediate_size: i
     return LlamaForCausalLM(config).eval()
 
 
-def load_model(spec: str) -> Any:
+def load_model(spec: str, weights: bool = True) -> Any:
     """The causal LM a spec names, in eval mode on the CPU: `smollm2`, a local Hugging Face directory, or
     `package.module:function` (a function of no arguments that returns the model, as tests name small random
-    models). ConfigError for a spec that names nothing loadable; each stage process loads it this way."""
+    models). ConfigError for a spec that names nothing loadable; each stage process loads it this way.
+
+    `weights=False`: a Hugging Face model's skeleton (its modules, config and generation config, with parameters
+    on the meta device: no memory, no time to read weights), for what a head only checks; a `module:function`
+    model comes whole."""
     from .errors import ConfigError
 
     if not isinstance(spec, str) or not spec:
         raise ConfigError(f"a model is named by a string (smollm2, a directory, or module:function), got {spec!r}")
     if spec == "smollm2":
+        converted = default_cache_dir()
+        if not weights and (converted / "config.json").exists():
+            return _skeleton(converted)
         return load_smollm2()[0]
     if os.path.isdir(spec):
         if not os.path.exists(os.path.join(spec, "config.json")):
             raise ConfigError(f"{spec!r} is a directory without a config.json: not a Hugging Face model")
         from transformers import AutoModelForCausalLM
 
+        if not weights:
+            return _skeleton(Path(spec))
         return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
     module_name, _, function_name = spec.partition(":")
     if not function_name:
@@ -136,3 +145,18 @@ def load_model(spec: str) -> Any:
     if not callable(function):
         raise ConfigError(f"{spec!r} is not a function that returns a model")
     return function().eval()
+
+
+def _skeleton(directory: Path) -> Any:
+    """The model of a Hugging Face `directory` as `from_pretrained` would build it (float32, eval mode, its
+    generation config), with every parameter on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:  # none saved: from_pretrained derives it from the config too
+        model.generation_config = GenerationConfig.from_model_config(config)
+    return model.eval()

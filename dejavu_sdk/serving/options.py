@@ -8,6 +8,7 @@ change.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -161,14 +162,15 @@ class PipelineOptions:
         _seconds(orphan_timeout, "orphan_timeout", zero=True)
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
-        reference = load_model(model)  # ConfigError for a bad name, before any process starts
+        reference = load_model(model, weights=False)  # ConfigError for a bad name, before any process starts
+        weighted = functools.cache(lambda: load_model(model))  # what is measured here needs the weights
         total = len(adapter_for(reference).decoder_layers())  # ConfigError for an architecture without an adapter
         chosen: Plan | None = None
         if machines is not None:
             if stages is not None or layers is not None or prompt_stages is not None or token_stages is not None:
                 raise ConfigError("machines= lets the planner choose the stages: give it alone, or give stages= "
                                   "(mixed) or prompt_stages= and token_stages= (disaggregated) instead")
-            chosen = plan_for(reference, machines, plan, workload, microbatch, threads)
+            chosen = plan_for(weighted(), machines, plan, workload, microbatch, threads)
             if chosen.disaggregate:
                 prompt_stages, token_stages = chosen.prompt_machines, chosen.token_machines
             else:
@@ -183,7 +185,7 @@ class PipelineOptions:
             choice = SwapChoice(False, "recovery keeps every cache where its replica streams from")
         elif swapping == "auto":
             limit = slots if len(pipelines) == 2 else len(pipelines[0])
-            choice = _choose_swapping(reference, workload, microbatch, widest / total, budget, per_token, limit,
+            choice = _choose_swapping(weighted(), workload, microbatch, widest / total, budget, per_token, limit,
                                       threads)
             log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
         swaps = choice.swapping if choice is not None else bool(swapping)
