@@ -85,6 +85,8 @@ class RayWorkers:
     `num_gpus`, `resources`, `runtime_env`, ...; by default it asks for no CPU, so that idle spares do not keep
     stages from being placed). `host`: the address workers listen on (default: their node's)."""
 
+    outlives_head = False  # an actor's actors end with it (Ray's ownership): none waits for a successor
+
     def __init__(self, host: str | None = None, **options: Any) -> None:
         if not ray.is_initialized():
             raise ConfigError("RayWorkers needs a running Ray: call ray.init() (or ray.init(address=...)) first")

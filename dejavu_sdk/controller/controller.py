@@ -129,9 +129,11 @@ class Controller:
                                   "able to open a worker link")
             if former is not None and worker_port == 0:
                 worker_port = _former_port(former.url, worker_host)
-            self._rejoin_wait = REJOIN_WAIT if former is not None else 0.0
             self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host,
                                      port=worker_port, **pipeline_options)  # ConfigError before any process starts
+            launcher = self.pipeline.options.launcher
+            orphans = former is not None and (launcher is None or getattr(launcher, "outlives_head", True))
+            self._rejoin_wait = REJOIN_WAIT if orphans else 0.0
         except BaseException:
             if self.journal is not None:
                 self.journal.close()
@@ -252,6 +254,7 @@ class Controller:
             began = time.monotonic()
             inherited = [] if self.journal is None else self._inherited()
             read = time.monotonic()
+            read_seconds = read - began + (0.0 if self.journal is None else self.journal.read_seconds)
             self._adopting = bool(inherited)
             self.pipeline.listen()
             if self.journal is not None:
@@ -266,7 +269,7 @@ class Controller:
                 self._adopt(inherited)
                 self._adopting = False
             self.adoption = attrs.evolve(self.adoption, rejoined=list(self.pipeline.fleet.rejoined),
-                                         read_seconds=read - began, workers_seconds=started - read,
+                                         read_seconds=read_seconds, workers_seconds=started - read,
                                          adopt_seconds=time.monotonic() - started)
         except BaseException:
             self.close()

@@ -86,13 +86,16 @@ class Journal:
             raise ConfigError(f"journal={url!r} would not outlive this process: give lmdb://, file://, s3:// or a "
                               "tcp:// store server")
         self.url, self.interval, self.keep_finished, self.compact_bytes = url, interval, keep_finished, compact_bytes
+        began = time.monotonic()
         try:
             records = _records(self.store)
         except BaseException:
             self.store.close()
             raise
-        #: What the journal held when it opened (a predecessor's requests and head, for a successor to take over).
+        #: What the journal held when it opened (a predecessor's requests and head, for a successor to take over),
+        #: and the seconds reading it took.
         self.found = JournalState.fold(records)
+        self.read_seconds = time.monotonic() - began
         #: What it holds: the writer thread's, each record folded in as it is written.
         self.held = JournalState.fold(records)
         self._since_snapshot = 0  # bytes written since the last snapshot (or the opening)

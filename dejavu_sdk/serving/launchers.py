@@ -40,7 +40,11 @@ class WorkerHandle(Protocol):
 
 
 class Launcher(Protocol):
-    """Starts stage workers that join a head."""
+    """Starts stage workers that join a head. `outlives_head`: whether its workers go on when the head's process
+    dies (they then wait for a successor to take their stages back; a head started again waits for them; a
+    launcher without the attribute counts as True)."""
+
+    outlives_head: bool
 
     def start(self, join: str, token: str, environment: Mapping[str, str]) -> WorkerHandle:
         """A worker that joins the head at `join`, presenting `token`, with `environment` added to its own (the
@@ -99,6 +103,8 @@ class LocalProcesses:
     On Linux they are forked from a zygote that has imported torch and transformers once (`zygote.py`): a
     worker then starts without the seconds of CPU its imports take. `fork=False` (or another system)
     starts each as `python -m dejavu_sdk.serving.bootstrap`."""
+
+    outlives_head = True  # forked from the zygote or started by the head, they are not ended with it
 
     def __init__(self, fork: bool = True) -> None:
         self.fork = fork and sys.platform.startswith("linux")
