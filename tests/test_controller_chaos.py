@@ -119,8 +119,9 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         assert adopted["going_on"], "the successor took over no request"
         assert adopted["recomputed"], "no request had a token journaled"  # and the report says what it redid
         assert adopted["rejoined"] == (["stage 0"] if failure == "controller" else [])
-        stages = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["stages"]
-        assert (stages[-1]["pid"] == stage_pid) == (failure == "controller")
+        status = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()
+        assert (status["stages"][-1]["pid"] == stage_pid) == (failure == "controller")
+        assert status["epoch"] >= 1  # past the old pipeline's: what its stages still send each other is dropped
     finally:
         for process in processes:
             if process.poll() is None:

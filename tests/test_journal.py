@@ -164,3 +164,22 @@ def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requ
         assert {key.run for key in store.progress_keys("dejavu-journal")} == {second.run}  # the first's are gone
     finally:
         store.close()
+
+
+def test_a_journal_opened_on_a_clock_behind_its_predecessors_sorts_after_it(tmp_path) -> None:
+    """Run ids sort by their start: one opened on a machine whose clock is behind the predecessor's still sorts
+    after it, so its records (and snapshots) are read after the predecessor's, never before."""
+    url = f"lmdb://{tmp_path}/journal"
+    store = dv.open_store(url)
+    future = int(time.time() * 1000) + 10 * 24 * 3600 * 1000  # a predecessor ten days ahead
+    store.put_progress(dv.ProgressKey("dejavu-journal", f"{future:012x}00000001", 0, 0),
+                       b'{"admitted": [["cmpl-old", {"choices": []}]]}')
+    store.close()
+    journal = Journal(url, interval=0.0, compact_bytes=1)  # a snapshot after every record
+    assert int(journal.run[:12], 16) > future
+    journal.admitted("cmpl-new", {"choices": []})
+    journal.answered("cmpl-old", "ok")
+    journal.close()
+    held = read_journal(url)
+    assert list(held) == ["cmpl-old", "cmpl-new"]
+    assert held["cmpl-old"].answered == "ok"  # the successor's word is the last

@@ -77,3 +77,25 @@ def test_a_worker_whose_head_is_gone_stops_after_its_own_orphan_timeout() -> Non
         if worker is not None and worker.poll() is None:
             worker.kill()
         pipe.close()
+
+
+def test_a_heartbeat_counts_a_busy_head_as_there_and_a_silent_one_as_gone() -> None:
+    from dejavu_sdk.serving.bootstrap import Heartbeat
+
+    head = dv.serve("tcp://127.0.0.1:0", token=TOKEN, inbox_size=1)
+    os.environ["DEJAVU_TOKEN"] = TOKEN  # the heartbeat's link presents the worker's token, from its environment
+    try:
+        with dv.open_transport(head.url, token=TOKEN) as other:
+            other.send_tensor(torch.zeros(1))  # the inbox is full from now on: every heartbeat is refused as busy
+        beat = Heartbeat(head.url, "stage 0", interval=0.05, timeout=0.3)
+        time.sleep(1.0)
+        assert beat.error is None  # refused as busy for a second: the head is there
+        head.close()
+        deadline = time.monotonic() + 10
+        while beat.error is None:
+            assert time.monotonic() < deadline, "a closed head was not noticed"
+            time.sleep(0.05)
+        beat.close()
+    finally:
+        os.environ.pop("DEJAVU_TOKEN", None)
+        head.close()

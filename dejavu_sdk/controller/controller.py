@@ -120,7 +120,7 @@ class Controller:
         self.journal = None if journal is None else Journal(journal, keep_finished=keep_finished)
         try:
             # the workers of a predecessor on this journal rejoin where it had them join, with its token
-            former = None if self.journal is None else self.journal.found.head
+            self._former = former = None if self.journal is None else self.journal.found.head
             given = worker_token or os.environ.get(WORKER_TOKEN_VARIABLE)
             self.worker_token = given or (former.token if former is not None else None) or secrets.token_urlsafe(24)
             self._drawn_worker_token = not given  # written to the journal for a successor; a given one never is
@@ -143,10 +143,11 @@ class Controller:
         self.eos = self.pipeline.eos
         self.metrics = ControllerMetrics()
         self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
-        self.pipeline.on_recovery = lambda report: self.metrics.recovered(report.total)
+        self.pipeline.on_recovery = self._recovered
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
         self._draining = False
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._app: web.Application | None = None
         self.adoption = Adoption()
@@ -155,6 +156,10 @@ class Controller:
         self._url: str | None = None
         self._failures_seen = 0
         self._lock = threading.Lock()
+
+    def _recovered(self, report: Any) -> None:
+        self.metrics.recovered(report.total)
+        self._journal_head()  # a new epoch: a successor goes beyond it
 
     @property
     def url(self) -> str:
@@ -258,7 +263,9 @@ class Controller:
             self._adopting = bool(inherited)
             self.pipeline.listen()
             if self.journal is not None:
-                self.journal.head(self.pipeline.url, self.worker_token if self._drawn_worker_token else None)
+                if self._former is not None:  # what the old pipeline's stages still send is of an older epoch
+                    self.pipeline.fleet.epoch = self._former.epoch + 1
+                self._journal_head()
             self._start_http()
             if not self.pipeline.launch:
                 log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
@@ -268,6 +275,8 @@ class Controller:
             if inherited:
                 self._adopt(inherited)
                 self._adopting = False
+            self._journal_head()  # its epoch, past the rejoined workers'
+            self._started = True
             self.adoption = attrs.evolve(self.adoption, rejoined=list(self.pipeline.fleet.rejoined),
                                          read_seconds=read_seconds, workers_seconds=started - read,
                                          adopt_seconds=time.monotonic() - started)
@@ -276,6 +285,12 @@ class Controller:
             raise
         log.info("serving %s at %s", self.model_id, self.url)
         return self
+
+    def _journal_head(self) -> None:
+        """Write where the workers join, their token if this controller drew it, and the pipeline's epoch."""
+        if self.journal is not None:
+            self.journal.head(self.pipeline.url, self.worker_token if self._drawn_worker_token else None,
+                              self.pipeline.fleet.epoch)
 
     def _inherited(self) -> list[JournaledRequest]:
         """The requests of the journal a successor takes over: those not answered, and those answered within
@@ -339,7 +354,8 @@ class Controller:
             self._loop = self._thread = None
         self.pipeline.close()
         if self.journal is not None:
-            self.journal.head(None)  # its workers are told to stop: a successor waits for none to rejoin
+            if self._started:  # its workers are told to stop: a successor waits for none to rejoin
+                self.journal.head(None)
             self.journal.close()
 
     def __enter__(self) -> Controller:

@@ -100,8 +100,12 @@ class Journal:
         self.held = JournalState.fold(records)
         self._since_snapshot = 0  # bytes written since the last snapshot (or the opening)
         self._snapshot_bytes = 0
+        self._removable: ProgressKey | None = None  # a snapshot written, whose earlier records are still there
         self._log = 0
-        self.run = f"{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"  # sorts by the incarnation's start
+        # sorts after every run before it (by its start, or past the last run's when this clock is behind)
+        runs = [key.run for key in self.store.progress_keys(JOURNAL_STREAM)]
+        start = max(time.time_ns() // 1_000_000, max((int(run[:12], 16) + 1 for run in runs), default=0))
+        self.run = f"{start:012x}{secrets.token_hex(4)}"
         #: Entries to write (kind, fields, sequence number); None: close; an Event: set it once what came before
         #: is written.
         self._entries: queue.SimpleQueue[tuple[str, Any, int] | threading.Event | None] = queue.SimpleQueue()
@@ -128,10 +132,11 @@ class Journal:
     def answered(self, request_id: str, outcome: str) -> int:
         return self._put("answered", [request_id, outcome, time.time()])
 
-    def head(self, url: str | None, token: str | None = None) -> int:
-        """Where this controller's stage workers join (and, when it drew it, their links' token): a successor
-        listens there too, so that they can rejoin it. None: the controller closed, and its workers stopped."""
-        return self._put("head", [url, token])
+    def head(self, url: str | None, token: str | None = None, epoch: int = 0) -> int:
+        """Where this controller's stage workers join (and, when it drew it, their links' token), and its
+        pipeline's epoch: a successor listens there too, so that they can rejoin it, in a later epoch. None: the
+        controller closed, and its workers stopped."""
+        return self._put("head", [url, token, epoch])
 
     def _put(self, kind: str, fields: list[Any]) -> int:
         with self._lock:  # sequence numbers in the queue's order
@@ -208,6 +213,7 @@ class Journal:
                 self._wrote(batch[-1][2], stopped=self.error is not None)
             for written in waiting:
                 written.set()
+            self._remove_before_snapshot()
         self._wrote(self._queued, stopped=True)
 
     def _write(self, batch: list[tuple[str, Any, int]]) -> None:
@@ -232,13 +238,21 @@ class Journal:
         self.held.forget_answered(time.time() - self.keep_finished)
         snapshot = json.dumps(self.held.snapshot()).encode()
         key = ProgressKey(JOURNAL_STREAM, self.run, self._log + 1, 0)
-        try:
-            self.store.put_progress(key, snapshot)
-        except Exception as error:  # not written: the records stay, and so does what they say
-            log.warning("the journal at %s could not write a snapshot (its records stay): %s", self.url, error)
-            return
+        # the next records go after it, written or not: readers start at it if it was, else at the one before
         self._log, self._step = key.log, 1
         self._since_snapshot, self._snapshot_bytes = 0, len(snapshot)
+        try:
+            self.store.put_progress(key, snapshot)
+        except Exception as error:  # the records before it stay, and so does what they say
+            log.warning("the journal at %s could not write a snapshot (its records stay): %s", self.url, error)
+            return
+        self._removable = key
+
+    def _remove_before_snapshot(self) -> None:
+        """Remove every record before the last snapshot (once the entries it followed are released)."""
+        key, self._removable = self._removable, None
+        if key is None:
+            return
         try:
             for run in sorted({older.run for older in self.store.progress_keys(JOURNAL_STREAM) if older < key}):
                 self.store.remove_progress(JOURNAL_STREAM, run, below_log=key.log if run == self.run else None)
@@ -261,6 +275,7 @@ class JournaledHead:
 
     url: str
     token: str | None
+    epoch: int = 0
 
 
 def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
@@ -304,8 +319,8 @@ class JournalState:
                 requests[request_id] = JournaledRequest(
                     request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
                     {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at))
-        for url, token in record.get("head", []):
-            self.head = None if url is None else JournaledHead(url, token)
+        for url, token, *epoch in record.get("head", []):
+            self.head = None if url is None else JournaledHead(url, token, *epoch)
         for request_id, fields in record.get("admitted", []):
             requests[request_id] = JournaledRequest(request_id, fields)
         unknown = JournaledRequest("", {})  # what is said of a request no longer held (answered, forgotten) goes here
@@ -326,7 +341,6 @@ class JournalState:
 
     def snapshot(self) -> dict[str, Any]:
         """A record that says all of this at once."""
-        head = [] if self.head is None else [[self.head.url, self.head.token]]
+        head = [None, None] if self.head is None else [self.head.url, self.head.token, self.head.epoch]
         return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
-                              request.answered_at] for request in self.requests.values()],
-                "head": head or [[None, None]]}
+                              request.answered_at] for request in self.requests.values()], "head": [head]}

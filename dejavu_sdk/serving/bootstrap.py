@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..backends import open_transport, serve
-from ..errors import DejaVuError, TransportError
+from ..errors import DejaVuError, ServerBusy, TransportError
 from ..generation.stage import Stage
 from ..models import load_model
 from ..transports.access import TOKEN_VARIABLE
@@ -54,7 +54,7 @@ class Heartbeat:
 
     def __init__(self, head: str, stage: str, interval: float, timeout: float,
                  epoch: Callable[[], int] = lambda: 0, url: str | None = None) -> None:
-        self.stage, self.interval, self.epoch, self.url = stage, interval, epoch, url
+        self.stage, self.interval, self.timeout, self.epoch, self.url = stage, interval, timeout, epoch, url
         self.head = open_transport(head, timeout=timeout, **link_options(LinkTls.from_environment()))
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -62,12 +62,25 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        answered = time.monotonic()  # when the head last answered one (taken, or refused as busy)
+        while not self._stop.wait(self.interval):
+            error = self._beat()
+            if error is None:
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= self.timeout or not isinstance(error, TransportError):
+                self.error = error  # the head is gone, or has answered none for `timeout` seconds
+                return
+
+    def _beat(self) -> BaseException | None:
+        """Send one heartbeat; what kept the head from answering it (None: it answered)."""
         try:
-            while not self._stop.wait(self.interval):
-                self.head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
-                                                                     "url": self.url})))
-        except Exception as error:  # the head is gone: the worker stops
-            self.error = error
+            self.head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
+                                                                 "url": self.url})))
+        except ServerBusy:  # a full inbox: the head is there, and behind
+            return None
+        except Exception as error:
+            return error
+        return None
 
     def check(self) -> None:
         if self.error is not None:
@@ -118,16 +131,18 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             except HeadGone as gone:
                 timeout = orphan_timeout if orphan_timeout is not None else float(fields.get("orphan_timeout", 0))
                 if scheme not in REJOINABLE or timeout <= 0:
-                    raise
+                    log.warning("%s: %s: stopping", fields["stage"], gone)
+                    return
                 log.warning("%s: %s; asking the head at %s to take the stage back for up to %.0f s", fields["stage"],
                             gone, join, timeout)
                 answer = _rejoin(head, inbox, Message(Kind.REJOIN, {
                     "url": inbox.url, "pid": os.getpid(), "worker": worker_id, "stage": fields["stage"],
-                    "layers": list(stage.layers), "model": fields["model"], "epoch": int(fields.get("epoch", 0))}),
-                    timeout)
+                    "layers": list(stage.layers), "model": fields["model"], "epoch": gone.epoch}), timeout)
                 if answer is None:
                     log.warning("%s: no head took the stage back within %.0f s: stopping", fields["stage"], timeout)
                     return
+                for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
+                    inbox.store.delete(stream)  # replicas of the old pipeline's microbatches, held for a neighbour
                 assign = answer
 
 
@@ -135,24 +150,30 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str)
     """Be the stage the assignment `fields` describe until the head at `join` says `shutdown` (HeadGone: the
     head is gone), on links of its own (what was posted on a former head's is lost with it)."""
     role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
-    following, first, sender, replicator = open_links(fields, role)
     head = open_transport(join, **link_options(LinkTls.from_environment()))
-    worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
-                         bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
-                         int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
-                         fields.get("batching", "static"), fields.get("max_prefill_tokens"))
+    worker: StageWorker | None = None
     heartbeat: Heartbeat | None = None
     try:
-        head.send_tensor(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": worker.epoch})))
+        following, first, sender, replicator = open_links(fields, role)
+        worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
+                             bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
+                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
+                             fields.get("batching", "static"), fields.get("max_prefill_tokens"))
+        serving = worker
+        serving._tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
         interval = float(fields["heartbeat"])
-        worker.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
-                                                 interval * int(fields.get("missed_beats", 3)),
-                                                 lambda: worker.epoch, inbox.url)
-        worker.run()
+        serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
+                                                  interval * int(fields.get("missed_beats", 3)),
+                                                  lambda: serving.epoch, inbox.url)
+        serving.run()
+    except HeadGone as gone:
+        gone.epoch = worker.epoch if worker is not None else int(fields.get("epoch", 0))  # raised by recoveries
+        raise
     finally:
         if heartbeat is not None:
             heartbeat.close()
-        worker.close()
+        if worker is not None:
+            worker.close()
         head.close()
 
 

@@ -75,7 +75,8 @@ class Fleet:
         """Launch a worker per stage (and the standbys), assign each worker its stage in the order they join
         the head's `inbox`, and return once every stage is loaded. Workers of a head that died at this address
         rejoin with their stage loaded (`rejoin`): the first `rejoin_wait` seconds are theirs, and workers are
-        launched only for the stages none took back (`rejoined` names those taken back)."""
+        launched only for the stages none took back (`rejoined` names those taken back). The stages start in
+        `epoch` (set beforehand: past a former head's) or past every rejoined worker's, whichever is later."""
         stages = len(self.layout.stages)
         members: dict[int, tuple[str, str | None, int]] = {}  # stage index: its worker's inbox, id and pid
         epochs: list[int] = []  # those the rejoined workers served in
@@ -103,6 +104,8 @@ class Fleet:
             elif message.kind == Kind.JOIN:
                 members[min(set(range(stages)) - set(members))] = (fields["url"], fields.get("worker"),
                                                                    int(fields["pid"]))
+            elif message.kind == Kind.REJOIN and any(fields["url"] == member[0] for member in members.values()):
+                return  # asked again: the answer to its first ask is on its way
             elif message.kind == Kind.REJOIN:
                 index = self._stage_taken_back(message, set(members))
                 if index is None:
@@ -129,8 +132,8 @@ class Fleet:
                           for _, worker, pid in joined]
         self.spares.update(by_id)  # launched, outrun by workers started elsewhere: they join as spares
         if epochs:  # whatever the old pipeline's stages still send each other is of an older epoch: dropped
-            self.epoch = max(epochs) + 1
-            self.assigned = {stage.name: self.epoch for stage in self.layout.stages}
+            self.epoch = max(self.epoch, max(epochs) + 1)
+        self.assigned = {stage.name: self.epoch for stage in self.layout.stages}
         self.urls = [url for url, _, _ in joined]
         self.links = [self._link(url) for url in self.urls]
         for index in range(stages):

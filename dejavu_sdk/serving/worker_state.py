@@ -39,7 +39,10 @@ Links = tuple[Transport | None, Transport | None, LayerSender | None, Replicator
 
 
 class HeadGone(TransportError):
-    """The head no longer answers: the worker stops, whatever its recovery settings."""
+    """The head no longer answers: the worker stops serving its stage, whatever its recovery settings, and may
+    wait for a successor (`epoch`: the one it served in, for the successor to go beyond)."""
+
+    epoch = 0
 
 
 class HeadWatch(Protocol):
