@@ -99,3 +99,21 @@ def test_a_heartbeat_counts_a_busy_head_as_there_and_a_silent_one_as_gone() -> N
     finally:
         os.environ.pop("DEJAVU_TOKEN", None)
         head.close()
+
+
+def test_a_former_heads_worker_that_beats_at_a_starting_head_is_asked_to_rejoin() -> None:
+    """A worker with a long heartbeat may find the successor before it notices its head died (its link reconnects
+    by itself): the starting head asks it to rejoin, once."""
+    pipe = Pipeline("tiny_models:llama", token=TOKEN)
+    try:
+        pipe.listen()
+        with dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
+            for _ in range(2):
+                head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "stage 0", "epoch": 4, "url": former.url})))
+            pipe.start(rejoin_wait=1.0)
+            assert _next_kind(former) == Kind.REJOIN
+            with pytest.raises(dv.TransportError):
+                former.recv_tensor(timeout=0.5)  # asked once
+        assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+    finally:
+        pipe.close()

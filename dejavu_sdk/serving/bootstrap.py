@@ -7,6 +7,10 @@ launcher's, which the head keys spares by, or None for a worker started by hand)
 The head then sends `assign` (the stage: `StageWorker` runs it until `shutdown`), `standby` (load the model
 now, answer `warm`, and wait for an `assign`) or `shutdown`. The token of the head's servers comes from
 `DEJAVU_TOKEN`.
+
+A worker whose head is gone (its heartbeats unanswered, or a message to it not sent: `HeadGone`) is an orphan: it
+keeps its stage loaded and sends `rejoin` to the head's address every REJOIN_EVERY seconds, for the orphan
+timeout; a successor there answers with an assignment (the same stage, in a later epoch) or `shutdown`.
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str)
                              int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
                              fields.get("batching", "static"), fields.get("max_prefill_tokens"))
         serving = worker
-        serving._tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
+        serving.tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
         interval = float(fields["heartbeat"])
         serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
                                                   interval * int(fields.get("missed_beats", 3)),

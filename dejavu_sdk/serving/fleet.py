@@ -63,6 +63,7 @@ class Fleet:
         self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self.rejoined: list[str] = []  # stages whose worker (a former head's) took them back at the start
+        self._asked: set[str] = set()  # inboxes of former heads' workers asked to rejoin
         self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
 
@@ -104,6 +105,9 @@ class Fleet:
             elif message.kind == Kind.JOIN:
                 members[min(set(range(stages)) - set(members))] = (fields["url"], fields.get("worker"),
                                                                    int(fields["pid"]))
+            elif message.kind == Kind.HEARTBEAT and isinstance(fields.get("url"), str) \
+                    and all(fields["url"] != member[0] for member in members.values()):
+                self.ask_to_rejoin(fields["url"], str(fields.get("stage")))  # its link found this head by itself
             elif message.kind == Kind.REJOIN and any(fields["url"] == member[0] for member in members.values()):
                 return  # asked again: the answer to its first ask is on its way
             elif message.kind == Kind.REJOIN:
@@ -166,6 +170,23 @@ class Fleet:
                     return None
                 return index
         return None
+
+    def ask_to_rejoin(self, url: str, stage: str) -> None:
+        """Tell a former head's worker that beats here (its heartbeat's link reconnected to this head before it
+        noticed its own was gone) to rejoin: once per inbox, from a thread."""
+        with self.lock:
+            if url in self._asked:
+                return
+            self._asked.add(url)
+
+        def tell() -> None:
+            try:
+                with self._link(url) as link:
+                    link.send_tensor(pack(Message(Kind.REJOIN, {"stage": stage})))
+            except TransportError as error:
+                log.info("could not ask the former %s worker at %s to rejoin: %s", stage, url, error)
+
+        threading.Thread(target=tell, name="dejavu-ask-rejoin", daemon=True).start()
 
     def turn_away(self, rejoin: Message) -> None:
         """Tell a worker that asks to rejoin while no stage needs it to stop (from a thread: the head's receiver

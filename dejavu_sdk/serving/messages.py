@@ -34,7 +34,9 @@ class Kind(str, enum.Enum):
 
     # a worker's life: worker -> head, head -> worker
     JOIN = "join"  # a worker's inbox, pid and launcher-given id
-    REJOIN = "rejoin"  # a worker whose head died, to the head now at its address: its stage, and the same
+    # a worker whose head died, to the head now at its address: take my stage back (its name, layers, epoch);
+    # head -> such a worker whose heartbeats reached it unasked: ask for that
+    REJOIN = "rejoin"
     STANDBY = "standby"  # head: load the model and wait as a spare
     WARM = "warm"  # a spare has loaded the model
     ASSIGN = "assign"  # head: be this stage, with these links

@@ -14,7 +14,8 @@ it, or `dejavu worker --join URL`):
    (`kv`), and its last stage sends the first tokens to the head (`prefilled`); a token stage keeps the KV
    it receives until the head's `start` (the first tokens) arrives, then decodes the microbatch as above.
 A worker that cannot reach a neighbour, or whose stage fails, tells the head (`failed`) and stops: the head
-fails the requests in flight.
+fails the requests in flight. One that cannot reach the head raises `HeadGone`, and waits as an orphan for a
+successor (`bootstrap.run_worker`).
 
 With recovery (`recovery` in the assignment), decoding stages replicate their caches around the ring
 (`replication.Replicator`), a neighbour that cannot be reached is reported (`link_lost`) instead of ending
@@ -71,6 +72,8 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                     message = unpack(packed)
                     if message.kind == Kind.SHUTDOWN:
                         return
+                    if message.kind == Kind.REJOIN:  # a new head at the address, found by the heartbeat's link
+                        raise HeadGone("a new head listens at the head's address and asks this worker to rejoin")
                     if message.kind == Kind.FENCED:
                         log.warning("%s: another worker has served this stage since epoch %s (this one was stopped "
                                     "or cut off meanwhile): exiting", self.role.name, message.fields.get("epoch"))
@@ -82,14 +85,14 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                 raise
             except (TransportError, ReplicationError) as error:  # a neighbour, the replica holder or the head
                 if not self.recovery:
-                    self._tell_head(failure_message(self.role.name, error, self.epoch))
+                    self.tell_head(failure_message(self.role.name, error, self.epoch))
                     raise
                 self._link_lost(error)
             except Exception as error:  # a bad message, or the stage failed: tell the head
-                self._tell_head(failure_message(self.role.name, error, self.epoch))
+                self.tell_head(failure_message(self.role.name, error, self.epoch))
                 raise
 
-    def _tell_head(self, message: torch.Tensor) -> None:
+    def tell_head(self, message: torch.Tensor) -> None:
         """Send the head a packed message; HeadGone if it cannot be reached (then none is left to tell)."""
         try:
             self.head.send_tensor(message)
@@ -100,7 +103,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
         if self._reported_epoch < self.epoch:
             self._reported_epoch = self.epoch
-            self._tell_head(pack(Message(Kind.LINK_LOST, {"stage": self.role.name, "epoch": self.epoch,
+            self.tell_head(pack(Message(Kind.LINK_LOST, {"stage": self.role.name, "epoch": self.epoch,
                                                           "error": str(error)})))
 
     def handle(self, message: Message) -> None:
