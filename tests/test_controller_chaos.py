@@ -1,4 +1,4 @@
-"""Chaos: `dejavu serve --journal` SIGKILLed at a random moment while 16 clients stream (greedy and seeded
+"""Chaos: `dejavu serve --journal` SIGKILLed (or stopped) at a random moment while 16 clients stream (greedy and seeded
 sampling), alone or with its stage worker; a new one started on the same journal and address goes on with every
 request, and each client, reconnecting with its `Last-Event-ID`, ends with exactly the tokens of a run without
 the failure: none missing, none twice."""
@@ -65,14 +65,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failure", ["controller", "controller-and-its-stage", "controller-stopped"])
+@pytest.mark.parametrize("failure", ["controller", "controller-and-its-stage", "controller-stopped",
+                                     "controller-and-a-token-stage"])
 def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, failure: str) -> None:
     """Killed alone: its stage worker rejoins the successor (no new worker starts). Killed with its stage: a new
     worker starts. Stopped (SIGSTOP) past the workers' orphan timeout: the worker stops on its own, and the
     successor (started once a supervisor has killed the stopped one) starts a new one."""
     port, journal = _free_port(), f"file://{tmp_path}/journal"
     orphan_timeout = 3.0 if failure == "controller-stopped" else 60.0  # the default: a successor takes seconds
-    first = _serve(port, journal, tmp_path, "--orphan-timeout", str(orphan_timeout))
+    layout = ["--prompt-stages", "1", "--token-stages", "2"] if failure == "controller-and-a-token-stage" else []
+    first = _serve(port, journal, tmp_path, "--orphan-timeout", str(orphan_timeout), *layout)
     processes = [first]
     try:
         url = _serving(first)
@@ -92,8 +94,8 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         while sum(progress) < kill_after:
             assert time.monotonic() < deadline, f"the clients got {sum(progress)} tokens in 120 s"
             time.sleep(0.005)
-        if failure == "controller-and-its-stage":  # in the same instant (as a machine that hosted both would go)
-            os.kill(stage_pid, signal.SIGKILL)
+        if failure in ("controller-and-its-stage", "controller-and-a-token-stage"):  # in the same instant (as a
+            os.kill(stage_pid, signal.SIGKILL)  # machine that hosted both would go)
         if failure == "controller-stopped":
             os.kill(first.pid, signal.SIGSTOP)
             stopped = time.monotonic()
@@ -104,7 +106,7 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
         killed_at = sum(progress)
-        second = _serve(port, journal, tmp_path)
+        second = _serve(port, journal, tmp_path, *layout)
         processes.append(second)
         second_url = _serving(second)
         for client in clients:
@@ -118,8 +120,10 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         adopted = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["adopted"]
         assert adopted["going_on"], "the successor took over no request"
         assert adopted["recomputed"], "no request had a token journaled"  # and the report says what it redid
-        assert adopted["rejoined"] == (["stage 0"] if failure == "controller" else [])
         status = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()
+        names = [stage["name"] for stage in status["stages"]]
+        survivors = {"controller": names, "controller-and-a-token-stage": names[:-1]}.get(failure, [])
+        assert sorted(adopted["rejoined"]) == sorted(survivors)  # every stage whose worker lives took it back
         assert (status["stages"][-1]["pid"] == stage_pid) == (failure == "controller")
         assert status["epoch"] >= 1  # past the old pipeline's: what its stages still send each other is dropped
     finally:
