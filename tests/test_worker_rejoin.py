@@ -35,7 +35,7 @@ def test_a_former_heads_worker_is_fenced_and_late_rejoins_are_turned_away() -> N
             dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
         head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "stage 0", "epoch": 0, "url": former.url})))
         assert _next_kind(former) == Kind.FENCED  # same stage name and epoch, but not the inbox the head assigned
-        head.send_tensor(pack(_rejoin(former.url, "stage 0", [0, 2])))
+        head.send_tensor(pack(_rejoin(former.url, "stage 0", list(pipe.stage_table[0].layers))))
         assert _next_kind(former) == Kind.SHUTDOWN  # the stage has its worker
         ids = torch.tensor([[5, 6, 7]])
         assert len(pipe.generate(ids, max_new_tokens=4)[0]) == 4  # the real worker still serves
@@ -114,6 +114,21 @@ def test_a_former_heads_worker_that_beats_at_a_starting_head_is_asked_to_rejoin(
             assert _next_kind(former) == Kind.REJOIN
             with pytest.raises(dv.TransportError):
                 former.recv_tensor(timeout=0.5)  # asked once
+        assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+    finally:
+        pipe.close()
+
+
+def test_a_rejoined_worker_gone_before_its_assignment_is_replaced(caplog) -> None:
+    pipe = Pipeline("tiny_models:llama", token=TOKEN)
+    try:
+        pipe.listen()
+        with dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
+            layers = list(pipe.stage_table[0].layers)  # the stage's own: the rejoin is taken
+            head.send_tensor(pack(_rejoin(former.url, "stage 0", layers)))  # then it goes, before it is assigned
+        pipe.start(rejoin_wait=1.0)
+        assert "the former stage 0 worker that rejoined is gone" in caplog.text  # taken, then found gone
+        assert pipe.fleet.rejoined == []
         assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
     finally:
         pipe.close()

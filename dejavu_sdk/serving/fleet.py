@@ -127,8 +127,20 @@ class Fleet:
             launched = [self._launch() for _ in range(stages - len(members))]
             for _ in range(self.options.standby):
                 self._launch_spare()
-        while len(members) < stages:
-            take(next_message(deadline, "every stage worker to join"))
+        while True:
+            while len(members) < stages:
+                take(next_message(deadline, "every stage worker to join"))
+            # a rejoined worker may have gone since it asked: its stage needs another
+            gone = [index for index in members if self.layout.stages[index].name in self.rejoined
+                    and not self._reachable(members[index][0])]
+            if not gone:
+                break
+            for index in gone:
+                log.warning("the former %s worker that rejoined is gone: another takes the stage",
+                            self.layout.stages[index].name)
+                del members[index]
+                self.rejoined.remove(self.layout.stages[index].name)
+            launched += [self._launch() for _ in gone] if self.launch else []
         # stages go in the order workers joined: each stage's process is the one that joined as it
         by_id = {process.id: process for process in launched}
         joined = [members[index] for index in range(stages)]
@@ -170,6 +182,15 @@ class Fleet:
                     return None
                 return index
         return None
+
+    def _reachable(self, url: str) -> bool:
+        """Whether a worker's inbox takes a message now (`stats`, which a worker waiting to rejoin ignores)."""
+        try:
+            with self._link(url) as link:
+                link.send_tensor(pack(Message(Kind.STATS)))
+        except TransportError:
+            return False
+        return True
 
     def ask_to_rejoin(self, url: str, stage: str) -> None:
         """Tell a former head's worker that beats here (its heartbeat's link reconnected to this head before it
