@@ -105,6 +105,7 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
             assert time.monotonic() - stopped > orphan_timeout, "the worker stopped before its orphan timeout"
         os.kill(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
+        had = {client.request_id: progress[number] for number, client in enumerate(clients)}  # at the kill
         killed_at = sum(progress)
         second = _serve(port, journal, tmp_path, *layout)
         processes.append(second)
@@ -119,7 +120,8 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         assert sum(client.reconnects for client in clients) > 0
         adopted = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["adopted"]
         assert adopted["going_on"], "the successor took over no request"
-        assert adopted["recomputed"], "no request had a token journaled"  # and the report says what it redid
+        for request_id in adopted["going_on"]:  # the report says what it computed again: at least what the
+            assert adopted["recomputed"].get(request_id, 0) >= had.get(request_id, 0)  # client had (written ahead)
         status = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()
         names = [stage["name"] for stage in status["stages"]]
         survivors = {"controller": names, "controller-and-a-token-stage": names[:-1]}.get(failure, [])
