@@ -41,6 +41,9 @@ from .worker_state import HeadGone, Role, open_links
 ASSIGN_TIMEOUT = 120.0
 #: Seconds a worker keeps trying to reach a head that is not listening yet.
 JOIN_TIMEOUT = 120.0
+#: Seconds a worker's heartbeats may go unanswered (a head busy on a loaded machine, or stopped) before the worker
+#: counts its head gone; a head whose process is gone (its address refuses) is counted gone at once.
+HEAD_SILENCE = 10.0
 #: Seconds between an orphan's tries to rejoin the head at its address.
 REJOIN_EVERY = 0.5
 #: The transports whose head an orphan can rejoin: a new head at the same address takes a new connection.
@@ -53,8 +56,8 @@ class Heartbeat:
     """Sends `heartbeat` to the head every `interval` seconds from a thread and a link of its own, however busy
     the stage is (a stopped or hung process sends none: the head counts it dead after a few missed), with the
     worker's epoch and inbox (a worker replaced meanwhile is told there to exit). Each waits for the head's
-    inbox to take it, at most `timeout` seconds: a head that no longer takes them (gone, or stopped) is kept
-    as `error` for the worker's loop to raise."""
+    inbox to take it, at most `timeout` seconds: a head whose address refuses, or that has taken none for
+    HEAD_SILENCE seconds (at least `timeout`), is kept as `error` for the worker's loop to raise."""
 
     def __init__(self, head: str, stage: str, interval: float, timeout: float,
                  epoch: Callable[[], int] = lambda: 0, url: str | None = None) -> None:
@@ -71,8 +74,11 @@ class Heartbeat:
             error = self._beat()
             if error is None:
                 answered = time.monotonic()
-            elif time.monotonic() - answered >= self.timeout or not isinstance(error, TransportError):
-                self.error = error  # the head is gone, or has answered none for `timeout` seconds
+                continue
+            gone = isinstance(error.__cause__, (ConnectionRefusedError, ConnectionResetError, BrokenPipeError))
+            if gone or not isinstance(error, TransportError) \
+                    or time.monotonic() - answered >= max(self.timeout, HEAD_SILENCE):
+                self.error = error  # the head's process is gone, or it has answered nothing for that long
                 return
 
     def _beat(self) -> BaseException | None:
