@@ -36,6 +36,35 @@ def _serve(port: int, journal: str, tmp_path: Path, *options: str) -> subprocess
                              "--microbatch", "4", *options], stdout=subprocess.PIPE, text=True, env=environment)
 
 
+def _resumed_by_a_successor(port: int, journal: str, tmp_path: Path, layout: list[str],
+                            processes: list[subprocess.Popen], clients: list[ResumingClient],
+                            expected: list[list[int]]) -> tuple[str, dict]:
+    """Start a successor on the journal and address; every client, reconnecting, ends with the failure-free run's
+    tokens. The successor's URL and what it says it adopted."""
+    second = _serve(port, journal, tmp_path, *layout)
+    processes.append(second)
+    url = _serving(second)
+    for client in clients:
+        client.join(timeout=RECONNECT + 150)
+    for number, client in enumerate(clients):
+        assert client.error is None, f"client {number}: {client.error!r}"
+        assert client.tokens == expected[number], f"client {number} (reconnected {client.reconnects} times)"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    return url, httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["adopted"]
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each process still running (SIGKILL past 30 s), and reap it."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def _running(pid: int) -> bool:
     """Whether process `pid` runs (a zombie has ended)."""
     try:
@@ -107,21 +136,16 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         first.wait(timeout=30)
         had = {client.request_id: progress[number] for number, client in enumerate(clients)}  # at the kill
         killed_at = sum(progress)
-        second = _serve(port, journal, tmp_path, *layout)
-        processes.append(second)
-        second_url = _serving(second)
-        for client in clients:
-            client.join(timeout=RECONNECT + 150)
-        for number, client in enumerate(clients):
-            assert client.error is None, f"client {number}: {client.error!r}"
-            assert client.tokens == expected[number], f"client {number} (reconnected {client.reconnects} times)"
-            assert client.finish == "length"
+        second_url, adopted = _resumed_by_a_successor(port, journal, tmp_path, layout, processes, clients, expected)
+        assert all(client.finish == "length" for client in clients)
         assert killed_at < CLIENTS * NEW, "the kill came after every token"
         assert sum(client.reconnects for client in clients) > 0
-        adopted = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["adopted"]
         assert adopted["going_on"], "the successor took over no request"
-        for request_id in adopted["going_on"]:  # the report says what it computed again: at least what the
-            assert adopted["recomputed"].get(request_id, 0) >= had.get(request_id, 0)  # client had (written ahead)
+        for request_id in adopted["going_on"]:  # the report says what it took over from the caches or computed
+            tokens = adopted["recomputed"].get(request_id, 0) + adopted["taken_over"].get(request_id, 0)  # again: at
+            assert tokens >= had.get(request_id, 0)  # least what the client had (the journal is written ahead)
+        if failure != "controller":  # no worker holds every stage of a microbatch: nothing is taken over
+            assert not adopted["taken_over"], adopted
         status = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()
         names = [stage["name"] for stage in status["stages"]]
         survivors = {"controller": names, "controller-and-a-token-stage": names[:-1]}.get(failure, [])
@@ -129,11 +153,44 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
         assert (status["stages"][-1]["pid"] == stage_pid) == (failure == "controller")
         assert status["epoch"] >= 1  # past the old pipeline's: what its stages still send each other is dropped
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        _stop(processes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["--stages", "2", "--recovery", "recompute"]])
+def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str]) -> None:
+    """The controller is SIGKILLed while a microbatch decodes: its stage workers rejoin the successor with that
+    microbatch's caches, and it goes on from the step the last stage reached (greedy and seeded sampled rows
+    alike), not from the prompts: the report lists its requests as taken over, none as computed again, and every
+    client's tokens equal the failure-free run's."""
+    port, journal, clients_count, new = _free_port(), f"file://{tmp_path}/journal", 4, 400
+    first = _serve(port, journal, tmp_path, *layout)
+    processes = [first]
+    try:
+        url = _serving(first)
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        bodies = [{**_body(client), "max_tokens": new} for client in range(clients_count)]
+        expected = [httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).json()["choices"][0]
+                    ["token_ids"] for body in bodies]
+        progress = [0] * clients_count
+        clients = [ResumingClient(url, TOKEN, body, progress, client, RECONNECT + 120)
+                   for client, body in enumerate(bodies)]
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 120
+        while max(progress) < 20:  # a microbatch is decoding
+            assert time.monotonic() < deadline, f"the clients got {progress} tokens in 120 s"
+            time.sleep(0.002)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        had = {client.request_id: progress[number] for number, client in enumerate(clients)}
+        assert max(had.values()) < new, "the kill came after the last token"
+        _, adopted = _resumed_by_a_successor(port, journal, tmp_path, layout, processes, clients, expected)
+        decoding = [request_id for request_id, tokens in had.items() if tokens > 0]
+        assert decoding, had
+        assert set(decoding) <= set(adopted["taken_over"]), adopted
+        for request_id in decoding:
+            assert adopted["taken_over"][request_id] >= had[request_id]
+        assert not adopted["recomputed"], adopted
+    finally:
+        _stop(processes)

@@ -97,3 +97,55 @@ def test_prompt_kv_of_a_failed_microbatch_arriving_after_its_drop_is_not_kept() 
     assert worker.staged == {}
     worker.handle(Message(Kind.KV, {"microbatch": 8, "layers": [0, 1], "epoch": 2}, (piece,)))
     assert list(worker.staged) == [8]  # another microbatch's pieces are kept as before
+
+
+SAMPLED = {"do_sample": True, "seed": 7, "temperature": 1.0}
+
+
+def _run_steps(worker: StageWorker, head: _Link, first: _Link, steps: int) -> None:
+    """Feed the worker its own next steps (the single stage's way back to itself), `steps` times."""
+    for _ in range(steps):
+        decode = first.sent.pop()
+        worker.handle(Message(decode.kind, {**decode.fields, "epoch": worker.epoch}, decode.tensors))
+
+
+def _sampled_prefill(number: int) -> Message:
+    message = _prefill(number, [3, 4, 5])
+    return Message(message.kind, {**message.fields, "max_new_tokens": [40, 40], "decoding": [SAMPLED, GREEDY]},
+                   (torch.tensor([[3, 4, 5], [0, 6, 7]]), torch.tensor([[1, 1, 1], [0, 1, 1]])))
+
+
+def _tokens(head: _Link) -> list[list[int]]:
+    return [message.tensors[0].tolist() for message in head.sent if message.kind == Kind.TOKENS]
+
+
+def test_a_successor_takes_a_microbatch_over_where_the_last_stage_stands() -> None:
+    """A worker's microbatch handed to the worker of a successor head (`Holdings`): `pause` reports its step and
+    every step's tokens, `rewind` with `keep` goes on with its own picker, and the tokens after it are those of
+    a worker that never stopped (sampled rows included); a `keep` at another step is refused, and changes
+    nothing."""
+    reference, reference_head, reference_first = _worker()
+    reference.handle(_sampled_prefill(4))
+    _run_steps(reference, reference_head, reference_first, 11)
+    expected = _tokens(reference_head)
+
+    worker, head, first = _worker()
+    worker.handle(_sampled_prefill(4))
+    _run_steps(worker, head, first, 5)  # 6 steps: the head dies with the next one on its way
+    successor, successor_head, successor_first = _worker(epoch=3)
+    successor.microbatches, successor.caches = worker.microbatches, worker.caches
+    successor.handle(Message(Kind.PAUSE, {"epoch": 4, "microbatches": [4], "replica_of": None}))
+    (paused,) = successor_head.sent
+    assert paused.fields["caches"] == {"4": 3 + 6 - 1}
+    assert paused.fields["steps"] == {"4": [6, expected[:6]]}
+    fields = {"microbatch": 4, "max_new_tokens": [40, 40], "decoding": [SAMPLED, GREEDY], "epoch": 4,
+              "positions": 3 + 6 - 1, "replicated": 0, "keep": True}
+    mask, none = torch.tensor([[1, 1, 1], [0, 1, 1]]), torch.zeros(2, dtype=torch.uint8)
+    successor.handle(Message(Kind.REWIND, {**fields, "steps": 5}, (mask, none, torch.empty(0, dtype=torch.uint8))))
+    assert "step 6" in successor_head.sent[-1].fields["error"]
+    successor.handle(Message(Kind.REWIND, {**fields, "steps": 6}, (mask, none, torch.empty(0, dtype=torch.uint8))))
+    assert successor_head.sent[-1].kind == Kind.REWOUND
+    assert "error" not in successor_head.sent[-1].fields
+    successor.handle(Message(Kind.DECODE, {"microbatch": 4, "epoch": 4}, (torch.tensor([expected[5]]).T,)))
+    _run_steps(successor, successor_head, successor_first, 5)
+    assert _tokens(successor_head) == expected[6:]

@@ -7,8 +7,9 @@ would; its own detection of the death comes on top), and each client reconnects 
 its stream goes on. Reported, from the kill to the first new token a reconnected client gets: detection (the
 process gone), start (the new process until it reads its journal: interpreter, imports, model and tokenizer),
 journal read, rejoin (the stage workers of the killed controller, which wait as orphans, take their stages back;
-a stage without one gets a new worker, which loads the model), adoption (the requests queued again) and resume
-(from serving to that first token: the tokens the journal held are computed again from the prompts first).
+a stage without one gets a new worker, which loads the model), adoption (the requests queued again, and the
+static microbatches the workers still hold taken over) and resume (from serving to that first token: the next
+step of a microbatch taken over, else the prompts and the tokens the journal held, computed again).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ TOKEN = "bench-recovery-controller"
 
 @attrs.frozen
 class ControllerKill:
-    """One controller killed: seconds of each part from the kill to the first new token, and the tokens the
-    successor computed again."""
+    """One controller killed: seconds of each part from the kill to the first new token, the tokens the journal held
+    that the successor went on from in its workers' caches (`taken_over`) and those it computed again."""
 
     detection: float
     start: float
@@ -51,6 +52,7 @@ class ControllerKill:
     adoption: float
     resume: float
     total: float
+    taken_over: int
     recomputed: int
     rejoined: int  # stages whose worker rejoined (the others started a new one)
 
@@ -69,6 +71,7 @@ class ControllerRecoveryReport:
         parts = ("detection", "start", "journal_read", "rejoin", "adoption", "resume", "total")
         rows = [[part.replace("_", " "), f"{statistics.median(getattr(kill, part) for kill in self.kills):.2f}",
                  ", ".join(f"{getattr(kill, part):.2f}" for kill in self.kills)] for part in parts]
+        taken_over = ", ".join(str(kill.taken_over) for kill in self.kills)
         recomputed = ", ".join(str(kill.recomputed) for kill in self.kills)
         rejoined = ", ".join(str(kill.rejoined) for kill in self.kills)
         return "\n".join([
@@ -76,8 +79,8 @@ class ControllerRecoveryReport:
             f"streamed requests of {self.prompt_tokens} prompt tokens and {self.new_tokens} new ones; the "
             f"controller SIGKILLed when the first client had {self.kill_step} tokens, a new one started at once.", "",
             markdown_table(["from the kill to the first new token", "median (s)", "per repeat (s)"], rows), "",
-            f"Tokens computed again from the prompts, per repeat: {recomputed}. Stages whose worker rejoined, per "
-            f"repeat: {rejoined}.", ""])
+            f"Tokens the journal held that went on from the workers' caches, per repeat: {taken_over}; computed "
+            f"again from the prompts: {recomputed}. Stages whose worker rejoined, per repeat: {rejoined}.", ""])
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -227,6 +230,7 @@ def _one_kill(model: str, prompts: list[list[int]], new_tokens: int, kill_step: 
         return ControllerKill(detection=gone - killed, start=serving - servers[1].started - inside,
                               journal_read=adopted["read_seconds"], rejoin=adopted["workers_seconds"],
                               adoption=adopted["adopt_seconds"], resume=resumed - serving, total=resumed - killed,
+                              taken_over=sum(adopted["taken_over"].values()),
                               recomputed=sum(adopted["recomputed"].values()), rejoined=len(adopted["rejoined"]))
     finally:
         for server in servers:

@@ -96,7 +96,8 @@ class ServedModel(Protocol):
     def names(self) -> Sequence[str]: ...
 
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
-               on_logprobs: Callable[[int, Any], None] | None = None) -> list[Future[Any]]: ...
+               on_logprobs: Callable[[int, Any], None] | None = None,
+               tags: Sequence[Any] | None = None) -> list[Future[Any]]: ...
 
     def health(self) -> tuple[str, str]:
         """("serving" | "starting" | "recovering" | "draining" | "failed", why)."""

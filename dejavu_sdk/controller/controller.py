@@ -28,10 +28,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
+import torch
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
-from ..generation.batching import Result
+from ..generation.batching import Request, Result
+from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..models import load_tokenizer
 from ..serving.options import check_body_limit
@@ -61,13 +63,16 @@ REJOIN_WAIT = 3.0
 
 @attrs.frozen
 class Adoption:
-    """What a controller took over from its predecessor's journal: the requests still running (`going_on`), each
-    with the tokens the journal held that are computed again from the prompt (`recomputed`: the caches are not
-    taken over), the ended ones kept for clients to read (`kept`), and the stages whose worker (the
-    predecessor's, with its stage loaded) rejoined (`rejoined`); and the seconds its start spent reading the
-    journal, getting the stage workers (rejoined, or started) and queuing the requests again."""
+    """What a controller took over from its predecessor's journal: the requests still running (`going_on`), those
+    of them that went on from the caches their predecessor's stage workers still held, with the tokens the journal
+    held of them (`taken_over`: not computed again), those with tokens that are computed again from their prompts
+    (`recomputed`: how many the journal held; no worker could go on with them), the ended ones kept for clients to
+    read (`kept`), and the stages whose worker (the predecessor's, with its stage loaded) rejoined (`rejoined`);
+    and the seconds its start spent reading the journal, getting the stage workers (rejoined, or started) and
+    queuing the requests again (taking over the caches included)."""
 
     going_on: list[str] = attrs.field(factory=list)
+    taken_over: dict[str, int] = attrs.field(factory=dict)
     recomputed: dict[str, int] = attrs.field(factory=dict)
     kept: list[str] = attrs.field(factory=list)
     rejoined: list[str] = attrs.field(factory=list)
@@ -144,6 +149,8 @@ class Controller:
         self.metrics = ControllerMetrics()
         self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
         self.pipeline.on_recovery = self._recovered
+        if self.journal is not None:
+            self.pipeline.on_admitted = self.journal.microbatch
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
         self._draining = False
@@ -171,10 +178,11 @@ class Controller:
     # ---- what the API serves from -------------------------------------------------------------------
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
-               ) -> list[Future[Result]]:
+               tags: Sequence[Any] | None = None) -> list[Future[Result]]:
         """Queue the choices, those of equal limits and decodings together (one submission: admission takes
         turns between submissions); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
-        `on_logprobs(index, entry)` where asked. A refused one (ConfigError) takes back those already queued."""
+        `on_logprobs(index, entry)` where asked; `tags`: each choice's name in the journal. A refused one
+        (ConfigError) takes back those already queued."""
         futures: list[Future[Result]] = []
         try:
             start = 0
@@ -187,7 +195,7 @@ class Controller:
                     [choice.prompt for choice in choices[start:end]], choices[start].max_tokens,
                     on_token=functools.partial(_shifted, on_token, start),
                     on_logprobs=None if on_logprobs is None else functools.partial(_shifted, on_logprobs, start),
-                    **choices[start].decoding)
+                    tags=None if tags is None else tags[start:end], **choices[start].decoding)
                 start = end
         except BaseException:
             for future in futures:
@@ -270,11 +278,10 @@ class Controller:
             if not self.pipeline.launch:
                 log.warning("waiting for %d stage workers: start each with `dejavu worker --controller %s`",
                             len(self.pipeline.stage_table), self.url)
-            self.pipeline.start(self._rejoin_wait)
+            self.pipeline.start(self._rejoin_wait, hold=self._rejoin_wait > 0)
             started = time.monotonic()
-            if inherited:
-                self._adopt(inherited)
-                self._adopting = False
+            self._adopt(inherited)
+            self._adopting = False
             self._journal_head()  # its epoch, past the rejoined workers'
             self._started = True
             self.adoption = attrs.evolve(self.adoption, rejoined=list(self.pipeline.fleet.rejoined),
@@ -301,17 +308,43 @@ class Controller:
                 if journaled.answered is None or now - journaled.answered_at <= self.limits.keep_finished]
 
     def _adopt(self, inherited: list[JournaledRequest]) -> None:
+        """Go on with the journal's requests (queued while the pipeline holds them), then with the microbatches
+        that rejoined workers still hold (`Pipeline.take_over`), which lets requests start."""
         assert self._loop is not None
         assert self._app is not None
-        runs = asyncio.run_coroutine_threadsafe(adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
+        runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
+            adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
         going = [run for run in runs if run.outcome is None]
+        running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
+        rows = {} if self.journal is None else self.journal.found.microbatches
+        taken = {(str(tag[0]), int(tag[1])) for tag in self.pipeline.take_over(rows, self._stand_in).tags}
+        over = {run.id: [index for index in running[run.id] if (run.id, index) in taken] for run in going}
+        again = {run.id: [index for index in running[run.id] if (run.id, index) not in taken] for run in going}
         self.adoption = Adoption([run.id for run in going],
-                                 {run.id: sum(map(len, run.known)) for run in going if any(run.known)},
+                                 {run.id: sum(len(run.known[index]) for index in over[run.id])
+                                  for run in going if over[run.id]},
+                                 {run.id: sum(len(run.known[index]) for index in again[run.id])
+                                  for run in going if any(run.known[index] for index in again[run.id])},
                                  [run.id for run in runs if run.outcome is not None])
         if going:
-            log.warning("took over %d requests from the journal; %d tokens it held are computed again from their "
-                        "prompts (no worker holds their caches): %s", len(going),
-                        sum(self.adoption.recomputed.values()), ", ".join(self.adoption.going_on))
+            log.warning("took over %d requests from the journal, %d from the caches their predecessor's stages "
+                        "held; %d tokens it held are computed again from their prompts: %s", len(going),
+                        len(self.adoption.taken_over), sum(self.adoption.recomputed.values()),
+                        ", ".join(self.adoption.going_on))
+
+    def _stand_in(self, tag: Any) -> Request | None:
+        """A request like journaled choice `tag` ([request id, choice]), for a row of a microbatch taken over whose
+        choice ended; None if the journal no longer holds it."""
+        assert self.journal is not None  # only taken over with one
+        journaled = self.journal.found.requests.get(str(tag[0]))
+        if journaled is None or not 0 <= int(tag[1]) < len(journaled.admitted["choices"]):
+            return None
+        choice = journaled.request().choices[int(tag[1])]
+        try:
+            return Request(torch.tensor(choice.prompt, dtype=torch.long), choice.max_tokens,
+                           Decoding.of(**choice.decoding))
+        except ConfigError:
+            return None
 
     def _start_http(self) -> None:
         try:

@@ -132,6 +132,11 @@ class Journal:
     def answered(self, request_id: str, outcome: str) -> int:
         return self._put("answered", [request_id, outcome, time.time()])
 
+    def microbatch(self, number: int, rows: list[Any]) -> int:
+        """The rows of the pipeline's static microbatch `number`, in order: each a [request id, choice], or None
+        (a row of no request of this journal's)."""
+        return self._put("microbatch", [number, rows])
+
     def head(self, url: str | None, token: str | None = None, epoch: int = 0) -> int:
         """Where this controller's stage workers join (and, when it drew it, their links' token), and its
         pipeline's epoch: a successor listens there too, so that they can rejoin it, in a later epoch. None: the
@@ -297,10 +302,13 @@ def _records(url: str | Store) -> list[dict[str, Any]]:
 
 @attrs.define
 class JournalState:
-    """What a journal's records say: its requests, by id in the order admitted, and its head."""
+    """What a journal's records say: its requests, by id in the order admitted, its head, and the rows of the
+    static microbatches that hold a request not answered (`microbatches`: number -> [request id, choice] or None
+    per row)."""
 
     requests: dict[str, JournaledRequest] = attrs.field(factory=dict)
     head: JournaledHead | None = None
+    microbatches: dict[int, list[tuple[str, int] | None]] = attrs.field(factory=dict)
 
     @classmethod
     def fold(cls, records: Iterable[dict[str, Any]]) -> JournalState:
@@ -315,10 +323,13 @@ class JournalState:
         requests = self.requests
         if "snapshot" in record:
             requests.clear()
+            self.microbatches.clear()
             for request_id, admitted, tokens, finish, answered, answered_at in record["snapshot"]:
                 requests[request_id] = JournaledRequest(
                     request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
                     {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at))
+        for number, rows in [*record.get("microbatches", []), *record.get("microbatch", [])]:
+            self.microbatches[int(number)] = [None if row is None else (str(row[0]), int(row[1])) for row in rows]
         for url, token, *epoch in record.get("head", []):
             self.head = None if url is None else JournaledHead(url, token, *epoch)
         for request_id, fields in record.get("admitted", []):
@@ -338,9 +349,13 @@ class JournalState:
         """Drop the requests answered before `before` (seconds since the epoch): no successor keeps them."""
         self.requests = {request_id: request for request_id, request in self.requests.items()
                          if request.answered is None or request.answered_at >= before}
+        self.microbatches = {number: rows for number, rows in self.microbatches.items()
+                             if any(row is not None and row[0] in self.requests
+                                    and self.requests[row[0]].answered is None for row in rows)}
 
     def snapshot(self) -> dict[str, Any]:
         """A record that says all of this at once."""
         head = [None, None] if self.head is None else [self.head.url, self.head.token, self.head.epoch]
         return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
-                              request.answered_at] for request in self.requests.values()], "head": [head]}
+                              request.answered_at] for request in self.requests.values()], "head": [head],
+                "microbatches": [[number, rows] for number, rows in self.microbatches.items()]}

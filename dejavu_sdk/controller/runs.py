@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
@@ -59,9 +59,10 @@ class GenerationBackend(Protocol):
 
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
-               ) -> list[Future[Result]]:
+               tags: Sequence[Any] | None = None) -> list[Future[Result]]:
         """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive, each after
-        its log-probabilities to `on_logprobs(index, entry)` where the choices ask for them."""
+        its log-probabilities to `on_logprobs(index, entry)` where the choices ask for them; `tags[index]` names
+        choice `index` in the journal's microbatch records."""
 
     def started_at(self, future: Future[Result]) -> float | None:
         """When the choice of `future` left the waiting queue (`time.monotonic()`)."""
@@ -158,7 +159,8 @@ class Run:
         try:
             submitted = self.backend.submit(
                 [self.request.choices[index] for index in going], functools.partial(self._on_token_of, going),
-                None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going))
+                None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going),
+                [[self.id, index] for index in going])
         except BaseException:
             if self.journal is not None:
                 self.journal.answered(self.id, "refused")

@@ -48,6 +48,8 @@ class Request:
     started: float | None = None
     #: The submission it came in (requests submitted together share it): admission takes turns between them.
     group: int = attrs.field(default=attrs.Factory(lambda self: self.number, takes_self=True))
+    #: What its submitter calls it (the controller: its request id and choice), for records that outlive the head.
+    tag: Any = None
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ from ..transports.base import Server, Transport
 from .link_tls import LinkTls, inbox_options, link_options
 from .messages import Kind, Message, pack, unpack
 from .worker import QUIET, StageWorker, failure_message
-from .worker_state import HeadGone, Role, open_links
+from .worker_state import HeadGone, Holdings, Role, open_links
 
 #: Seconds a worker waits for its assignment after joining.
 ASSIGN_TIMEOUT = 120.0
@@ -123,6 +123,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             head.send_tensor(pack(Message(Kind.WARM, {"url": inbox.url})))
             assign = _wait_for_assignment(inbox, head)
         stage: Stage | None = None
+        held: Holdings | None = None  # an orphan's microbatches, for the head that takes it back
         while assign.kind != Kind.SHUTDOWN:
             if assign.kind != "assign":
                 raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
@@ -136,9 +137,10 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                     raise
                 model = None  # the stage took it over
             try:
-                _serve_stage(stage, fields, inbox, join)
+                _serve_stage(stage, fields, inbox, join, held)
                 return
             except HeadGone as gone:
+                held = gone.held
                 timeout = orphan_timeout if orphan_timeout is not None else float(fields.get("orphan_timeout", 0))
                 if scheme not in REJOINABLE or timeout <= 0:
                     log.warning("%s: %s: stopping", fields["stage"], gone)
@@ -156,9 +158,10 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                 assign = answer
 
 
-def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str) -> None:
+def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str, held: Holdings | None = None) -> None:
     """Be the stage the assignment `fields` describe until the head at `join` says `shutdown` (HeadGone: the
-    head is gone), on links of its own (what was posted on a former head's is lost with it)."""
+    head is gone, with what the worker keeps for a successor), on links of its own (what was posted on a former
+    head's is lost with it); `held`: the microbatches it kept under a former head, for this one to take over."""
     role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
     head = open_transport(join, **link_options(LinkTls.from_environment()))
     worker: StageWorker | None = None
@@ -169,6 +172,8 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str)
                              bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
                              int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
                              fields.get("batching", "static"), fields.get("max_prefill_tokens"))
+        if held is not None:
+            worker.microbatches, worker.caches = held.microbatches, held.caches
         serving = worker
         serving.tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
         interval = float(fields["heartbeat"])
@@ -178,6 +183,8 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str)
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else int(fields.get("epoch", 0))  # raised by recoveries
+        if worker is not None and not worker.continuous and not worker.caches.swapping:
+            gone.held = Holdings(worker.microbatches, worker.caches)
         raise
     finally:
         if heartbeat is not None:

@@ -176,7 +176,8 @@ class Ledger(SlotDecisions):
             outcome.answers += self._ended_rows(flight.batch)
             self._staging += 1
             flight.phase, flight.progress, flight.staged_at = Phase.STAGED, None, self._staging
-            flight.start = Message(Kind.START, flight.batch.fields(), (tokens, mask, ended, rng))
+            flight.start = Message(Kind.START, {**flight.batch.fields(), "first": tokens[:, 0].tolist()},
+                                   (tokens, mask, ended, rng))
         return outcome
 
     def on_ended(self, number: int, freed: bool) -> Outcome:

@@ -94,6 +94,11 @@ class LedgerState:
         #: Continuous and disaggregated: the groups in the prompt pipeline, by their microbatch number.
         self.prompting: dict[int, PromptGroup] = {}
 
+    def renumber_from(self, number: int) -> None:
+        """Number new microbatches from `number` on, at least (those below are held by stages already; under the
+        lock)."""
+        self._numbers = max(self._numbers, number)
+
     def holding(self) -> list[Flight]:
         """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""
         return [flight for flight in self.flights.values() if not flight.freed]

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,8 +43,9 @@ from .ledger import Ledger, Outcome, answer, stream
 from .link_tls import inbox_options
 from .messages import Kind, Message, unpack
 from .options import PipelineOptions
-from .recovery import Recoveries, RecoveryReport
+from .recovery import Recoveries, Recovery, RecoveryReport
 from .replication import delete_replicas
+from .takeover import Takeover, TakeoverReport
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class Pipeline:
         #: Called with each recovery's report, and with each failure's description as a recovery starts.
         self.on_recovery: Callable[[RecoveryReport], None] | None = None
         self.on_failure: Callable[[str], None] | None = None
+        #: Called with each static microbatch's number and its rows' `tags` as it is admitted, before any stage
+        #: hears of it (a journal's record of which rows a successor finds in the stages' caches).
+        self.on_admitted: Callable[[int, list[Any]], object] | None = None
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
@@ -150,11 +154,13 @@ class Pipeline:
                                 token=self.options.token, **inbox_options(self.options.link_tls))
         return self._inbox.url
 
-    def start(self, rejoin_wait: float = 0.0) -> Pipeline:
+    def start(self, rejoin_wait: float = 0.0, hold: bool = False) -> Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
         loaded them. `rejoin_wait`: seconds first given to the workers of a head that served at this address
-        and died to take their stages back (`rejoined`), before workers are launched for the others."""
+        and died to take their stages back (`rejoined`), before workers are launched for the others. `hold`:
+        start no request until `take_over` (requests submitted meanwhile wait)."""
         self.listen()
+        self.ledger.held = hold
         self._starting = True
         try:
             assert self._inbox is not None  # listening
@@ -166,6 +172,22 @@ class Pipeline:
         self._receiver.start()
         self._running.set()
         return self
+
+    def take_over(self, rows: Mapping[int, Sequence[Any]],
+                  stand_in: Callable[[Any], Request | None]) -> TakeoverReport:
+        """Go on with the static microbatches that the workers of a former head, rejoined, still hold (`takeover`):
+        `rows` are their rows' tags by microbatch number, as the former head admitted them; the requests of
+        those tags, submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage
+        can, and wait for a microbatch of their own otherwise; `stand_in(tag)` is a request like the one a row had
+        whose request is not submitted here (it ended), or None. Then requests start."""
+        report = TakeoverReport()
+        if self.fleet.rejoined:
+            steps = Recovery(self.ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
+                             self._recoveries.assignment, lambda: self._closed)
+            report = Takeover(self.ledger, steps, rows, stand_in).run()
+        self._carry_out(self.ledger.resume(report.resumed, [], [], []))
+        self._admit()
+        return report
 
     @property
     def closed(self) -> bool:
@@ -227,12 +249,13 @@ class Pipeline:
     def submit_all(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                    seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
                    on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
-                   **settings: Any) -> list[Future[Result]]:
+                   tags: Sequence[Any] | None = None, **settings: Any) -> list[Future[Result]]:
         """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
         decoding as in `submit`, each prompt from its own generator seeded with `seed`; `on_token(index, id)`
         gets the new tokens of `prompts[index]` as they arrive, and `on_logprobs(index, entry)` their
         log-probabilities, as `submit`'s `on_logprobs`. Admission takes turns between submissions: a
-        long list does not hold back a submission that comes after it."""
+        long list does not hold back a submission that comes after it. `tags`: what the caller calls each
+        prompt (JSON values), as `on_admitted` reports them."""
         self._wait_until_running()
         decoding = Decoding.of(do_sample, seed, **settings)
         if decoding.do_sample and self.options.rules.sampling_refused is not None:
@@ -242,13 +265,15 @@ class Pipeline:
             raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary of {self.vocabulary}")
         if decoding.ends.min_tokens > max_new_tokens:
             raise ConfigError(f"min_tokens ({decoding.ends.min_tokens}) is more than max_new_tokens ({max_new_tokens})")
+        if tags is not None and len(tags) != len(prompts):
+            raise ConfigError(f"tags= names {len(tags)} prompts, not the {len(prompts)} given")
         requests: list[Request] = []
         for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
             prompt = check_prompt(ids, self.context, self.vocabulary)
             listener = None if on_token is None else functools.partial(on_token, index)
             scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
             request = Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context), decoding,
-                              on_token=listener, on_logprobs=scores)
+                              on_token=listener, on_logprobs=scores, tag=None if tags is None else tags[index])
             if requests:  # prompts submitted together are one submission: admission takes turns between them
                 request.group = requests[0].group
             requests.append(request)
@@ -318,15 +343,27 @@ class Pipeline:
         """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
         which decides where what was admitted goes on from."""
         for stage, message in self.ledger.admit():
+            if message.kind == Kind.PREFILL and not self.ledger.continuous:
+                self._report_admitted(int(message.fields["microbatch"]))
             try:
                 self._send(stage, message)
-            except (TransportError, StoreError) as error:  # noqa: PERF203 - StoreClosed: closed meanwhile
+            except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
                 failure = f"{self.layout.stages[stage].name} is unreachable: {error}"
                 if self.recovery is None or self._closed:
                     self._fail(TransportError(failure))
                 else:
                     self._recoveries.start(set(), failure)
                 return
+
+    def _report_admitted(self, number: int) -> None:
+        """Tell `on_admitted` of static microbatch `number`'s rows (before its prefill goes out)."""
+        flight = self.ledger.flights.get(number)
+        if self.on_admitted is None or flight is None:
+            return
+        try:
+            self.on_admitted(number, [request.tag for request in flight.batch.requests])
+        except Exception:
+            log.exception("the pipeline's on_admitted callback failed")
 
     def _send(self, index: int, message: Message) -> None:
         """Send a step's message, stamped with the epoch it was decided in (else with the current one)."""

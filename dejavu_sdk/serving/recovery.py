@@ -322,7 +322,8 @@ class Recovery:
                 replicated = batch.mask.shape[1] + step - 1 if kept else 0  # else streamed anew from 0
                 self._send(index, Message(Kind.REWIND, {
                     **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
-                    "steps": step, "replicated": replicated}, (batch.mask, ended, rng)))
+                    "steps": step, "replicated": replicated, "generated": [row[:step] for row in batch.generated]},
+                    (batch.mask, ended, rng)))
             self._await(Kind.REWOUND, {self.layout.stages[index].name for index in decoding})
 
 

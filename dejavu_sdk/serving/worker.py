@@ -255,6 +255,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                 state.picker.set_states(rng)
             state.ended, state.steps = ended.bool().clone(), 1
             state.ended[self.kept_cancels(number)] = True
+            state.history = [list(message.fields.get("first", []))]
         self.microbatches[number] = state
         cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
         output = self.stage.forward(inputs, state.mask, state.positions, cache)
@@ -306,6 +307,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         self.row_steps += int((~state.ended).sum())
         tokens, state.ended, failures, logprobs = next_tokens_scored(
             state.picker, logits, state.ended, state.steps, state.fields["max_new_tokens"], self.eos, self.pad)
+        state.history.append(tokens.tolist())
         return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
                 {str(row): entry for row, entry in logprobs.items()})
 

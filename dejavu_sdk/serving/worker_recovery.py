@@ -49,6 +49,9 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches
                   if number in self.caches}
         rounds = {str(number): state.round for number, state in self.slots.items()}  # continuous: rounds run
+        # the last stage's steps and tokens of each microbatch: a successor head takes them over from here
+        steps = {str(number): [state.steps, state.history] for number, state in self.microbatches.items()
+                 if state.picker is not None and number in self.caches}
         holds = {}
         owner = message.fields.get("replica_of")
         if owner is not None:
@@ -57,7 +60,8 @@ class RecoveryHandlers(SlotRecoveryHandlers):
                 holds[str(number)] = held_positions(store.keys(replica_stream(owner, number, self.prefix)),
                                                     int(message.fields["replica_layers"]))
         self.head.send_tensor(pack(Message(Kind.PAUSED, {"stage": self.role.name, "epoch": self.epoch,
-                                                      "caches": caches, "holds": holds, "slots": rounds})))
+                                                      "caches": caches, "holds": holds, "slots": rounds,
+                                                      "steps": steps})))
 
     def _relink(self, message: Message) -> None:
         """Reconnect to the neighbours at the addresses given (some of them replacements)."""
@@ -112,6 +116,14 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         fields = message.fields
         number, positions, steps = int(fields["microbatch"]), int(fields["positions"]), int(fields["steps"])
         prompt_mask, ended, rng = message.tensors
+        held = self.microbatches.get(number)
+        if fields.get("keep") and (held is None or number not in self.caches
+                                   or (self.stage.last and (held.picker is None or held.steps != steps))):
+            self.head.send_tensor(pack(Message(Kind.REWOUND, {
+                "stage": self.role.name, "microbatch": number, "epoch": self.epoch,
+                "error": f"{self.role.name} cannot go on with microbatch {number} from step {steps}: it holds "
+                         f"{'no such microbatch' if held is None else f'step {held.steps}'}"})))
+            return
         if number in self.restored:
             cache = cache_from(self.restored.pop(number), self.stage.config)
         else:
@@ -123,12 +135,18 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         state = MicrobatchState(positions_needed(prompt_mask.shape[1], max(fields["max_new_tokens"])),
                                 torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), steps - 1)], dim=1),
                                 position_ids(prompt_mask)[:, -1:] + steps - 1, dict(fields))
-        if self.stage.last:
+        if self.stage.last and fields.get("keep"):  # taken over where it stands: its picker goes on
+            assert held is not None  # checked above, picker and step included
+            assert held.ended is not None  # set with its picker
+            held.ended[self.kept_cancels(number)] = True
+            state.picker, state.ended, state.steps, state.history = held.picker, held.ended, steps, held.history
+        elif self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
             if rng.numel():
                 state.picker.set_states(rng)
             state.ended, state.steps = ended.bool().clone(), steps
             state.ended[self.kept_cancels(number)] = True
+            state.history = [list(step) for step in zip(*fields.get("generated", []), strict=True)]
         self.microbatches[number] = state
         self.caches.add(number, state.capacity)
         if self.replicator is not None:

@@ -40,9 +40,20 @@ Links = tuple[Transport | None, Transport | None, LayerSender | None, Replicator
 
 class HeadGone(TransportError):
     """The head no longer answers: the worker stops serving its stage, whatever its recovery settings, and may
-    wait for a successor (`epoch`: the one it served in, for the successor to go beyond)."""
+    wait for a successor (`epoch`: the one it served in, for the successor to go beyond; `held`: the microbatches
+    it keeps for the successor to take over, as `Holdings`, or None)."""
 
     epoch = 0
+    held: Holdings | None = None
+
+
+@attrs.frozen
+class Holdings:
+    """What an orphaned worker keeps of its static microbatches for a successor head: their states and caches
+    (a successor takes them over, or tells it to drop them)."""
+
+    microbatches: dict[int, MicrobatchState]
+    caches: SwappedCaches
 
 
 class HeadWatch(Protocol):
@@ -82,6 +93,9 @@ class MicrobatchState:
     ended: torch.Tensor | None = None  # the last stage's: rows that ended
     picker: TokenPicker | None = None  # the last stage's: how the next tokens are chosen
     steps: int = 0
+    #: The last stage's: every step's tokens (a token per row), so that a successor head can take the microbatch
+    #: over from its cache instead of computing it again.
+    history: list[list[int]] = attrs.field(factory=list)
 
 
 @attrs.define
