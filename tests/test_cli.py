@@ -251,7 +251,7 @@ def test_bench_recovery_kill_controller_times_the_way_back_to_a_new_token(tmp_pa
     assert main(arguments) == 0
     output = capsys.readouterr().out
     for expected in ("| detection |", "| journal read |", "| rejoin |", "| adoption |", "| resume |", "| total |",
-                     "SIGKILLed when the first client had 12 tokens"):
+                     "SIGKILLed when the first client had 12 tokens", "--stages 1 --journal"):
         assert expected in output
     (kill,) = json.loads(samples.read_text())["kills"]
     parts = ("detection", "start", "journal_read", "rejoin", "adoption", "resume")

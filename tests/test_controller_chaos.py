@@ -158,7 +158,8 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "kills"), [([], 1), (["--stages", "2", "--recovery", "recompute"], 1),
-                                               (["--prompt-stages", "1", "--token-stages", "1"], 1), ([], 2)])
+                                               (["--prompt-stages", "1", "--token-stages", "1"], 1), ([], 2),
+                                               (["--stages", "2"], 1), (["--stages", "2"], 2)])
 def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str],
                                                                       kills: int) -> None:
     """The controller is SIGKILLed while a microbatch decodes (mixed, two stages, disaggregated; and its successor

@@ -134,6 +134,8 @@ def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requ
     first.admitted("cmpl-running", {"choices": [{"prompt": [2]}]})
     first.microbatch(0, [["cmpl-done", 0]])  # the rows of each static microbatch, for a successor to take over
     first.microbatch(1, [["cmpl-running", 0], None, ["cmpl-done", 0]])
+    first.slot_group(5, [11, 12], [["cmpl-running", 0], ["cmpl-done", 0]])  # a slot's groups, with their members
+    first.slot_group(6, [13], [["cmpl-done", 0]])
     for index in range(600):
         first.token("cmpl-running", 0, index, index % 97)
         if index % 10 == 0:
@@ -152,6 +154,7 @@ def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requ
     assert held["cmpl-running"].tokens == {0: [index % 97 for index in range(600)]}
     second = Journal(url, interval=0.0, compact_bytes=2000)
     assert second.found.microbatches == {1: [("cmpl-running", 0), None, ("cmpl-done", 0)]}  # 0: all answered
+    assert second.found.slots == {5: [([11, 12], [("cmpl-running", 0), ("cmpl-done", 0)])]}
     assert second.found.head == first.held.head
     assert second.found.head.url == "tcp://127.0.0.1:5000"
     for index in range(600, 1200):

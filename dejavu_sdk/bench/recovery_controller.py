@@ -61,6 +61,7 @@ class ControllerKill:
 class ControllerRecoveryReport:
     machine: str
     model: str
+    stages: int
     rows: int
     prompt_tokens: int
     new_tokens: int
@@ -75,7 +76,8 @@ class ControllerRecoveryReport:
         recomputed = ", ".join(str(kill.recomputed) for kill in self.kills)
         rejoined = ", ".join(str(kill.rejoined) for kill in self.kills)
         return "\n".join([
-            f"Machine: {self.machine}. `dejavu serve --model {self.model} --journal lmdb://...`, {self.rows} "
+            f"Machine: {self.machine}. `dejavu serve --model {self.model} --stages {self.stages} --journal "
+            f"lmdb://...`, {self.rows} "
             f"streamed requests of {self.prompt_tokens} prompt tokens and {self.new_tokens} new ones; the "
             f"controller SIGKILLed when the first client had {self.kill_step} tokens, a new one started at once.", "",
             markdown_table(["from the kill to the first new token", "median (s)", "per repeat (s)"], rows), "",
@@ -89,11 +91,12 @@ class ControllerRecoveryReport:
 class _Server:
     """A `dejavu serve` process, and when it said it serves."""
 
-    def __init__(self, model: str, port: int, journal: str, token_file: str, rows: int) -> None:
+    def __init__(self, model: str, stages: int, port: int, journal: str, token_file: str, rows: int) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", model, "--listen", f"127.0.0.1:{port}",
-             "--token-file", token_file, "--journal", journal, "--microbatch", str(rows), "--ignore-eos"],
+             "--token-file", token_file, "--journal", journal, "--microbatch", str(rows), "--ignore-eos",
+             "--stages", str(stages)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.serving: float | None = None
         self._said = threading.Event()
@@ -177,18 +180,19 @@ class _Client(threading.Thread):
 
 def run_controller_recovery_bench(model: str = "smollm2", *, rows: int = 4, prompt_tokens: int = 128,
                                   new_tokens: int = 128, kill_step: int | None = None, repeats: int = 3,
-                                  progress: bool = True) -> ControllerRecoveryReport:
+                                  stages: int = 1, progress: bool = True) -> ControllerRecoveryReport:
     kill_step = new_tokens // 2 if kill_step is None else kill_step
     if not 1 <= kill_step < new_tokens:
         raise ConfigError(f"--kill-step must lie between 1 and --new-tokens - 1 ({new_tokens - 1}), got {kill_step}")
-    report = ControllerRecoveryReport(machine_description(), model, rows, prompt_tokens, new_tokens, kill_step)
+    report = ControllerRecoveryReport(machine_description(), model, stages, rows, prompt_tokens, new_tokens,
+                                      kill_step)
     prompts = [[10 + (row * 7 + position) % 1000 for position in range(prompt_tokens)] for row in range(rows)]
     for _ in tqdm(range(repeats), desc="controller kills", disable=not progress):
-        report.kills.append(_one_kill(model, prompts, new_tokens, kill_step))
+        report.kills.append(_one_kill(model, stages, prompts, new_tokens, kill_step))
     return report
 
 
-def _one_kill(model: str, prompts: list[list[int]], new_tokens: int, kill_step: int) -> ControllerKill:
+def _one_kill(model: str, stages: int, prompts: list[list[int]], new_tokens: int, kill_step: int) -> ControllerKill:
     """Serve `prompts` streamed, kill the controller when the first client has `kill_step` tokens, start
     another on its journal, and time the way back to a new token."""
     import httpx
@@ -200,7 +204,7 @@ def _one_kill(model: str, prompts: list[list[int]], new_tokens: int, kill_step: 
         with open(token_file, "w") as file:
             file.write(TOKEN + "\n")
         port, journal = _free_port(), f"lmdb://{folder}/journal"
-        servers.append(_Server(model, port, journal, token_file, len(prompts)))
+        servers.append(_Server(model, stages, port, journal, token_file, len(prompts)))
         servers[0].wait_serving()
         url = f"http://127.0.0.1:{port}"
         clients = [_Client(url, {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
@@ -216,7 +220,7 @@ def _one_kill(model: str, prompts: list[list[int]], new_tokens: int, kill_step: 
         os.kill(servers[0].process.pid, signal.SIGKILL)
         servers[0].process.wait()
         gone = time.monotonic()
-        servers.append(_Server(model, port, journal, token_file, len(prompts)))
+        servers.append(_Server(model, stages, port, journal, token_file, len(prompts)))
         serving = servers[1].wait_serving()
         for client in clients:
             client.join(STEP_TIMEOUT)

@@ -129,7 +129,7 @@ def _bench_recovery(args: argparse.Namespace) -> int:
 
     for option, value in (("prompt-tokens", args.prompt_tokens), ("new-tokens", args.new_tokens),
                           ("microbatch", args.microbatch), ("repeats", args.repeats),
-                          ("prompt-stages", args.prompt_stages)):
+                          ("prompt-stages", args.prompt_stages), ("stages", args.stages)):
         if value < 1:
             raise ConfigError(f"--{option} must be positive")
     if args.kill == "controller":
@@ -139,7 +139,7 @@ def _bench_recovery(args: argparse.Namespace) -> int:
             raise ConfigError("--kill controller draws no figure: its parts are a table")
         killed = run_controller_recovery_bench(args.model, rows=args.microbatch, prompt_tokens=args.prompt_tokens,
                                                new_tokens=args.new_tokens, kill_step=args.kill_step,
-                                               repeats=args.repeats, progress=not args.quiet)
+                                               repeats=args.repeats, stages=args.stages, progress=not args.quiet)
         print(killed.to_markdown())
         write_outputs(args, killed)
         return 0
@@ -266,6 +266,8 @@ def add_bench_commands(commands: Any) -> None:
     recovery.add_argument("--kill", choices=["stage", "controller"], default="stage", help="stage: the last token "
                           "stage of two pipelines (replicas against recompute); controller: `dejavu serve --journal` "
                           "itself, a new one started on its journal while its clients reconnect (the stage "
-                          "options do not apply)")
+                          "options do not apply; --stages does)")
+    recovery.add_argument("--stages", type=int, default=1, help="--kill controller: the stages of `dejavu serve` (1: "
+                          "static microbatches; 2 or more: continuous batching, recovering from replicas)")
     add_output_arguments(recovery, figures="latencies with and without a failure, and the time from kill to serving")
     recovery.set_defaults(run=_bench_recovery)

@@ -32,7 +32,7 @@ import torch
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
-from ..generation.batching import Request, Result
+from ..generation.batching import Request, Result, number_requests_from
 from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..models import load_tokenizer
@@ -151,6 +151,7 @@ class Controller:
         self.pipeline.on_recovery = self._recovered
         if self.journal is not None:
             self.pipeline.on_admitted = self.journal.microbatch
+            self.pipeline.on_entered = self.journal.slot_group
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
         self._draining = False
@@ -312,12 +313,16 @@ class Controller:
         that rejoined workers still hold (`Pipeline.take_over`), which lets requests start."""
         assert self._loop is not None
         assert self._app is not None
+        if self.journal is not None:  # a slot's requests go on under their former numbers: no new one takes them
+            number_requests_from(1 + max((member for groups in self.journal.found.slots.values()
+                                          for members, _ in groups for member in members), default=-1))
         runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
             adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
         going = [run for run in runs if run.outcome is None]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
-        rows = {} if self.journal is None else self.journal.found.microbatches
-        taken = {(str(tag[0]), int(tag[1])) for tag in self.pipeline.take_over(rows, self._stand_in).tags}
+        found = None if self.journal is None else self.journal.found
+        rows, groups = ({}, {}) if found is None else (found.microbatches, found.slots)
+        taken = {(str(tag[0]), int(tag[1])) for tag in self.pipeline.take_over(rows, groups, self._stand_in).tags}
         over = {run.id: [index for index in running[run.id] if (run.id, index) in taken] for run in going}
         again = {run.id: [index for index in running[run.id] if (run.id, index) not in taken] for run in going}
         self.adoption = Adoption([run.id for run in going],

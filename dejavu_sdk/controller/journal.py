@@ -137,6 +137,11 @@ class Journal:
         (a row of no request of this journal's)."""
         return self._put("microbatch", [number, rows])
 
+    def slot_group(self, slot: int, members: list[int], rows: list[Any]) -> int:
+        """A group of requests sent into continuous batching's slot `slot`: the pipeline's numbers for them
+        (`members`), and each one's [request id, choice] (or None)."""
+        return self._put("slot_group", [slot, members, rows])
+
     def head(self, url: str | None, token: str | None = None, epoch: int = 0) -> int:
         """Where this controller's stage workers join (and, when it drew it, their links' token), and its
         pipeline's epoch: a successor listens there too, so that they can rejoin it, in a later epoch. None: the
@@ -304,11 +309,13 @@ def _records(url: str | Store) -> list[dict[str, Any]]:
 class JournalState:
     """What a journal's records say: its requests, by id in the order admitted, its head, and the rows of the
     static microbatches that hold a request not answered (`microbatches`: number -> [request id, choice] or None
-    per row)."""
+    per row), and the groups of the slots that do (`slots`)."""
 
     requests: dict[str, JournaledRequest] = attrs.field(factory=dict)
     head: JournaledHead | None = None
     microbatches: dict[int, list[tuple[str, int] | None]] = attrs.field(factory=dict)
+    #: Continuous batching: each slot's groups, in the order sent, as (members, [request id, choice] or None each).
+    slots: dict[int, list[tuple[list[int], list[tuple[str, int] | None]]]] = attrs.field(factory=dict)
 
     @classmethod
     def fold(cls, records: Iterable[dict[str, Any]]) -> JournalState:
@@ -324,12 +331,17 @@ class JournalState:
         if "snapshot" in record:
             requests.clear()
             self.microbatches.clear()
+            self.slots.clear()
             for request_id, admitted, tokens, finish, answered, answered_at in record["snapshot"]:
                 requests[request_id] = JournaledRequest(
                     request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
                     {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at))
         for number, rows in [*record.get("microbatches", []), *record.get("microbatch", [])]:
-            self.microbatches[int(number)] = [None if row is None else (str(row[0]), int(row[1])) for row in rows]
+            self.microbatches[int(number)] = _rows(rows)
+        for slot, groups in record.get("slots", []):
+            self.slots[int(slot)] = [(list(members), _rows(rows)) for members, rows in groups]
+        for slot, members, rows in record.get("slot_group", []):
+            self.slots.setdefault(int(slot), []).append((list(members), _rows(rows)))
         for url, token, *epoch in record.get("head", []):
             self.head = None if url is None else JournaledHead(url, token, *epoch)
         for request_id, fields in record.get("admitted", []):
@@ -349,13 +361,24 @@ class JournalState:
         """Drop the requests answered before `before` (seconds since the epoch): no successor keeps them."""
         self.requests = {request_id: request for request_id, request in self.requests.items()
                          if request.answered is None or request.answered_at >= before}
-        self.microbatches = {number: rows for number, rows in self.microbatches.items()
-                             if any(row is not None and row[0] in self.requests
-                                    and self.requests[row[0]].answered is None for row in rows)}
+        self.microbatches = {number: rows for number, rows in self.microbatches.items() if self._running(rows)}
+        self.slots = {slot: groups for slot, groups in self.slots.items()
+                      if any(self._running(rows) for _, rows in groups)}
+
+    def _running(self, rows: list[tuple[str, int] | None]) -> bool:
+        """Whether one of `rows` is a request not answered yet."""
+        return any(row is not None and row[0] in self.requests and self.requests[row[0]].answered is None
+                   for row in rows)
 
     def snapshot(self) -> dict[str, Any]:
         """A record that says all of this at once."""
         head = [None, None] if self.head is None else [self.head.url, self.head.token, self.head.epoch]
         return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
                               request.answered_at] for request in self.requests.values()], "head": [head],
-                "microbatches": [[number, rows] for number, rows in self.microbatches.items()]}
+                "microbatches": [[number, rows] for number, rows in self.microbatches.items()],
+                "slots": [[slot, groups] for slot, groups in self.slots.items()]}
+
+
+def _rows(rows: list[Any]) -> list[tuple[str, int] | None]:
+    """Rows as a record gives them back: each a (request id, choice), or None."""
+    return [None if row is None else (str(row[0]), int(row[1])) for row in rows]

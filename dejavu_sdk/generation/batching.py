@@ -25,7 +25,27 @@ from .decoding import Decoding
 from .logprobs import PromptLogprobs, TokenLogprobs
 from .slots import Round
 
-_ids = itertools.count()
+
+class _Numbers:
+    """Request numbers: unique within the process, and past those of a predecessor head a successor goes on with."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def __call__(self) -> int:
+        return next(self._next)
+
+    def skip_to(self, first: int) -> None:
+        self._next = itertools.count(max(next(self._next), first))
+
+
+_ids = _Numbers()
+
+
+def number_requests_from(first: int) -> None:
+    """Number new requests from `first` on, at least: a successor head goes on with its predecessor's requests
+    under their former numbers, which no new one may take."""
+    _ids.skip_to(first)
 
 
 @attrs.define(eq=False)
@@ -36,7 +56,7 @@ class Request:
     max_new_tokens: int
     decoding: Decoding = attrs.field(factory=Decoding)
     future: Future[Result] = attrs.field(factory=Future)
-    number: int = attrs.field(factory=lambda: next(_ids))
+    number: int = attrs.field(factory=_ids)
     submitted: float = attrs.field(factory=time.monotonic)
     #: Called with each of the request's new token ids as it arrives (on the head's receiver thread).
     on_token: Callable[[int], None] | None = None

@@ -173,7 +173,7 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
                              int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
                              fields.get("batching", "static"), fields.get("max_prefill_tokens"))
         if held is not None:
-            worker.microbatches, worker.caches = held.microbatches, held.caches
+            worker.microbatches, worker.slots, worker.caches = held.microbatches, held.slots, held.caches
         serving = worker
         serving.tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
         interval = float(fields["heartbeat"])
@@ -183,8 +183,8 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else int(fields.get("epoch", 0))  # raised by recoveries
-        if worker is not None and not worker.continuous and not worker.caches.swapping:
-            gone.held = Holdings(worker.microbatches, worker.caches)
+        if worker is not None and not worker.caches.swapping:
+            gone.held = Holdings(worker.microbatches, worker.slots, worker.caches)
         raise
     finally:
         if heartbeat is not None:

@@ -33,7 +33,7 @@ import torch
 from ..backends import serve
 from ..errors import ConfigError, StoreError, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Request, Result, cache_bytes, check_new_tokens, check_prompt
+from ..generation.batching import Request, Result, SlotBatch, cache_bytes, check_new_tokens, check_prompt
 from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..swapping import check_fits_alone
@@ -103,6 +103,9 @@ class Pipeline:
         #: Called with each static microbatch's number and its rows' `tags` as it is admitted, before any stage
         #: hears of it (a journal's record of which rows a successor finds in the stages' caches).
         self.on_admitted: Callable[[int, list[Any]], object] | None = None
+        #: Continuous batching (mixed): called with each group's slot, its requests' numbers there and their `tags`,
+        #: as it is sent into the slot, before any stage hears of it.
+        self.on_entered: Callable[[int, list[int], list[Any]], object] | None = None
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
@@ -174,17 +177,21 @@ class Pipeline:
         return self
 
     def take_over(self, rows: Mapping[int, Sequence[Any]],
+                  groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                   stand_in: Callable[[Any], Request | None]) -> TakeoverReport:
-        """Go on with the static microbatches that the workers of a former head, rejoined, still hold (`takeover`):
-        `rows` are their rows' tags by microbatch number, as the former head admitted them; the requests of
-        those tags, submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage
-        can, and wait for a microbatch of their own otherwise; `stand_in(tag)` is a request like the one a row had
-        whose request is not submitted here (it ended), or None. Then requests start."""
+        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): static microbatches,
+        whose rows' tags `rows` gives by number, and continuous batching's slots, whose groups (their requests'
+        numbers there, and tags) `groups` gives by slot, as the former head sent them. The requests of those tags,
+        submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage can, and wait
+        to be computed again otherwise; `stand_in(tag)` is a request like the one a row had whose request is not
+        submitted here (it ended), or None. Then requests start."""
         report = TakeoverReport()
         if self.fleet.rejoined:
             steps = Recovery(self.ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
                              self._recoveries.assignment, lambda: self._closed)
-            report = Takeover(self.ledger, steps, rows, stand_in).run()
+            report = Takeover(self.ledger, steps, rows, groups, stand_in).run()
+        self._carry_out(report.outcome)
+        self._carry_out(self.ledger.resume_slots(report.slots, {}))
         self._carry_out(self.ledger.resume(report.resumed, [], [], []))
         self._admit()
         return report
@@ -343,8 +350,8 @@ class Pipeline:
         """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
         which decides where what was admitted goes on from."""
         for stage, message in self.ledger.admit():
-            if message.kind == Kind.PREFILL and not self.ledger.continuous:
-                self._report_admitted(int(message.fields["microbatch"]))
+            if message.kind in (Kind.PREFILL, Kind.ENTER):
+                self._report_admitted(int(message.fields["microbatch"]), message.fields.get("members"))
             try:
                 self._send(stage, message)
             except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
@@ -355,15 +362,22 @@ class Pipeline:
                     self._recoveries.start(set(), failure)
                 return
 
-    def _report_admitted(self, number: int) -> None:
-        """Tell `on_admitted` of static microbatch `number`'s rows (before its prefill goes out)."""
+    def _report_admitted(self, number: int, members: list[int] | None) -> None:
+        """Tell `on_admitted` of static microbatch `number`'s rows, or `on_entered` of a group of `members` sent
+        into slot `number` (mixed: a disaggregated group goes to the prompt pipeline under a number of its own),
+        before the message goes out."""
         flight = self.ledger.flights.get(number)
-        if self.on_admitted is None or flight is None:
-            return
         try:
-            self.on_admitted(number, [request.tag for request in flight.batch.requests])
+            if flight is None:  # disaggregated, a group for the prompt pipeline (numbered apart from its slot)
+                return
+            batch = flight.batch
+            if not isinstance(batch, SlotBatch) and self.on_admitted is not None:
+                self.on_admitted(number, [request.tag for request in batch.requests])
+            elif isinstance(batch, SlotBatch) and members is not None and self.on_entered is not None:
+                self.on_entered(number, list(members),
+                                [batch.requests[batch.rows_of[member]].tag for member in members])
         except Exception:
-            log.exception("the pipeline's on_admitted callback failed")
+            log.exception("the pipeline's on_admitted or on_entered callback failed")
 
     def _send(self, index: int, message: Message) -> None:
         """Send a step's message, stamped with the epoch it was decided in (else with the current one)."""

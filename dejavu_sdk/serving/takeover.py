@@ -1,27 +1,36 @@
-"""A successor head takes over the static microbatches that its predecessor's stage workers still hold.
+"""A successor head takes over the microbatches and slots that its predecessor's stage workers still hold.
 
 A head (a controller with a journal) that dies leaves its stage workers running: they keep their stage, each
-static microbatch's cache and, on the last stage, its picker and every step's tokens, and rejoin the head started
-at the same address (`bootstrap`). The successor knows from its journal which rows (request, choice) each
-microbatch had, and its adopted requests wait in its ledger under the same names (`Request.tag`). `take_over`:
+static microbatch's and each slot's cache, and, on the last stage, the pickers (the generators of sampled rows),
+every step's tokens of a static microbatch and every round's report of a slot, and rejoin the head started at
+the same address (`bootstrap`). The successor knows from its journal which rows (request, choice) each static
+microbatch had and which groups each slot was sent (with the request numbers the stages know them by), and its
+adopted requests wait in its ledger under the same names (`Request.tag`). `take_over`:
 
-1. a new epoch: every stage pauses, reporting the microbatches it holds (cache positions) and, the last stage, the
-   step each is at and every step's tokens;
-2. a microbatch goes on when every decoding stage holds it up to the last stage's step and a row of it still
-   runs: it is rebuilt with its former number, its rows the waiting requests of its rows' names (a row whose
-   choice ended stands in, dropped), its tokens the last stage's;
-3. every decoding stage rewinds it to that step (`rewind` with `keep`: the last stage goes on with its own picker,
-   so sampled rows go on from their generators' states as they were); every other microbatch is dropped
-   everywhere, and its requests, still waiting, are computed again from their prompts;
-4. the ledger feeds each the token of its step, and admission starts.
+1. a new epoch: every stage pauses, reporting the microbatches and slots it holds (cache positions, rounds run),
+   and the last stage each microbatch's step and tokens and each slot's round reports;
+2. a static microbatch goes on when every decoding stage holds it up to the last stage's step and a row of it
+   still runs: it is rebuilt with its former number, its rows the waiting requests of its rows' names (a row
+   whose choice ended stands in, dropped), its tokens the last stage's; every decoding stage rewinds it to that
+   step (`rewind` with `keep`: the last stage goes on with its own picker, so sampled rows go on from their
+   generators' states as they were);
+3. a slot is rebuilt as its predecessor built it: its groups entered in order (its requests under their former
+   numbers), then every round the last stage reported taken in as the ledger takes a round; it then goes on as
+   after a recovery in which no stage was lost (`recovery_slots`: every stage goes back to right after that
+   round, the groups whose prefill had not begun are sent again);
+4. everything else the stages hold is dropped, and its requests, still waiting, are computed again from their
+   prompts; the ledger feeds each microbatch the token of its step and each slot its next round, and admission
+   starts.
 
 A request's tokens come to its callback again from the first (the controller's run checks them against what the
-journal held, and streams the rest); nothing here is a guess: a microbatch that any stage cannot continue exactly
-starts over.
+journal held, and streams the rest); nothing here is a guess: what any stage cannot continue exactly starts over
+(as do slots under disaggregation, whose first tokens came from the prompt pipeline, and rows that asked for
+log-probabilities).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections import deque
@@ -32,24 +41,29 @@ import attrs
 import torch
 
 from ..errors import TransportError
-from ..generation.batching import Microbatch, Request
-from .ledger import Ledger
-from .ledger_state import Flight, Phase
+from ..generation.batching import Microbatch, Request, SlotBatch
+from .ledger import POISON, Ledger
+from .ledger_state import Flight, Outcome, Phase
 from .messages import Kind, Message
 from .recovery import Recovery
+from .recovery_slots import SlotRecovery
 
 log = logging.getLogger(__name__)
 
 
 @attrs.frozen
 class TakeoverReport:
-    """What a successor took over: each microbatch that went on from its stages' caches, with the step it went on
-    from (`resumed`), the names (tags) of the requests in them, and those left to their prompts (`dropped`: every
-    microbatch a stage held that did not go on, with why)."""
+    """What a successor took over: each static microbatch that went on from its stages' caches, with the step it
+    went on from (`resumed`), each slot with the round (`slots`), the names (tags) of the requests in them, those
+    left to their prompts (`dropped`: every microbatch or slot a stage held that did not go on, with why), and what
+    the slots' rounds so far give their requests (`outcome`: their tokens, and the answers of rows that ended).
+    """
 
     resumed: dict[int, int] = attrs.field(factory=dict)
+    slots: dict[int, int] = attrs.field(factory=dict)
     tags: list[Any] = attrs.field(factory=list)
     dropped: dict[int, str] = attrs.field(factory=dict)
+    outcome: Outcome = attrs.field(factory=Outcome)
 
 
 class Takeover:
@@ -57,10 +71,16 @@ class Takeover:
     does not answer ends it: what was not taken over yet is computed again)."""
 
     def __init__(self, ledger: Ledger, steps: Recovery, rows: Mapping[int, Sequence[Any]],
+                 groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                  stand_in: Callable[[Any], Request | None]) -> None:
         self.ledger, self.steps, self.layout = ledger, steps, steps.layout
-        self.rows, self.stand_in = rows, stand_in
+        self.rows, self.groups, self.stand_in = rows, groups, stand_in
         self.report = TakeoverReport()
+        named = [_key(tag) for tags in rows.values() for tag in tags if tag is not None]
+        named += [_key(tag) for slot in groups.values() for _, tags in slot for tag in tags if tag is not None]
+        #: Names in more than one row (a request taken out of a slot's queue and sent elsewhere): not taken over.
+        self.twice = {key for key, count in collections.Counter(named).items() if count > 1}
+        self._replays: dict[int, Outcome] = {}
 
     def run(self) -> TakeoverReport:
         ledger, layout = self.ledger, self.layout
@@ -72,19 +92,23 @@ class Takeover:
         try:
             paused = self._pause()
             held = {int(number) for reply in paused.values() for number in reply.fields["caches"]}
+            held |= {int(number) for reply in paused.values() for number in reply.fields.get("slots", {})}
             for number in sorted(self.rows):
                 batch = self._rebuild(number, paused)
                 if isinstance(batch, str):
                     self._cannot(number, batch)
                 elif self._rewind(batch):
                     self._go_on(batch)
+            self._take_slots(paused)
         except TransportError as error:  # a stage died or did not answer: the watchdog's to recover
             log.warning("taking over the stages' microbatches stopped: %s", error)
-        gone = sorted((held | set(self.rows)) - set(self.report.resumed))
+            for number in [number for number in self._replays if number not in self.report.slots]:
+                self._give_back(number, str(error))
+        gone = sorted((held | set(self.rows) | set(self.groups)) - set(self.report.resumed) - set(self.report.slots))
         for number in gone:
             self.report.dropped.setdefault(number, "not taken over")
         with ledger.lock:  # the numbers of microbatches the stages held are not given again
-            ledger.renumber_from(max([*held, *self.rows, -1]) + 1)
+            ledger.renumber_from(max([*held, *self.rows, *self.groups, -1]) + 1)
         for index in layout.decoding_stages():
             self._send_quietly(index, Message(Kind.DROP, {"epoch": self.steps.epoch, "microbatches": gone}))
         return self.report
@@ -109,19 +133,13 @@ class Takeover:
         with self.ledger.lock:
             waiting = {_key(request.tag): request for request in self.ledger.waiting if request.tag is not None}
         for tag in self.rows[number]:
-            request = waiting.get(_key(tag)) if tag is not None else None
-            if request is not None:
-                live.append(request)
-            else:
-                request = self.stand_in(tag) if tag is not None else None
-                if request is None:
-                    return f"its row {tag} is not in the journal"
+            request = self._row(tag, waiting, live)
+            if isinstance(request, str):
+                return request
             requests.append(request)
-        if not live:
-            return "none of its rows runs"
-        if any(request.decoding.logprobs is not None or request.decoding.prompt_logprobs is not None
-               for request in live):
-            return "its rows' log-probabilities so far are in no cache"
+        why = _why_not(live)
+        if why is not None:
+            return why
         if len(history) != step or any(len(tokens) != len(requests) for tokens in history):
             return f"the last stage's tokens do not fit its {len(requests)} rows"
         batch = Microbatch.of(number, requests, self.ledger.pad)
@@ -168,6 +186,100 @@ class Takeover:
         self.report.resumed[batch.number] = len(batch.arrived)
         self.report.tags.extend(request.tag for row, request in enumerate(batch.requests) if row not in batch.settled)
 
+    def _row(self, tag: Any, waiting: dict[str, Request], live: list[Request]) -> Request | str:
+        """The request of a row named `tag`: the one waiting under that name (added to `live`), or a stand-in for
+        one that ended; or why there is none."""
+        if tag is not None and _key(tag) in self.twice:
+            return f"its row {tag} was sent into more than one microbatch"
+        request = waiting.get(_key(tag)) if tag is not None else None
+        if request is not None:
+            live.append(request)
+            return request
+        request = self.stand_in(tag) if tag is not None else None
+        return request if request is not None else f"its row {tag} is not in the journal"
+
+    # ---- continuous batching's slots ---------------------------------------------------------------------
+    def _take_slots(self, paused: dict[str, Message]) -> None:
+        """Rebuild each slot from the groups sent into it and the last stage's reports of its rounds (the ledger
+        takes them in as it took them from the stages), then go on as a recovery with no stage lost does: from
+        right after the last round, every stage rewinding there (`recovery_slots`)."""
+        if not self.groups:
+            return
+        last = self.layout.stages[self.layout.decoding_stages()[-1]].name
+        reports = paused[last].fields.get("reports", {})
+        for number in sorted(self.groups):
+            why = self._rebuild_slot(number, reports.get(str(number)))
+            if why is not None:
+                self._cannot(number, why)
+        if not self._replays:
+            return
+        slots = SlotRecovery(self.steps)
+        slots.plan(paused, POISON)
+        for number, why in slots.lost.items():
+            self._give_back(number, why)
+        slots.rewind(self.layout.decoding_stages())
+        for number, why in slots.lost.items():
+            if number in self._replays:
+                self._give_back(number, why)
+        for number, (batch, _) in slots.resumed.items():
+            self.report.slots[number] = len(batch.rounds)
+            outcome = self._replays.pop(number)
+            self.report.outcome.calls.extend(outcome.calls)
+            self.report.outcome.answers.extend(outcome.answers)
+            self.report.tags.extend(request.tag for row, request in enumerate(batch.requests)
+                                    if row not in batch.dropped)
+
+    def _rebuild_slot(self, number: int, reports: list[Any] | None) -> str | None:
+        """Slot `number` in the ledger, its groups entered as its predecessor sent them and its rounds taken in
+        from the last stage's reports (what they give the requests kept for later); or why it cannot be."""
+        if not reports:
+            return "the last stage knows none of its rounds (none ran, or a recovery rebuilt it there)"
+        with self.ledger.lock:
+            waiting = {_key(request.tag): request for request in self.ledger.waiting if request.tag is not None}
+        batch = SlotBatch.open(number, self.ledger.pad)
+        live: list[Request] = []
+        for members, tags in self.groups[number]:
+            group = []
+            for member, tag in zip(members, tags, strict=True):
+                request = self._row(tag, waiting, live)
+                if isinstance(request, str):
+                    return request
+                request.number = int(member)  # as the stages know it
+                group.append(request)
+            batch.groups.append(batch.enter(group))
+        why = _why_not(live)
+        if why is not None:
+            return why
+        ours = {id(request) for request in live}
+        for row, request in enumerate(batch.requests):
+            if id(request) not in ours:  # a stand-in: its choice ended
+                batch.settled.add(row)
+                batch.dropped.add(row)
+        batch.opened = True
+        with self.ledger.lock:
+            self.ledger.waiting = deque(request for request in self.ledger.waiting if id(request) not in ours)
+            self.ledger.flights[number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
+        replay = self._replays[number] = Outcome()
+        for fields, tokens in reports:
+            taken = self.ledger.on_round(number, fields, list(tokens))
+            replay.calls.extend(taken.calls)
+            replay.answers.extend(taken.answers)
+        return None
+
+    def _give_back(self, number: int, why: str) -> None:
+        """A slot that does not go on: out of the ledger, what its rounds gave forgotten, its requests waiting
+        again (computed again from their prompts)."""
+        self._replays.pop(number, None)
+        self._cannot(number, why)
+        with self.ledger.lock:
+            flight = self.ledger.flights.pop(number, None)
+            if flight is None:
+                return
+            again = [request for row, request in enumerate(flight.batch.requests) if row not in flight.batch.dropped]
+            for request in again:
+                request.streamed = 0
+            self.ledger.waiting.extendleft(reversed(again))
+
     def _cannot(self, number: int, why: str) -> None:
         log.info("microbatch %d is computed again from its prompts: %s", number, why)
         self.report.dropped[number] = why
@@ -177,6 +289,16 @@ class Takeover:
             self.steps.send(index, message)
         except TransportError as error:  # the watchdog finds a stage gone
             log.warning("%s", error)
+
+
+def _why_not(live: list[Request]) -> str | None:
+    """Why a microbatch or slot whose rows still running are `live` is not taken over, or None."""
+    if not live:
+        return "none of its rows runs"
+    if any(request.decoding.logprobs is not None or request.decoding.prompt_logprobs is not None
+           for request in live):
+        return "its rows' log-probabilities so far are in no cache"
+    return None
 
 
 def _key(tag: Any) -> str:

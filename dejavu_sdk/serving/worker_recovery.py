@@ -52,6 +52,8 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         # the last stage's steps and tokens of each microbatch: a successor head takes them over from here
         steps = {str(number): [state.steps, state.history] for number, state in self.microbatches.items()
                  if state.picker is not None and number in self.caches}
+        reports = {str(number): state.reports for number, state in self.slots.items()
+                   if self.stage.last and state.reports is not None}
         holds = {}
         owner = message.fields.get("replica_of")
         if owner is not None:
@@ -61,7 +63,7 @@ class RecoveryHandlers(SlotRecoveryHandlers):
                                                     int(message.fields["replica_layers"]))
         self.head.send_tensor(pack(Message(Kind.PAUSED, {"stage": self.role.name, "epoch": self.epoch,
                                                       "caches": caches, "holds": holds, "slots": rounds,
-                                                      "steps": steps})))
+                                                      "steps": steps, "reports": reports})))
 
     def _relink(self, message: Message) -> None:
         """Reconnect to the neighbours at the addresses given (some of them replacements)."""

@@ -68,6 +68,7 @@ class SlotRecoveryHandlers(SlotHandlers):
         if joining_fields is not None and state.joining is not None and self.stage.first:
             state.joining.ids = group_ids.clone()  # the first stage runs the rest of its prompts
         state.round, state.last, state.queued = target, None, deque()  # the head sends the groups again
+        state.reports = None if rebuilt or state.reports is None else state.reports[:target]
         state.parked = bool(fields["parked"]) and self.stage.first
         state.finals = {int(member): int(final) for member, final in fields["finals"].items()}
         if rebuilt and self.stage.last:

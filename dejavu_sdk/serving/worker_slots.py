@@ -391,11 +391,12 @@ class SlotHandlers(WorkerState):
         left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         states = _states(pickers)
-        self._send(self.head, Message(Kind.TOKENS, {
-            "microbatch": number, "members": members, "failed": failed, "round": step.fields(), "complete": complete,
-            "idle": idle, "next": {"left": left, "joined": None if idle else joined},
-            **score_fields(logprobs, prompt_logprobs)},
-            (report,) if states is None else (report, states)))
+        said = {"members": members, "failed": failed, "round": step.fields(), "complete": complete, "idle": idle,
+                "next": {"left": left, "joined": None if idle else joined}, **score_fields(logprobs, prompt_logprobs)}
+        if state.reports is not None:
+            state.reports.append((said, report.tolist()))
+        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, **said},
+                                      (report,) if states is None else (report, states)))
         if idle:
             return
         self._let_go(state, left)

@@ -49,10 +49,11 @@ class HeadGone(TransportError):
 
 @attrs.frozen
 class Holdings:
-    """What an orphaned worker keeps of its static microbatches for a successor head: their states and caches
-    (a successor takes them over, or tells it to drop them)."""
+    """What an orphaned worker keeps for a successor head: its static microbatches' and slots' states, and their
+    caches (a successor takes them over, or tells it to drop them)."""
 
     microbatches: dict[int, MicrobatchState]
+    slots: dict[int, SlotState]
     caches: SwappedCaches
 
 
@@ -133,6 +134,9 @@ class SlotState:
     prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # this round's chunk's, by member
     ready_picker: TokenPicker | None = None
     ready_tokens: torch.Tensor | None = None
+    #: The last stage's: every round's report to the head (its fields and tokens), so that a successor head can
+    #: take the slot over; None once a recovery rebuilt the slot here (its earlier rounds are not known).
+    reports: list[tuple[dict[str, Any], list[int]]] | None = attrs.field(factory=list)
 
 
 def score_fields(logprobs: dict[str, Any], prompt_logprobs: dict[str, Any]) -> dict[str, Any]:
