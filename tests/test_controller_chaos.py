@@ -157,16 +157,18 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "kills"), [([], 1), (["--stages", "2", "--recovery", "recompute"], 1),
-                                               (["--prompt-stages", "1", "--token-stages", "1"], 1), ([], 2),
-                                               (["--stages", "2"], 1), (["--stages", "2"], 2)])
-def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str],
-                                                                      kills: int) -> None:
-    """The controller is SIGKILLed while a microbatch decodes (mixed, two stages, disaggregated; and its successor
-    killed in turn, `kills`): the stage workers rejoin the successor with that microbatch's caches, and it goes
-    on from the step the last stage reached (greedy and seeded sampled rows alike), not from the prompts: the
-    report lists its requests as taken over, none as computed again, and every client's tokens equal the
-    failure-free run's."""
+@pytest.mark.parametrize(("layout", "kills", "with_stage"), [
+    ([], 1, None), (["--stages", "2", "--recovery", "recompute"], 1, None),
+    (["--prompt-stages", "1", "--token-stages", "1"], 1, None), ([], 2, None),
+    (["--stages", "2"], 1, None), (["--stages", "2"], 2, None), (["--stages", "2"], 1, 0)])
+def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str], kills: int,
+                                                                      with_stage: int | None) -> None:
+    """The controller is SIGKILLed while a microbatch decodes (static: one stage, two, disaggregated; continuous
+    batching's slots: two stages; its successor killed in turn, `kills`; the first stage killed with it,
+    `with_stage`): the stage workers rejoin the successor with their caches, and it goes on from the step the last
+    stage reached (greedy and seeded sampled rows alike; a dead stage's part from the replicas its neighbour
+    holds), not from the prompts: the report lists the requests as taken over, none as computed again, and every
+    client's tokens equal the failure-free run's."""
     port, journal, clients_count, new = _free_port(), f"file://{tmp_path}/journal", 4, 400
     first = _serve(port, journal, tmp_path, *layout)
     processes = [first]
@@ -189,6 +191,9 @@ def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, 
             while max(progress) < 20 * (kill + 1):  # a microbatch is decoding
                 assert time.monotonic() < deadline, f"the clients got {progress} tokens in 120 s"
                 time.sleep(0.002)
+            if with_stage is not None and kill == kills - 1:  # in the same instant
+                stage_pid = httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["stages"][with_stage]
+                os.kill(stage_pid["pid"], signal.SIGKILL)
             os.kill(processes[-1].pid, signal.SIGKILL)
             processes[-1].wait(timeout=30)
         had = {client.request_id: progress[number] for number, client in enumerate(clients)}

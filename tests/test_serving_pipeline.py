@@ -126,6 +126,7 @@ def test_generate_queues_its_prompts_together_in_order() -> None:
     ({"model": "tiny_models:llama", "machines": 2, "stages": 2}, "machines"),
     ({"model": "tiny_models:llama", "machines": 2, "workload": (0, 4)}, "workload"),
     ({"model": "tiny_models:llama", "transport": "carrier-pigeon"}, "transport"),
+    ({"model": "tiny_models:llama", "replica_prefix": "../x"}, "replica_prefix"),
 ])
 def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -> None:
     with pytest.raises(dv.ConfigError, match=match):

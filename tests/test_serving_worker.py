@@ -3,10 +3,14 @@ microbatch whose computation fails is that microbatch's failure, not the worker'
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import tiny_models
 import torch
 
+from dejavu_sdk import open_store
+from dejavu_sdk.blocks import BlockKey
 from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.serving.messages import Kind, Message, pack, unpack
 from dejavu_sdk.serving.worker import Role, StageWorker
@@ -149,3 +153,19 @@ def test_a_successor_takes_a_microbatch_over_where_the_last_stage_stands() -> No
     successor.handle(Message(Kind.DECODE, {"microbatch": 4, "epoch": 4}, (torch.tensor([expected[5]]).T,)))
     _run_steps(successor, successor_head, successor_first, 5)
     assert _tokens(successor_head) == expected[6:]
+
+
+def test_a_drop_removes_the_replicas_held_here_of_those_microbatches_only() -> None:
+    """What a stage holds for its neighbour of a microbatch dropped (not taken over by a successor, started over,
+    failed) goes with it; the replicas of other microbatches, and of other pipelines, stay."""
+    worker, _, _ = _worker()
+    worker.prefix = "p1-"
+    store = open_store("memory://")
+    worker.inbox = types.SimpleNamespace(store=store)  # type: ignore[assignment]
+    block = torch.zeros(1, 2, 1, 2, 3, 16)
+    streams = ["p1-stage0-microbatch7", "p1-stage0-microbatch7-group3", "p1-stage0-microbatch8",
+               "p2-stage0-microbatch7", "p1-stage1-microbatch17"]
+    for stream in streams:
+        store.flush(BlockKey(stream, (0, 1), (0, 3)), block)
+    worker.handle(Message(Kind.DROP, {"microbatches": [7], "epoch": 2}))
+    assert sorted({key.stream_id for key in store.keys(None)}) == sorted(streams[2:])

@@ -134,6 +134,8 @@ class Controller:
                                   "able to open a worker link")
             if former is not None and worker_port == 0:
                 worker_port = _former_port(former.url, worker_host)
+            if former is not None and former.prefix is not None:  # the replicas its workers hold are named so
+                pipeline_options.setdefault("replica_prefix", former.prefix)
             self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host,
                                      port=worker_port, **pipeline_options)  # ConfigError before any process starts
             launcher = self.pipeline.options.launcher
@@ -298,7 +300,7 @@ class Controller:
         """Write where the workers join, their token if this controller drew it, and the pipeline's epoch."""
         if self.journal is not None:
             self.journal.head(self.pipeline.url, self.worker_token if self._drawn_worker_token else None,
-                              self.pipeline.fleet.epoch)
+                              self.pipeline.fleet.epoch, self.pipeline.options.replica_prefix)
 
     def _inherited(self) -> list[JournaledRequest]:
         """The requests of the journal a successor takes over: those not answered, and those answered within

@@ -142,11 +142,11 @@ class Journal:
         (`members`), and each one's [request id, choice] (or None)."""
         return self._put("slot_group", [slot, members, rows])
 
-    def head(self, url: str | None, token: str | None = None, epoch: int = 0) -> int:
+    def head(self, url: str | None, token: str | None = None, epoch: int = 0, prefix: str | None = None) -> int:
         """Where this controller's stage workers join (and, when it drew it, their links' token), and its
         pipeline's epoch: a successor listens there too, so that they can rejoin it, in a later epoch. None: the
         controller closed, and its workers stopped."""
-        return self._put("head", [url, token, epoch])
+        return self._put("head", [url, token, epoch, prefix])
 
     def _put(self, kind: str, fields: list[Any]) -> int:
         with self._lock:  # sequence numbers in the queue's order
@@ -286,6 +286,8 @@ class JournaledHead:
     url: str
     token: str | None
     epoch: int = 0
+    #: What its pipeline's replica streams are named from: its workers hold replicas under it.
+    prefix: str | None = None
 
 
 def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
@@ -372,7 +374,8 @@ class JournalState:
 
     def snapshot(self) -> dict[str, Any]:
         """A record that says all of this at once."""
-        head = [None, None] if self.head is None else [self.head.url, self.head.token, self.head.epoch]
+        head = ([None, None] if self.head is None else
+                [self.head.url, self.head.token, self.head.epoch, self.head.prefix])
         return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
                               request.answered_at] for request in self.requests.values()], "head": [head],
                 "microbatches": [[number, rows] for number, rows in self.microbatches.items()],

@@ -153,9 +153,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                 if answer is None:
                     log.warning("%s: no head took the stage back within %.0f s: stopping", fields["stage"], timeout)
                     return
-                for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
-                    inbox.store.delete(stream)  # replicas of the old pipeline's microbatches, held for a neighbour
-                assign = answer
+                assign = answer  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
 
 
 def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str, held: Holdings | None = None) -> None:

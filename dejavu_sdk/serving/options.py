@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,8 @@ class PipelineOptions:
     (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
     `orphan_timeout`: seconds a worker whose head is gone keeps its stage loaded, asking the head's address to
     take it back (a successor started there, as a controller with a journal is), before it stops (0: at once).
+    `replica_prefix`: what the names of its replica streams start with (default: drawn, so that pipelines can
+    share a replica store); a successor head takes its predecessor's, to find the replicas its workers hold.
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches). `link_tls_cert`, `link_tls_key`,
     `link_tls_ca`: TLS on every link of the pipeline (`link_tls`; tcp only).
@@ -151,7 +154,7 @@ class PipelineOptions:
               host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
               max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS, link_tls_cert: str | None = None,
               link_tls_key: str | None = None, link_tls_ca: str | None = None,
-              orphan_timeout: float = ORPHAN_TIMEOUT) -> PipelineOptions:
+              orphan_timeout: float = ORPHAN_TIMEOUT, replica_prefix: str | None = None) -> PipelineOptions:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         link_tls = LinkTls.of(link_tls_cert, link_tls_key, link_tls_ca, transport)
@@ -203,7 +206,7 @@ class PipelineOptions:
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
                    budget, swaps, choice, transport, float(timeout), float(heartbeat), missed_beats, recovery, store,
-                   f"p{secrets.token_hex(4)}-", standby, threads,
+                   _prefix(replica_prefix), standby, threads,
                    LocalProcesses() if launch is True else (launch or None), host, port,
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
                    [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls,
@@ -344,3 +347,12 @@ def _seconds(value: Any, name: str, most: float | None = None, zero: bool = Fals
         lowest = "0 or more" if zero else "positive"
         raise ConfigError(f"{name} must be a number of seconds in (0, {most}], got {value!r}" if most else
                           f"{name} must be a {lowest} number of seconds, got {value!r}")
+
+
+def _prefix(replica_prefix: Any) -> str:
+    """The replica streams' prefix: the one given (letters, digits and dashes), or a drawn one."""
+    if replica_prefix is None:
+        return f"p{secrets.token_hex(4)}-"
+    if not isinstance(replica_prefix, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,64}", replica_prefix):
+        raise ConfigError(f"replica_prefix must be 1 to 64 letters, digits or dashes, got {replica_prefix!r}")
+    return replica_prefix

@@ -150,7 +150,7 @@ class Recovery:
         started = time.monotonic()
         survivors = [index for index in range(len(stages)) if index not in self.dead]
         log.info("epoch %d: pausing %s", self.epoch, [stages[index].name for index in survivors])
-        paused = self._pause(survivors)
+        paused = self.pause(survivors)
         pausing = time.monotonic() - started
         log.info("epoch %d: paused in %.3f s; replacing %s", self.epoch, pausing,
                  [stages[index].name for index in sorted(self.dead)])
@@ -209,8 +209,10 @@ class Recovery:
         for index in dead:
             fleet.heard_from(index)
 
-    def _pause(self, survivors: list[int]) -> dict[str, Message]:
-        numbers = self.ledger.holding_numbers()
+    def pause(self, survivors: list[int], numbers: list[int] | None = None) -> dict[str, Message]:
+        """Pause the `survivors` in this epoch: each reports what it holds, and how far the replicas it holds of
+        `numbers` (default: the ledger's microbatches) for the previous decoding stage reach."""
+        numbers = self.ledger.holding_numbers() if numbers is None else numbers
         for index in survivors:
             previous = self.layout.replica_owner(index)
             fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None}

@@ -18,6 +18,7 @@ exactly what the stage computed.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -143,11 +144,19 @@ def _quietly_finish(manager: CacheManager) -> None:
 def delete_replicas(store: Store, stages: list[int], microbatches: list[int], prefix: str) -> None:
     """Delete what the decoding `stages` (numbers in the token pipeline) replicated of `microbatches` into a shared
     replica store (a slot's pieces included), and close it: a closing pipeline leaves nothing behind."""
-    names = {replica_stream(stage, number, prefix) for number in microbatches for stage in stages}
+    remove_replicas(store, microbatches, prefix, stages)
+    store.close()
+
+
+def remove_replicas(store: Store, microbatches: Iterable[int], prefix: str,
+                    stages: Iterable[int] | None = None) -> None:
+    """Delete the replica streams of `microbatches` (a slot's pieces included) in `store` that `stages` wrote (None:
+    any stage), under the pipeline's `prefix`; a store that fails is left as it is."""
+    numbers, writers = set(microbatches), None if stages is None else set(stages)
+    pattern = re.compile(rf"{re.escape(prefix)}stage(\d+)-microbatch(\d+)(-.+)?")
     with contextlib.suppress(StoreError):
-        streams = {key.stream_id for key in store.keys(None)}
-        for stream in sorted(streams):
-            if stream in names or stream.rsplit("-", 1)[0] in names:  # a slot's pieces: `<stream>-<piece>`
+        for stream in sorted({key.stream_id for key in store.keys(None)}):
+            match = pattern.fullmatch(stream)
+            if match and int(match[2]) in numbers and (writers is None or int(match[1]) in writers):
                 with contextlib.suppress(StoreError):
                     store.delete(stream)
-    store.close()

@@ -16,8 +16,9 @@ adopted requests wait in its ledger under the same names (`Request.tag`). `take_
    generators' states as they were);
 3. a slot is rebuilt as its predecessor built it: its groups entered in order (its requests under their former
    numbers), then every round the last stage reported taken in as the ledger takes a round; it then goes on as
-   after a recovery in which no stage was lost (`recovery_slots`: every stage goes back to right after that
-   round, the groups whose prefill had not begun are sent again);
+   after a recovery (`recovery_slots`: a stage that no worker took back, which died with the head, gets its
+   part from the replicas its neighbour holds; every stage goes back to right after that round; the groups
+   whose prefill had not begun are sent again);
 4. everything else the stages hold is dropped, and its requests, still waiting, are computed again from their
    prompts; the ledger feeds each microbatch the token of its step and each slot its next round, and admission
    starts.
@@ -88,9 +89,12 @@ class Takeover:
             self.steps.replies.get_nowait()
         with ledger.lock:
             self.steps.epoch = self.steps.fleet.new_epoch()
+        # the stages no worker took back hold nothing: as in a recovery, their caches come from the replicas
+        self.steps.dead = {index for index, stage in enumerate(layout.stages) if stage.name not in
+                           self.steps.fleet.rejoined}
         held: set[int] = set()
         try:
-            paused = self._pause()
+            paused = self.steps.pause(list(range(len(layout.stages))), sorted({*self.rows, *self.groups}))
             held = {int(number) for reply in paused.values() for number in reply.fields["caches"]}
             held |= {int(number) for reply in paused.values() for number in reply.fields.get("slots", {})}
             for number in sorted(self.rows):
@@ -113,17 +117,13 @@ class Takeover:
             self._send_quietly(index, Message(Kind.DROP, {"epoch": self.steps.epoch, "microbatches": gone}))
         return self.report
 
-    def _pause(self) -> dict[str, Message]:
-        stages = self.layout.stages
-        for index in range(len(stages)):
-            self.steps.send(index, Message(Kind.PAUSE, {"epoch": self.steps.epoch, "microbatches": sorted(self.rows),
-                                                        "replica_of": None}))
-        return self.steps.wait(Kind.PAUSED, {stage.name for stage in stages})
 
     def _rebuild(self, number: int, paused: dict[str, Message]) -> Microbatch | str:
         """Microbatch `number` as its predecessor had it, from the waiting requests of its rows' names and the
         last stage's tokens; or why it cannot go on exactly."""
         decoding = [self.layout.stages[index].name for index in self.layout.decoding_stages()]
+        if self.steps.dead & set(self.layout.decoding_stages()):
+            return "a stage that held it died with the head"
         reported = paused[decoding[-1]].fields.get("steps", {}).get(str(number))
         if reported is None:
             return "the last stage does not hold it"
@@ -217,6 +217,7 @@ class Takeover:
         slots.plan(paused, POISON)
         for number, why in slots.lost.items():
             self._give_back(number, why)
+        slots.transfer()  # a stage that died with the head: its pieces, from the replicas its neighbour holds
         slots.rewind(self.layout.decoding_stages())
         for number, why in slots.lost.items():
             if number in self._replays:

@@ -24,7 +24,7 @@ from ..generation.decoding import TokenPicker
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message, pack
-from .replication import assemble, cache_from, held_positions, replica_stream
+from .replication import assemble, cache_from, held_positions, remove_replicas, replica_stream
 from .slot_replicas import piece_stream
 from .worker_slot_recovery import SlotRecoveryHandlers
 from .worker_state import MicrobatchState, open_link, open_links
@@ -101,12 +101,15 @@ class RecoveryHandlers(SlotRecoveryHandlers):
             self.restored_pieces.setdefault(number, {})[str(part)] = message.tensors[0].clone()
 
     def _drop(self, message: Message) -> None:
-        """Forget microbatches that start over from their prompts, failed, or ended meanwhile. A failed one's
-        prompt KV still on its way is ignored when it comes (a recovery's own is of an older epoch)."""
+        """Forget microbatches that start over from their prompts, failed, or ended meanwhile, with the replicas
+        held here of them for another stage. A failed one's prompt KV still on its way is ignored when it comes (a
+        recovery's own is of an older epoch)."""
         for number in message.fields["microbatches"]:
             self._forget(number)
             if message.fields.get("failed"):
                 self.failed.append(number)
+        if self.inbox is not None:  # a worker in a test may have none
+            remove_replicas(self.inbox.store, message.fields["microbatches"], self.prefix)
 
     def _rewind(self, message: Message) -> None:
         """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of
