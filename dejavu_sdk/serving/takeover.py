@@ -43,6 +43,7 @@ import torch
 
 from ..errors import TransportError
 from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.slots import Round
 from .ledger import POISON, Ledger
 from .ledger_state import Flight, Outcome, Phase
 from .messages import Kind, Message
@@ -251,6 +252,9 @@ class Takeover:
         why = _why_not(live)
         if why is not None:
             return why
+        unknown = _named(reports) - set(batch.rows_of)
+        if unknown:  # a group sent just before the head died, its record not written
+            return f"its rounds name requests {sorted(unknown)} that the journal does not hold"
         ours = {id(request) for request in live}
         for row, request in enumerate(batch.requests):
             if id(request) not in ours:  # a stand-in: its choice ended
@@ -290,6 +294,17 @@ class Takeover:
             self.steps.send(index, message)
         except TransportError as error:  # the watchdog finds a stage gone
             log.warning("%s", error)
+
+
+def _named(reports: list[Any]) -> set[int]:
+    """Every request number a slot's round reports name."""
+    named: set[int] = set()
+    for fields, _ in reports:
+        step = Round.of(fields["round"])
+        change = fields.get("next") or {}
+        named.update(fields["members"], fields.get("complete", ()), step.left, step.joined, step.decoded,
+                     change.get("left", ()), change.get("joined") or (), step.prefill[0] if step.prefill else ())
+    return {int(member) for member in named}
 
 
 def _why_not(live: list[Request]) -> str | None:
