@@ -226,6 +226,10 @@ class SwappedCaches:
             self._pinned[key] = cache
         self._account()
 
+    def numbers(self) -> set[int]:
+        """The microbatches with a cache here (on the device, on the host, or new and not stepped yet)."""
+        return {*self._recency, *self._resident}
+
     def remove(self, number: int) -> None:
         """Microbatch `number` ended: free its cache everywhere."""
         self._recency.pop(number, None)

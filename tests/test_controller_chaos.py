@@ -158,12 +158,11 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "kills", "with_stage"), [
-    ([], 1, None), (["--stages", "2", "--recovery", "recompute"], 1, None),
-    (["--prompt-stages", "1", "--token-stages", "1"], 1, None), ([], 2, None),
-    (["--stages", "2"], 1, None), (["--stages", "2"], 2, None), (["--stages", "2"], 1, 0)])
+    ([], 1, None), (["--prompt-stages", "1", "--token-stages", "1"], 1, None), (["--stages", "2"], 1, None),
+    (["--stages", "2"], 2, None), (["--stages", "2"], 1, 0)])
 def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str], kills: int,
                                                                       with_stage: int | None) -> None:
-    """The controller is SIGKILLed while a microbatch decodes (static: one stage, two, disaggregated; continuous
+    """The controller is SIGKILLed while a microbatch decodes (static: one stage, disaggregated; continuous
     batching's slots: two stages; its successor killed in turn, `kills`; the first stage killed with it,
     `with_stage`): the stage workers rejoin the successor with their caches, and it goes on from the step the last
     stage reached (greedy and seeded sampled rows alike; a dead stage's part from the replicas its neighbour

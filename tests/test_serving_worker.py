@@ -138,7 +138,7 @@ def test_a_successor_takes_a_microbatch_over_where_the_last_stage_stands() -> No
     _run_steps(worker, head, first, 5)  # 6 steps: the head dies with the next one on its way
     successor, successor_head, successor_first = _worker(epoch=3)
     successor.microbatches, successor.caches = worker.microbatches, worker.caches
-    successor.handle(Message(Kind.PAUSE, {"epoch": 4, "microbatches": [4], "replica_of": None}))
+    successor.handle(Message(Kind.PAUSE, {"epoch": 4, "microbatches": [4], "replica_of": None, "takeover": True}))
     (paused,) = successor_head.sent
     assert paused.fields["caches"] == {"4": 3 + 6 - 1}
     assert paused.fields["steps"] == {"4": [6, expected[:6]]}

@@ -6,6 +6,7 @@ the successor; one stopped past the orphan timeout) is tests/test_controller_cha
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -132,3 +133,40 @@ def test_a_rejoined_worker_gone_before_its_assignment_is_replaced(caplog) -> Non
         assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
     finally:
         pipe.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_worker_rejoining_a_head_that_takes_nothing_over_drops_what_it_held() -> None:
+    """A worker orphaned while a microbatch decodes rejoins a new head at the same address that does not take it
+    over (`start` without `hold`): it drops that microbatch, and the new head's own microbatches, numbered from 0
+    again, run on it."""
+    port, environment = _free_port(), {**os.environ, "DEJAVU_TOKEN": TOKEN}
+    first = Pipeline("tiny_models:llama", token=TOKEN, launch=False, heartbeat=0.5, port=port, batching="static")
+    second = Pipeline("tiny_models:llama", token=TOKEN, launch=False, port=port, batching="static")
+    worker = None
+    try:
+        url = first.listen()
+        worker = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", url], env=environment)
+        first.start()
+        arrived: list[int] = []
+        first.submit([5, 6, 7], max_new_tokens=2000, ignore_eos=True, on_token=arrived.append)
+        deadline = time.monotonic() + 60
+        while len(arrived) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        first._inbox.close()  # the head is gone (no shutdown sent), microbatch 0 in the worker's cache
+        second.start(rejoin_wait=15.0)
+        assert second.fleet.rejoined == ["stage 0"]
+        outs = second.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)
+        assert [len(out) for out in outs] == [4, 4]
+    finally:
+        second.close()
+        first.close()
+        if worker is not None and worker.poll() is None:
+            worker.kill()

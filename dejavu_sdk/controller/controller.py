@@ -32,7 +32,7 @@ import torch
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
-from ..generation.batching import Request, Result, number_requests_from
+from ..generation.batching import Request, Result
 from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..models import load_tokenizer
@@ -315,9 +315,6 @@ class Controller:
         that rejoined workers still hold (`Pipeline.take_over`), which lets requests start."""
         assert self._loop is not None
         assert self._app is not None
-        if self.journal is not None:  # a slot's requests go on under their former numbers: no new one takes them
-            number_requests_from(1 + max((member for groups in self.journal.found.slots.values()
-                                          for members, _ in groups for member in members), default=-1))
         runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
             adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
         going = [run for run in runs if run.outcome is None]

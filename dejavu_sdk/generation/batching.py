@@ -42,6 +42,11 @@ class _Numbers:
 _ids = _Numbers()
 
 
+def new_request_number() -> int:
+    """A request number no other request of this process has."""
+    return _ids()
+
+
 def number_requests_from(first: int) -> None:
     """Number new requests from `first` on, at least: a successor head goes on with its predecessor's requests
     under their former numbers, which no new one may take."""

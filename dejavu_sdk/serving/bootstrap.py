@@ -16,6 +16,7 @@ timeout; a successor there answers with an assignment (the same stage, in a late
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -156,10 +157,12 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                 assign = answer  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
 
 
-def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str, held: Holdings | None = None) -> None:
+def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
+                 held: Holdings | None = None) -> None:
     """Be the stage the assignment `fields` describe until the head at `join` says `shutdown` (HeadGone: the
     head is gone, with what the worker keeps for a successor), on links of its own (what was posted on a former
-    head's is lost with it); `held`: the microbatches it kept under a former head, for this one to take over."""
+    head's is lost with it); `held`: the microbatches it kept under a former head, for this one to take over if it
+    says so (`take_over`; else they are dropped, with the replicas held here for a neighbour)."""
     role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
     head = open_transport(join, **link_options(LinkTls.from_environment()))
     worker: StageWorker | None = None
@@ -170,8 +173,11 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
                              bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
                              int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
                              fields.get("batching", "static"), fields.get("max_prefill_tokens"))
-        if held is not None:
+        if held is not None and fields.get("take_over") and not fields.get("swapping"):  # else dropped with it
             worker.microbatches, worker.slots, worker.caches = held.microbatches, held.slots, held.caches
+        elif not fields.get("take_over"):  # a head that takes nothing over: what was replicated here for a neighbour
+            for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
+                inbox.store.delete(stream)
         serving = worker
         serving.tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
         interval = float(fields["heartbeat"])
@@ -187,9 +193,13 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
     finally:
         if heartbeat is not None:
             heartbeat.close()
-        if worker is not None:
-            worker.close()
-        head.close()
+        # links to a head or neighbour that is gone may fail to close (what was posted on them is lost anyway):
+        # that must not replace why the stage ended (a head gone leaves an orphan, not a failed worker)
+        with contextlib.suppress(TransportError):
+            if worker is not None:
+                worker.close()
+        with contextlib.suppress(TransportError):
+            head.close()
 
 
 def _rejoin(head: Transport, inbox: Server, rejoin: Message, timeout: float) -> Message | None:

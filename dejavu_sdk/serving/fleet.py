@@ -63,6 +63,8 @@ class Fleet:
         self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self.rejoined: list[str] = []  # stages whose worker (a former head's) took them back at the start
+        #: Whether the head takes over what rejoined workers hold (`Pipeline.take_over`): else they drop it.
+        self.taking_over = False
         self._asked: set[str] = set()  # inboxes of former heads' workers asked to rejoin
         self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
@@ -229,7 +231,7 @@ class Fleet:
         stage, options = self.layout.stages[index], self.options
         return {"model": options.model, "stage": stage.name, "threads": options.threads, "eos": eos, "pad": pad,
                 "swapping": options.swapping, "heartbeat": options.heartbeat, "missed_beats": options.missed_beats,
-                "orphan_timeout": options.orphan_timeout, "recovery": recovery,
+                "orphan_timeout": options.orphan_timeout, "recovery": recovery, "take_over": self.taking_over,
                 "batching": options.batching, "max_prefill_tokens": options.max_prefill_tokens,
                 "epoch": self.epoch, "role": stage.role, "number": stage.number,
                 "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,

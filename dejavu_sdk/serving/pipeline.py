@@ -44,7 +44,7 @@ from .link_tls import inbox_options
 from .messages import Kind, Message, unpack
 from .options import PipelineOptions
 from .recovery import Recoveries, Recovery, RecoveryReport
-from .replication import delete_replicas
+from .replication import delete_replicas, remove_replicas
 from .takeover import Takeover, TakeoverReport
 
 log = logging.getLogger(__name__)
@@ -161,9 +161,10 @@ class Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
         loaded them. `rejoin_wait`: seconds first given to the workers of a head that served at this address
         and died to take their stages back (`rejoined`), before workers are launched for the others. `hold`:
-        start no request until `take_over` (requests submitted meanwhile wait)."""
+        start no request (nor a recovery) until `take_over`, which goes on with what the rejoined workers hold
+        (requests submitted meanwhile wait); without it, rejoined workers drop what they held."""
         self.listen()
-        self.ledger.held = hold
+        self.ledger.held = self.fleet.taking_over = self._recoveries.taking_over = hold
         self._starting = True
         try:
             assert self._inbox is not None  # listening
@@ -185,14 +186,24 @@ class Pipeline:
         submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage can, and wait
         to be computed again otherwise; `stand_in(tag)` is a request like the one a row had whose request is not
         submitted here (it ended), or None. Then requests start."""
+        with self.ledger.lock:  # the numbers its predecessor gave are not given again
+            self.ledger.renumber_from(max([*rows, *groups, -1]) + 1)
         report = TakeoverReport()
-        if self.fleet.rejoined:
-            steps = Recovery(self.ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
-                             self._recoveries.assignment, lambda: self._closed)
-            report = Takeover(self.ledger, steps, rows, groups, stand_in).run()
-        self._carry_out(report.outcome)
-        self._carry_out(self.ledger.resume_slots(report.slots, {}))
-        self._carry_out(self.ledger.resume(report.resumed, [], [], []))
+        try:
+            if self.fleet.rejoined and self._recoveries.taking_over:
+                steps = Recovery(self.ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
+                                 self._recoveries.assignment, lambda: self._closed)
+                report = Takeover(self.ledger, steps, rows, groups, stand_in).run()
+            if self.options.replica_store is not None:  # the predecessor's replicas of what did not go on
+                kept = {*report.resumed, *report.slots}
+                remove_replicas(self.options.replica_store, lambda number: number not in kept,
+                                self.options.replica_prefix)
+            self._carry_out(report.outcome)
+            self._carry_out(self.ledger.resume_slots(report.slots, {}))
+            self._carry_out(self.ledger.resume(report.resumed, [], [], []))
+        finally:
+            self.fleet.taking_over = False
+            self._recoveries.end_takeover(report.failure)
         self._admit()
         return report
 

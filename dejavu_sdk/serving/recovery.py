@@ -209,13 +209,16 @@ class Recovery:
         for index in dead:
             fleet.heard_from(index)
 
-    def pause(self, survivors: list[int], numbers: list[int] | None = None) -> dict[str, Message]:
+    def pause(self, survivors: list[int], numbers: list[int] | None = None,
+              takeover: bool = False) -> dict[str, Message]:
         """Pause the `survivors` in this epoch: each reports what it holds, and how far the replicas it holds of
-        `numbers` (default: the ledger's microbatches) for the previous decoding stage reach."""
+        `numbers` (default: the ledger's microbatches) for the previous decoding stage reach; for a `takeover`,
+        the last stage also what a successor head goes on from (steps, tokens, rounds)."""
         numbers = self.ledger.holding_numbers() if numbers is None else numbers
         for index in survivors:
             previous = self.layout.replica_owner(index)
-            fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None}
+            fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None,
+                                      "takeover": takeover}
             if previous is not None:
                 fields.update(replica_of=self.layout.stages[previous].number,
                               replica_layers=self.layout.stages[previous].layer_count)
@@ -358,18 +361,31 @@ class Recoveries:
         self.assignment = lambda index: fleet.assignment(index, eos, pad, True)
         self.reports: list[RecoveryReport] = []
         self.thread: threading.Thread | None = None
-        #: A failure reported during a recovery, with the epoch it was seen in, to look at after it.
+        #: A successor head is taking over its predecessor's stages (`Pipeline.take_over`): a failure waits for it,
+        #: as for a recovery under way.
+        self.taking_over = False
+        #: A failure reported during a recovery (or a takeover), with the epoch it was seen in, to look at after it.
         self._meanwhile: tuple[str, int | None] | None = None
 
     @property
     def running(self) -> bool:
-        return self.thread is not None
+        return self.thread is not None or self.taking_over
+
+    def end_takeover(self, failure: str | None) -> None:
+        """The takeover ended (`failure`: what stopped it, if anything): what was reported meanwhile, or that
+        failure, starts a recovery now."""
+        with self.ledger.lock:
+            self.taking_over = False
+            pending, self._meanwhile = self._meanwhile, None
+        reason = failure if failure is not None else None if pending is None else pending[0]
+        if reason is not None:
+            self.start(set(), reason)
 
     def start(self, dead: set[int], reason: str, epoch: int | None = None) -> None:
         """Recover from the `dead` stages (and whatever else is found dead) for `reason`, which a stage reported in
         `epoch` (None: the head found it now)."""
         with self.ledger.lock:
-            if self.thread is not None:
+            if self.thread is not None or self.taking_over:
                 self._meanwhile = self._meanwhile or (reason, epoch)
                 return
             if self.ledger.failure is not None or self.closed():

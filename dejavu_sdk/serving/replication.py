@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -144,19 +144,20 @@ def _quietly_finish(manager: CacheManager) -> None:
 def delete_replicas(store: Store, stages: list[int], microbatches: list[int], prefix: str) -> None:
     """Delete what the decoding `stages` (numbers in the token pipeline) replicated of `microbatches` into a shared
     replica store (a slot's pieces included), and close it: a closing pipeline leaves nothing behind."""
-    remove_replicas(store, microbatches, prefix, stages)
+    remove_replicas(store, set(microbatches).__contains__, prefix, stages)
     store.close()
 
 
-def remove_replicas(store: Store, microbatches: Iterable[int], prefix: str,
+def remove_replicas(store: Store, dropped: Callable[[int], bool], prefix: str,
                     stages: Iterable[int] | None = None) -> None:
-    """Delete the replica streams of `microbatches` (a slot's pieces included) in `store` that `stages` wrote (None:
-    any stage), under the pipeline's `prefix`; a store that fails is left as it is."""
-    numbers, writers = set(microbatches), None if stages is None else set(stages)
+    """Delete the replica streams in `store`, under the pipeline's `prefix`, of the microbatches (and slots, their
+    pieces included) whose number is `dropped`, that `stages` wrote (None: any stage); a store that fails is left
+    as it is."""
+    writers = None if stages is None else set(stages)
     pattern = re.compile(rf"{re.escape(prefix)}stage(\d+)-microbatch(\d+)(-.+)?")
     with contextlib.suppress(StoreError):
         for stream in sorted({key.stream_id for key in store.keys(None)}):
             match = pattern.fullmatch(stream)
-            if match and int(match[2]) in numbers and (writers is None or int(match[1]) in writers):
+            if match and dropped(int(match[2])) and (writers is None or int(match[1]) in writers):
                 with contextlib.suppress(StoreError):
                     store.delete(stream)

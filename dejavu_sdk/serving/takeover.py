@@ -42,7 +42,7 @@ import attrs
 import torch
 
 from ..errors import TransportError
-from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.batching import Microbatch, Request, SlotBatch, new_request_number, number_requests_from
 from ..generation.slots import Round
 from .ledger import POISON, Ledger
 from .ledger_state import Flight, Outcome, Phase
@@ -66,6 +66,8 @@ class TakeoverReport:
     tags: list[Any] = attrs.field(factory=list)
     dropped: dict[int, str] = attrs.field(factory=dict)
     outcome: Outcome = attrs.field(factory=Outcome)
+    #: What stopped it before the end (a stage that died or did not answer), for a recovery to mend; None if nothing.
+    failure: str | None = None
 
 
 class Takeover:
@@ -95,7 +97,7 @@ class Takeover:
                            self.steps.fleet.rejoined}
         held: set[int] = set()
         try:
-            paused = self.steps.pause(list(range(len(layout.stages))), sorted({*self.rows, *self.groups}))
+            paused = self.steps.pause(list(range(len(layout.stages))), sorted({*self.rows, *self.groups}), True)
             held = {int(number) for reply in paused.values() for number in reply.fields["caches"]}
             held |= {int(number) for reply in paused.values() for number in reply.fields.get("slots", {})}
             for number in sorted(self.rows):
@@ -105,18 +107,34 @@ class Takeover:
                 elif self._rewind(batch):
                     self._go_on(batch)
             self._take_slots(paused)
-        except TransportError as error:  # a stage died or did not answer: the watchdog's to recover
+        except TransportError as error:  # a stage died or did not answer: a recovery's to mend, after this
             log.warning("taking over the stages' microbatches stopped: %s", error)
             for number in [number for number in self._replays if number not in self.report.slots]:
                 self._give_back(number, str(error))
+            self.report = attrs.evolve(self.report, failure=f"while taking over: {error}")
+        self._renumber_requests()
         gone = sorted((held | set(self.rows) | set(self.groups)) - set(self.report.resumed) - set(self.report.slots))
         for number in gone:
             self.report.dropped.setdefault(number, "not taken over")
         with ledger.lock:  # the numbers of microbatches the stages held are not given again
             ledger.renumber_from(max([*held, *self.rows, *self.groups, -1]) + 1)
-        for index in layout.decoding_stages():
-            self._send_quietly(index, Message(Kind.DROP, {"epoch": self.steps.epoch, "microbatches": gone}))
+        kept = sorted({*self.report.resumed, *self.report.slots})
+        for index in layout.decoding_stages():  # all else they hold goes, even what they did not report
+            self._send_quietly(index, Message(Kind.DROP, {"epoch": self.steps.epoch, "microbatches": gone,
+                                                          "all_but": kept}))
         return self.report
+
+    def _renumber_requests(self) -> None:
+        """Number new requests past the slots' members (their former numbers, which the stages know), and give
+        the waiting requests that hold one of those a new number."""
+        members = {int(member) for slot in self.groups.values() for numbers, _ in slot for member in numbers}
+        if not members:
+            return
+        number_requests_from(max(members) + 1)
+        with self.ledger.lock:
+            for request in self.ledger.waiting:
+                if request.number in members:
+                    request.number = new_request_number()
 
 
     def _rebuild(self, number: int, paused: dict[str, Message]) -> Microbatch | str:
@@ -176,6 +194,7 @@ class Takeover:
         """Put `batch` in the ledger, its requests out of the waiting queue."""
         ledger, now = self.ledger, time.monotonic()
         with ledger.lock:
+            _cancelled_meanwhile(batch, ledger.waiting)
             ours = {id(request) for row, request in enumerate(batch.requests) if row not in batch.settled}
             ledger.waiting = deque(request for request in ledger.waiting if id(request) not in ours)
             for row, request in enumerate(batch.requests):
@@ -262,6 +281,7 @@ class Takeover:
                 batch.dropped.add(row)
         batch.opened = True
         with self.ledger.lock:
+            _cancelled_meanwhile(batch, self.ledger.waiting)
             self.ledger.waiting = deque(request for request in self.ledger.waiting if id(request) not in ours)
             self.ledger.flights[number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
         replay = self._replays[number] = Outcome()
@@ -294,6 +314,16 @@ class Takeover:
             self.steps.send(index, message)
         except TransportError as error:  # the watchdog finds a stage gone
             log.warning("%s", error)
+
+
+def _cancelled_meanwhile(batch: Microbatch, waiting: deque[Request]) -> None:
+    """Rows of `batch` whose request left the waiting queue since it was read (its caller cancelled it): settled
+    and dropped, so that the stages end them (under the ledger's lock)."""
+    still = {id(request) for request in waiting}
+    for row, request in enumerate(batch.requests):
+        if row not in batch.settled and id(request) not in still:
+            batch.settled.add(row)
+            batch.dropped.add(row)
 
 
 def _named(reports: list[Any]) -> set[int]:

@@ -49,11 +49,13 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches
                   if number in self.caches}
         rounds = {str(number): state.round for number, state in self.slots.items()}  # continuous: rounds run
-        # the last stage's steps and tokens of each microbatch: a successor head takes them over from here
-        steps = {str(number): [state.steps, state.history] for number, state in self.microbatches.items()
-                 if state.picker is not None and number in self.caches}
-        reports = {str(number): state.reports for number, state in self.slots.items()
-                   if self.stage.last and state.reports is not None}
+        steps: dict[str, Any] = {}
+        reports: dict[str, Any] = {}
+        if message.fields.get("takeover"):  # the last stage's steps, tokens and rounds: a successor goes on from them
+            steps = {str(number): [state.steps, state.history] for number, state in self.microbatches.items()
+                     if state.picker is not None and number in self.caches}
+            reports = {str(number): state.reports for number, state in self.slots.items()
+                       if self.stage.last and state.reports is not None}
         holds = {}
         owner = message.fields.get("replica_of")
         if owner is not None:
@@ -104,12 +106,17 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         """Forget microbatches that start over from their prompts, failed, or ended meanwhile, with the replicas
         held here of them for another stage. A failed one's prompt KV still on its way is ignored when it comes (a
         recovery's own is of an older epoch)."""
-        for number in message.fields["microbatches"]:
+        numbers = set(message.fields["microbatches"])
+        kept = message.fields.get("all_but")
+        if kept is not None:  # a successor head: whatever it did not take over goes
+            numbers = {*numbers, *self.microbatches, *self.slots, *self.caches.numbers()} - set(kept)
+        for number in sorted(numbers):
             self._forget(number)
             if message.fields.get("failed"):
                 self.failed.append(number)
+        dropped = numbers.__contains__ if kept is None else (lambda number: number not in set(kept))
         if self.inbox is not None:  # a worker in a test may have none
-            remove_replicas(self.inbox.store, message.fields["microbatches"], self.prefix)
+            remove_replicas(self.inbox.store, dropped, self.prefix)
 
     def _rewind(self, message: Message) -> None:
         """Continue microbatch `microbatch` from position `positions`, which the head will feed with the token of

@@ -393,8 +393,9 @@ class SlotHandlers(WorkerState):
         states = _states(pickers)
         said = {"members": members, "failed": failed, "round": step.fields(), "complete": complete, "idle": idle,
                 "next": {"left": left, "joined": None if idle else joined}, **score_fields(logprobs, prompt_logprobs)}
-        if state.reports is not None:
-            state.reports.append((said, report.tolist()))
+        if state.reports is not None:  # without log-probabilities: a successor computes those rows again
+            state.reports.append(({name: value for name, value in said.items()
+                                   if name not in ("logprobs", "prompt_logprobs")}, report.tolist()))
         self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, **said},
                                       (report,) if states is None else (report, states)))
         if idle:

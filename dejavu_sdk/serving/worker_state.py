@@ -262,7 +262,12 @@ class WorkerState:
         """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
         head's progress watchdog."""
         assert link is not None  # set for every message this stage sends on
-        link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))
+        try:
+            link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))
+        except TransportError as error:
+            if link is self.head:  # the head is gone: no stage failure to report, to no one
+                raise HeadGone(f"the head lost what the stage posted to it: {error}") from error
+            raise
 
     def close(self) -> None:
         self._close_links()
