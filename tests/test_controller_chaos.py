@@ -168,7 +168,7 @@ def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, 
     stage reached (greedy and seeded sampled rows alike; a dead stage's part from the replicas its neighbour
     holds), not from the prompts: the report lists the requests as taken over, none as computed again, and every
     client's tokens equal the failure-free run's."""
-    port, journal, clients_count, new = _free_port(), f"file://{tmp_path}/journal", 4, 400
+    port, journal, clients_count, new = _free_port(), f"file://{tmp_path}/journal", 4, 150
     first = _serve(port, journal, tmp_path, *layout)
     processes = [first]
     try:
