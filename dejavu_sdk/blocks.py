@@ -8,8 +8,8 @@ named by a `BlockKey`. Stores, transports and the cache manager all speak in the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import attrs
 import torch
@@ -251,3 +251,8 @@ class KVSpec:
         return self.shape(key.num_layers, key.num_tokens)
 
 
+
+
+#: Blocks, each with the progress record that names it (key, block, progress key, record bytes), to be
+#: written in one request: `Store.flush_group_with_progress`.
+ProgressGroup = Sequence[tuple[BlockKey, Any, ProgressKey, bytes]]

@@ -174,8 +174,52 @@ class HostBlock:
         return cls(tensor, data, dtype_name(tensor.dtype), tuple(tensor.shape))
 
 
+@attrs.frozen
+class KVPair:
+    """One layer's keys and values `[B, H_kv, T, D]` in CPU memory, as the block `[1, 2, B, H_kv, T, D]` they
+    make together, without stacking them first: the encoder copies each straight into the record, with numpy
+    (one thread, not the model's), so the model's thread hands a prompt layer off without a copy. The
+    tensors may be strided views; nothing may write to them afterwards. `tensor` stacks them, for sinks
+    that want a tensor."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor) -> KVPair:
+        if keys.device.type != "cpu" or values.device.type != "cpu" or keys.shape != values.shape \
+                or keys.dtype != values.dtype or keys.dim() != 4:
+            raise ConfigError(f"a KVPair is one layer's keys and values of one shape and dtype in CPU memory, got "
+                              f"{keys.dtype} {tuple(keys.shape)} on {keys.device} and {values.dtype} "
+                              f"{tuple(values.shape)} on {values.device}")
+        return cls(keys.detach(), values.detach())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (1, 2, *self.keys.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return torch.stack((self.keys, self.values)).unsqueeze(0)
+
+    def write_into(self, destination: np.ndarray) -> None:
+        """Write the block's bytes, C order, into `destination` (uint8, `nbytes` long)."""
+        half = self.nbytes // 2
+        for part, tensor in ((destination[:half], self.keys), (destination[half:], self.values)):
+            source = tensor.view(_SAME_SIZE_INTEGER[tensor.element_size()]).numpy()  # numpy has no bfloat16
+            np.copyto(part.view(source.dtype).reshape(source.shape), source)
+
+
+#: A dtype of each item size that numpy knows, to move any tensor's bytes with numpy.
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray], None], np.ndarray | None]:
-    """Normalise a tensor, numpy array or buffer to (dtype name, shape, copy-into-destination, flat view).
+    """Normalise a tensor, `KVPair`, numpy array or buffer to (dtype name, shape, copy-into-destination, flat view).
 
     The flat view is the payload as CPU uint8 without a copy, or None when the source is not contiguous
     host memory (a device tensor, a strided view); the copy function writes the payload in either case.
@@ -183,6 +227,8 @@ def flat_bytes(block: Any) -> tuple[str, tuple[int, ...], Callable[[np.ndarray],
     if isinstance(block, HostBlock):
         host = np.frombuffer(block.data, np.uint8)
         return block.dtype, block.shape, lambda dst: np.copyto(dst, host), host
+    if isinstance(block, KVPair):
+        return dtype_name(block.keys.dtype), block.shape, block.write_into, None
     if isinstance(block, torch.Tensor):
         if block.layout != torch.strided:
             raise ConfigError(f"cannot store a {block.layout} tensor; convert it to a dense tensor first")

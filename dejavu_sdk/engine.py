@@ -30,7 +30,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from .backends import open_store
 from .blocks import BlockKey, KVSpec, ProgressKey, check_stream_id, dtype_name
-from .cache import CacheManager, StreamingCache
+from .cache import CacheManager, StreamingCache, check_prompt_streaming, check_replicate_within_ms, prompt_streaming_for
 from .errors import BlockNotFound, ConfigError, CorruptBlock
 from .manifest import Manifest, encode_progress, with_stored_progress
 from .replica import OneStoreReplica, SplitReplica, open_replica
@@ -46,6 +46,7 @@ class _ManagerOptions(TypedDict):
     """The CacheManager options an engine passes to every stream's manager."""
 
     replicate_every: int
+    replicate_within_ms: float | None
     queue_size: int
     on_replica_error: str
 
@@ -55,19 +56,29 @@ class DejaVuEngine:
 
     Without a store the engine is `model.generate` and nothing more. `keep_finished=False` deletes a
     stream's blocks and manifest once its generation completes; `forget` deletes them at any time.
+
+    How far the replica may lag, and so what a resume computes again (both recorded in the manifest):
+    a block holds at most `replicate_every` decode steps, and leaves at the end of the first step that
+    ends `replicate_within_ms` after its first step was buffered (None: only when full). The default,
+    every step its own block, is the paper's. `prompt_streaming`: "layerwise" streams each prompt layer
+    while the next computes, "after" writes the prompt's layers together once the last is made, "auto"
+    picks layer by layer only where the streamer has a core or device of its own to run on
+    (`dejavu_sdk.cache.prompt_streaming_for`, recorded in the manifest).
     """
 
     def __init__(self, model: Any, store: str | Store | None = None, transport: str | Transport = "local", *,
-                 replicate_every: int = 1, queue_size: int = 8, on_replica_error: str = "raise",
-                 keep_finished: bool = False) -> None:
+                 replicate_every: int = 1, replicate_within_ms: float | None = None, prompt_streaming: str = "auto",
+                 queue_size: int = 8, on_replica_error: str = "raise", keep_finished: bool = False) -> None:
         self.model = model
         self.config = model.config.get_text_config(decoder=True)
         if store is None and transport != "local":
             raise ConfigError("a transport needs a store for the stream's manifest; pass store=... as well")
+        self.options: _ManagerOptions = {"replicate_every": replicate_every,
+                                         "replicate_within_ms": check_replicate_within_ms(replicate_within_ms),
+                                         "queue_size": queue_size, "on_replica_error": on_replica_error}
+        self.prompt_streaming = check_prompt_streaming(prompt_streaming)
         self.store = open_store(store) if store is not None else None
         self.replica = open_replica(self.store, transport) if self.store is not None else None
-        self.options: _ManagerOptions = {"replicate_every": replicate_every, "queue_size": queue_size,
-                        "on_replica_error": on_replica_error}
         self.keep_finished = keep_finished
         self._refuse_non_kv_layers()
 
@@ -104,7 +115,10 @@ class DejaVuEngine:
         manifest = Manifest(stream_id=stream_id, run=uuid.uuid4().hex[:16], geometry=self._geometry(rows),
                             input_ids=input_ids.tolist(), attention_mask=attention_mask.to(torch.long).tolist(),
                             max_new_tokens=self._max_new_tokens(max_new_tokens), eos_token_id=eos, pad_token_id=pad,
-                            replicate_every=self.options["replicate_every"], sampling=sampling)
+                            replicate_every=self.options["replicate_every"],
+                            replicate_within_ms=self.options["replicate_within_ms"],
+                            prompt_streaming=prompt_streaming_for(self.model.device, self.prompt_streaming),
+                            sampling=sampling)
         if sampling is not None:  # as torch.manual_seed(seed) before model.generate; the state goes with each step
             torch.manual_seed(sampling["seed"])
             manifest = attrs.evolve(manifest, rng=_encode_state(_state_bytes(self.model.device)))
@@ -171,7 +185,8 @@ class DejaVuEngine:
         """A streaming transformers cache for custom loops: `model(ids, cache=cache)`, then
         `cache.manager.finish()` to wait until every block is durable."""
         manager = CacheManager(self._require_replica().blocks, check_stream_id(stream_id),
-                               self.config.num_hidden_layers, **self.options)
+                               self.config.num_hidden_layers, **self.options,
+                               prompt_streaming=prompt_streaming_for(self.model.device, self.prompt_streaming))
         return StreamingCache(manager, config=self.model.config)
 
     def forget(self, stream_id: str) -> int:
@@ -208,7 +223,11 @@ class DejaVuEngine:
         recorder = _TokenRecorder(manifest, self.model.device)
         manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
-                               progress_for=recorder.progress_after, run=manifest.run, **self.options)
+                               progress_for=recorder.progress_after, run=manifest.run,
+                               replicate_every=manifest.replicate_every,  # as the manifest says, resumed or not
+                               replicate_within_ms=manifest.replicate_within_ms,
+                               prompt_streaming=manifest.prompt_streaming, queue_size=self.options["queue_size"],
+                               on_replica_error=self.options["on_replica_error"])
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
@@ -218,7 +237,7 @@ class DejaVuEngine:
         try:
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=remaining,
                                       do_sample=manifest.sampling is not None, **_settings(manifest.sampling),
-                                      cache=cache, streamer=recorder, eos_token_id=manifest.eos_token_id,
+                                      cache=cache, streamer=recorder, eos_token_id=manifest.eos_token_id or None,
                                       pad_token_id=manifest.pad_token_id, **extra, **kwargs)
         finally:
             manager.finish()
@@ -458,9 +477,8 @@ class _TokenRecorder:
         self._device = device if manifest.sampling is not None else None
         self._state: bytes | None = None
         self._names = list(manifest.blocks)
-        self._logged = len(self.tokens[0])  # tokens per row in the manifest and the records written so far
+        self._logged = len(self.tokens[0])  # tokens per row in the manifest and the records made so far
         self._next = manifest.progress_key(0)  # the next record of the manifest's progress log
-        self._pending = self._logged, ""  # tokens per row, and the block's name, once the record in flight is durable
         self._prompt_seen = False
         self._lock = threading.Lock()
 
@@ -479,20 +497,18 @@ class _TokenRecorder:
 
     def progress_after(self, key: BlockKey, durable_positions: int) -> tuple[ProgressKey, bytes]:
         """The progress record that goes with `key`: the tokens since the last record, and the generator
-        state after them. Runs on the streamer thread; its size does not depend on how long the stream is."""
+        state after them. Runs on the streamer thread, once per block in the order they are written (several
+        may be written together); its size does not depend on how long the stream is."""
         with self._lock:
             count, state = len(self.tokens[0]), self._state
             tokens = [row[self._logged:count] for row in self.tokens]
         rng = _encode_state(state) if state is not None and count > self._logged else ""
-        name = str(key)
-        self._pending = count, name
-        return self._next, encode_progress(name, durable_positions, tokens, rng)
+        progress, self._next, self._logged = self._next, self._next.next_step(), count
+        return progress, encode_progress(str(key), durable_positions, tokens, rng)
 
     def note_durable(self, key: BlockKey) -> None:
         """Called on the streamer thread after each accepted block, whose progress record went with it."""
-        self._logged, name = self._pending
-        self._names.append(name)
-        self._next = self._next.next_step()
+        self._names.append(str(key))
 
     def final(self, positions: int) -> Manifest:
         with self._lock:

@@ -29,11 +29,14 @@ from .blocks import DTYPE_CODES, BlockKey, ProgressKey, check_run
 from .errors import ConfigError, CorruptBlock
 from .store import Store
 
-#: Format 3 added the progress log (`log`, and progress records beside the blocks); format 2 added `run`
-#: (and run ids in block names). Older manifests are refused: a format 2 stream's progress is in its
-#: manifest alone, and a format 1 stream's blocks carry no run, so nothing tells them from another
-#: generation's under the same stream id.
-FORMAT = 3
+#: Format 4 added `replicate_within_ms` and `prompt_streaming`; a format 3 manifest reads as one whose
+#: blocks leave only when full, prompt layer by layer (what format 3's writers did). Format 3 added the
+#: progress log (`log`, and progress records beside the blocks); format 2 added `run` (and run ids in block
+#: names). Older manifests are refused: a format 2 stream's progress is in its manifest alone, and a format
+#: 1 stream's blocks carry no run, so nothing tells them from another generation's under the same stream id.
+FORMAT = 4
+#: Fields a format 3 manifest lacks, with the values that describe how format 3's writers streamed.
+FORMAT_3_DEFAULTS: dict[str, Any] = {"replicate_within_ms": None, "prompt_streaming": "layerwise"}
 #: The fields of a progress record, with the type each must have.
 PROGRESS_FIELDS: dict[str, type] = {"block": str, "durable_positions": int, "tokens": list, "rng": str}
 #: What a sampled stream records to resume exactly: the seed, the sampling settings in effect, the library
@@ -64,6 +67,10 @@ class Manifest:
     sampling: dict[str, Any] | None = None  # None: greedy; else seed, settings, versions, device
     rng: str = ""  # sampled streams: the generator's state right after the last token in `generated` (base64)
     log: int = 0  # the progress log that extends this manifest (`progress_key`)
+    # How far the durable replica may lag: a block leaves with at most `replicate_every` decode steps, and
+    # (when not None) at the end of the first step ending `replicate_within_ms` after its first was buffered.
+    replicate_within_ms: float | None = None
+    prompt_streaming: str = "layerwise"  # "layerwise" or "after": how the prompt's blocks left
 
     @property
     def prompt_length(self) -> int:
@@ -141,11 +148,15 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     version = fields["format"]
     if not _is_int(version):
         raise schema.fail("format", f"must be an integer, got {_shown(version)}")
-    if version != FORMAT:
-        raise ConfigError(f"stream {stream_id} was written by manifest format {version}; this SDK reads format "
-                          f"{FORMAT} only. Finish it with the SDK that started it, or delete it with "
+    if version not in (3, FORMAT):
+        raise ConfigError(f"stream {stream_id} was written by manifest format {version}; this SDK reads formats "
+                          f"3 and {FORMAT}. Finish it with the SDK that started it, or delete it with "
                           f"engine.forget({stream_id!r}) (or generate(..., replace=True))")
     given = {name: value for name, value in fields.items() if name != "format"}
+    if version == 3:
+        if extra := sorted(given.keys() & FORMAT_3_DEFAULTS.keys()):
+            raise schema.fail(extra[0], "is not a field of manifest format 3")
+        given.update(FORMAT_3_DEFAULTS)
     missing, extra = sorted(FIELDS - given.keys()), sorted(given.keys() - FIELDS)
     if missing:
         raise schema.fail(missing[0], f"is missing (missing: {', '.join(missing)})")
@@ -167,6 +178,13 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     schema.geometry(given["geometry"], rows)
     max_new_tokens = schema.integer("max_new_tokens", given["max_new_tokens"], minimum=1)
     schema.integer("replicate_every", given["replicate_every"], minimum=1)
+    within = given["replicate_within_ms"]
+    if within is not None and (isinstance(within, bool) or not isinstance(within, (int, float)) or not within > 0):
+        raise schema.fail("replicate_within_ms", f"must be a positive number of milliseconds or null, got "
+                          f"{_shown(within)}")
+    if given["prompt_streaming"] not in ("layerwise", "after"):
+        raise schema.fail("prompt_streaming", f"must be \"layerwise\" or \"after\", got "
+                          f"{_shown(given['prompt_streaming'])}")
     eos = given["eos_token_id"]
     if not isinstance(eos, list):
         raise schema.fail("eos_token_id", f"must be a list of token ids, got {_shown(eos)}")

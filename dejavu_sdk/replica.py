@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
+
 from .backends import open_transport
-from .blocks import BlockKey, ProgressKey
+from .blocks import BlockKey, ProgressGroup, ProgressKey, check_stream_id
 from .errors import BlockNotFound, CorruptBlock
-from .store import Store, manifest_name
+from .store import Store, block_key_or_none, manifest_name, progress_key_or_none
 from .stream import BlockIO
 from .transports.base import Transport
 from .transports.local import LocalTransport
@@ -37,12 +39,19 @@ class OneStoreReplica:
     def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
         self.transport.flush_with_progress(key, block, progress, record)
 
+    def flush_group_with_progress(self, group: ProgressGroup) -> None:
+        self.transport.flush_group_with_progress(group)
+
     def delete(self, stream_id: str) -> int:
         return self.manifests.delete(stream_id)
 
     def delete_run(self, stream_id: str, run: str) -> int:
-        _delete_manifest_of_run(self.manifests, stream_id, run)
-        return _delete_blocks_of_run(self.manifests, stream_id, run)
+        """One request (one LMDB transaction): the manifest while it is this run's, then the run's progress
+        records, then its blocks."""
+        records = _records_of_run(self.manifests, stream_id, run)
+        self.manifests.records.remove(_manifest_of_run(self.manifests, stream_id, run) + records.progress
+                                      + records.blocks)
+        return len(records.blocks)
 
     def close(self) -> None:
         self.transport.close()
@@ -58,36 +67,54 @@ class SplitReplica:
         self.blocks.flush(key, block)
         self.manifests.put_progress(progress, record)
 
+    def flush_group_with_progress(self, group: ProgressGroup) -> None:
+        for key, block, progress, record in group:  # each record after the block it names is accepted
+            self.flush_with_progress(key, block, progress, record)
+
     def delete(self, stream_id: str) -> int:
         self.manifests.delete(stream_id)
         return self.blocks.delete(stream_id)
 
     def delete_run(self, stream_id: str, run: str) -> int:
-        _delete_manifest_of_run(self.manifests, stream_id, run)
-        return _delete_blocks_of_run(self.blocks, stream_id, run)
+        """The manifest while it is this run's and the run's progress records, then its blocks."""
+        self.manifests.records.remove(_manifest_of_run(self.manifests, stream_id, run)
+                                      + _records_of_run(self.manifests, stream_id, run).progress)
+        blocks = _records_of_run(self.blocks, stream_id, run).blocks
+        self.blocks.records.remove(blocks)
+        return len(blocks)
 
     def close(self) -> None:
         self.blocks.close()
 
 
-def _delete_manifest_of_run(store: Store, stream_id: str, run: str) -> None:
-    """Delete the stream's manifest if run `run` wrote it, then the run's progress records (the manifest
-    goes first: it must never name a block that is gone). Another run's manifest stays. The check and the
-    removal are two requests, so a run that rewrites its manifest in between (a resume) loses it."""
+def _manifest_of_run(store: Store, stream_id: str, run: str) -> list[str]:
+    """The name of the stream's manifest if run `run` wrote it, else nothing: another run's manifest stays.
+    The check and the removal are two requests, so a run that rewrites its manifest in between (a resume)
+    loses it. The manifest goes first: it must never name a block that is gone."""
     try:
         owner = json.loads(store.read_manifest(stream_id)).get("run")
     except (BlockNotFound, CorruptBlock, ValueError, AttributeError, RecursionError):  # none, or not this run's
         owner = None
-    if owner == run:
-        store.records.remove([manifest_name(stream_id)])
-    store.remove_progress(stream_id, run)
+    return [manifest_name(stream_id)] if owner == run else []
 
 
-def _delete_blocks_of_run(store: Store, stream_id: str, run: str) -> int:
-    """Delete the blocks of run `run` of the stream; blocks of its other runs stay. Returns how many."""
-    names = [str(key) for key in store.keys(stream_id) if key.run == run]
-    store.records.remove(names)
-    return len(names)
+@attrs.frozen
+class _RunRecords:
+    progress: list[str]
+    blocks: list[str]
+
+
+def _records_of_run(store: Store, stream_id: str, run: str) -> _RunRecords:
+    """The names of the progress records and blocks of run `run` of the stream, from one listing; those of
+    its other runs stay."""
+    progress, blocks = [], []
+    for name in store.records.names(check_stream_id(stream_id) + "/"):
+        if (key := block_key_or_none(name)) is not None:
+            if key.run == run:
+                blocks.append(name)
+        elif (step := progress_key_or_none(name)) is not None and step.run == run:
+            progress.append(name)
+    return _RunRecords(progress, blocks)
 
 
 def open_replica(store: Store, transport: str | Transport) -> OneStoreReplica | SplitReplica:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .blocks import BlockKey, ProgressKey, check_key, check_stream_id
+from .blocks import BlockKey, ProgressGroup, ProgressKey, check_key, check_stream_id
 from .codec import decode_block, encode_block
 from .errors import ConfigError, StoreClosed
 from .records import BlockStreaming, NamedRecord, RecordStore
@@ -97,12 +97,21 @@ class Store:
         Record stores with atomic batches (LMDB) commit both at once; the others write the block first,
         so a progress record never names a block that is not stored.
         """
+        self.flush_group_with_progress([(key, block, progress, record)])
+
+    def flush_group_with_progress(self, group: ProgressGroup) -> None:
+        """`flush_with_progress` for each (key, block, progress, record) of `group`, in one request: LMDB
+        commits them all in one transaction (one fsync), the others write them in order."""
         self._check_open()
-        check_key(key)
-        if not isinstance(progress, ProgressKey) or (progress.stream_id, progress.run) != (key.stream_id, key.run):
-            raise ConfigError(f"the progress record {progress!r} does not belong to the stream and run of {key}")
-        self.records.put_records([(str(key), encode_block(key, block, self.records.allocate)),
-                                  self._small_record(str(progress), record)])
+        records: list[NamedRecord] = []
+        for key, block, progress, record in group:
+            check_key(key)
+            if not isinstance(progress, ProgressKey) or (progress.stream_id, progress.run) != (key.stream_id,
+                                                                                                 key.run):
+                raise ConfigError(f"the progress record {progress!r} does not belong to the stream and run of {key}")
+            records += [(str(key), encode_block(key, block, self.records.allocate)),
+                        self._small_record(str(progress), record)]
+        self.records.put_records(records)
 
     def put_progress(self, progress: ProgressKey, record: bytes) -> None:
         """Store one progress record, for a stream whose blocks live in another store."""

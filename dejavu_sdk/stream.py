@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from .blocks import BlockKey, KVSpec, ProgressKey
+from .blocks import BlockKey, KVSpec, ProgressGroup, ProgressKey
 from .codec import HostBlock
 from .errors import ConfigError
 
@@ -47,6 +47,14 @@ class ProgressSink(Protocol):
     """Takes each block together with a progress record naming it: a Store, the local transport, a replica."""
 
     def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None: ...
+
+
+@runtime_checkable
+class GroupSink(Protocol):
+    """A `ProgressSink` that also takes several blocks with their progress records in one request (one LMDB
+    transaction: group commit), in order, so that no record names a block that is not written."""
+
+    def flush_group_with_progress(self, group: ProgressGroup) -> None: ...
 
 
 def _check_boundaries(_instance: object, _attribute: object, value: tuple[int, ...]) -> None:

@@ -122,7 +122,10 @@ def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
     assert [key.tokens for key in manager.finish()][-2:] == [(PROMPT, PROMPT + 1), (PROMPT + 1, PROMPT + 2)]
 
 
-@pytest.mark.parametrize(("option", "value"), [("replicate_every", 0), ("on_replica_error", "ignore")])
+@pytest.mark.parametrize(("option", "value"), [
+    ("replicate_every", 0), ("on_replica_error", "ignore"), ("replicate_within_ms", 0), ("replicate_within_ms", -1),
+    ("replicate_within_ms", "5"), ("replicate_within_ms", True), ("prompt_streaming", "auto"),
+    ("prompt_streaming", "later")])
 def test_bad_options_are_refused(option: str, value) -> None:
     with pytest.raises(dv.ConfigError, match=option):
         CacheManager(MemoryStore(), "s", 2, **{option: value})
@@ -135,3 +138,80 @@ def test_progress_records_for_a_sink_that_cannot_take_them_are_refused() -> None
 
     with pytest.raises(dv.ConfigError, match="progress_for needs a ProgressSink"):
         CacheManager(BlocksOnly(), "s", 2, progress_for=lambda key, positions: (None, b"{}"))
+
+
+class RecordingStore(MemoryStore):
+    """A store that remembers which blocks each of its write requests carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[list[tuple[int, int]]] = []
+
+    def flush_group_with_progress(self, group) -> None:
+        self.requests.append([key.tokens for key, *_ in group])
+        super().flush_group_with_progress(group)
+
+
+def _with_progress(model, store, **options):
+    """Generate with progress records, as the engine does (blocks and records together)."""
+    steps = iter(range(1000))
+    return _generate(model, store, run="ab", **options,
+                     progress_for=lambda key, positions: (dv.ProgressKey("req-1", "ab", 0, next(steps)), b"{}"))
+
+
+@pytest.mark.parametrize("prompt_streaming", ["layerwise", "after"])
+def test_the_prompt_leaves_layer_by_layer_or_in_one_write_after_the_forward(model, prompt_streaming: str) -> None:
+    store = RecordingStore()
+    ids, mask = _inputs()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    out, cache, manager = _with_progress(model, store, prompt_streaming=prompt_streaming)
+    manager.finish()
+    assert torch.equal(out, expected)
+    layers = model.config.num_hidden_layers
+    prompt_writes = [request for request in store.requests if (0, PROMPT) in request]
+    if prompt_streaming == "after":  # every layer's block in one request (these are small)
+        assert len(prompt_writes) == 1
+        assert prompt_writes[0].count((0, PROMPT)) == layers  # decode steps that waited may join them
+    else:  # each layer its own request, unless the streamer fell behind and wrote what waited together
+        assert sum(request.count((0, PROMPT)) for request in prompt_writes) == layers
+    spec = dv.KVSpec(layers=layers, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    assert same_bits(gather(store, store.keys("req-1"), spec, PROMPT + NEW - 1), _cache_tensor(cache))
+
+
+class FakeClock:
+    """`time.perf_counter` for the cache module: each reading is `step` seconds after the previous one, as
+    if every decode step took that long."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 100.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.mark.parametrize(("step_ms", "within_ms", "sizes"), [
+    (10, 25, [3, 3, 3, 3, 3, 3, 1]),  # a group waits while the next step would still end within 25 ms
+    (10, 15, [2] * 9 + [1]),
+    (35, 25, [2] + [1] * 17),  # steps longer than the bound leave one by one (the first has no previous step)
+    (10, None, [8, 8, 3]),  # no time bound: full blocks
+    (1, 1000, [8, 8, 3]),  # replicate_every bounds the steps of a block whatever the time
+])
+def test_decode_steps_are_grouped_by_steps_and_by_time(model, monkeypatch, step_ms, within_ms, sizes) -> None:
+    import dejavu_sdk.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "time", FakeClock(step_ms / 1000))
+    store = MemoryStore()
+    manager = CacheManager(store, "loop", model.config.num_hidden_layers, replicate_every=8,
+                           replicate_within_ms=within_ms)
+    cache = StreamingCache(manager, config=model.config)
+    ids, _mask = _inputs()
+    tokens = ids
+    with torch.no_grad():
+        for _ in range(20):  # the prompt, then 19 decode steps
+            logits = model(tokens[:, cache.get_seq_length():], cache=cache).logits
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    decode = [key for key in manager.finish() if key.tokens[0] >= PROMPT]
+    assert [key.tokens[1] - key.tokens[0] for key in decode] == sizes
+    spec = dv.KVSpec(layers=3, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    assert same_bits(gather(store, store.keys("loop"), spec, PROMPT + 19), _cache_tensor(cache))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.codec import HostBlock, decode_block, encode_block, flat_bytes
+from dejavu_sdk.codec import HostBlock, KVPair, decode_block, encode_block, flat_bytes
 from dejavu_sdk.testing import random_tensor, same_bits
 
 KEY = dv.BlockKey("s", layers=(0, 2), tokens=(0, 3))
@@ -103,6 +103,32 @@ def test_a_host_block_sees_its_tensor_change() -> None:
 def test_a_host_block_must_be_contiguous_dense_cpu_memory(tensor) -> None:
     with pytest.raises(dv.ConfigError, match="HostBlock"):
         HostBlock.of(tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+def test_a_kv_pair_encodes_to_the_same_record_as_its_stack(dtype) -> None:
+    """A prompt layer's keys and values, as a model makes them (values a transposed view), are encoded
+    without being stacked first, into the very record their stack makes."""
+    keys = random_tensor((2, 3, 5, 8), dtype)
+    values = random_tensor((2, 5, 3, 8), dtype).transpose(1, 2)  # strided, as v_proj(...).transpose(1, 2)
+    pair, stacked = KVPair.of(keys, values), torch.stack((keys, values)).unsqueeze(0)
+    assert pair.shape == tuple(stacked.shape)
+    assert same_bits(pair.tensor, stacked)
+    assert bytes(encode_block(KEY, pair)) == bytes(encode_block(KEY, stacked))
+    name, shape, write, flat = flat_bytes(pair)  # what transports stream
+    payload = np.empty(pair.nbytes, np.uint8)
+    write(payload)
+    assert (name, shape, flat) == (dv.blocks.dtype_name(dtype), tuple(stacked.shape), None)
+    assert payload.tobytes() == stacked.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(("keys", "values"), [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4, 4)),
+                                              (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float16)),
+                                              (torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))],
+                         ids=["shapes differ", "dtypes differ", "not 4-d"])
+def test_a_kv_pair_is_one_layers_keys_and_values(keys, values) -> None:
+    with pytest.raises(dv.ConfigError, match="KVPair"):
+        KVPair.of(keys, values)
 
 
 def test_bytes_encode_as_uint8() -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 import torch
 from tiny_models import Crash, tiny_llama
 from transformers import LlamaForCausalLM, LogitsProcessorList
 
 import dejavu_sdk as dv
+from dejavu_sdk.cache import prompt_streaming_for
 from dejavu_sdk.engine import DejaVuEngine
 from dejavu_sdk.manifest import load_manifest
 from dejavu_sdk.stores import MemoryStore
@@ -153,3 +157,55 @@ def test_blocks_can_go_to_a_remote_cpu_replica_while_the_manifest_stays_local(mo
         assert replica.store.keys("r") == []  # a finished stream is deleted from the replica too
     assert manifests.records.names("") == []  # and its manifest and progress records from the engine's store
     assert torch.equal(resumed, _reference(model, inputs))
+
+
+STREAMING_SETTINGS = [{"prompt_streaming": "layerwise"}, {"prompt_streaming": "after"},
+                      {"replicate_every": 4, "replicate_within_ms": 1e6},
+                      {"replicate_every": 4, "replicate_within_ms": 0.001, "prompt_streaming": "after"}]
+
+
+@pytest.mark.parametrize("engine", STREAMING_SETTINGS, ids=["layerwise", "after", "groups of 4", "groups by time"])
+def test_every_streaming_setting_is_recorded_and_resumes_to_the_same_tokens(model, inputs, engine) -> None:
+    crash_after = random.Random().randint(1, NEW - 2)
+    print(f"crashing after decode step {crash_after}")  # shown if the test fails
+    store = MemoryStore()
+    _interrupted(model, store, inputs, crash_after, engine=engine)
+    manifest = load_manifest(store, "r")
+    assert manifest.replicate_every == engine.get("replicate_every", 1)
+    assert manifest.replicate_within_ms == engine.get("replicate_within_ms")
+    assert manifest.prompt_streaming == engine.get("prompt_streaming", prompt_streaming_for("cpu"))
+    assert len(manifest.generated[0]) == crash_after
+    assert torch.equal(DejaVuEngine(model, store=store, **engine).resume("r"), _reference(model, inputs))
+    assert store.records.names("") == []
+
+
+@pytest.mark.parametrize(("option", "value"), [("prompt_streaming", "eventually"), ("prompt_streaming", None),
+                                               ("replicate_within_ms", 0), ("replicate_within_ms", "10")])
+def test_bad_streaming_settings_are_refused(model, option: str, value) -> None:
+    with pytest.raises(dv.ConfigError, match=option):
+        DejaVuEngine(model, store=MemoryStore(), **{option: value})
+
+
+def test_auto_streams_the_prompt_layer_by_layer_only_with_something_spare(monkeypatch) -> None:
+    import dejavu_sdk.cache as cache_module
+
+    monkeypatch.setattr(cache_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cache_module.torch, "get_num_threads", lambda: 2)
+    assert prompt_streaming_for("cpu") == "after"  # torch's threads take every core
+    assert prompt_streaming_for("cuda:0") == "layerwise"  # the forward runs on the device
+    monkeypatch.setattr(cache_module.torch, "get_num_threads", lambda: 1)
+    assert prompt_streaming_for("cpu") == "layerwise"  # a core is left for the streamer
+    assert prompt_streaming_for("cpu", "after") == "after"
+    with pytest.raises(dv.ConfigError, match="prompt_streaming"):
+        prompt_streaming_for("cpu", "sometimes")
+
+
+def test_a_model_without_an_end_of_sequence_token_generates(model, inputs) -> None:
+    bare = copy.deepcopy(model)
+    bare.generation_config.eos_token_id = bare.generation_config.pad_token_id = None
+    bare.config.eos_token_id = bare.config.pad_token_id = None
+    ids, mask = inputs
+    expected = bare.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    store = MemoryStore()
+    assert torch.equal(DejaVuEngine(bare, store=store).generate(ids, attention_mask=mask, max_new_tokens=NEW), expected)
+    assert store.records.names("") == []

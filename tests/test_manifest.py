@@ -148,6 +148,11 @@ BAD: list[tuple[Any, ...]] = [  # (test id, edit, the field the error names, wha
     ("max_new_tokens bool", _set("max_new_tokens", True), "max_new_tokens"),
     ("max_new_tokens zero", _set("max_new_tokens", 0), "max_new_tokens"),
     ("replicate_every negative", _set("replicate_every", -1), "replicate_every"),
+    ("replicate_within_ms zero", _set("replicate_within_ms", 0), "replicate_within_ms"),
+    ("replicate_within_ms str", _set("replicate_within_ms", "5"), "replicate_within_ms"),
+    ("replicate_within_ms bool", _set("replicate_within_ms", True), "replicate_within_ms"),
+    ("prompt_streaming auto", _set("prompt_streaming", "auto"), "prompt_streaming"),
+    ("prompt_streaming null", _set("prompt_streaming", None), "prompt_streaming"),
     ("eos not a list", _set("eos_token_id", 2), "eos_token_id"),
     ("eos str", _set("eos_token_id", ["2"]), "eos_token_id[0]"),
     ("pad str", _set("pad_token_id", "2"), "pad_token_id"),
@@ -199,11 +204,24 @@ def test_unreadable_bytes_are_corrupt(data: bytes) -> None:
         Manifest.from_bytes(data, "req-1")
 
 
-@pytest.mark.parametrize("version", [1, FORMAT + 1, 0])
+@pytest.mark.parametrize("version", [1, 2, FORMAT + 1, 0])
 def test_other_formats_are_refused_with_a_config_error(version: int) -> None:
     data = _edited(_set("format", version))
-    with pytest.raises(dv.ConfigError, match=f"format {version}; this SDK reads format {FORMAT}"):
+    with pytest.raises(dv.ConfigError, match=f"format {version}; this SDK reads formats 3 and {FORMAT}"):
         Manifest.from_bytes(data, "req-1")
+
+
+def test_a_format_3_manifest_reads_as_full_blocks_and_layerwise_prompts() -> None:
+    """Format 3 had neither field: its writers sent blocks only when full, and prompts layer by layer."""
+    old = json.loads(attrs.evolve(_valid(), replicate_within_ms=5.0, prompt_streaming="after").to_bytes())
+    del old["replicate_within_ms"], old["prompt_streaming"]
+    old["format"] = 3
+    manifest = Manifest.from_bytes(json.dumps(old).encode(), "req-1")
+    assert (manifest.replicate_within_ms, manifest.prompt_streaming) == (None, "layerwise")
+    assert attrs.evolve(manifest, replicate_within_ms=None, prompt_streaming="layerwise") == manifest
+    old["prompt_streaming"] = "after"  # a field format 3 did not have is damage, not an option
+    with pytest.raises(dv.CorruptBlock, match="prompt_streaming"):
+        Manifest.from_bytes(json.dumps(old).encode(), "req-1")
 
 
 def test_the_format_is_checked_before_the_fields() -> None:

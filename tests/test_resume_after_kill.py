@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
+from dejavu_sdk.cache import prompt_streaming_for
 from dejavu_sdk.engine import DejaVuEngine
 from dejavu_sdk.manifest import load_manifest
 
@@ -46,7 +47,7 @@ CHILD = """
     ids, mask = (tensor.to({device!r}) for tensor in prompt())
     progress = LogitsProcessorList([Progress()])
     model = tiny_llama().to({device!r})
-    DejaVuEngine(model, store=store).generate(ids, attention_mask=mask, max_new_tokens={new},
+    DejaVuEngine(model, store=store, **json.loads({engine!r})).generate(ids, attention_mask=mask, max_new_tokens={new},
                                                      stream_id="victim", logits_processor=progress,
                                                      **json.loads({decoding!r}))
     print("finished", flush=True)
@@ -57,9 +58,10 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 30, "top_p": 0.9, "se
 
 
 def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill_at: int = 15,
-                     device: str = "cpu") -> None:
+                     device: str = "cpu", engine: dict | None = None) -> None:
     code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW,
-                                        decoding=json.dumps(decoding or {}), device=device))
+                                        decoding=json.dumps(decoding or {}), device=device,
+                                        engine=json.dumps(engine or {})))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     deadline, step = time.monotonic() + 120, 0
     while step < kill_at and time.monotonic() < deadline:
@@ -72,7 +74,8 @@ def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill
     assert child.returncode == -signal.SIGKILL
 
 
-def _resume_and_check(store: dv.Store, decoding: dict | None = None, device: str = "cpu") -> None:
+def _resume_and_check(store: dv.Store, decoding: dict | None = None, device: str = "cpu",
+                      recomputed_at_most: int = 2) -> None:
     from tiny_models import prompt, tiny_llama
 
     manifest = load_manifest(store, "victim")
@@ -84,7 +87,7 @@ def _resume_and_check(store: dv.Store, decoding: dict | None = None, device: str
     model.register_forward_pre_hook(lambda _m, args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
                                     with_kwargs=True)
     resumed = DejaVuEngine(model, store=store).resume("victim")
-    assert max(fed) <= 2, f"resume fed {max(fed)} positions at once: the prompt was recomputed"
+    assert max(fed) <= recomputed_at_most, f"resume fed {max(fed)} positions at once: the prompt was recomputed"
     fed.clear()
     settings = dict(decoding or {"do_sample": False})
     torch.manual_seed(settings.pop("seed", 0))
@@ -113,6 +116,27 @@ def test_a_sampled_generation_resumes_exactly_after_sigkill_at_a_random_step(tmp
     print(f"killing the child at decode step {kill_at}")  # shown if the test fails
     _kill_mid_decode(url, options, SAMPLED, kill_at)
     _resume_and_check(dv.open_store(url, **options), SAMPLED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [{"prompt_streaming": "layerwise"}, {"prompt_streaming": "after"},
+                                    {"replicate_every": 4, "replicate_within_ms": 120}],
+                         ids=["layerwise", "after", "grouped steps"])
+def test_every_streaming_setting_resumes_exactly_after_sigkill_at_a_random_step(tmp_path, engine: dict) -> None:
+    """Prompt streamed layer by layer or after the forward, decode steps alone or grouped (by steps and by
+    time): killed at a random step, the stream resumes to the same samples, and its manifest says how far
+    the durable replica may lag."""
+    sys.path.insert(0, str(TESTS))
+    kill_at = random.Random().randint(3, NEW - 8)
+    print(f"killing the child at decode step {kill_at}")  # shown if the test fails
+    url = f"lmdb://{tmp_path / 'kv'}"
+    _kill_mid_decode(url, {}, SAMPLED, kill_at, engine=engine)
+    store = dv.open_store(url)
+    manifest = load_manifest(store, "victim")
+    every = engine.get("replicate_every", 1)
+    assert (manifest.replicate_every, manifest.replicate_within_ms) == (every, engine.get("replicate_within_ms"))
+    assert manifest.prompt_streaming == engine.get("prompt_streaming", prompt_streaming_for("cpu"))
+    _resume_and_check(store, SAMPLED, recomputed_at_most=every + 1)
 
 
 @pytest.mark.slow

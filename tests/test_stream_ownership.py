@@ -81,6 +81,17 @@ def test_generate_refuses_a_stream_that_is_still_unfinished(model) -> None:
     assert store.keys() == []
 
 
+def test_a_stream_of_format_3_resumes(model) -> None:
+    """Format 4 added how far the replica may lag; a stream the SDK before it left behind resumes as it was."""
+    store = MemoryStore()
+    _crashed(model, store, FIRST, 4)
+    old = json.loads(store.read_manifest(STREAM))  # as written, before its progress log
+    del old["replicate_within_ms"], old["prompt_streaming"]
+    old["format"] = 3
+    store.write_manifest(STREAM, json.dumps(old).encode())
+    assert torch.equal(DejaVuEngine(model, store=store).resume(STREAM), _reference(model, FIRST))
+
+
 def test_generate_refuses_a_kept_finished_stream_unless_replacing_it(model) -> None:
     store = MemoryStore()
     engine = DejaVuEngine(model, store=store, keep_finished=True)
@@ -164,7 +175,7 @@ def test_a_record_of_another_run_stored_under_our_name_fails_its_label_check(mod
 # (4) Before: format 1 was the format, read without a run; now a format-1 manifest (whose blocks carry no run)
 # is refused, as is any other format, with a ConfigError naming both formats and how to clear the stream.
 # Format 2 (a manifest rewritten whole at every step, without a progress log) is refused the same way.
-@pytest.mark.parametrize("version", [1, 2, 4])
+@pytest.mark.parametrize("version", [1, 2, 5])
 def test_manifests_of_other_formats_are_refused(model, version) -> None:
     store = MemoryStore()
     manifest = _crashed(model, store, FIRST, 4)
@@ -177,7 +188,7 @@ def test_manifests_of_other_formats_are_refused(model, version) -> None:
         old["blocks"] = [name.replace(f"/r{manifest.run}.", "/") for name in manifest.blocks]
     store.write_manifest(STREAM, json.dumps(old).encode())
     engine = DejaVuEngine(model, store=store)
-    with pytest.raises(dv.ConfigError, match=f"manifest format {version}; this SDK reads format 3") as refused:
+    with pytest.raises(dv.ConfigError, match=f"manifest format {version}; this SDK reads formats 3 and 4") as refused:
         engine.resume(STREAM)
     assert "forget" in str(refused.value)
     with pytest.raises(dv.ConfigError, match="cannot resume"):  # generate does not silently overwrite it either

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blocks import BlockKey, ProgressKey, check_key
+from ..blocks import BlockKey, ProgressGroup, ProgressKey, check_key
 from ..errors import ConfigError, StoreClosed, TransportError
 from ..records import NamedRecord
 from ..store import Store
@@ -60,6 +60,11 @@ class LocalTransport(Transport):
     def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
         """`flush`, with a progress record written together with the block (see `Store.flush_with_progress`)."""
         self.store.flush_with_progress(key, self.on_host(key, block), progress, record)
+
+    def flush_group_with_progress(self, group: ProgressGroup) -> None:
+        """Several `flush_with_progress` in one request to the store (one LMDB transaction)."""
+        self.store.flush_group_with_progress([(key, self.on_host(key, block), progress, record)
+                                              for key, block, progress, record in group])
 
     def on_host(self, key: BlockKey, block: Any) -> Any:
         """`block` as the store can take it: a device tensor is copied to pinned host memory first."""

@@ -7,7 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -48,6 +48,18 @@ def machine_description() -> str:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     return (f"{model}, {os.cpu_count()} cores, {memory:.0f} GiB RAM, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, torch {torch.__version__}, dejavu-sdk {__version__}")
+
+
+def smollm2_or_its_shape(random_model: bool = False) -> tuple[Any, str]:
+    """SmolLM2-135M-Instruct when installed (and not `random_model`), else a random model of its shape; with
+    a description of which."""
+    from ..models import load_smollm2, random_llama, smollm2_available
+
+    if not random_model and smollm2_available():
+        return load_smollm2()[0], "SmolLM2-135M-Instruct (float32)"
+    model = random_llama(layers=30, hidden_size=576, intermediate_size=1536, heads=9, kv_heads=3, vocab_size=49152,
+                         max_positions=2048, initializer_range=0.02, pad_token_id=None, tie_embeddings=True)
+    return model, "random weights in SmolLM2-135M's shape"
 
 
 @attrs.frozen

@@ -4,7 +4,9 @@
     and sampled; (a') the same for a small model whose decode step takes about 10 ms, with a batch of 4;
 (b) copies: one decode step's KV leaving as one staged block (buffered) or as one block per layer (naive);
 (c) prefill: prompt blocks streamed layer by layer during the forward, or all after it;
-(d) a long generation (thousands of steps): what replication adds per step near the start and at the end.
+(d) a long generation (thousands of steps): what replication adds per step near the start and at the end;
+(e) what a user waits for: whole `engine.generate` calls, and the prompt alone, against `model.generate`
+    (`dejavu_sdk.bench.whole_call`).
 Every repeat measures every variant in turn, back to back, each repeat starting from the next variant;
 overheads are the medians of the per-repeat ratios, with their range. The model of (a)-(c) is
 SmolLM2-135M-Instruct when installed (a decode step takes tens of milliseconds on a small CPU), else a
@@ -39,7 +41,8 @@ from ..store import Store
 from ..stores.memory import MemoryStore
 from ..stream import StagingBuffer, scatter
 from ..testing.peers import ServedStoreProcess
-from .common import machine_description, median
+from .common import machine_description, median, smollm2_or_its_shape
+from .whole_call import WholeCallReport, run_whole_calls, whole_call_models, whole_call_runs
 
 TARGETS = ("memory", "lmdb", "lmdb-nosync", "tcp")
 
@@ -64,6 +67,7 @@ class StreamingReport:
     long_store: str
     samples: dict[str, list[float]]  # seconds, one per repeat
     long_steps: dict[str, list[list[float]]] = attrs.field(factory=dict)  # "off"/"on": per repeat, each step
+    whole: WholeCallReport | None = None  # (e)
 
     def value(self, what: str) -> float:
         return median(self.samples[what])
@@ -75,9 +79,15 @@ class StreamingReport:
     def to_json(self) -> dict:
         return {"machine": self.machine, "models": self.models, "prefill_store": self.prefill_store,
                 "long_store": self.long_store, "samples_seconds": self.samples,
-                "long_step_seconds": self.long_steps}
+                "long_step_seconds": self.long_steps, "whole_calls": self.whole.to_json() if self.whole else None}
 
     def to_markdown(self, targets: tuple[str, ...]) -> str:
+        whole = self.whole.to_markdown() if self.whole is not None else ""
+        if not self.samples:  # --whole-only
+            return f"Machine: {self.machine}\n\n{whole}"
+        return self._sections_markdown(targets) + (f"\n{whole}" if whole else "")
+
+    def _sections_markdown(self, targets: tuple[str, ...]) -> str:
         repeats = len(self.samples[f"decode sampled {self.prefill_store}"])
         parts = [f"Machine: {self.machine}\nModel: {self.models['main']}\n{repeats} repeats; each runs every replica "
                  "paired with the same generation unreplicated, back to back. Overheads are the median of the "
@@ -94,7 +104,7 @@ class StreamingReport:
         tail_after, tail_layerwise = self.value("prefill tail, after"), self.value("prefill tail, layer-wise")
         hidden = 1 - tail_layerwise / tail_after
         prefill = markdown_table(["prompt of the model", "forward ms", "then until every block is durable, ms"], [
-            ["stream after the forward", f"{self.value('prefill forward, plain') * 1e3:.1f}",
+            ["stream after the forward", f"{self.value('prefill forward, after') * 1e3:.1f}",
              f"{tail_after * 1e3:.1f}"],
             ["stream layer by layer", f"{self.value('prefill forward, layer-wise') * 1e3:.1f}",
              f"{tail_layerwise * 1e3:.1f}"]])
@@ -229,16 +239,6 @@ class _StepClock(LogitsProcessor):
         return median(self.durations()[1:])
 
 
-def _model(random_model: bool) -> tuple[Any, str]:
-    from ..models import load_smollm2, smollm2_available
-
-    if not random_model and smollm2_available():
-        return load_smollm2()[0], "SmolLM2-135M-Instruct (float32)"
-    model = random_llama(layers=30, hidden_size=576, intermediate_size=1536, heads=9, kv_heads=3, vocab_size=49152,
-                         max_positions=2048, initializer_range=0.02, pad_token_id=None, tie_embeddings=True)
-    return model, "random weights in SmolLM2-135M's shape"
-
-
 @contextlib.contextmanager
 def _stores(targets: tuple[str, ...], scratch: str) -> Iterator[dict[str, Store]]:
     with contextlib.ExitStack() as stack:
@@ -310,8 +310,10 @@ def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]], spec: KVSpec, positi
 
 
 def _prefill(model: Any, ids: torch.Tensor, store: Store) -> dict[str, float]:
-    """Prompt streaming after the forward vs during it: the time from the forward's end to the last durable
-    block (the tail) is what streaming adds to time-to-replica; layer-wise streaming shrinks it."""
+    """Prompt streaming after the forward (`prompt_streaming="after"`: every layer's block in one write once
+    the last is made) vs during it: the time from the forward's end to the last durable block (the tail) is
+    what streaming adds to time-to-replica; layer-wise streaming shrinks it, at the forward's expense where
+    the streamer has no core of its own."""
     layers = model.config.num_hidden_layers
     with torch.no_grad():
         start = time.perf_counter()
@@ -321,26 +323,26 @@ def _prefill(model: Any, ids: torch.Tensor, store: Store) -> dict[str, float]:
         manager.finish()
         layerwise_end = time.perf_counter()
 
-        cache = DynamicCache(config=model.config)
         begin = time.perf_counter()
-        model(ids, cache=cache)
+        manager = CacheManager(store, "after", layers, prompt_streaming="after")
+        model(ids, cache=StreamingCache(manager, config=model.config))
         middle = time.perf_counter()
-        manager = CacheManager(store, "after", layers, queue_size=layers)
-        for layer, (keys, values) in enumerate(_kv_pairs(cache)):
-            manager.observe(layer, keys, values, 0)
         manager.finish()
         end = time.perf_counter()
-    return {"prefill forward, plain": middle - begin, "prefill forward, layer-wise": forward_end - start,
+    return {"prefill forward, after": middle - begin, "prefill forward, layer-wise": forward_end - start,
             "prefill tail, after": end - middle, "prefill tail, layer-wise": layerwise_end - forward_end}
 
 
 def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, prompt_tokens: int = 512,
                         new_tokens: int = 48, random_model: bool = False, small_tokens: int = 96,
                         long_tokens: int = 2000, long_repeats: int = 3, long_store: str = LONG_STORE,
-                        progress: bool = True) -> StreamingReport:
-    """Sections (a)-(c) `repeats` times, (a') with `small_tokens` new tokens (0: skip), and (d) a generation
-    of `long_tokens` tokens (0: skip) `long_repeats` times."""
-    model, name = _model(random_model)
+                        whole_pairs: int = 7, whole_only: bool = False, progress: bool = True) -> StreamingReport:
+    """Sections (a)-(c) `repeats` times, (a') with `small_tokens` new tokens (0: skip), (d) a generation
+    of `long_tokens` tokens (0: skip) `long_repeats` times, and (e) `whole_pairs` pairs of whole calls for
+    every store (0: skip); `whole_only`: (e) alone."""
+    if whole_only:
+        return _whole_only(targets, prompt_tokens, new_tokens, random_model, whole_pairs, progress)
+    model, name = smollm2_or_its_shape(random_model)
     small = random_llama(**SMALL_MODEL, initializer_range=0.02) if small_tokens else None
     long = random_llama(**LONG_MODEL, initializer_range=0.02) if long_tokens else None
     generator = torch.Generator().manual_seed(0)
@@ -350,7 +352,7 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
     long_steps: dict[str, list[list[float]]] = defaultdict(list)
     pairs, spec = _layer_kv(model, ids)
     runs = repeats * (2 * (len(targets) + 1) + 2 + (2 * len(targets) if small is not None else 0)) \
-        + 2 * long_repeats * bool(long)
+        + 2 * long_repeats * bool(long) + whole_call_runs(whole_pairs, len(targets))
     with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, \
             _stores(tuple(dict.fromkeys((*targets, long_store))), scratch) as stores, \
             tqdm(total=runs, desc="bench streaming", unit="run", disable=not progress) as bar:
@@ -392,10 +394,22 @@ def run_streaming_bench(targets: tuple[str, ...] = TARGETS, repeats: int = 5, pr
                     if sink is not None:
                         long_steps["streamer cpu"].append(clock.streamer_cpu_steps())
                     bar.update()
+        whole = run_whole_calls(whole_call_models(random_model, prompt_tokens), {t: stores[t] for t in targets},
+                                new_tokens, whole_pairs, machine_description(), bar.update) if whole_pairs else None
     models = {"main": name, "small": _describe(SMALL_MODEL, "random weights"),
               "long": _describe(LONG_MODEL, f"{long_tokens} new tokens")}
     return StreamingReport(machine_description(), models, prefill_target, long_store, dict(samples),
-                           dict(long_steps))
+                           dict(long_steps), whole)
+
+
+def _whole_only(targets: tuple[str, ...], prompt_tokens: int, new_tokens: int, random_model: bool, pairs: int,
+                progress: bool) -> StreamingReport:
+    models = whole_call_models(random_model, prompt_tokens)
+    with tempfile.TemporaryDirectory(prefix="dejavu-bench-") as scratch, _stores(targets, scratch) as stores, \
+            tqdm(total=whole_call_runs(pairs, len(targets)), desc="bench streaming (e)", unit="call",
+                 disable=not progress) as bar:
+        whole = run_whole_calls(models, stores, new_tokens, pairs, machine_description(), bar.update)
+    return StreamingReport(whole.machine, {}, "", "", {}, {}, whole)
 
 
 def _describe(shape: dict[str, int], note: str) -> str:

@@ -62,14 +62,17 @@ def _bench_streaming(args: argparse.Namespace) -> int:
     unknown = sorted(set((*targets, args.long_store)) - set(TARGETS))
     if unknown:
         raise ConfigError(f"unknown bench target(s) {unknown}; choose from {', '.join(TARGETS)}")
-    for option in ("repeats", "new_tokens", "small_tokens", "long_tokens", "long_repeats"):
+    for option in ("repeats", "new_tokens", "small_tokens", "long_tokens", "long_repeats", "whole_pairs"):
         if getattr(args, option) < (1 if option in ("repeats", "new_tokens", "long_repeats") else 0):
             raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer"
                               f"{'' if option in ('repeats', 'new_tokens', 'long_repeats') else ' or 0 to skip'}")
+    if args.whole_only and not args.whole_pairs:
+        raise ConfigError("--whole-only runs the whole calls alone: give --whole-pairs 1 or more")
     report = run_streaming_bench(targets, repeats=args.repeats, prompt_tokens=args.prompt_tokens,
                                  new_tokens=args.new_tokens, random_model=args.random_model,
                                  small_tokens=args.small_tokens, long_tokens=args.long_tokens,
-                                 long_repeats=args.long_repeats, long_store=args.long_store, progress=not args.quiet)
+                                 long_repeats=args.long_repeats, long_store=args.long_store,
+                                 whole_pairs=args.whole_pairs, whole_only=args.whole_only, progress=not args.quiet)
     print(report.to_markdown(targets))
     write_outputs(args, report, (lambda path: plot_long_generation(report, path)) if report.long_steps else None)
     return 0
@@ -193,7 +196,7 @@ def add_bench_commands(commands: Any) -> None:
     transports.set_defaults(run=_bench_transports)
 
     streaming = benches.add_parser("streaming", help="decode latency with replication on vs off, buffered vs "
-                                   "naive copies, layer-wise vs after-prefill prompt streaming")
+                                   "naive copies, layer-wise vs after-prefill prompt streaming, whole calls")
     streaming.add_argument("--stores", default="memory,lmdb,lmdb-nosync,tcp",
                            help="comma-separated replicas to measure (lmdb syncs each commit, lmdb-nosync does not)")
     streaming.add_argument("--repeats", type=int, default=5)
@@ -206,6 +209,10 @@ def add_bench_commands(commands: Any) -> None:
                            help="new tokens of the long generation, start vs end (0: skip it)")
     streaming.add_argument("--long-repeats", type=int, default=3)
     streaming.add_argument("--long-store", default="lmdb-nosync", help="the replica of the long generation")
+    streaming.add_argument("--whole-pairs", type=int, default=7,
+                           help="(e): alternating pairs of whole generate calls, replicated and plain, per model and "
+                                "store (0 to skip)")
+    streaming.add_argument("--whole-only", action="store_true", help="run (e), the whole calls, alone")
     add_output_arguments(streaming, figures="the long generation's step times and overhead")
     streaming.set_defaults(run=_bench_streaming)
 
