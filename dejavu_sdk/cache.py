@@ -396,10 +396,17 @@ class StreamingCache(DynamicCache):
                 "torch.export is tracing a StreamingCache: its streamer thread and queue cannot be traced, and the "
                 "blocks it would stream hold fake tensors; export the model with a plain DynamicCache (copy.deepcopy "
                 "of this cache is one, with the same contents) and stream outside the exported program")
+        new = key_states.shape[-2]
         first_position = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
-        result = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self.manager.observe(layer_idx, key_states, value_states, first_position)
-        return result
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if new == 1:  # a decode step: copied into the staging buffer at once
+            self.manager.observe(layer_idx, key_states, value_states, first_position)
+        else:  # a prompt: the positions as the cache now holds them, the end of tensors that an update replaces
+            # and never changes (the very tensors it keeps, contiguous and alive anyway, rather than the model's
+            # states, which the streamer would keep alive beside them until written)
+            self.manager.observe(layer_idx, keys if keys.shape[-2] == new else keys[:, :, -new:],
+                                 values if values.shape[-2] == new else values[:, :, -new:], first_position)
+        return keys, values
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DynamicCache:
         """A plain `DynamicCache` with a copy of every layer, and no manager: using it streams nothing."""
