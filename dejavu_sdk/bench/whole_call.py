@@ -125,3 +125,38 @@ def _call(action: Callable[[], object]) -> Callable[[], tuple[float, float]]:
 def whole_call_runs(pairs: int, stores: int, models: int = 2) -> int:
     """How many timed calls `run_whole_calls` makes (for a progress bar)."""
     return models * len(PHASES) * stores * pairs * 2
+
+
+#: What the whole-call ratios should stay under, by (model, call): the targets set for LMDB with sync.
+TARGETS: dict[tuple[str, str], float] = {("smollm2", "whole call"): 1.02, ("qwen2-6l", "whole call"): 1.05,
+                                         ("smollm2", "prompt alone"): 1.03, ("qwen2-6l", "prompt alone"): 1.03}
+
+
+def plot_whole_calls(report: WholeCallReport, path: str) -> None:
+    """Every pair's wall and CPU ratio per (model, call, replica), the medians, and the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report.cases()
+    figure, axis = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 4.5))
+    for index, (model, phase, store) in enumerate(cases):
+        for offset, clock, color in ((-0.15, "wall", "tab:blue"), (0.15, "cpu", "tab:orange")):
+            ratios = report.ratios(model, phase, store, clock)
+            axis.scatter([index + offset] * len(ratios), ratios, s=12, color=color, alpha=0.5,
+                         label=f"{clock}, each pair" if index == 0 else None)
+            axis.hlines(median(ratios), index + offset - 0.12, index + offset + 0.12, color=color, linewidth=2.5,
+                        label=f"{clock}, median" if index == 0 else "_")
+        target = TARGETS.get((model, phase))
+        if target is not None:
+            axis.hlines(target, index - 0.4, index + 0.4, color="black", linestyle=":",
+                        label="target" if index == 0 else "_")
+    axis.axhline(1.0, color="grey", linewidth=0.5)
+    axis.set_xticks(range(len(cases)), [f"{model}\n{phase}\n{store}" for model, phase, store in cases], fontsize=7)
+    axis.set(ylabel="engine.generate / model.generate", title=f"Whole calls, replicated over plain "
+             f"({report.machine.split(',')[0]})")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -57,6 +57,7 @@ def _bench_transports(args: argparse.Namespace) -> int:
 
 def _bench_streaming(args: argparse.Namespace) -> int:
     from ..bench.streaming import TARGETS, plot_long_generation, run_streaming_bench
+    from ..bench.whole_call import plot_whole_calls
 
     targets = tuple(args.stores.split(","))
     unknown = sorted(set((*targets, args.long_store)) - set(TARGETS))
@@ -74,7 +75,11 @@ def _bench_streaming(args: argparse.Namespace) -> int:
                                  long_repeats=args.long_repeats, long_store=args.long_store,
                                  whole_pairs=args.whole_pairs, whole_only=args.whole_only, progress=not args.quiet)
     print(report.to_markdown(targets))
-    write_outputs(args, report, (lambda path: plot_long_generation(report, path)) if report.long_steps else None)
+    if report.long_steps:
+        write_outputs(args, report, lambda path: plot_long_generation(report, path))
+    else:  # --whole-only: the whole calls' figure
+        whole = report.whole
+        write_outputs(args, report, (lambda path: plot_whole_calls(whole, path)) if whole is not None else None)
     return 0
 
 
@@ -213,7 +218,8 @@ def add_bench_commands(commands: Any) -> None:
                            help="(e): alternating pairs of whole generate calls, replicated and plain, per model and "
                                 "store (0 to skip)")
     streaming.add_argument("--whole-only", action="store_true", help="run (e), the whole calls, alone")
-    add_output_arguments(streaming, figures="the long generation's step times and overhead")
+    add_output_arguments(streaming, figures="the long generation's step times and overhead (with --whole-only: "
+                         "the whole calls' ratios)")
     streaming.set_defaults(run=_bench_streaming)
 
     serving = benches.add_parser("serving", help="a model served by Hugging Face (static and continuous "
