@@ -127,8 +127,8 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
     figure = tmp_path / "long.png"
     arguments = ["bench", "streaming", "--random-model", "--repeats", "2", "--prompt-tokens", "16",
                  "--new-tokens", "5", "--stores", "memory,lmdb-nosync", "--small-tokens", "4", "--long-tokens", "24",
-                 "--long-repeats", "2", "--long-store", "memory", "--quiet", "--json", str(samples),
-                 "--plot", str(figure)]
+                 "--long-repeats", "2", "--long-store", "memory", "--whole-pairs", "1", "--quiet", "--json",
+                 str(samples), "--plot", str(figure)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
     for expected in ("| none |", "| memory |", "| lmdb-nosync |", "buffered: staged, one block",
@@ -144,10 +144,32 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
     assert [len(steps) for steps in recorded["long_step_seconds"]["streamer cpu"]] == [23, 23]
     assert all(seconds >= 0 for steps in recorded["long_step_seconds"]["streamer cpu"] for seconds in steps)
     assert figure.stat().st_size > 0
+    assert "(e) Whole calls" in output
+    assert len(recorded["whole_calls"]["samples_seconds"]["qwen2-6l | prompt alone | lmdb-nosync | on | cpu"]) == 1
     assert main(["bench", "streaming", "--stores", "floppy", "--quiet"]) == 2
     assert "unknown bench target(s) ['floppy']" in capsys.readouterr().err
     assert main(["bench", "streaming", "--long-tokens", "-1", "--quiet"]) == 2
     assert "--long-tokens must be a positive integer or 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_streaming_whole_calls_pair_each_replicated_call_with_a_plain_one(tmp_path, capsys) -> None:
+    samples, figure = tmp_path / "whole.json", tmp_path / "whole.png"
+    assert main(["bench", "streaming", "--whole-only", "--random-model", "--whole-pairs", "3", "--prompt-tokens",
+                 "16", "--new-tokens", "4", "--stores", "memory,lmdb", "--quiet", "--json", str(samples), "--plot",
+                 str(figure)]) == 0
+    output = capsys.readouterr().out
+    for model in ("smollm2", "qwen2-6l"):
+        for call in ("whole call", "prompt alone"):
+            for store in ("memory", "lmdb"):
+                assert f"| {model} | {call} | {store} |" in output
+    recorded = json.loads(samples.read_text())["whole_calls"]["samples_seconds"]
+    assert len(recorded) == 2 * 2 * 2 * 2 * 2  # models, calls, stores, replicated or plain, wall or CPU
+    assert all(len(seconds) == 3 and min(seconds) > 0 for seconds in recorded.values())
+    assert "(a) Decode" not in output  # the whole calls alone
+    assert figure.stat().st_size > 0
+    assert main(["bench", "streaming", "--whole-only", "--whole-pairs", "0", "--quiet"]) == 2
+    assert "--whole-only runs the whole calls alone" in capsys.readouterr().err
 
 
 @pytest.mark.slow
