@@ -20,6 +20,7 @@ Who calls what:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import queue
 import threading
@@ -34,7 +35,7 @@ from transformers import DynamicCache
 from .blocks import BlockKey, KVSpec, ProgressKey, check_run
 from .codec import HostBlock, KVPair
 from .errors import ConfigError, ReplicationError
-from .stream import BlockSink, GroupSink, ProgressSink, StagingBuffer
+from .stream import BlockGroupSink, BlockSink, GroupSink, ProgressSink, StagingBuffer
 
 _STOP = object()
 #: The name of every streamer thread starts so (the stream id follows): profilers and benchmarks find it by it.
@@ -42,7 +43,8 @@ STREAMER = "dejavu-streamer"
 #: How the prompt's KV leaves (`DejaVuEngine(prompt_streaming=...)`); "auto" is resolved by `prompt_streaming_for`.
 PROMPT_STREAMING = ("layerwise", "after", "auto")
 
-#: One block handed off: its key, and the block (a tensor, or a `HostBlock` of the staging buffer).
+#: One block handed off: its key, and the block (a device tensor, a `KVPair` of a prompt layer on the CPU, a
+#: `HostBlock` of the staging buffer, or a tensor of part of it).
 Entry = tuple[BlockKey, Any]
 #: What one request to the sink carries at most when several blocks wait (a larger block goes alone).
 #: Small blocks (decode steps) gain most from sharing a request: one LMDB transaction and fsync instead of
@@ -65,8 +67,8 @@ class CacheManager:
     as object storage, or steps too short to write each alone). `replicate_within_ms`: with
     `replicate_every` > 1, a block also leaves once waiting for one more step (taken to last as long as
     the step just made) would hold its first step back `replicate_within_ms` or longer (None: only when
-    full). So steps longer than it leave one by one, shorter ones in groups that span about that long,
-    and a crash loses at most `replicate_every` steps, and about `replicate_within_ms` of them.
+    full). So steps longer than it leave one by one, shorter ones in groups that span about that long;
+    beyond what is staged, at most `queue_size` hand-offs wait for the streamer (back-pressure).
     `prompt_streaming`: "layerwise" (each prompt layer's block leaves while the next layer computes) or
     "after" (they leave together once the last layer's is made); `prompt_streaming_for` picks one.
     `on_replica_error`: "raise" (default) surfaces a failed flush from the next call and from `finish`;
@@ -109,7 +111,9 @@ class CacheManager:
             raise ConfigError(f"progress_for needs a ProgressSink (a store or the local transport); "
                               f"{type(sink).__name__} is not one, so record progress from on_durable instead")
         self._progress_for = progress_for
-        self._group_sink = sink if isinstance(sink, GroupSink) else None  # one write for several blocks
+        # One write for several blocks, with their progress records or without
+        self._group_sink = sink if isinstance(sink, GroupSink) else None
+        self._block_group_sink = sink if isinstance(sink, BlockGroupSink) else None
         if not isinstance(queue_size, int) or queue_size < 1:
             raise ConfigError(f"queue_size must be a positive integer, got {queue_size!r}")
         # Hand-off in C (SimpleQueue), bounded by tickets: a block goes in only with a ticket, and the streamer
@@ -135,11 +139,19 @@ class CacheManager:
 
     # ---- called from the model's forward -------------------------------------------------
     def observe(self, layer: int, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
-        """See layer `layer`'s new KV `[B, H_kv, T, D]` for positions from `first_position` on."""
+        """See layer `layer`'s new KV `[B, H_kv, T, D]` for positions from `first_position` on.
+
+        Several positions (a prompt) on the CPU are not copied: the tensors are written as they are when the
+        streamer gets to them, so nothing may write into them afterwards (a `DynamicCache` replaces its
+        tensors on update, never changes them; copy a buffer that is reused). A single position is copied
+        into the staging buffer at once."""
         if self._error is not None:  # raises, or with on_replica_error="warn" no longer replicates this stream
+            self._drop_held()
             self._check()
             return
         if keys.shape[-2] > 1:  # prefill: this layer's block leaves now, or with the last layer's
+            if layer == 0 and self._filled:  # decode steps staged before it go first: blocks leave in order
+                self._hand_off_staging()
             block: torch.Tensor | KVPair = KVPair.of(keys, values) if keys.device.type == "cpu" else \
                 torch.stack((keys.detach(), values.detach())).unsqueeze(0)  # a device copy, off the graph
             key = BlockKey.for_layer(self.stream_id, layer, first_position, keys.shape[-2], self.run)
@@ -175,6 +187,10 @@ class CacheManager:
                 self._within is not None and now - self._first_buffered + step >= self._within):
             self._hand_off_staging()
 
+    def _drop_held(self) -> None:
+        """Let go of what was never handed off (after an error: it will not be written)."""
+        self._prompt, self._staging, self._step_slices, self._filled = [], None, [], 0
+
     def _hand_off_prompt(self) -> None:
         entries, self._prompt = self._prompt, []
         if entries:
@@ -202,12 +218,12 @@ class CacheManager:
         self._hand_off([(key, block)], lambda: self._free.put(staging))
 
     def _hand_off(self, entries: list[Entry], done: Callable[[], None] | None = None) -> None:
-        ready = None
-        device = next((block.device for _, block in entries
-                       if isinstance(block, torch.Tensor) and block.device.type == "cuda"), None)
-        if device is not None:  # not to be read before it is computed
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
+        ready = []  # device blocks are not to be read before they are computed: an event on each device
+        for device in dict.fromkeys(block.device for _, block in entries
+                                    if isinstance(block, torch.Tensor) and block.device.type == "cuda"):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            ready.append(event)
         self._tickets.get()  # blocks when the streamer is `queue_size` hand-offs behind: back-pressure
         self._queue.put((entries, ready, done))
 
@@ -225,13 +241,13 @@ class CacheManager:
                 self._write(items)
 
     def _write(self, items: list[tuple[list[Entry], Any, Callable[[], None] | None]]) -> None:
-        """Write the entries of `items`, in order, in requests of up to `GROUP_BYTES` each (one per entry for
-        a sink that takes one block at a time)."""
+        """Write the entries of `items`, in order, in requests of up to `GROUP_BYTES` each (one per block for
+        a sink that takes one at a time); each block counts as durable once its request is accepted."""
         entries = [entry for item_entries, _, _ in items for entry in item_entries]
         try:
             for _, ready, _ in items:
-                if ready is not None:
-                    ready.synchronize()
+                for event in ready:
+                    event.synchronize()
             for group in _groups(entries):
                 if self._error is None:
                     self._write_group(group)
@@ -250,12 +266,18 @@ class CacheManager:
         for key, block in group:
             ends = _advanced(ends, key)
             steps.append((key, block, ends))
-        if self._progress_for is not None and self._group_sink is not None and len(steps) > 1:
+        if len(steps) > 1 and self._progress_for is not None and self._group_sink is not None:
             self._group_sink.flush_group_with_progress([(key, block, *self._progress_for(key, min(ends)))
                                                         for key, block, ends in steps])
-            for key, _, ends in steps:
-                self._record_durable(key, ends)
+        elif len(steps) > 1 and self._progress_for is None and self._block_group_sink is not None:
+            self._block_group_sink.flush_group([(key, block) for key, block, _ in steps])
+        else:
+            self._write_each(steps)
             return
+        for key, _, ends in steps:
+            self._record_durable(key, ends)
+
+    def _write_each(self, steps: list[tuple[BlockKey, Any, list[int]]]) -> None:
         for key, block, ends in steps:  # one request each: each block durable as it is accepted
             if self._progress_for is None:
                 self.sink.flush(key, block)  # type: ignore[union-attr]
@@ -289,9 +311,10 @@ class CacheManager:
         """Flush what is buffered, wait until the streamer is done, and return the durable blocks."""
         if not self._finished:
             if self._error is None:
-                self._hand_off_prompt()  # a forward that stopped before its last layer
                 if self._filled:
                     self._hand_off_staging()
+                self._hand_off_prompt()  # a forward that stopped before its last layer (after the steps before it)
+            self._drop_held()
             self._queue.put(_STOP)
             self._thread.join()
             self._finished = True
@@ -339,13 +362,29 @@ def prompt_streaming_for(device: torch.device | str, choice: str = "auto") -> st
         return choice
     if torch.device(device).type != "cpu":
         return "layerwise"
-    return "layerwise" if len(os.sched_getaffinity(0)) > torch.get_num_threads() else "after"
+    return "layerwise" if usable_cores() > torch.get_num_threads() else "after"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the system says (Linux; every core
+    elsewhere), and no more than a container's CPU quota (cgroup v2 `cpu.max`) allows."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limit:
+            quota, period = limit.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 here, or no quota
+        pass
+    return cores
 
 
 def check_replicate_within_ms(value: float | None) -> float | None:
     """`value` if it is None or a positive number of milliseconds, else ConfigError."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-        raise ConfigError(f"replicate_within_ms must be a positive number of milliseconds or None, got {value!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
+        raise ConfigError(f"replicate_within_ms must be a positive, finite number of milliseconds or None, got "
+                          f"{value!r}")
     return value
 
 
@@ -399,13 +438,16 @@ class StreamingCache(DynamicCache):
         new = key_states.shape[-2]
         first_position = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if new == 0:  # no position: nothing to stream
+            return keys, values
         if new == 1:  # a decode step: copied into the staging buffer at once
             self.manager.observe(layer_idx, key_states, value_states, first_position)
         else:  # a prompt: the positions as the cache now holds them, the end of tensors that an update replaces
             # and never changes (the very tensors it keeps, contiguous and alive anyway, rather than the model's
             # states, which the streamer would keep alive beside them until written)
-            self.manager.observe(layer_idx, keys if keys.shape[-2] == new else keys[:, :, -new:],
-                                 values if values.shape[-2] == new else values[:, :, -new:], first_position)
+            held = keys.shape[-2]
+            self.manager.observe(layer_idx, keys if held == new else keys[:, :, held - new:],
+                                 values if held == new else values[:, :, held - new:], first_position)
         return keys, values
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DynamicCache:

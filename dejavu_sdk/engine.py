@@ -217,14 +217,18 @@ class DejaVuEngine:
             self._complete(manifest)
             return ids
         restored, restored_keys = self._restorable(manifest, limit=ids.shape[1] - 1)
-        if resumed:  # the blocks past the restored prefix are streamed again: the manifest must not name them
-            manifest = self._rewrite_manifest(attrs.evolve(manifest, blocks=[str(key) for key in restored_keys],
-                                                           durable_positions=restored))
+        if resumed:  # the blocks past the restored prefix are streamed again: the manifest must not name them;
+            # they stream with this engine's settings, which the manifest then records
+            manifest = self._rewrite_manifest(attrs.evolve(
+                manifest, blocks=[str(key) for key in restored_keys], durable_positions=restored,
+                replicate_every=self.options["replicate_every"],
+                replicate_within_ms=self.options["replicate_within_ms"],
+                prompt_streaming=prompt_streaming_for(self.model.device, self.prompt_streaming)))
         recorder = _TokenRecorder(manifest, self.model.device)
         manager = CacheManager(self._require_replica(), manifest.stream_id, self.config.num_hidden_layers,
                                durable=restored_keys, durable_positions=restored, on_durable=recorder.note_durable,
                                progress_for=recorder.progress_after, run=manifest.run,
-                               replicate_every=manifest.replicate_every,  # as the manifest says, resumed or not
+                               replicate_every=manifest.replicate_every,  # as the manifest says
                                replicate_within_ms=manifest.replicate_within_ms,
                                prompt_streaming=manifest.prompt_streaming, queue_size=self.options["queue_size"],
                                on_replica_error=self.options["on_replica_error"])

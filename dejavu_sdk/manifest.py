@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
@@ -179,8 +180,9 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     max_new_tokens = schema.integer("max_new_tokens", given["max_new_tokens"], minimum=1)
     schema.integer("replicate_every", given["replicate_every"], minimum=1)
     within = given["replicate_within_ms"]
-    if within is not None and (isinstance(within, bool) or not isinstance(within, (int, float)) or not within > 0):
-        raise schema.fail("replicate_within_ms", f"must be a positive number of milliseconds or null, got "
+    if within is not None and (isinstance(within, bool) or not isinstance(within, (int, float))
+                               or not 0 < within < math.inf):
+        raise schema.fail("replicate_within_ms", f"must be a positive, finite number of milliseconds or null, got "
                           f"{_shown(within)}")
     if given["prompt_streaming"] not in ("layerwise", "after"):
         raise schema.fail("prompt_streaming", f"must be \"layerwise\" or \"after\", got "

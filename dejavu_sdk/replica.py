@@ -3,7 +3,7 @@
 The engine picks one replica at construction, from its store and transport:
 - `OneStoreReplica`: blocks, manifests and progress records in the engine's own store, through the local
   transport (device copies on side streams). Each block and the progress record naming it are one write
-  (one LMDB transaction).
+  (one LMDB transaction), and so are several blocks with theirs (`flush_group_with_progress`).
 - `SplitReplica`: blocks in another store (a peer's, through a network transport), manifests and progress
   records in the engine's own store, each progress record written right after the block it names is
   accepted.
@@ -20,9 +20,9 @@ from typing import Any
 import attrs
 
 from .backends import open_transport
-from .blocks import BlockKey, ProgressGroup, ProgressKey, check_stream_id
+from .blocks import BlockKey, ProgressGroup, ProgressKey
 from .errors import BlockNotFound, CorruptBlock
-from .store import Store, block_key_or_none, manifest_name, progress_key_or_none
+from .store import Store, manifest_name
 from .stream import BlockIO
 from .transports.base import Transport
 from .transports.local import LocalTransport
@@ -46,8 +46,8 @@ class OneStoreReplica:
         return self.manifests.delete(stream_id)
 
     def delete_run(self, stream_id: str, run: str) -> int:
-        """One request (one LMDB transaction): the manifest while it is this run's, then the run's progress
-        records, then its blocks."""
+        """The manifest while it is this run's, then the run's progress records, then its blocks, removed in
+        one request (one LMDB transaction), after reading the manifest and listing the stream."""
         records = _records_of_run(self.manifests, stream_id, run)
         self.manifests.records.remove(_manifest_of_run(self.manifests, stream_id, run) + records.progress
                                       + records.blocks)
@@ -66,10 +66,6 @@ class SplitReplica:
     def flush_with_progress(self, key: BlockKey, block: Any, progress: ProgressKey, record: bytes) -> None:
         self.blocks.flush(key, block)
         self.manifests.put_progress(progress, record)
-
-    def flush_group_with_progress(self, group: ProgressGroup) -> None:
-        for key, block, progress, record in group:  # each record after the block it names is accepted
-            self.flush_with_progress(key, block, progress, record)
 
     def delete(self, stream_id: str) -> int:
         self.manifests.delete(stream_id)
@@ -105,16 +101,9 @@ class _RunRecords:
 
 
 def _records_of_run(store: Store, stream_id: str, run: str) -> _RunRecords:
-    """The names of the progress records and blocks of run `run` of the stream, from one listing; those of
-    its other runs stay."""
-    progress, blocks = [], []
-    for name in store.records.names(check_stream_id(stream_id) + "/"):
-        if (key := block_key_or_none(name)) is not None:
-            if key.run == run:
-                blocks.append(name)
-        elif (step := progress_key_or_none(name)) is not None and step.run == run:
-            progress.append(name)
-    return _RunRecords(progress, blocks)
+    """The names of the progress records and blocks of run `run` of the stream; those of its other runs stay."""
+    return _RunRecords([str(key) for key in store.progress_keys(stream_id) if key.run == run],
+                       [str(key) for key in store.keys(stream_id) if key.run == run])
 
 
 def open_replica(store: Store, transport: str | Transport) -> OneStoreReplica | SplitReplica:

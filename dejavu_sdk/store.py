@@ -10,6 +10,7 @@ backend behaves the same and wrappers stay complete.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,6 +55,20 @@ class Store:
             self._streaming.flush(key, block)
         else:
             self.records.put_records([(str(key), encode_block(key, block, self.records.allocate))])
+
+    def flush_group(self, blocks: Sequence[tuple[BlockKey, Any]]) -> None:
+        """`flush` each (key, block) of `blocks`, in one request where the records allow (LMDB: one
+        transaction); in order otherwise."""
+        self._check_open()
+        if self._streaming is not None:
+            for key, block in blocks:
+                self.flush(key, block)
+            return
+        records: list[NamedRecord] = []
+        for key, block in blocks:
+            check_key(key)
+            records.append((str(key), encode_block(key, block, self.records.allocate)))
+        self.records.put_records(records)
 
     def fetch(self, key: BlockKey, out: torch.Tensor | None = None) -> torch.Tensor:
         """Return the block stored under `key`, verified, copied into `out` when given (any device)."""

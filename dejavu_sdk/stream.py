@@ -50,6 +50,13 @@ class ProgressSink(Protocol):
 
 
 @runtime_checkable
+class BlockGroupSink(Protocol):
+    """A `BlockSink` that also takes several blocks in one request (one LMDB transaction), in order."""
+
+    def flush_group(self, blocks: Sequence[tuple[BlockKey, Any]]) -> None: ...
+
+
+@runtime_checkable
 class GroupSink(Protocol):
     """A `ProgressSink` that also takes several blocks with their progress records in one request (one LMDB
     transaction: group commit), in order, so that no record names a block that is not written."""

@@ -124,7 +124,8 @@ def test_a_custom_loop_with_autograd_on_streams_too(model) -> None:
 
 @pytest.mark.parametrize(("option", "value"), [
     ("replicate_every", 0), ("on_replica_error", "ignore"), ("replicate_within_ms", 0), ("replicate_within_ms", -1),
-    ("replicate_within_ms", "5"), ("replicate_within_ms", True), ("prompt_streaming", "auto"),
+    ("replicate_within_ms", "5"), ("replicate_within_ms", True), ("replicate_within_ms", float("inf")),
+    ("prompt_streaming", "auto"),
     ("prompt_streaming", "later")])
 def test_bad_options_are_refused(option: str, value) -> None:
     with pytest.raises(dv.ConfigError, match=option):
@@ -151,6 +152,10 @@ class RecordingStore(MemoryStore):
         self.requests.append([key.tokens for key, *_ in group])
         super().flush_group_with_progress(group)
 
+    def flush_group(self, blocks) -> None:
+        self.requests.append([key.tokens for key, _ in blocks])
+        super().flush_group(blocks)
+
 
 def _with_progress(model, store, **options):
     """Generate with progress records, as the engine does (blocks and records together)."""
@@ -159,12 +164,17 @@ def _with_progress(model, store, **options):
                      progress_for=lambda key, positions: (dv.ProgressKey("req-1", "ab", 0, next(steps)), b"{}"))
 
 
+@pytest.mark.parametrize("progress", [True, False], ids=["with progress records", "blocks alone"])
 @pytest.mark.parametrize("prompt_streaming", ["layerwise", "after"])
-def test_the_prompt_leaves_layer_by_layer_or_in_one_write_after_the_forward(model, prompt_streaming: str) -> None:
+def test_the_prompt_leaves_layer_by_layer_or_in_one_write_after_the_forward(model, prompt_streaming: str,
+                                                                           progress: bool) -> None:
     store = RecordingStore()
     ids, mask = _inputs()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    out, cache, manager = _with_progress(model, store, prompt_streaming=prompt_streaming)
+    if progress:
+        out, cache, manager = _with_progress(model, store, prompt_streaming=prompt_streaming)
+    else:  # a custom loop's cache (engine.cache): blocks without progress records go together too
+        out, cache, manager = _generate(model, store, prompt_streaming=prompt_streaming)
     manager.finish()
     assert torch.equal(out, expected)
     layers = model.config.num_hidden_layers
@@ -215,3 +225,33 @@ def test_decode_steps_are_grouped_by_steps_and_by_time(model, monkeypatch, step_
     assert [key.tokens[1] - key.tokens[0] for key in decode] == sizes
     spec = dv.KVSpec(layers=3, kv_heads=2, head_dim=16, dtype="float32", batch=2)
     assert same_bits(gather(store, store.keys("loop"), spec, PROMPT + 19), _cache_tensor(cache))
+
+
+def test_an_update_without_positions_streams_nothing(model) -> None:
+    store = MemoryStore()
+    _out, cache, manager = _generate(model, store)
+    empty = torch.zeros(2, 2, 0, 16)
+    cache.update(empty, empty, 0)  # a forward of no new token
+    durable = manager.finish()
+    assert max(key.tokens[1] for key in durable) == PROMPT + NEW - 1
+    assert manager.durable_positions == PROMPT + NEW - 1
+
+
+def test_staged_steps_leave_before_a_later_prompt(model) -> None:
+    """A custom loop that appends several positions (a next turn) while decode steps wait in the staging
+    buffer: the steps leave first, so the durable positions never stop short."""
+    store = MemoryStore()
+    manager = CacheManager(store, "turns", model.config.num_hidden_layers, replicate_every=8)
+    cache = StreamingCache(manager, config=model.config)
+    ids, _mask = _inputs()
+    with torch.no_grad():
+        model(ids, cache=cache)  # the prompt
+        for _ in range(2):  # two decode steps, staged (a block holds up to 8)
+            model(ids[:, -1:], cache=cache)
+        model(ids[:, :3], cache=cache)  # a next turn of three positions
+        model(ids[:, -1:], cache=cache)  # one more step
+    manager.finish()
+    assert cache.get_seq_length() == PROMPT + 2 + 3 + 1
+    assert manager.durable_positions == PROMPT + 2 + 3 + 1
+    spec = dv.KVSpec(layers=3, kv_heads=2, head_dim=16, dtype="float32", batch=2)
+    assert same_bits(gather(store, store.keys("turns"), spec, cache.get_seq_length()), _cache_tensor(cache))

@@ -189,7 +189,7 @@ def test_bad_streaming_settings_are_refused(model, option: str, value) -> None:
 def test_auto_streams_the_prompt_layer_by_layer_only_with_something_spare(monkeypatch) -> None:
     import dejavu_sdk.cache as cache_module
 
-    monkeypatch.setattr(cache_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cache_module, "usable_cores", lambda: 2)
     monkeypatch.setattr(cache_module.torch, "get_num_threads", lambda: 2)
     assert prompt_streaming_for("cpu") == "after"  # torch's threads take every core
     assert prompt_streaming_for("cuda:0") == "layerwise"  # the forward runs on the device
@@ -198,6 +198,26 @@ def test_auto_streams_the_prompt_layer_by_layer_only_with_something_spare(monkey
     assert prompt_streaming_for("cpu", "after") == "after"
     with pytest.raises(dv.ConfigError, match="prompt_streaming"):
         prompt_streaming_for("cpu", "sometimes")
+
+
+def test_usable_cores_without_cpu_affinity(monkeypatch) -> None:
+    """macOS and Windows have no os.sched_getaffinity: every core counts (and "auto" still resolves)."""
+    import dejavu_sdk.cache as cache_module
+
+    monkeypatch.delattr(cache_module.os, "sched_getaffinity", raising=False)
+    assert 1 <= cache_module.usable_cores() <= (cache_module.os.cpu_count() or 1)
+    assert prompt_streaming_for("cpu") in ("layerwise", "after")
+
+
+def test_a_resumed_run_records_the_settings_it_streams_with(model, inputs) -> None:
+    store = MemoryStore()
+    _interrupted(model, store, inputs, 3, engine={"prompt_streaming": "after"})
+    settings = {"replicate_every": 3, "replicate_within_ms": 50.0, "prompt_streaming": "layerwise"}
+    resumed = DejaVuEngine(model, store=store, keep_finished=True, **settings).resume("r")
+    assert torch.equal(resumed, _reference(model, inputs))
+    manifest = load_manifest(store, "r")
+    assert (manifest.replicate_every, manifest.replicate_within_ms, manifest.prompt_streaming) == (3, 50.0,
+                                                                                                   "layerwise")
 
 
 def test_a_model_without_an_end_of_sequence_token_generates(model, inputs) -> None:

@@ -151,6 +151,7 @@ BAD: list[tuple[Any, ...]] = [  # (test id, edit, the field the error names, wha
     ("replicate_within_ms zero", _set("replicate_within_ms", 0), "replicate_within_ms"),
     ("replicate_within_ms str", _set("replicate_within_ms", "5"), "replicate_within_ms"),
     ("replicate_within_ms bool", _set("replicate_within_ms", True), "replicate_within_ms"),
+    ("replicate_within_ms infinite", _set("replicate_within_ms", float("inf")), "replicate_within_ms"),
     ("prompt_streaming auto", _set("prompt_streaming", "auto"), "prompt_streaming"),
     ("prompt_streaming null", _set("prompt_streaming", None), "prompt_streaming"),
     ("eos not a list", _set("eos_token_id", 2), "eos_token_id"),

@@ -61,6 +61,10 @@ class LocalTransport(Transport):
         """`flush`, with a progress record written together with the block (see `Store.flush_with_progress`)."""
         self.store.flush_with_progress(key, self.on_host(key, block), progress, record)
 
+    def flush_group(self, blocks: Sequence[tuple[BlockKey, Any]]) -> None:
+        """Several `flush` in one request to the store (one LMDB transaction)."""
+        self.store.flush_group([(key, self.on_host(key, block)) for key, block in blocks])
+
     def flush_group_with_progress(self, group: ProgressGroup) -> None:
         """Several `flush_with_progress` in one request to the store (one LMDB transaction)."""
         self.store.flush_group_with_progress([(key, self.on_host(key, block), progress, record)

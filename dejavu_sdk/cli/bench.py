@@ -75,11 +75,11 @@ def _bench_streaming(args: argparse.Namespace) -> int:
                                  long_repeats=args.long_repeats, long_store=args.long_store,
                                  whole_pairs=args.whole_pairs, whole_only=args.whole_only, progress=not args.quiet)
     print(report.to_markdown(targets))
-    if report.long_steps:
-        write_outputs(args, report, lambda path: plot_long_generation(report, path))
-    else:  # --whole-only: the whole calls' figure
-        whole = report.whole
-        write_outputs(args, report, (lambda path: plot_whole_calls(whole, path)) if whole is not None else None)
+    whole = report.whole
+    if args.whole_only and whole is not None:
+        write_outputs(args, report, lambda path: plot_whole_calls(whole, path))
+    else:
+        write_outputs(args, report, (lambda path: plot_long_generation(report, path)) if report.long_steps else None)
     return 0
 
 
