@@ -12,7 +12,8 @@ Who calls what:
         about `replicate_within_ms` at most;
 - one background streamer thread flushes handed-off blocks to the sink (a store or transport) through a
   bounded queue, so streaming overlaps compute and a slow sink slows the model instead of using unbounded
-  memory; whatever is waiting when it wakes goes out as one write (group commit: one LMDB transaction);
+  memory; whatever is waiting when it wakes goes out together, in writes of up to `GROUP_BYTES` (group
+  commit: one LMDB transaction for several blocks);
 - the caller (the engine, or a custom loop) calls `finish()` after the last step: it flushes what is
   buffered, waits for the streamer, and raises if anything failed, so there is never a silent gap.
 """
@@ -78,7 +79,7 @@ class CacheManager:
     together with a small progress record, `progress_for(key, durable_positions)` (the record's key and
     bytes, saying what is durable once that block is), and LMDB commits both in one transaction.
     `run` goes into every block key (`BlockKey.run`): the engine names each generation's blocks apart.
-    On the CPU the sink gets prefill blocks as `codec.KVPair`s (the layer's keys and values as the model made
+    On the CPU the sink gets prefill blocks as `codec.KVPair`s (the layer's keys and values as the cache keeps
     them, not stacked) and full decode blocks as `codec.HostBlock`s (the staging buffer, described once);
     `block.tensor` is the block as a tensor. Stores and transports encode them with plain buffer copies. On a
     GPU, blocks are device tensors.
