@@ -44,16 +44,26 @@ def _stage_pid(pipe: Pipeline, name: str) -> int:
     return next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == name)
 
 
+def _block(pipe: Pipeline, prompts, count: int) -> list:
+    """Fill `count` microbatch slots with a request each that runs until cancelled (no end at eos, far from its
+    limit), one at a time (two sent together could share a microbatch); their futures."""
+    blockers = []
+    for index in range(count):
+        blockers.append(pipe.submit(prompts[-1 - index], max_new_tokens=500, ignore_eos=True))
+        _wait(lambda in_flight=index + 1: len(pipe.status()["microbatches"]) == in_flight, 60, "the blockers in flight")
+    return blockers
+
+
 def _serve_rows_together(pipe: Pipeline, prompts, limits, blockers: int, streamed: dict | None = None) -> list:
-    """Fill the pipeline's microbatch slots with `blockers` long requests, then submit one request per row of ROWS
-    so that they wait, and start, as one microbatch; their futures."""
-    for index in range(blockers):  # one at a time: two sent together could share a microbatch
-        pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
-        _wait(lambda count=index + 1: len(pipe.status()["microbatches"]) == count, 60, "the blockers in flight")
+    """Fill the pipeline's microbatch slots with `blockers` requests, submit one request per row of ROWS so that they
+    wait, then cancel the blockers: the rows start as one microbatch; their futures."""
+    running = _block(pipe, prompts, blockers)
     futures = []
     for row, (decoding, limit) in enumerate(zip(ROWS, limits, strict=True)):
         on_token = None if streamed is None else streamed.setdefault(row, []).append
         futures.append(pipe.submit(prompts[row], max_new_tokens=limit, on_token=on_token, **_options(decoding)))
+    for blocker in running:
+        blocker.cancel()
     return futures
 
 
@@ -117,10 +127,10 @@ def test_non_finite_logits_fail_their_request_alone_and_the_rows_beside_it_go_on
     limits = [12, 12, 12]
     with Pipeline("tiny_models:llama_poisoned", stages=2, microbatch=3, timeout=60, recovery="replicas",
                   batching="static") as pipe:
-        for index in range(2):
-            pipe.submit(prompts[-1 - index], max_new_tokens=60)  # busy until every row is queued
-        _wait(lambda: len(pipe.status()["microbatches"]) == 2, 60, "the blockers in flight")
+        blockers = _block(pipe, prompts, 2)
         futures = [pipe.submit(prompts[row], max_new_tokens=12) for row in range(3)]
+        for blocker in blockers:
+            blocker.cancel()
         with pytest.raises(dv.RequestFailed, match="not finite") as failure:
             futures[1].result(timeout=60)
         assert not failure.value.input_error

@@ -120,17 +120,22 @@ class DistServer(ChannelServer):
         self._acceptor.start()
 
     def _accept_links(self) -> None:
-        link, waiting_since = 1, time.monotonic()
+        """Serve each link number a client took once that client says it is ready, in any order: a client that
+        took a number and died before joining is given up after `_SKIP_LINK_AFTER` seconds without holding
+        back the clients that came after it."""
+        awaited: dict[int, float] = {}  # link number taken -> since when its client is awaited
+        numbered = 0
         while not self._stopping.is_set():
-            key = f"link/{link}/ready"
-            if not self._rendezvous.check([key]):
-                taken = self._rendezvous.add("links", 0)
-                if taken > link and time.monotonic() - waiting_since > _SKIP_LINK_AFTER:
-                    link, waiting_since = link + 1, time.monotonic()  # that client died before joining
-                time.sleep(0.02)
-                continue
-            threading.Thread(target=self._serve_link, args=(link,), daemon=True).start()
-            link, waiting_since = link + 1, time.monotonic()
+            taken, now = self._rendezvous.add("links", 0), time.monotonic()
+            awaited.update(dict.fromkeys(range(numbered + 1, taken + 1), now))
+            numbered = max(numbered, taken)
+            for link, since in list(awaited.items()):
+                if self._rendezvous.check([f"link/{link}/ready"]):
+                    del awaited[link]
+                    threading.Thread(target=self._serve_link, args=(link,), daemon=True).start()
+                elif now - since > _SKIP_LINK_AFTER:
+                    del awaited[link]  # that client died before joining
+            time.sleep(0.02)
 
     def _serve_link(self, link: int) -> None:
         try:
