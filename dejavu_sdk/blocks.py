@@ -7,6 +7,7 @@ named by a `BlockKey`. Stores, transports and the cache manager all speak in the
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -42,7 +43,10 @@ _CANONICAL = ("the canonical spelling is 'stream/La-b.Tt0-t1' or 'stream/r<run>.
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """The header name of `dtype` (a torch dtype or its name); ConfigError if blocks cannot hold it."""
-    name = str(dtype).removeprefix("torch.")
+    try:
+        name = str(dtype).removeprefix("torch.")
+    except Exception as error:  # an int past Python's digit limit, or an object whose __str__ fails
+        raise ConfigError(f"dtype {_shown(dtype)} is not a dtype; supported: {', '.join(DTYPE_CODES)}") from error
     if name not in DTYPE_CODES:
         raise ConfigError(f"dtype {name!r} cannot be stored in a block; supported: {', '.join(DTYPE_CODES)}")
     return name
@@ -54,50 +58,69 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def check_stream_id(stream_id: object) -> str:
-    """Return `stream_id` if it is safe in every store's names (file paths, S3 keys, LMDB keys)."""
-    if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id) or stream_id in (".", ".."):
+    """Return `stream_id` if it is safe in every store's names (file paths, S3 keys, LMDB keys).
+
+    A str subclass comes back as a plain str, so its own `__format__` or `__eq__` never reaches a key's name.
+    """
+    text = str.__str__(stream_id) if isinstance(stream_id, str) else ""
+    if not _STREAM_ID.fullmatch(text) or text in (".", ".."):
         raise ConfigError(
-            f"invalid stream_id {stream_id!r}: use 1-200 characters from letters, digits and _.:@+=,~- "
+            f"invalid stream_id {_shown(stream_id)}: use 1-200 characters from letters, digits and _.:@+=,~- "
             "(no '/', spaces or other separators; not '.' or '..')"
         )
-    return stream_id
+    return text
 
 
 def check_run(run: object) -> str:
-    """Return `run` if it is a valid run id ("" for none, else 1-32 lowercase hex digits); ConfigError otherwise."""
-    if not isinstance(run, str) or (run and not _RUN_ID.fullmatch(run)):
+    """Return `run` as a plain str if it is a valid run id ("" for none, else 1-32 lowercase hex digits)."""
+    text = str.__str__(run) if isinstance(run, str) else None
+    if text is None or (text and not _RUN_ID.fullmatch(text)):
         raise ConfigError(f"invalid run {_shown(run)}: use '' (no run) or 1-32 lowercase hex digits, "
                           "e.g. uuid4().hex[:16]")
-    return run
+    return text
 
 
 def check_key(key: object) -> BlockKey:
     """Return `key` if it is a BlockKey; ConfigError otherwise."""
     if not isinstance(key, BlockKey):
-        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {key!r}")
+        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {_shown(key)}")
     return key
 
 
 def _shown(text: object, limit: int = 120) -> str:
-    """`text` for an error message, cut short: names come from stores and peers and may be huge."""
-    shown = repr(text)
+    """`text` for an error message, cut short: names come from stores and peers and may be huge.
+
+    Never raises, so a bad argument always gets its ConfigError: `repr` fails for an int past Python's
+    digit limit (10**5000) and for objects whose `__repr__` does.
+    """
+    try:
+        shown = repr(text)
+    except Exception:
+        return f"an unprintable {type(text).__name__}"
     return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
 
 
+def _is_int(value: object) -> bool:
+    """Whether `value` is a Python int (not a bool, whose True would quietly mean 1; not a numpy scalar)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _range(value: object, what: str) -> tuple[int, int]:
-    try:
-        pair = tuple(cast("Iterable[object]", value))  # TypeError if it is not iterable
-    except TypeError:
-        pair = ()
+    """`value` as a `(start, stop)` pair of plain ints with `0 <= start < stop < INDEX_LIMIT`; ConfigError otherwise."""
+    try:  # three items at most: an endless or huge iterable costs nothing
+        pair = tuple(itertools.islice(cast("Iterable[object]", value), 3))
+    except Exception as error:  # not iterable, or its __iter__ / __next__ failed
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {_shown(value)}") from error
     if len(pair) != 2:
-        raise ConfigError(f"{what} must be a (start, stop) pair, got {value!r}")
-    start, stop = pair
-    if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) or not isinstance(stop, int):
-        raise ConfigError(f"{what} must hold integers, got {value!r}")
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {_shown(value)}")
+    if not (_is_int(pair[0]) and _is_int(pair[1])):
+        raise ConfigError(f"{what} must hold integers, got {_shown(value)}")
+    start, stop = (int.__index__(cast("int", number)) for number in pair)  # plain ints, whatever the subclass
     if not 0 <= start < stop:
-        raise ConfigError(f"{what} range {value!r} is empty or inverted: need 0 <= start < stop")
+        raise ConfigError(f"{what} range {_shown(value)} is empty or inverted: need 0 <= start < stop")
     if stop >= INDEX_LIMIT:
-        raise ConfigError(f"{what} range {value!r} reaches past 10**{MAX_INDEX_DIGITS}, the largest index a key names")
+        raise ConfigError(f"{what} range {_shown(value)} reaches past 10**{MAX_INDEX_DIGITS}, "
+                          "the largest index a key names")
     return (start, stop)
 
 
@@ -119,12 +142,14 @@ class BlockKey:
     @classmethod
     def for_layer(cls, stream_id: str, layer: int, first: int, count: int, run: str = "") -> BlockKey:
         """The block prefill streams once `layer` has processed `count` positions from `first` on."""
+        layer, first, count = _index(layer, "layer"), _index(first, "first"), _index(count, "count")
         return cls(stream_id, layers=(layer, layer + 1), tokens=(first, first + count), run=run)
 
     @classmethod
     def for_decode_steps(cls, stream_id: str, layers: tuple[int, int], first: int, count: int = 1,
                          run: str = "") -> BlockKey:
         """The block decode streams for `count` steps starting at position `first`, over `layers`."""
+        first, count = _index(first, "first"), _index(count, "count")
         return cls(stream_id, layers=layers, tokens=(first, first + count), run=run)
 
     @classmethod
@@ -134,6 +159,7 @@ class BlockKey:
         Only the canonical spelling parses, so one block has one name in every store (no `L01`, no
         non-ASCII digits), and no name, however long, costs more than a bounded `int()`.
         """
+        text = str.__str__(text) if isinstance(text, str) else text  # a subclass's own __ne__ never decides
         match = _KEY_TEXT.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"{_shown(text)} is not a block key: {_CANONICAL}")
@@ -188,6 +214,7 @@ class ProgressKey:
     @classmethod
     def parse(cls, text: str) -> ProgressKey:
         """The key whose `str()` is exactly `text`; ConfigError for anything else."""
+        text = str.__str__(text) if isinstance(text, str) else text
         match = _PROGRESS_TEXT.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"{_shown(text)} is not a progress record name: the canonical spelling is "
@@ -216,14 +243,16 @@ class ProgressKey:
 
 
 def _index(value: object, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < INDEX_LIMIT:
+    """`value` as a plain int from 0 to `INDEX_LIMIT - 1`, the numbers a key's name can hold; ConfigError otherwise."""
+    number = int.__index__(cast("int", value)) if _is_int(value) else -1
+    if not 0 <= number < INDEX_LIMIT:
         raise ConfigError(f"{what} must be an integer from 0 to 10**{MAX_INDEX_DIGITS} - 1, got {_shown(value)}")
-    return value
+    return number
 
 
 def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {value!r}")
+    if not _is_int(value) or cast("int", value) < 1:
+        raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {_shown(value)}")
 
 
 @attrs.frozen

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import dejavu_sdk as dv
-from dejavu_sdk.blocks import DTYPE_CODES, MAX_INDEX_DIGITS
+from dejavu_sdk.blocks import DTYPE_CODES, MAX_INDEX_DIGITS, check_key
 
 STREAM_IDS = st.text(alphabet="abcXYZ019_.:@+=,~-", min_size=1, max_size=40).filter(lambda s: s not in (".", ".."))
 RUNS = st.one_of(st.just(""), st.text(alphabet="0123456789abcdef", min_size=1, max_size=32))
@@ -143,3 +146,134 @@ def test_kvspec_refuses_unsupported_dtypes() -> None:
     with pytest.raises(dv.ConfigError, match="complex64"):
         dv.KVSpec(layers=1, kv_heads=1, head_dim=1, dtype=torch.complex64)
     assert all(getattr(torch, name).itemsize > 0 for name in DTYPE_CODES)
+
+
+class _Hostile:
+    """An argument whose every protocol method fails: no raw error may come out of a key for it."""
+
+    def __iter__(self):
+        raise RuntimeError("__iter__")
+
+    def __index__(self):
+        raise RuntimeError("__index__")
+
+    def __int__(self):
+        raise RuntimeError("__int__")
+
+    def __repr__(self):
+        raise RuntimeError("__repr__")
+
+
+def _failing_after_one():
+    yield 0
+    raise RuntimeError("next")
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+HUGE = 10**5000  # past Python's int-string limit: repr() and f-strings raise ValueError
+
+
+@pytest.mark.parametrize("bad", [
+    (0, HUGE), (HUGE, HUGE + 1), (-HUGE, 1), (0, 1, HUGE), (0, 2**64), (-1, 1), (0, LIMIT), (LIMIT - 1, LIMIT),
+    (3, 3), (3, 2), (), (0,), (0, 1, 2), 5, None, "01", {0: 1}.items(),
+    (True, 2), (False, True), (0.0, 1.0), (0, float("inf")), (0, float("nan")), (np.int64(0), np.int64(1)),
+    (np.float64(0), np.float64(1)), (torch.tensor(0), torch.tensor(1)), ("0", "1"), (None, 1),
+    _Hostile(), (_Hostile(), 1), (0, _Hostile()), _failing_after_one(), itertools.count(),
+], ids=_type_name)
+def test_hostile_ranges_raise_config_error(bad: object) -> None:
+    with pytest.raises(dv.ConfigError, match="tokens"):
+        dv.BlockKey("s", layers=(0, 1), tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(dv.ConfigError, match="layers"):
+        dv.BlockKey.for_decode_steps("s", bad, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [HUGE, -HUGE, 2**64, LIMIT, -1, True, 1.0, np.int64(1), np.float64(1), "1", None,
+                                 (1,), _Hostile()], ids=_type_name)
+@pytest.mark.parametrize("make", [
+    lambda n: dv.BlockKey.for_layer("s", n, 0, 1),
+    lambda n: dv.BlockKey.for_layer("s", 0, n, 1),
+    lambda n: dv.BlockKey.for_layer("s", 0, 0, n),
+    lambda n: dv.BlockKey.for_decode_steps("s", (0, 1), n),
+    lambda n: dv.BlockKey.for_decode_steps("s", (0, 1), 0, n),
+    lambda n: dv.ProgressKey("s", "ab", n, 0),
+    lambda n: dv.ProgressKey("s", "ab", 0, n),
+], ids=["layer", "first", "count", "decode-first", "decode-count", "progress-log", "progress-step"])
+def test_hostile_numbers_raise_config_error(make, bad: object) -> None:
+    with pytest.raises(dv.ConfigError):
+        make(bad)
+
+
+@pytest.mark.parametrize("bad", [HUGE, (HUGE,), b"s", ["s"], 1.5, _Hostile(), "s" * 10**6], ids=_type_name)
+@pytest.mark.parametrize("make", [
+    lambda text: dv.BlockKey(text, layers=(0, 1), tokens=(0, 1)),
+    lambda text: dv.BlockKey("s", layers=(0, 1), tokens=(0, 1), run=text),
+    lambda text: dv.ProgressKey(text, "ab", 0, 0),
+    lambda text: dv.ProgressKey("s", text, 0, 0),
+    dv.BlockKey.parse,
+    dv.ProgressKey.parse,
+    check_key,
+], ids=["stream_id", "run", "progress-stream_id", "progress-run", "parse", "progress-parse", "check_key"])
+def test_hostile_names_raise_config_error(make, bad: object) -> None:
+    with pytest.raises(dv.ConfigError) as raised:
+        make(bad)
+    assert len(str(raised.value)) < 600
+
+
+class _OddInt(int):
+    """An int subclass with its own spelling and equality: a key must hold and write the plain number."""
+
+    def __format__(self, spec: str) -> str:
+        return "x"
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__")
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = int.__hash__
+
+
+class _OddStr(str):
+    def __format__(self, spec: str) -> str:
+        return "x/y"
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = str.__hash__
+
+
+def test_subclasses_of_int_and_str_become_plain_values_that_round_trip() -> None:
+    key = dv.BlockKey(_OddStr("s"), layers=[_OddInt(2), _OddInt(3)], tokens=iter((_OddInt(5), 9)),
+                      run=_OddStr("ab"))
+    assert str(key) == "s/rab.L2-3.T5-9"
+    assert dv.BlockKey.parse(_OddStr(str(key))) == key
+    assert [type(value) for value in (key.stream_id, key.run, *key.layers, *key.tokens)] == [str, str] + [int] * 4
+    assert str(dv.BlockKey.for_layer("s", _OddInt(1), _OddInt(4), _OddInt(2))) == "s/L1-2.T4-6"
+    progress = dv.ProgressKey(_OddStr("s"), "ab", _OddInt(1), _OddInt(2))
+    assert str(progress) == "s/rab.progress1.step2"
+    assert dv.ProgressKey.parse(str(progress)) == progress
+    with pytest.raises(dv.ConfigError, match="canonical"):
+        dv.BlockKey.parse(_OddStr("s/L01-2.T0-1"))
+
+
+def test_the_largest_accepted_numbers_round_trip() -> None:
+    top = dv.BlockKey("s" * 200, layers=(LIMIT - 2, LIMIT - 1), tokens=(LIMIT - 2, LIMIT - 1), run="f" * 32)
+    assert dv.BlockKey.parse(str(top)) == top
+    assert dv.BlockKey.for_layer("s", LIMIT - 2, LIMIT - 2, 1) == dv.BlockKey("s", layers=(LIMIT - 2, LIMIT - 1),
+                                                                             tokens=(LIMIT - 2, LIMIT - 1))
+    progress = dv.ProgressKey("s", "ab", LIMIT - 1, LIMIT - 2)
+    assert dv.ProgressKey.parse(str(progress.next_step())) == progress.next_step()
+    with pytest.raises(dv.ConfigError, match="full"):
+        progress.next_step().next_step()
+
+
+@pytest.mark.parametrize(("field", "value"), [("layers", -HUGE), ("head_dim", _Hostile()), ("dtype", HUGE),
+                                              ("dtype", _Hostile())], ids=_type_name)
+def test_kvspec_refuses_hostile_values_with_config_error(field: str, value: object) -> None:
+    with pytest.raises(dv.ConfigError):
+        dv.KVSpec(**{"layers": 2, "kv_heads": 2, "head_dim": 8, field: value})
