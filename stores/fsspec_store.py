@@ -2,7 +2,8 @@
 
 One object per block, named `<root>/<stream_id>/L<a>-<b>.T<t0>-<t1>`. Object stores replace whole objects
 atomically; on the local filesystem a block is written to a temporary file and renamed into place, so a
-reader never sees half a block. `storage_options` go to fsspec unchanged (credentials, `endpoint_url`).
+reader never sees half a block (a failed write removes its temporary file). `storage_options` go to fsspec
+unchanged (credentials, `endpoint_url`).
 """
 
 from __future__ import annotations
@@ -70,9 +71,14 @@ class FsspecRecords(RecordStore):
                 self._fs.makedirs(directory, exist_ok=True)
                 self._made_dirs.add(directory)
             temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(temporary, "wb") as file:
-                file.write(record.data)
-            os.replace(temporary, path)
+            try:
+                with open(temporary, "wb") as file:
+                    file.write(record.data)
+                os.replace(temporary, path)
+            except BaseException:  # a full disk, say: leave no half-written file behind, and raise the error
+                with contextlib.suppress(OSError):
+                    os.remove(temporary)
+                raise
 
     @contextlib.contextmanager
     def get_record(self, name: str) -> Iterator[bytes | np.ndarray]:
