@@ -9,6 +9,16 @@ committed block. The memory map starts at `map_size` and doubles whenever it fil
 Records are lent straight from the memory map (`lends_buffers`): a record got with `get_record` is valid
 only inside its `with` block, which holds a read transaction and one of the `max_readers` reader slots
 meanwhile. Every LMDB error becomes a `StoreError` naming the directory and what to do.
+
+A damaged data file must not kill the process: LMDB reads pages through its memory map, and a page beyond
+the end of a truncated data.mdb raises SIGBUS. `DataFileWatch` (lmdb_pages.py) refuses such a store at open,
+and, since LMDB data files never shrink, looks at the file's size before every transaction: if it shrank, the
+transaction, and every later one until the file is whole again, fails with StoreError where the current
+snapshot reaches a missing page. What remains: a file truncated after that look and before the
+transaction reads the page (microseconds), or while a record lent by `get_record` is being read, still
+raises SIGBUS; so does a truncation that only drops pages of an older snapshot that a read transaction
+still holds. Garbage written inside the file, rather than a missing end, is for the records' checksums
+(CorruptBlock) and LMDB's own checks.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from ..errors import BlockNotFound, ConfigError, StoreError
 from ..records import NamedRecord, RecordStore, record_array
 from ..store import Store
 from ..urls import ParsedURL
+from .lmdb_pages import DataFileWatch
 
 DEFAULT_MAP_SIZE = 1 << 30  # the memory map's first size; it doubles whenever it fills
 DEFAULT_MAX_READERS = 126  # LMDB's own default number of reader slots
@@ -88,8 +99,8 @@ class _Environment:
         self.env = lmdb.open(real_path, map_size=map_size, sync=sync, metasync=sync, readahead=False,
                              max_readers=max_readers, max_dbs=0)
         try:
-            _check_data_file(self.env, real_path)
             self.env.reader_check()  # free reader slots left behind by killed processes
+            self.watch = DataFileWatch(self.env, real_path)  # StoreError if pages LMDB reads are missing
         except BaseException:
             self.env.close()
             raise
@@ -105,6 +116,8 @@ class _Environment:
                 shared = cls._open.get(real_path)
                 if shared is None:
                     shared = cls._open[real_path] = cls(real_path, sync, map_size, max_readers)
+            except StoreError:
+                raise
             except lmdb.ReadersFullError as error:
                 raise StoreError(f"cannot open LMDB store at {path!r}: {error}; {_READERS_FULL_ADVICE}") from error
             except (lmdb.Error, OSError) as error:
@@ -122,6 +135,7 @@ class _Environment:
                 del self._open[self.real_path]
                 with self.gate.exclusive():
                     self.env.close()
+                    self.watch.close()
 
 
 class LmdbRecords(RecordStore):
@@ -144,6 +158,7 @@ class LmdbRecords(RecordStore):
         self.sync = bool(sync)
         self._shared = _Environment.acquire(path, self.sync, map_size, max_readers)
         self._env, self._gate, self._write_lock = self._shared.env, self._shared.gate, self._shared.write_lock
+        self._watch = self._shared.watch
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -167,6 +182,7 @@ class LmdbRecords(RecordStore):
                 txn: lmdb.Transaction[memoryview] | None = None
                 try:
                     with _Translated(self.path, passing=(lmdb.MapResizedError,)):
+                        self._watch.check()  # StoreError, not SIGBUS, if data.mdb lost pages this txn reads
                         txn = self._env.begin(write=write, buffers=True)
                 except lmdb.MapResizedError:  # another process grew the map: adopt its size and begin again
                     pass
@@ -263,18 +279,6 @@ _DAMAGED_ADVICE = "the store is damaged: restore it from a copy, or delete the d
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_data_file(env: lmdb.Environment, real_path: str) -> None:
-    """StoreError if data.mdb is shorter than its pages: reading past its end would kill the process
-    with SIGBUS. The size is read after LMDB's, since the file only ever grows."""
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    data_file = os.path.join(real_path, "data.mdb")
-    size = os.stat(data_file).st_size
-    if size < needed:
-        raise StoreError(f"cannot open LMDB store at {real_path!r}: data.mdb is shorter than LMDB says it must "
-                         f"be ({size} bytes, not {needed}): truncated or damaged; restore it or delete the "
-                         "directory")
 
 
 class _Translated:
