@@ -129,7 +129,7 @@ def test_transport_names_and_objects() -> None:
 
 
 def test_several_buffers_go_out_whole_even_when_the_kernel_takes_a_few_bytes_at_a_time() -> None:
-    from dejavu_sdk.transports.tcp import _send_all
+    from dejavu_sdk.transports.sockets import _send_all
 
     class Trickle:
         def __init__(self) -> None:
@@ -161,7 +161,7 @@ class _CountingSocket:
 
 
 def test_small_messages_arrive_in_one_receive_and_back_to_back_messages_stay_in_step() -> None:
-    from dejavu_sdk.transports.tcp import READ_AHEAD_BYTES, SocketChannel
+    from dejavu_sdk.transports.sockets import READ_AHEAD_BYTES, SocketChannel
     from dejavu_sdk.transports.wire import Limits, recv_message, recv_payload
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -194,7 +194,7 @@ def test_small_messages_arrive_in_one_receive_and_back_to_back_messages_stay_in_
 
 
 def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_new_one(server) -> None:
-    from dejavu_sdk.transports.tcp import SocketChannel
+    from dejavu_sdk.transports.sockets import SocketChannel
     from dejavu_sdk.transports.wire import PeerClosed
 
     with open_transport(server.url) as link:
@@ -215,7 +215,7 @@ def test_a_request_whose_first_send_hits_a_closed_connection_is_sent_again_on_a_
 
 def test_a_failure_after_the_first_send_is_not_resent(server) -> None:
     from dejavu_sdk.errors import TransportError
-    from dejavu_sdk.transports.tcp import SocketChannel
+    from dejavu_sdk.transports.sockets import SocketChannel
 
     with open_transport(server.url) as link:
         link.flush(KEY, torch.arange(4))

@@ -34,6 +34,14 @@ IDLE_TIMEOUT = 600.0
 MAX_CONNECTIONS = 256
 #: Tensors a server's inbox holds before refusing more with ServerBusy.
 INBOX_SIZE = 64
+#: Seconds a new connection has to say HELLO (TLS handshake included) before a tcp:// server drops it.
+HELLO_TIMEOUT = 5.0
+#: Connections a tcp:// server holds that have not said HELLO yet; the oldest goes when one more comes.
+MAX_UNAUTHENTICATED = 128
+#: Threads a tcp:// server answers requests on, whatever the number of connections.
+WORKERS = 16
+#: Bytes of records a server holds for transfers at once (copies out of LMDB, records being received).
+MAX_INFLIGHT_BYTES = 256 << 20
 
 
 class Transport(RecordStore, BlockStreaming):

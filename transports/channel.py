@@ -8,7 +8,9 @@ against its store; a backend only opens, accepts and closes channels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import mmap
 import queue
 import threading
 from abc import abstractmethod
@@ -40,15 +42,20 @@ from .access import AccessPolicy, Scope, client_token
 from .base import (
     CLIENT_TIMEOUT,
     CONNECT_TIMEOUT,
+    HELLO_TIMEOUT,
     IDLE_TIMEOUT,
     INBOX_SIZE,
     MAX_CONNECTIONS,
+    MAX_INFLIGHT_BYTES,
+    MAX_UNAUTHENTICATED,
     SERVER_TIMEOUT,
+    WORKERS,
     Server,
     ServingTransport,
     Transport,
     check_timeout,
 )
+from .budget import InflightBudget
 from .wire import (
     MAX_RECORD_BYTES,
     Channel,
@@ -62,6 +69,7 @@ from .wire import (
     ProtocolError,
     Status,
     discard_payload,
+    message_parts,
     recv_message,
     recv_payload,
     send_message,
@@ -281,6 +289,13 @@ class ServerOptions:
     `accept_tensors`: whether peers may send tensors (a store server nobody reads tensors from says no);
     `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy); a posted tensor
     waits up to `timeout` for room instead, holding its sender back.
+    `max_inflight_bytes`: memory for records on their way in or out (copies of records a store lends, such
+    as LMDB's, and records being received), shared by every connection; a transfer that does not fit waits
+    up to `timeout` for room, then gets ServerBusy. A record larger than this is served alone.
+    tcp:// servers also take: `hello_timeout`, seconds a new connection has to open with its HELLO (TLS
+    handshake included); `max_unauthenticated`, connections that have not yet done so, held apart from
+    `max_connections` (when full, the oldest is dropped for the newest); `workers`, threads that answer
+    requests (one more watches every socket), whatever the number of connections.
     """
 
     timeout: float | None = SERVER_TIMEOUT
@@ -292,12 +307,21 @@ class ServerOptions:
     tls_key: str | None = None
     accept_tensors: bool = True
     inbox_size: int = INBOX_SIZE
+    hello_timeout: float = HELLO_TIMEOUT
+    max_unauthenticated: int = MAX_UNAUTHENTICATED
+    workers: int = WORKERS
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES
 
     def __attrs_post_init__(self) -> None:
         check_timeout(self.timeout, "timeout")
         check_timeout(self.idle_timeout, "idle_timeout")
-        if not isinstance(self.max_connections, int) or self.max_connections < 1:
-            raise ConfigError(f"max_connections must be a positive integer, got {self.max_connections!r}")
+        if check_timeout(self.hello_timeout, "hello_timeout") is None:
+            raise ConfigError("hello_timeout must be a positive number of seconds: a connection that never says "
+                              "HELLO must not hold its slot forever")
+        for name in ("max_connections", "max_unauthenticated", "workers", "max_inflight_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both tls_cert and tls_key (PEM files)")
 
@@ -345,7 +369,9 @@ class AddressedTransport(ChannelTransport):
               idle_timeout: float | None = IDLE_TIMEOUT, max_record_bytes: int = MAX_RECORD_BYTES,
               max_connections: int = MAX_CONNECTIONS, token: str | None = None,
               tokens: Mapping[str, str] | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-              accept_tensors: bool = True, inbox_size: int = INBOX_SIZE) -> Server:
+              accept_tensors: bool = True, inbox_size: int = INBOX_SIZE, hello_timeout: float = HELLO_TIMEOUT,
+              max_unauthenticated: int = MAX_UNAUTHENTICATED, workers: int = WORKERS,
+              max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> Server:
         """Serve `store` at the URL's host and port (0: any free port); see `ServerOptions` for the options.
         `token` lets its holders reach every stream; `tokens` maps more tokens to the stream-id prefix each
         may reach. Without either, any client that reaches the port may use every stream."""
@@ -354,13 +380,49 @@ class AddressedTransport(ChannelTransport):
         options = ServerOptions(timeout=timeout, idle_timeout=idle_timeout, max_record_bytes=max_record_bytes,
                                 max_connections=max_connections, access=AccessPolicy.from_options(token, tokens),
                                 tls_cert=tls_cert, tls_key=tls_key, accept_tensors=accept_tensors,
-                                inbox_size=inbox_size)
+                                inbox_size=inbox_size, hello_timeout=hello_timeout,
+                                max_unauthenticated=max_unauthenticated, workers=workers,
+                                max_inflight_bytes=max_inflight_bytes)
         host, port = network_address(url)
         return cls.server_class(store, host, port, scheme=url.scheme, options=options)
 
 
+@attrs.frozen
+class Reply:
+    """A server's answer to one request, and what to run once it is out (`release`: give back the memory that
+    its record holds). `close`: the connection ends after it (a refused HELLO)."""
+
+    status: Status = Status.OK
+    meta: bytes = b""
+    record: OutgoingRecord | None = None
+    release: Callable[[], None] = attrs.field(default=lambda: None)
+    close: bool = False
+
+    def views(self) -> list[memoryview]:
+        """The reply as the byte views a byte stream sends, in order."""
+        return [memoryview(part.data if isinstance(part, np.ndarray) else part).cast("B")
+                for part in message_parts(Op.REPLY, status=self.status, meta=self.meta, record=self.record)]
+
+    def send(self, channel: Channel) -> None:
+        """Send it on `channel` (within the channel's timeout), then release its memory."""
+        try:
+            send_message(channel, Op.REPLY, status=self.status, meta=self.meta, record=self.record)
+        finally:
+            self.release()
+
+
+@attrs.frozen
+class Wait:
+    """A request that waits for `size` bytes of the server's in-flight budget; `resume(granted)` carries it on
+    once they are reserved for it (True) or the wait timed out (False)."""
+
+    size: int
+    resume: Callable[[bool], Reply | Wait]
+
+
 class ChannelServer(Server):
-    """Answers requests on channels against `store`; backends accept channels and call `serve_channel`.
+    """Answers requests on channels against `store`; backends accept channels and call `serve_channel`, or
+    read requests themselves and call `respond`.
 
     Every connection opens with a HELLO that carries the client's token, checked before anything else;
     the connection is then held to the streams that token may reach (see `access.py`).
@@ -372,6 +434,7 @@ class ChannelServer(Server):
         self.options = options
         self.timeout = options.timeout
         self.limits = Limits(max_record_bytes=options.max_record_bytes)
+        self.budget = InflightBudget(options.max_inflight_bytes)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=options.inbox_size)
         self._connections = 0
@@ -384,38 +447,48 @@ class ChannelServer(Server):
             raise TransportError(f"no tensor arrived at {self.url} within {timeout} s") from None
 
     def serve_channel(self, channel: Channel) -> None:
-        """Answer requests on `channel` until the peer leaves or misbehaves; never raises."""
+        """Answer requests on `channel`, on this thread, until the peer leaves or misbehaves; never raises."""
         with self._connections_lock:
             admitted = self._connections < self.options.max_connections
             self._connections += admitted
         try:
-            scope = self._greet(channel, admitted)
+            hello = recv_message(channel, self.limits, idle=True)
+            scope, reply = self.greet(hello, admitted, channel.peer)
+            reply.send(channel)
             if scope is None:
                 return
-            self.log.info("%s connected", channel.peer)
             while True:
-                self._answer(channel, recv_message(channel, self.limits, idle=True), scope)
-        except PeerClosed:
-            self.log.info("%s disconnected", channel.peer)
-        except IdleTimeout:
-            self.log.info("%s sent no request for %s s: closing its connection", channel.peer,
-                          self.options.idle_timeout)
-        except (ProtocolError, CorruptBlock) as error:
-            self.log.warning("dropping %s: %s", channel.peer, error)
-            with contextlib.suppress(TransportError):
-                send_message(channel, Op.REPLY, status=Status.BAD_REQUEST, meta=str(error).encode())
-        except TransportError as error:
-            self.log.warning("lost %s mid-request: %s", channel.peer, error)
-        except Exception:
-            self.log.exception("unexpected error serving %s", channel.peer)
+                outcome = self.respond(channel, recv_message(channel, self.limits, idle=True), scope)
+                while isinstance(outcome, Wait):
+                    outcome = outcome.resume(self.budget.reserve(outcome.size, self.timeout))
+                if outcome is not None:
+                    outcome.send(channel)
+        except Exception as error:  # every way a connection ends is logged; none escapes
+            self.ended(channel, error)
         finally:
             with self._connections_lock:
                 self._connections -= admitted
             channel.close()
 
-    def _greet(self, channel: Channel, admitted: bool) -> Scope | None:
-        """Read the HELLO that opens a connection and answer it: the token's scope, or None once refused."""
-        hello = recv_message(channel, self.limits, idle=True)
+    def ended(self, channel: Channel, error: Exception) -> None:
+        """Log why serving `channel` stopped (telling a peer that broke the protocol why, if it still listens)."""
+        if isinstance(error, PeerClosed):
+            self.log.info("%s disconnected", channel.peer)
+        elif isinstance(error, IdleTimeout):
+            self.log.info("%s sent no request for %s s: closing its connection", channel.peer,
+                          self.options.idle_timeout)
+        elif isinstance(error, (ProtocolError, CorruptBlock)):
+            self.log.warning("dropping %s: %s", channel.peer, error)
+            with contextlib.suppress(TransportError):
+                send_message(channel, Op.REPLY, status=Status.BAD_REQUEST, meta=str(error).encode())
+        elif isinstance(error, TransportError):
+            self.log.warning("lost %s mid-request: %s", channel.peer, error)
+        else:
+            self.log.error("unexpected error serving %s", channel.peer, exc_info=error)
+
+    def greet(self, hello: Message, admitted: bool, peer: str) -> tuple[Scope | None, Reply]:
+        """Answer the HELLO that opens a connection: the token's scope and a welcome, or None and a refusal
+        (`admitted`: whether a connection slot is free for it)."""
         if hello.op != Op.HELLO or hello.has_record:
             raise ProtocolError(f"{hello.op.name} before HELLO: a connection opens with HELLO")
         _, _, token = hello.meta.partition(b"\n")
@@ -423,70 +496,101 @@ class ChannelServer(Server):
         refusal = None
         if scope is None:
             refusal = Status.DENIED, "a valid token is needed (token= or DEJAVU_TOKEN)"
-            self.log.warning("refused %s: %s", channel.peer, "no token" if not token else "a wrong token")
+            self.log.warning("refused %s: %s", peer, "no token" if not token else "a wrong token")
         elif not admitted:
             refusal = Status.BUSY, f"the server serves {self.options.max_connections} connections already"
-            self.log.warning("refused %s: %s", channel.peer, refusal[1])
+            self.log.warning("refused %s: %s", peer, refusal[1])
         if refusal is not None:
-            send_message(channel, Op.REPLY, status=refusal[0], meta=refusal[1].encode())
-            return None
-        send_message(channel, Op.REPLY, meta=f"dejavu-sdk {__version__}".encode())
-        return scope
+            return None, Reply(refusal[0], refusal[1].encode(), close=True)
+        self.log.info("%s connected", peer)
+        return scope, Reply(meta=f"dejavu-sdk {__version__}".encode())
 
-    def _answer(self, channel: Channel, request: Message, scope: Scope) -> None:
-        """Carry out one request and reply. Store errors become error replies; channel errors propagate."""
+    def respond(self, channel: Channel, request: Message, scope: Scope) -> Reply | Wait | None:
+        """Carry out one request (reading any record it carries off `channel`): its reply, a wait for room in
+        the in-flight budget, or None for a posted tensor taken. Store errors become error replies; channel
+        errors propagate."""
         outside = _outside(request, scope)
         if outside is not None:
             if request.has_record:
                 discard_payload(channel, request)  # read it all, so the channel stays in step
-            send_message(channel, Op.REPLY, status=Status.DENIED,
-                         meta=f"{outside} lies outside the streams this token may reach".encode())
-            return
+            return Reply(Status.DENIED, f"{outside} lies outside the streams this token may reach".encode())
         if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS, Op.POST):
             status, meta = self._receive(channel, request)
             if request.op == Op.POST:  # answered only by closing the connection, when refused
                 if status != Status.OK:
                     raise ProtocolError(f"refused a posted tensor: {meta.decode(errors='replace')}")
-                return
-        elif request.has_record:
+                return None
+            return Reply(status, meta)
+        if request.has_record:
             raise ProtocolError(f"{request.op.name} requests carry no record")
-        elif request.op == Op.GET:
+        if request.op == Op.GET:
             try:
                 name = _block_name(request.text)
-                with self.records.get_record(name) as stored:
-                    if not self.records.lends_buffers:  # memory, files: send the stored record, no copy
-                        send_message(channel, Op.REPLY, record=OutgoingRecord.from_record(stored, name))
-                        return
-                    # LMDB: copy out, so that a slow client holds no read transaction while it is sent
-                    copy = record_array(stored).copy()
-                record = OutgoingRecord.from_record(copy, name)
-            except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
-                status, meta = _error_reply(error)
-            else:
-                send_message(channel, Op.REPLY, record=record)  # copying costs little next to the network
-                return
-        elif request.op == Op.HELLO:
+            except ConfigError as error:
+                return Reply(*_error_reply(error))
+            return self._get(name)
+        if request.op == Op.HELLO:
             raise ProtocolError("HELLO twice on one connection")
-        elif request.op == Op.LIST:
-            status, meta = _replied(lambda: "\n".join(
-                name for name in self.records.names(_listing_prefix(request.text)) if scope.allows(name)).encode())
-        elif request.op == Op.REMOVE:
-            status, meta = _replied(lambda: self.records.remove([_block_name(name)
-                                                                 for name in request.text.split("\n")]))
-        else:
-            raise ProtocolError(f"{request.op.name} is not a request")
-        send_message(channel, Op.REPLY, status=status, meta=meta)
+        if request.op == Op.LIST:
+            return Reply(*_replied(lambda: "\n".join(
+                name for name in self.records.names(_listing_prefix(request.text)) if scope.allows(name)).encode()))
+        if request.op == Op.REMOVE:
+            return Reply(*_replied(lambda: self.records.remove([_block_name(name)
+                                                                for name in request.text.split("\n")])))
+        raise ProtocolError(f"{request.op.name} is not a request")
+
+    def _get(self, name: str, held: int = 0) -> Reply | Wait:
+        """The record `name`, as stored (memory, files: no copy), or copied out of a store that lends its
+        buffers (LMDB: a slow reader then holds no read transaction) into memory reserved in the in-flight
+        budget (`held` bytes of it already reserved for this request) and given back once it is sent."""
+        try:
+            with self.records.get_record(name) as stored:
+                if not self.records.lends_buffers:
+                    return Reply(record=OutgoingRecord.from_record(stored, name))
+                size = memoryview(stored).nbytes
+                if size != held:  # the first try, or the record changed while this request waited
+                    self.budget.release(held)
+                    held = 0
+                    if not self.budget.try_reserve(size):
+                        return Wait(size, functools.partial(self._get_once_reserved, name, size))
+                    held = size
+                copy = _returned_memory(size)
+                copy[:] = np.frombuffer(stored, np.uint8)
+            record = OutgoingRecord.from_record(copy, name)
+        except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
+            self.budget.release(held)
+            return Reply(*_error_reply(error))
+        except BaseException:
+            self.budget.release(held)
+            raise
+        return Reply(record=record, release=functools.partial(self.budget.release, held))
+
+    def _get_once_reserved(self, name: str, size: int, granted: bool) -> Reply | Wait:
+        if not granted:
+            return Reply(Status.BUSY, f"the server holds {self.budget.limit} bytes for other transfers "
+                                      f"(max_inflight_bytes) and none came free within {self.timeout} s".encode())
+        return self._get(name, size)
 
     def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
         """Receive records whole and verified, then store or queue them; never store half a record."""
         header = request.header
         if (request.op == Op.PUT_RECORDS) != (header is None):
             raise ProtocolError(f"{request.op.name} with{'out' if header is None else ''} a record header")
+        size = request.payload_length if header is None else header.record_length
+        if not self.budget.reserve(size, self.timeout):
+            raise TransportError(f"no room for a {size}-byte record from {channel.peer} within {self.timeout} s: "
+                                 f"the server holds {self.budget.limit} bytes for other transfers")
+        try:
+            return self._store_received(channel, request, header, size)
+        finally:
+            self.budget.release(size)
+
+    def _store_received(self, channel: Channel, request: Message, header: RecordHeader | None,
+                        size: int) -> tuple[Status, bytes]:
+        record = self.records.allocate(size)
         if header is None:
-            record = self.records.allocate(request.payload_length)
             intact, _ = recv_payload(channel, request, record)
         else:
-            record = self.records.allocate(header.record_length)
             record[:header.length] = request.header_bytes
             intact, trailer = recv_payload(channel, request, record[header.length:])
             record[record.size - TRAILER.size:] = np.frombuffer(trailer, np.uint8)
@@ -510,6 +614,15 @@ class ChannelServer(Server):
         except queue.Full:
             return Status.BUSY, f"the inbox holds {self.options.inbox_size} tensors nobody took yet".encode()
         return Status.OK, b""
+
+
+_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+
+
+def _returned_memory(size: int) -> np.ndarray:
+    """A buffer of `size` bytes mapped on its own, so that its memory goes back to the system as soon as it is
+    dropped (the allocator would keep a large buffer freed by another thread for later)."""
+    return np.frombuffer(mmap.mmap(-1, max(size, 1), **_PRIVATE), np.uint8)[:size]
 
 
 def _replied(action: Callable[[], bytes | None]) -> tuple[Status, bytes]:

@@ -167,18 +167,10 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
     channel.start_deadline()
     header = bytes(record.header) if record is not None else b""
     payload = record.payload if record is not None else np.empty(0, np.uint8)
-    unchecked = CONTROL.pack(MAGIC, PROTOCOL_VERSION, op, status, len(meta), len(header), payload.size, 0)
-    checksum = new_checksum()
-    for part in (unchecked[:_UNCHECKED], meta, header):
-        checksum.update(part)
-    control = unchecked[:_UNCHECKED] + struct.pack("<Q", checksum.intdigest())
     if channel.byte_stream and payload.size <= MERGED_PAYLOAD_BYTES:  # one system call, one segment
-        parts: list[bytes | np.ndarray] = [control, meta, header]
-        if record is not None:
-            parts += [payload, bytes(record.trailer) if record.trailer is not None else _trailer(header, payload)]
-        _first_send(channel, *(part for part in parts if len(part)))
+        _first_send(channel, *message_parts(op, status=status, meta=meta, record=record))
         return
-    _first_send(channel, control)
+    _first_send(channel, _control(op, status, meta, header, payload.size))
     if meta or header:
         channel.send(meta, header)
     if record is None:
@@ -196,6 +188,28 @@ def send_message(channel: Channel, op: Op, *, status: Status = Status.OK, meta: 
     if payload_checksum is not None:
         trailer = TRAILER.pack(payload_checksum.intdigest())
     channel.send(trailer)
+
+
+def message_parts(op: Op, *, status: Status = Status.OK, meta: bytes = b"",
+                  record: OutgoingRecord | None = None) -> list[bytes | np.ndarray]:
+    """One message as the non-empty buffers a byte stream sends, in order (a record's trailer computed here
+    when it does not come with the record): for a sender that writes them out as the socket takes them."""
+    header = bytes(record.header) if record is not None else b""
+    payload_length = 0 if record is None else record.payload.size
+    parts: list[bytes | np.ndarray] = [_control(op, status, meta, header, payload_length), meta, header]
+    if record is not None:
+        trailer = bytes(record.trailer) if record.trailer is not None else _trailer(header, record.payload)
+        parts += [record.payload, trailer]
+    return [part for part in parts if len(part)]
+
+
+def _control(op: Op, status: Status, meta: bytes, header: bytes, payload_length: int) -> bytes:
+    """The control frame of a message, its checksum over itself, the metadata and the header."""
+    unchecked = CONTROL.pack(MAGIC, PROTOCOL_VERSION, op, status, len(meta), len(header), payload_length, 0)
+    checksum = new_checksum()
+    for part in (unchecked[:_UNCHECKED], meta, header):
+        checksum.update(part)
+    return unchecked[:_UNCHECKED] + struct.pack("<Q", checksum.intdigest())
 
 
 def _first_send(channel: Channel, *buffers: Any) -> None:

@@ -28,13 +28,41 @@ def _serve_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    options = _access_options(args)
+    options = {**_access_options(args), **_limit_options(args)}
     with dejavu_sdk.open_store(args.store) as store, \
             dejavu_sdk.serve(args.listen, store, accept_tensors=False, **options) as server:
         print(f"serving {store.url} at {server.url}", flush=True)
         stop.wait()
         logging.info("stopping")
     return 0
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a store server holds at most, whoever connects (docs/transports.md, "Limits")."""
+    from dejavu_sdk.report import parse_size
+    from dejavu_sdk.transports import base
+
+    parser.add_argument("--max-inflight-bytes", type=parse_size, default=base.MAX_INFLIGHT_BYTES, help="memory for "
+                        "records on their way in or out (copies out of LMDB, records being received), all connections "
+                        "together: 4096, 512KiB, 64MiB, 1GiB (default 256MiB); a transfer waits for room, up to the "
+                        "server's timeout, then gets ServerBusy")
+    parser.add_argument("--max-connections", type=int, default=base.MAX_CONNECTIONS, help="authenticated "
+                        f"connections at once; one more gets ServerBusy (default {base.MAX_CONNECTIONS})")
+    parser.add_argument("--max-unauthenticated", type=int, default=base.MAX_UNAUTHENTICATED, help="tcp: connections "
+                        "that have not said HELLO yet, held apart from --max-connections; when full, the oldest is "
+                        f"dropped (default {base.MAX_UNAUTHENTICATED})")
+    parser.add_argument("--hello-timeout", type=float, default=base.HELLO_TIMEOUT, help="tcp: seconds a connection "
+                        f"has to say HELLO, TLS handshake included (default {base.HELLO_TIMEOUT:g})")
+    parser.add_argument("--workers", type=int, default=base.WORKERS, help="tcp: threads that answer requests, "
+                        f"whatever the number of connections (default {base.WORKERS})")
+
+
+def _limit_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {"max_inflight_bytes": args.max_inflight_bytes, "max_connections": args.max_connections}
+    if args.listen.startswith("tcp://"):
+        options.update(max_unauthenticated=args.max_unauthenticated, hello_timeout=args.hello_timeout,
+                       workers=args.workers)
+    return options
 
 
 def _access_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,6 +173,7 @@ def add_serving_commands(commands: Any) -> None:
     serve_store.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (tcp:// only)")
     serve_store.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve_store.add_argument("--insecure", action="store_true", help="listen beyond loopback without a token")
+    _limit_arguments(serve_store)
     serve_store.set_defaults(run=_serve_store)
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with its stage "

@@ -39,7 +39,7 @@ from ..models import load_tokenizer
 from ..serving.options import check_body_limit
 from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
-from ..transports.tcp import server_tls_context
+from ..transports.sockets import server_tls_context
 from . import limits
 from .api import adopt, build_app
 from .journal import Journal, JournaledRequest

@@ -1,0 +1,450 @@
+"""The `tcp://` server: one thread watches every socket, a bounded pool of workers answers requests.
+
+A connection costs a worker only while its requests are read and answered (and up to `LINGER` seconds after
+one, for the next, while no other connection waits for a worker). The rest of the time the watcher holds
+it: it accepts, runs TLS handshakes, reads the HELLO that opens every connection (within
+`hello_timeout`; when `max_unauthenticated` connections wait for theirs, the oldest is dropped for the
+newest), watches authenticated connections for their next request (closing them after `idle_timeout`),
+and sends whatever part of a reply the kernel could not take at once (within `timeout`: a reader that
+stops reading is dropped then, and the memory its reply held given back). So the server runs `workers`
+threads plus one whatever the number of sockets, and a connection that has not said HELLO costs its
+socket and the bytes of its HELLO so far.
+
+What a worker may still wait for: the rest of a request once its first byte came (up to `timeout`, as
+before: a client that trickles is dropped then), and room in the in-flight budget for a record it
+receives. A GET that finds no room waits without a worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import functools
+import queue
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+
+from ..errors import TransportError
+from ..store import Store
+from ..urls import join_host_port
+from .access import Scope
+from .channel import ChannelServer, Reply, ServerOptions, Wait
+from .sockets import READ_AHEAD_BYTES, SocketChannel, server_tls_context
+from .wire import CONTROL, Channel, IdleTimeout, Message, ProtocolError, recv_message
+
+#: Connections the kernel queues before the server accepts them.
+LISTEN_BACKLOG = 1024
+#: The most bytes a HELLO (version and token) may take; more is no HELLO.
+HELLO_BYTES = 64 << 10
+#: Seconds a worker waits for a connection's next request before handing it back to the watcher (when no
+#: other connection waits for a worker): a client that sends one request after another keeps its worker,
+#: as a pipeline's activations and a cache's decode steps do, and pays no hand-over per request.
+LINGER = 0.05
+_TICK = 0.1  # seconds between checks of every deadline
+_ACCEPTS_PER_TURN = 64
+_WAKE = object()
+
+
+class _Phase(enum.Enum):
+    HANDSHAKE = "TLS handshake"
+    HELLO = "waiting for HELLO"
+    IDLE = "waiting for a request"
+    WORKING = "with a worker"
+    SENDING = "sending a reply"
+    CLOSED = "closed"
+
+
+@attrs.define(eq=False)
+class _Connection:
+    """One client's socket and where it is; owned by the watcher, or by one worker while `WORKING`."""
+
+    sock: socket.socket
+    peer: str
+    phase: _Phase
+    since: float  # when the current phase began: accepted, reply started, went idle
+    hello: bytearray = attrs.Factory(bytearray)
+    channel: SocketChannel | None = None
+    scope: Scope | None = None
+    outgoing: list[memoryview] = attrs.Factory(list)
+    release: Callable[[], None] | None = None  # gives back the memory of the reply being sent
+    close_after: bool = False
+    admitted: bool = False  # holds one of `max_connections`
+    events: int = 0  # what the watcher's selector waits for on it (0: not registered)
+
+
+class _Incomplete(Exception):
+    """A HELLO whose bytes have not all arrived."""
+
+
+class _BytesChannel(Channel):
+    """Bytes already received, read as a channel: parses a HELLO that arrived in pieces."""
+
+    byte_stream = True
+
+    def __init__(self, data: bytes, peer: str) -> None:
+        self._data, self._at, self.peer = memoryview(data), 0, peer
+
+    @property
+    def rest(self) -> bytes:
+        return bytes(self._data[self._at:])
+
+    def send(self, *buffers: object) -> None:
+        raise ProtocolError("nothing is sent before the HELLO is answered")
+
+    def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
+        end = self._at + buffer.nbytes
+        if end > len(self._data):
+            raise _Incomplete
+        buffer.data.cast("B")[:] = self._data[self._at:end]
+        self._at = end
+
+    def close(self) -> None:
+        pass
+
+
+class TcpServer(ChannelServer):
+    """Serves a store on a TCP port: one watcher thread and `options.workers` workers. Port 0 picks a free
+    port (see `url`). With `options.tls_cert`, every connection is TLS, its handshake run by the watcher
+    without blocking, within `hello_timeout`."""
+
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, *, scheme: str = "tcp",
+                 options: ServerOptions | None = None) -> None:
+        settings = options or ServerOptions()
+        super().__init__(store, settings)
+        self._tls = None if settings.tls_cert is None or settings.tls_key is None else \
+            server_tls_context(settings.tls_cert, settings.tls_key)
+        self._listener = _listen(scheme, host, port)
+        self.url = f"{scheme}://{join_host_port(host, self._listener.getsockname()[1])}"
+        self._selector = selectors.DefaultSelector()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        for sock in (self._listener, self._wake_reader, self._wake_writer):
+            sock.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ, _WAKE)
+        self._handed_back: queue.SimpleQueue[tuple[_Connection, _Phase]] = queue.SimpleQueue()
+        self._unauthenticated: dict[_Connection, None] = {}  # in the order they came
+        self._open: set[_Connection] = set()
+        self._admitted = 0
+        self._stopping = False
+        self._queued = 0  # connections handed to the pool that no worker took yet
+        self._queue_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="dejavu-serve-worker")
+        self._watcher = threading.Thread(target=self._watch, name=f"dejavu-serve {self.url}", daemon=True)
+        self._watcher.start()
+
+    # ---- the watcher ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        next_check = 0.0
+        while not self._stopping:
+            for key, _ in self._selector.select(_TICK):
+                if key.data is None:
+                    self._accept()
+                elif key.data is _WAKE:
+                    with contextlib.suppress(OSError):
+                        self._wake_reader.recv(4096)
+                else:
+                    self._on_ready(key.data)
+            self._take_back()
+            now = time.monotonic()
+            if now >= next_check:
+                self._expire(now)
+                next_check = now + _TICK
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:  # out of file descriptors, say: try again on the next turn
+                self.log.warning("cannot accept a connection on %s: %s", self.url, error)
+                return
+            sock.setblocking(False)
+            phase = _Phase.HELLO
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                phase = _Phase.HANDSHAKE
+            if len(self._unauthenticated) >= self.options.max_unauthenticated:
+                oldest = next(iter(self._unauthenticated))
+                self.log.warning("dropping %s: %d connections wait for their HELLO, and it waited longest",
+                                 oldest.peer, len(self._unauthenticated))
+                self._close(oldest)
+            connection = _Connection(sock, "tcp://" + join_host_port(*address[:2]), phase, time.monotonic())
+            self._unauthenticated[connection] = None
+            self._open.add(connection)
+            self._watch_for(connection, selectors.EVENT_READ)
+
+    def _on_ready(self, connection: _Connection) -> None:
+        try:
+            if connection.phase is _Phase.HANDSHAKE:
+                self._handshake(connection)
+            elif connection.phase is _Phase.HELLO:
+                self._read_hello(connection)
+            elif connection.phase is _Phase.SENDING:
+                self._send_more(connection)
+            elif connection.phase is _Phase.IDLE:
+                self._dispatch(connection)
+        except (OSError, TransportError, ValueError) as error:
+            self.log.warning("dropping %s (%s): %s", connection.peer, connection.phase.value, error)
+            self._close(connection)
+
+    def _handshake(self, connection: _Connection) -> None:
+        sock = connection.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch_for(connection, selectors.EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._watch_for(connection, selectors.EVENT_WRITE)
+            return
+        connection.phase = _Phase.HELLO
+        self._watch_for(connection, selectors.EVENT_READ)
+        self._read_hello(connection)  # it may have come with the handshake's last flight
+
+    def _read_hello(self, connection: _Connection) -> None:
+        ended = False
+        while not ended:
+            try:
+                data = connection.sock.recv(HELLO_BYTES)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            ended = not data
+            connection.hello += data
+            if len(connection.hello) > HELLO_BYTES:
+                raise ProtocolError(f"{len(connection.hello)} bytes and no HELLO yet")
+        if len(connection.hello) >= CONTROL.size:
+            received = _BytesChannel(bytes(connection.hello), connection.peer)
+            with contextlib.suppress(_Incomplete):
+                self._welcome(connection, recv_message(received, self.limits), received.rest)
+                return
+        if ended:
+            self.log.info("%s left without saying HELLO", connection.peer)
+            self._close(connection)
+
+    def _welcome(self, connection: _Connection, hello: Message, rest: bytes) -> None:
+        """Answer a connection's HELLO: from now on it is authenticated (or refused, and closed once told)."""
+        del self._unauthenticated[connection]
+        connection.hello = bytearray()
+        scope, reply = self.greet(hello, self._admitted < self.options.max_connections, connection.peer)
+        connection.channel = SocketChannel(connection.sock, connection.peer, self.options.timeout, LINGER)
+        connection.channel.prefill(rest)
+        if scope is not None:
+            connection.scope, connection.admitted = scope, True
+            self._admitted += 1
+        self._start_sending(connection, reply, reply.views())
+
+    def _start_sending(self, connection: _Connection, reply: Reply, views: list[memoryview]) -> None:
+        connection.outgoing, connection.release, connection.close_after = views, reply.release, reply.close
+        connection.phase, connection.since = _Phase.SENDING, time.monotonic()
+        self._send_more(connection)
+
+    def _send_more(self, connection: _Connection) -> None:
+        assert connection.channel is not None
+        connection.outgoing = connection.channel.send_within(connection.outgoing, 0)
+        if connection.outgoing:
+            self._watch_for(connection, selectors.EVENT_WRITE)
+            return
+        self._give_back_memory(connection)
+        if connection.close_after:
+            self._close(connection)
+        elif connection.channel.buffered():
+            self._dispatch(connection)
+        else:
+            self._go_idle(connection)
+
+    def _go_idle(self, connection: _Connection) -> None:
+        connection.phase, connection.since = _Phase.IDLE, time.monotonic()
+        self._watch_for(connection, selectors.EVENT_READ)
+
+    def _dispatch(self, connection: _Connection) -> None:
+        connection.phase = _Phase.WORKING
+        self._watch_for(connection, 0)
+        self._submit(connection, None)
+
+    def _take_back(self) -> None:
+        """Connections the workers are done with: watched again, sending the rest of a reply, or closed."""
+        while True:
+            try:
+                connection, phase = self._handed_back.get_nowait()
+            except queue.Empty:
+                return
+            if self._stopping or phase is _Phase.CLOSED:
+                self._close(connection)
+            elif phase is _Phase.SENDING:
+                connection.phase, connection.since = phase, time.monotonic()
+                self._watch_for(connection, selectors.EVENT_WRITE)
+            else:
+                self._go_idle(connection)
+
+    def _expire(self, now: float) -> None:
+        """Drop connections past their deadline: no HELLO in time, idle too long, a reply not read in time."""
+        for connection in list(self._unauthenticated):
+            if now - connection.since < self.options.hello_timeout:
+                break  # in the order they came: the rest are younger
+            self.log.warning("dropping %s: no HELLO within %s s", connection.peer, self.options.hello_timeout)
+            self._close(connection)
+        idle, timeout = self.options.idle_timeout, self.options.timeout
+        for connection in list(self._open):
+            if connection.phase is _Phase.IDLE and idle is not None and now - connection.since > idle:
+                self.log.info("%s sent no request for %s s: closing its connection", connection.peer, idle)
+                self._close(connection)
+            elif connection.phase is _Phase.SENDING and timeout is not None and now - connection.since > timeout:
+                self.log.warning("dropping %s: it did not read its reply within %s s", connection.peer, timeout)
+                self._close(connection)
+        self.budget.expire(now)
+
+    def _watch_for(self, connection: _Connection, events: int) -> None:
+        if events == connection.events:
+            return
+        if not events:
+            self._selector.unregister(connection.sock)
+        elif connection.events:
+            self._selector.modify(connection.sock, events, connection)
+        else:
+            self._selector.register(connection.sock, events, connection)
+        connection.events = events
+
+    def _give_back_memory(self, connection: _Connection) -> None:
+        release, connection.release, connection.outgoing = connection.release, None, []
+        if release is not None:
+            release()
+
+    def _close(self, connection: _Connection) -> None:
+        self._unauthenticated.pop(connection, None)
+        self._open.discard(connection)
+        if connection.events:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._selector.unregister(connection.sock)
+            connection.events = 0
+        self._give_back_memory(connection)
+        if connection.admitted:
+            connection.admitted = False
+            self._admitted -= 1
+        connection.phase = _Phase.CLOSED
+        _close_socket(connection.sock)
+
+    # ---- the workers ----------------------------------------------------------------------------
+    def _submit(self, connection: _Connection, resumed: Callable[[], Reply | Wait] | None) -> None:
+        with self._queue_lock:
+            self._queued += 1
+        self._pool.submit(self._work, connection, resumed)
+
+    def _work(self, connection: _Connection, resumed: Callable[[], Reply | Wait] | None) -> None:
+        """Answer a connection's requests while they come (for up to `LINGER` seconds between two, while no
+        other connection waits for a worker), then hand it back to the watcher."""
+        with self._queue_lock:
+            self._queued -= 1
+        channel, scope = connection.channel, connection.scope
+        assert channel is not None
+        assert scope is not None
+        channel.lend_read_ahead(_worker_read_ahead())
+        try:
+            while True:
+                if resumed is None:
+                    try:  # the first request is there already; the next ones may come within LINGER
+                        request = recv_message(channel, self.limits, idle=True)
+                    except IdleTimeout:
+                        break
+                    outcome = self.respond(channel, request, scope)
+                else:
+                    outcome, resumed = resumed(), None
+                if isinstance(outcome, Wait):
+                    channel.keep_unread()
+                    deadline = time.monotonic() + (self.timeout if self.timeout is not None else float("inf"))
+                    self.budget.wait(outcome.size, deadline, functools.partial(self._resume, connection, outcome))
+                    return
+                if outcome is not None and self._sent_part(connection, outcome):
+                    channel.keep_unread()
+                    self._hand_back(connection, _Phase.SENDING)
+                    return
+                if not channel.buffered() and self._queued:
+                    break
+            channel.keep_unread()
+            self._hand_back(connection, _Phase.IDLE)
+        except Exception as error:  # every way a connection ends is logged; none escapes
+            channel.keep_unread()
+            self.ended(channel, error)
+            self._hand_back(connection, _Phase.CLOSED)
+
+    def _sent_part(self, connection: _Connection, reply: Reply) -> bool:
+        """Send what the socket takes of `reply` within `LINGER`; whether some is left for the watcher to send
+        (a slow reader's)."""
+        assert connection.channel is not None
+        try:
+            rest = connection.channel.send_within(reply.views(), LINGER)
+        except BaseException:
+            reply.release()
+            raise
+        if not rest:
+            reply.release()
+            return False
+        connection.outgoing, connection.release, connection.close_after = rest, reply.release, reply.close
+        return True
+
+    def _resume(self, connection: _Connection, wait: Wait, granted: bool) -> None:
+        if self._stopping:
+            if granted:
+                self.budget.release(wait.size)
+            return
+        self._submit(connection, functools.partial(wait.resume, granted))
+
+    def _hand_back(self, connection: _Connection, phase: _Phase) -> None:
+        """Give a connection back to the watcher, which alone changes its phase from `WORKING`."""
+        self._handed_back.put((connection, phase))
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
+
+    # ---- stopping -------------------------------------------------------------------------------
+    def _stop(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
+        self._watcher.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for connection in list(self._open):  # workers' too: their next call on it fails, and they stop
+            self._close(connection)
+        self._take_back()
+        for sock in (self._listener, self._wake_reader, self._wake_writer):
+            _close_socket(sock)
+        self._selector.close()
+
+
+_read_ahead = threading.local()
+
+
+def _worker_read_ahead() -> memoryview:
+    """This worker thread's read-ahead buffer, lent to each connection it serves."""
+    buffer = getattr(_read_ahead, "buffer", None)
+    if buffer is None:
+        buffer = _read_ahead.buffer = memoryview(bytearray(READ_AHEAD_BYTES))
+    return buffer
+
+
+def _listen(scheme: str, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as error:
+        listener.close()
+        raise TransportError(f"cannot listen on {scheme}://{join_host_port(host, port)}: {error}") from error
+    return listener
+
+
+def _close_socket(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
