@@ -16,6 +16,7 @@ Who implements what:
 from __future__ import annotations
 
 import contextlib
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,13 +53,15 @@ class RecordStore(ABC):
     `persistent`: records outlive this process; `shared`: other processes see what this one puts;
     `lends_buffers`: `get_record` yields memory that is valid only inside the `with` block and holds a
     resource meanwhile (LMDB: a read transaction): callers that keep the record past a quick copy must copy
-    it out first.
+    it out first. `resident`: `get_record` yields the memory the store keeps the record in, so reading it
+    copies nothing (memory stores); other stores read into a copy (files) or lend a view (LMDB).
     """
 
     atomic_batches: bool = False
     persistent: bool = False
     shared: bool = False
     lends_buffers: bool = False
+    resident: bool = False
     url: str
 
     @classmethod
@@ -119,3 +122,17 @@ class BlockStreaming(ABC):
 
         If the block turns out corrupt, CorruptBlock is raised; a host `out` may then hold partial data.
         """
+
+
+#: Buffers at least this large are mapped on their own (`returned_memory`).
+MAPPED_BYTES = 256 << 10
+_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+
+
+def returned_memory(size: int) -> np.ndarray:
+    """A writable uint8 buffer of `size` bytes whose memory goes back to the system as soon as it is dropped:
+    large ones are mapped on their own, since the allocator keeps a large buffer freed by another thread
+    for later (a server whose readers came and went would keep their copies' memory)."""
+    if size < MAPPED_BYTES:
+        return np.empty(size, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, size, **_PRIVATE), np.uint8)

@@ -19,7 +19,7 @@ import numpy as np
 from fsspec.registry import known_implementations
 
 from ..errors import BackendUnavailable, BlockNotFound, StoreError
-from ..records import NamedRecord, RecordStore, record_array
+from ..records import NamedRecord, RecordStore, record_array, returned_memory
 from ..store import Store
 from ..urls import ParsedURL
 
@@ -90,9 +90,10 @@ class FsspecRecords(RecordStore):
         yield record
 
     def _read_local(self, name: str) -> np.ndarray:
-        """Read a local file straight into one buffer (fsspec's cat_file would copy it twice)."""
+        """Read a local file straight into one buffer (fsspec's cat_file would copy it twice), whose memory goes
+        back to the system once the caller drops it."""
         with open(self._path(name), "rb") as file:
-            record = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
+            record = returned_memory(os.fstat(file.fileno()).st_size)
             return record[:file.readinto(record.data)]
 
     def names(self, prefix: str) -> list[str]:

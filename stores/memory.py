@@ -32,6 +32,7 @@ class MemoryRecords(RecordStore):
     """Encoded records in a dict in this process; thread-safe. A batch is put under one lock: atomically."""
 
     atomic_batches = True
+    resident = True  # get_record yields the stored array itself
 
     def __init__(self, *, pin_memory: bool | None = None) -> None:
         self.url = "memory://"

@@ -55,3 +55,35 @@ def test_a_bad_token_file_is_a_clear_error(tmp_path) -> None:
     result = _serve_store("--listen", "tcp://127.0.0.1:0", "--token-file", str(tmp_path / "missing"))
     assert result.returncode == 2
     assert "cannot read the token file" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "said"), [(["--workers", "0"], "workers"),
+                                             (["--max-inflight-bytes", "lots"], "--max-inflight-bytes"),
+                                             (["--hello-timeout", "0"], "hello_timeout"),
+                                             (["--max-unauthenticated", "-1"], "max_unauthenticated")])
+def test_bad_limits_are_clear_errors(flags: list[str], said: str) -> None:
+    result = _serve_store("--listen", "tcp://127.0.0.1:0", *flags)
+    assert result.returncode == 2
+    assert said in result.stderr
+
+
+@pytest.mark.slow
+def test_limits_given_as_flags_hold(tmp_path) -> None:
+    """--max-inflight-bytes smaller than a block: the block is still served, alone; --hello-timeout drops a
+    silent socket."""
+    import socket
+    import time
+
+    with ServedStoreProcess("tcp", f"lmdb://{tmp_path}", quiet=True,
+                            options=["--max-inflight-bytes", "64KiB", "--hello-timeout", "0.5", "--workers", "2"]) \
+            as peer:
+        block = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB
+        with dv.open_transport(peer.url) as client:
+            client.flush(KEY, block)
+            assert torch.equal(client.fetch(KEY), block)
+        host, port = peer.url.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as silent:
+            started = time.monotonic()
+            assert silent.recv(1) == b""
+            assert 0.3 < time.monotonic() - started < 3

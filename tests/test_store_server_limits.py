@@ -7,8 +7,10 @@ process whose threads, descriptors and anonymous memory are read from /proc.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -21,7 +23,8 @@ from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.frames import HELLO, frame
 from dejavu_sdk.testing.peers import ServedStoreProcess
 from dejavu_sdk.transports import base
-from dejavu_sdk.transports.wire import Op
+from dejavu_sdk.transports.tcp_server import HELLO_BYTES
+from dejavu_sdk.transports.wire import CONTROL, Op, OutgoingRecord
 
 KEY = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4))
 TOKEN = "a-token-for-the-tests"
@@ -64,6 +67,13 @@ def _sockets(address: tuple[str, int], count: int) -> Iterator[list[socket.socke
     finally:
         for sock in opened:
             sock.close()
+
+
+def _wait_for(condition, what: str, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.01)
 
 
 def _timed(action, limit: float) -> None:
@@ -132,6 +142,16 @@ def _slow_reader(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
+def _stalled_reader(server: dv.transports.Server) -> socket.socket:
+    """A reader of KEY's block that reads nothing, once the server holds its copy."""
+    reader = _slow_reader(_address(server.url))
+    deadline = time.monotonic() + 5
+    while server.budget.used < 12 * MIB:
+        assert time.monotonic() < deadline, "the reader's copy was not counted"
+        time.sleep(0.01)
+    return reader
+
+
 @needs_proc
 @pytest.mark.slow
 def test_100_slow_readers_of_a_16_mib_block_hold_max_inflight_bytes_and_give_it_back(tmp_path) -> None:
@@ -176,7 +196,7 @@ def test_a_block_larger_than_max_inflight_bytes_is_served_alone_and_intact(tmp_p
             dv.open_transport(server.url) as client:
         client.flush(KEY, block)
         assert torch.equal(client.fetch(KEY), block)
-        assert server.budget.used == 0
+        _wait_for(lambda: server.budget.used == 0, "the reply's memory given back")
 
 
 @pytest.mark.parametrize("option", [{"hello_timeout": 0}, {"hello_timeout": None}, {"max_unauthenticated": 0},
@@ -185,3 +205,77 @@ def test_a_block_larger_than_max_inflight_bytes_is_served_alone_and_intact(tmp_p
 def test_bad_limits_are_refused(option) -> None:
     with pytest.raises(ConfigError):
         dv.serve("tcp://127.0.0.1:0", MemoryStore(), **option)
+
+
+def test_a_hello_that_lies_about_itself_costs_its_connection_only() -> None:
+    """A control frame with a valid checksum but a record header, a huge declared size, or garbage: dropped
+    before anything is allocated for it, and the server goes on serving."""
+    lying = [frame(Op.HELLO, b"dejavu-sdk", OutgoingRecord.from_block(str(KEY), torch.zeros(2))),
+             frame(Op.HELLO, b"x" * (HELLO_BYTES + 1)), frame(Op.LIST, b""), b"GET / HTTP/1.1\r\n\r\n" * 2]
+    with dv.serve("tcp://127.0.0.1:0", MemoryStore()) as server:
+        for garbage in lying:
+            with socket.create_connection(_address(server.url), timeout=5) as sock:
+                sock.sendall(garbage[:CONTROL.size + 64])
+                assert _closed_within(sock, 2)
+        with dv.open_transport(server.url, timeout=2) as client:
+            client.flush(KEY, torch.arange(4))
+            assert client.fetch(KEY).tolist() == [0, 1, 2, 3]
+
+
+def test_a_request_sent_with_its_hello_is_served() -> None:
+    put = frame(Op.PUT, str(KEY).encode(), OutgoingRecord.from_block(str(KEY), torch.arange(1 << 18)))
+    with dv.serve("tcp://127.0.0.1:0", MemoryStore()) as server, \
+            socket.create_connection(_address(server.url), timeout=5) as sock:
+        sock.sendall(HELLO + put)  # 2 MiB behind the HELLO, without waiting for its answer
+        with dv.open_transport(server.url, timeout=5) as client:
+            deadline = time.monotonic() + 5
+            while client.names("") != [str(KEY)]:
+                assert time.monotonic() < deadline, "the request behind the HELLO was not stored"
+                time.sleep(0.02)
+            assert torch.equal(client.fetch(KEY), torch.arange(1 << 18))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["lmdb", "file"])
+def test_writes_and_reads_wait_for_room_without_holding_workers(tmp_path, store: str) -> None:
+    """One reader that does not read holds the whole budget (LMDB copies and files' reads both count); two
+    writes and a read wait for room, a listing is answered meanwhile by the only two workers, and once the
+    reader leaves everyone is served at once; a write that finds no room within the timeout gets ServerBusy."""
+    block = torch.randint(0, 256, (12 * MIB,), dtype=torch.uint8)  # more than the kernel's socket buffers take
+    url = f"lmdb://{tmp_path}" if store == "lmdb" else f"file://{tmp_path}"
+    with dv.serve("tcp://127.0.0.1:0", url, max_inflight_bytes=13 * MIB, workers=2, timeout=3) as server:
+        with dv.open_transport(server.url) as writer:
+            writer.flush(KEY, block)
+        stalled = _stalled_reader(server)
+        results: dict[str, object] = {}
+
+        def run(name: str, action) -> None:
+            with dv.open_transport(server.url, timeout=10) as client:
+                try:
+                    results[name] = action(client)
+                except dv.DejaVuError as error:
+                    results[name] = error
+
+        waiting = [threading.Thread(target=run, args=(f"put{index}", functools.partial(
+            lambda client, key: client.flush(key, block) or "stored",
+            key=dv.BlockKey(f"w{index}", layers=(0, 1), tokens=(0, 4))))) for index in range(2)]
+        waiting.append(threading.Thread(target=run, args=("get", lambda client: torch.equal(client.fetch(KEY), block))))
+        for thread in waiting:
+            thread.start()
+        time.sleep(0.3)
+        _timed(lambda: run("list", lambda client: client.names("")), 1.0)
+        stalled.close()
+        started = time.monotonic()
+        for thread in waiting:
+            thread.join(10)
+        assert time.monotonic() - started < 2
+        assert results["put0"] == results["put1"] == "stored"
+        assert results["get"] is True
+        _wait_for(lambda: server.budget.used == 0, "every reply's memory given back")
+        stalled = _stalled_reader(server)  # dropped at its timeout; then the next reader holds the room as long
+        time.sleep(0.5)  # so that the next reader still waits when the first is dropped
+        with _slow_reader(_address(server.url)):
+            time.sleep(0.2)
+            run("busy", lambda client: client.flush(KEY, block))
+        assert isinstance(results["busy"], dv.ServerBusy), results["busy"]
+        stalled.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import mmap
 import queue
 import threading
 from abc import abstractmethod
@@ -35,7 +34,7 @@ from ..errors import (
     StoreError,
     TransportError,
 )
-from ..records import NamedRecord, record_array
+from ..records import NamedRecord, record_array, returned_memory
 from ..store import Store, manifest_name, progress_key_or_none
 from ..urls import ParsedURL, join_host_port, network_address
 from .access import AccessPolicy, Scope, client_token
@@ -417,7 +416,7 @@ class Wait:
     once they are reserved for it (True) or the wait timed out (False)."""
 
     size: int
-    resume: Callable[[bool], Reply | Wait]
+    resume: Callable[[bool], Reply | Wait | None]
 
 
 class ChannelServer(Server):
@@ -515,12 +514,12 @@ class ChannelServer(Server):
                 discard_payload(channel, request)  # read it all, so the channel stays in step
             return Reply(Status.DENIED, f"{outside} lies outside the streams this token may reach".encode())
         if request.op in (Op.PUT, Op.TENSOR, Op.PUT_RECORDS, Op.POST):
-            status, meta = self._receive(channel, request)
-            if request.op == Op.POST:  # answered only by closing the connection, when refused
-                if status != Status.OK:
-                    raise ProtocolError(f"refused a posted tensor: {meta.decode(errors='replace')}")
-                return None
-            return Reply(status, meta)
+            if (request.op == Op.PUT_RECORDS) != (request.header is None):
+                raise ProtocolError(f"{request.op.name} with{'out' if request.header is None else ''} a record header")
+            size = request.payload_length if request.header is None else request.header.record_length
+            if not self.budget.try_reserve(size):  # its record waits, unread, until there is room for it
+                return Wait(size, functools.partial(self._receive_once_reserved, channel, request, size))
+            return self._received(channel, request, size)
         if request.has_record:
             raise ProtocolError(f"{request.op.name} requests carry no record")
         if request.op == Op.GET:
@@ -540,12 +539,14 @@ class ChannelServer(Server):
         raise ProtocolError(f"{request.op.name} is not a request")
 
     def _get(self, name: str, held: int = 0) -> Reply | Wait:
-        """The record `name`, as stored (memory, files: no copy), or copied out of a store that lends its
-        buffers (LMDB: a slow reader then holds no read transaction) into memory reserved in the in-flight
-        budget (`held` bytes of it already reserved for this request) and given back once it is sent."""
+        """The record `name` for a reply. A store that keeps it in memory (`resident`) lends it as kept; any
+        other read makes a copy, held in the in-flight budget until it is sent (`held`: bytes already reserved
+        for this request): a store's own copy (files, objects) as it is, a record lent by the store (LMDB)
+        copied out of its read transaction, so that a slow reader holds none, into memory that goes back to
+        the system once sent."""
         try:
             with self.records.get_record(name) as stored:
-                if not self.records.lends_buffers:
+                if self.records.resident:
                     return Reply(record=OutgoingRecord.from_record(stored, name))
                 size = memoryview(stored).nbytes
                 if size != held:  # the first try, or the record changed while this request waited
@@ -554,8 +555,10 @@ class ChannelServer(Server):
                     if not self.budget.try_reserve(size):
                         return Wait(size, functools.partial(self._get_once_reserved, name, size))
                     held = size
-                copy = _returned_memory(size)
-                copy[:] = np.frombuffer(stored, np.uint8)
+                copy = stored
+                if self.records.lends_buffers:
+                    copy = returned_memory(size)
+                    copy[:] = np.frombuffer(stored, np.uint8)
             record = OutgoingRecord.from_record(copy, name)
         except (BlockNotFound, CorruptBlock, ConfigError, StoreError) as error:
             self.budget.release(held)
@@ -567,26 +570,38 @@ class ChannelServer(Server):
 
     def _get_once_reserved(self, name: str, size: int, granted: bool) -> Reply | Wait:
         if not granted:
-            return Reply(Status.BUSY, f"the server holds {self.budget.limit} bytes for other transfers "
-                                      f"(max_inflight_bytes) and none came free within {self.timeout} s".encode())
+            return self._no_room()
         return self._get(name, size)
 
-    def _receive(self, channel: Channel, request: Message) -> tuple[Status, bytes]:
-        """Receive records whole and verified, then store or queue them; never store half a record."""
-        header = request.header
-        if (request.op == Op.PUT_RECORDS) != (header is None):
-            raise ProtocolError(f"{request.op.name} with{'out' if header is None else ''} a record header")
-        size = request.payload_length if header is None else header.record_length
-        if not self.budget.reserve(size, self.timeout):
-            raise TransportError(f"no room for a {size}-byte record from {channel.peer} within {self.timeout} s: "
-                                 f"the server holds {self.budget.limit} bytes for other transfers")
+    def _no_room(self) -> Reply:
+        return Reply(Status.BUSY, f"the server holds {self.budget.limit} bytes for other transfers "
+                                  f"(max_inflight_bytes) and none came free within {self.timeout} s".encode())
+
+    def _receive_once_reserved(self, channel: Channel, request: Message, size: int, granted: bool) -> Reply | None:
+        channel.start_deadline()  # the record has the whole timeout again: the wait was the server's
+        if granted:
+            return self._received(channel, request, size)
+        discard_payload(channel, request)  # read it all, so the channel stays in step
+        if request.op == Op.POST:
+            raise ProtocolError(f"refused a posted tensor: no room for it within {self.timeout} s")
+        return self._no_room()
+
+    def _received(self, channel: Channel, request: Message, size: int) -> Reply | None:
+        """Receive a request's record into `size` bytes reserved for it, store or queue it, and give the bytes
+        back; its reply (None for a posted tensor taken: a refused one closes the connection)."""
         try:
-            return self._store_received(channel, request, header, size)
+            status, meta = self._store_received(channel, request, request.header, size)
         finally:
             self.budget.release(size)
+        if request.op == Op.POST:
+            if status != Status.OK:
+                raise ProtocolError(f"refused a posted tensor: {meta.decode(errors='replace')}")
+            return None
+        return Reply(status, meta)
 
     def _store_received(self, channel: Channel, request: Message, header: RecordHeader | None,
                         size: int) -> tuple[Status, bytes]:
+        """Receive records whole and verified, then store or queue them; never store half a record."""
         record = self.records.allocate(size)
         if header is None:
             intact, _ = recv_payload(channel, request, record)
@@ -614,15 +629,6 @@ class ChannelServer(Server):
         except queue.Full:
             return Status.BUSY, f"the inbox holds {self.options.inbox_size} tensors nobody took yet".encode()
         return Status.OK, b""
-
-
-_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
-
-
-def _returned_memory(size: int) -> np.ndarray:
-    """A buffer of `size` bytes mapped on its own, so that its memory goes back to the system as soon as it is
-    dropped (the allocator would keep a large buffer freed by another thread for later)."""
-    return np.frombuffer(mmap.mmap(-1, max(size, 1), **_PRIVATE), np.uint8)[:size]
 
 
 def _replied(action: Callable[[], bytes | None]) -> tuple[Status, bytes]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, TransportError
-from .wire import Channel, IdleTimeout, PeerClosed
+from .wire import MERGED_PAYLOAD_BYTES, Channel, IdleTimeout, PeerClosed
 
 #: Receives shorter than this read whatever has arrived into a buffer of this size, so that a small
 #: message (control frame, head, payload, trailer) costs one system call instead of four.
@@ -179,6 +179,8 @@ class SocketChannel(Channel):
     def send_within(self, views: list[memoryview], seconds: float) -> list[memoryview]:
         """Send as much of `views` as the socket takes within `seconds` (0: without waiting); what is left."""
         deadline = time.monotonic() + seconds
+        if self._tls and len(views) > 1 and sum(view.nbytes for view in views) <= MERGED_PAYLOAD_BYTES:
+            views = [memoryview(b"".join(views))]  # one TLS record, one system call
         try:
             while views:
                 self._sock.settimeout(max(0.0, deadline - time.monotonic()) if seconds else 0.0)

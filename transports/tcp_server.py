@@ -38,7 +38,7 @@ from ..urls import join_host_port
 from .access import Scope
 from .channel import ChannelServer, Reply, ServerOptions, Wait
 from .sockets import READ_AHEAD_BYTES, SocketChannel, server_tls_context
-from .wire import CONTROL, Channel, IdleTimeout, Message, ProtocolError, recv_message
+from .wire import CONTROL, MAGIC, Channel, IdleTimeout, Message, Op, ProtocolError, recv_message
 
 #: Connections the kernel queues before the server accepts them.
 LISTEN_BACKLOG = 1024
@@ -131,10 +131,12 @@ class TcpServer(ChannelServer):
         self._selector.register(self._wake_reader, selectors.EVENT_READ, _WAKE)
         self._handed_back: queue.SimpleQueue[tuple[_Connection, _Phase]] = queue.SimpleQueue()
         self._unauthenticated: dict[_Connection, None] = {}  # in the order they came
+        self._accepting_again: float | None = None  # when a pause in accepting (no descriptors left) ends
         self._open: set[_Connection] = set()
         self._admitted = 0
         self._stopping = False
         self._queued = 0  # connections handed to the pool that no worker took yet
+        self._busy = 0  # workers serving a connection
         self._queue_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="dejavu-serve-worker")
         self._watcher = threading.Thread(target=self._watch, name=f"dejavu-serve {self.url}", daemon=True)
@@ -144,19 +146,22 @@ class TcpServer(ChannelServer):
     def _watch(self) -> None:
         next_check = 0.0
         while not self._stopping:
-            for key, _ in self._selector.select(_TICK):
-                if key.data is None:
-                    self._accept()
-                elif key.data is _WAKE:
-                    with contextlib.suppress(OSError):
-                        self._wake_reader.recv(4096)
-                else:
-                    self._on_ready(key.data)
-            self._take_back()
-            now = time.monotonic()
-            if now >= next_check:
-                self._expire(now)
-                next_check = now + _TICK
+            try:
+                for key, _ in self._selector.select(_TICK):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        with contextlib.suppress(OSError):
+                            self._wake_reader.recv(4096)
+                    else:
+                        self._on_ready(key.data)
+                self._take_back()
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + _TICK
+            except Exception:  # noqa: PERF203 - a bug here must cost one turn, never the server
+                self.log.exception("the watcher of %s failed a turn", self.url)
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
@@ -164,8 +169,10 @@ class TcpServer(ChannelServer):
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # out of file descriptors, say: try again on the next turn
-                self.log.warning("cannot accept a connection on %s: %s", self.url, error)
+            except OSError as error:  # out of file descriptors, say: pause instead of spinning on the listener
+                self.log.warning("cannot accept a connection on %s: %s; pausing for %s s", self.url, error, _TICK)
+                self._selector.unregister(self._listener)
+                self._accepting_again = time.monotonic() + _TICK
                 return
             sock.setblocking(False)
             phase = _Phase.HELLO
@@ -192,7 +199,7 @@ class TcpServer(ChannelServer):
                 self._send_more(connection)
             elif connection.phase is _Phase.IDLE:
                 self._dispatch(connection)
-        except (OSError, TransportError, ValueError) as error:
+        except Exception as error:  # whatever a client sent, only its connection pays
             self.log.warning("dropping %s (%s): %s", connection.peer, connection.phase.value, error)
             self._close(connection)
 
@@ -212,24 +219,27 @@ class TcpServer(ChannelServer):
         self._read_hello(connection)  # it may have come with the handshake's last flight
 
     def _read_hello(self, connection: _Connection) -> None:
-        ended = False
-        while not ended:
-            try:
-                data = connection.sock.recv(HELLO_BYTES)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                break
-            ended = not data
-            connection.hello += data
-            if len(connection.hello) > HELLO_BYTES:
-                raise ProtocolError(f"{len(connection.hello)} bytes and no HELLO yet")
-        if len(connection.hello) >= CONTROL.size:
-            received = _BytesChannel(bytes(connection.hello), connection.peer)
-            with contextlib.suppress(_Incomplete):
+        """Read the HELLO as far as it has come, no further than its control frame says it reaches; answer it
+        once whole."""
+        while True:
+            size = _hello_size(connection.hello, connection.peer)
+            if size is not None and len(connection.hello) >= size:
+                received = _BytesChannel(bytes(connection.hello), connection.peer)
                 self._welcome(connection, recv_message(received, self.limits), received.rest)
                 return
-        if ended:
-            self.log.info("%s left without saying HELLO", connection.peer)
-            self._close(connection)
+            try:
+                data = connection.sock.recv((size or CONTROL.size) - len(connection.hello))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                self._watch_for(connection, selectors.EVENT_READ)
+                return
+            except ssl.SSLWantWriteError:
+                self._watch_for(connection, selectors.EVENT_WRITE)
+                return
+            if not data:
+                self.log.info("%s left without saying HELLO", connection.peer)
+                self._close(connection)
+                return
+            connection.hello += data
 
     def _welcome(self, connection: _Connection, hello: Message, rest: bytes) -> None:
         """Answer a connection's HELLO: from now on it is authenticated (or refused, and closed once told)."""
@@ -287,7 +297,11 @@ class TcpServer(ChannelServer):
                 self._go_idle(connection)
 
     def _expire(self, now: float) -> None:
-        """Drop connections past their deadline: no HELLO in time, idle too long, a reply not read in time."""
+        """Drop connections past their deadline: no HELLO in time, idle too long, a reply not read in time; and
+        accept again after a pause."""
+        if self._accepting_again is not None and now >= self._accepting_again:
+            self._accepting_again = None
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
         for connection in list(self._unauthenticated):
             if now - connection.since < self.options.hello_timeout:
                 break  # in the order they came: the rest are younger
@@ -334,16 +348,24 @@ class TcpServer(ChannelServer):
         _close_socket(connection.sock)
 
     # ---- the workers ----------------------------------------------------------------------------
-    def _submit(self, connection: _Connection, resumed: Callable[[], Reply | Wait] | None) -> None:
+    def _submit(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
         with self._queue_lock:
             self._queued += 1
         self._pool.submit(self._work, connection, resumed)
 
-    def _work(self, connection: _Connection, resumed: Callable[[], Reply | Wait] | None) -> None:
+    def _work(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
         """Answer a connection's requests while they come (for up to `LINGER` seconds between two, while no
         other connection waits for a worker), then hand it back to the watcher."""
         with self._queue_lock:
             self._queued -= 1
+            self._busy += 1
+        try:
+            self._serve(connection, resumed)
+        finally:
+            with self._queue_lock:
+                self._busy -= 1
+
+    def _serve(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
         channel, scope = connection.channel, connection.scope
         assert channel is not None
         assert scope is not None
@@ -367,8 +389,9 @@ class TcpServer(ChannelServer):
                     channel.keep_unread()
                     self._hand_back(connection, _Phase.SENDING)
                     return
-                if not channel.buffered() and self._queued:
-                    break
+                outcome = None  # its copy goes now, not after the next request
+                if not channel.buffered() and (self._queued or self._busy >= self.options.workers):
+                    break  # no worker would be free for another connection's request meanwhile
             channel.keep_unread()
             self._hand_back(connection, _Phase.IDLE)
         except Exception as error:  # every way a connection ends is logged; none escapes
@@ -413,10 +436,27 @@ class TcpServer(ChannelServer):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self._open):  # workers' too: their next call on it fails, and they stop
             self._close(connection)
+        deadline = time.monotonic() + 10
+        while self._busy and time.monotonic() < deadline:  # none may touch the store once this returns
+            time.sleep(0.01)
         self._take_back()
         for sock in (self._listener, self._wake_reader, self._wake_writer):
             _close_socket(sock)
         self._selector.close()
+
+
+def _hello_size(received: bytearray, peer: str) -> int | None:
+    """How many bytes the HELLO that `received` begins takes, once its control frame is in (else None);
+    ProtocolError for a frame that cannot be a HELLO, before anything is allocated for it."""
+    if len(received) < CONTROL.size:
+        return None
+    magic, _, op, _, meta_length, header_length, payload_length, _ = CONTROL.unpack_from(received)
+    if magic != MAGIC:
+        raise ProtocolError(f"{peer} sent a frame that does not start with {MAGIC!r}")
+    if op != Op.HELLO or header_length or payload_length or CONTROL.size + meta_length > HELLO_BYTES:
+        raise ProtocolError(f"{peer} did not open with a HELLO (op {op}, {meta_length} + {header_length} + "
+                            f"{payload_length} bytes): a connection opens with HELLO and its token")
+    return CONTROL.size + meta_length
 
 
 _read_ahead = threading.local()

@@ -55,10 +55,16 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
                         f"has to say HELLO, TLS handshake included (default {base.HELLO_TIMEOUT:g})")
     parser.add_argument("--workers", type=int, default=base.WORKERS, help="tcp: threads that answer requests, "
                         f"whatever the number of connections (default {base.WORKERS})")
+    parser.add_argument("--timeout", type=float, default=base.SERVER_TIMEOUT, help="seconds a request has to "
+                        "arrive whole from its first byte, and a reply to be read, else the connection is dropped "
+                        f"(default {base.SERVER_TIMEOUT:g})")
+    parser.add_argument("--idle-timeout", type=float, default=base.IDLE_TIMEOUT, help="seconds a connection may "
+                        f"send no request before it is closed (default {base.IDLE_TIMEOUT:g})")
 
 
 def _limit_options(args: argparse.Namespace) -> dict[str, Any]:
-    options = {"max_inflight_bytes": args.max_inflight_bytes, "max_connections": args.max_connections}
+    options = {"max_inflight_bytes": args.max_inflight_bytes, "max_connections": args.max_connections,
+               "timeout": args.timeout, "idle_timeout": args.idle_timeout}
     if args.listen.startswith("tcp://"):
         options.update(max_unauthenticated=args.max_unauthenticated, hello_timeout=args.hello_timeout,
                        workers=args.workers)

@@ -166,7 +166,7 @@ class StoreTests:
         records.remove([names[0], "req-3/L0-1.T0-8"])  # a name never stored is ignored
         assert records.names("req-2/") == [names[1]]
         assert records.allocate(10).nbytes == 10
-        for flag in ("atomic_batches", "persistent", "shared", "lends_buffers"):
+        for flag in ("atomic_batches", "persistent", "shared", "lends_buffers", "resident"):
             assert isinstance(getattr(records, flag), bool), flag
 
     def test_a_batch_that_fails_midway_stores_nothing_if_batches_are_atomic(self, store: Store) -> None:
