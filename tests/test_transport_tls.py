@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +13,8 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing import ServedStoreProcess, random_tensor, same_bits, self_signed_certificate
+from dejavu_sdk.testing.frames import frame
+from dejavu_sdk.transports.wire import Op
 
 KEY = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 64))
 
@@ -75,3 +80,51 @@ def test_serve_store_speaks_tls_with_a_token_from_the_environment(certificate) -
                 link.send_tensor(torch.ones(1))  # nobody reads a store server's inbox
         with dv.open_transport(peer.url, tls=True, ca=cert, token="other") as link, pytest.raises(dv.AccessDenied):
             link.names("")
+
+
+def test_sockets_that_never_finish_a_handshake_cost_nothing_and_go_after_hello_timeout(certificate) -> None:
+    """The handshake runs without blocking anyone: 200 sockets that connect and send nothing (or half a
+    ClientHello) leave a TLS client with a token served at once, and are dropped after `hello_timeout`."""
+    cert, key = certificate
+    with dv.serve("tcp://127.0.0.1:0", MemoryStore(), tls_cert=cert, tls_key=key, token="t0ken",
+                  hello_timeout=1.0) as server:
+        host, port = server.url.removeprefix("tcp://").rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]
+        try:
+            silent[0].sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc")  # the start of a ClientHello, no more
+            started = time.monotonic()
+            with dv.open_transport(server.url, tls=True, ca=cert, token="t0ken", timeout=2) as link:
+                link.flush(KEY, torch.arange(64))
+                assert link.fetch(KEY).tolist() == list(range(64))
+            assert time.monotonic() - started < 1
+            for sock in (silent[0], silent[-1]):
+                sock.settimeout(3)
+                assert sock.recv(1) == b""
+        finally:
+            for sock in silent:
+                sock.close()
+
+
+def test_a_large_reply_to_a_reader_that_pauses_arrives_whole_over_tls(tls_server, certificate) -> None:
+    """The part of a reply the kernel cannot take at once is sent by the server's watcher as the reader drains
+    it: over TLS, a reader that stops for a while still gets every bit."""
+    block = random_tensor((12 << 20,), torch.uint8)
+    with dv.open_transport(tls_server.url, tls=True, ca=certificate[0], token="t0ken", timeout=10) as link:
+        link.flush(KEY, block)
+    host, port = tls_server.url.removeprefix("tcp://").rsplit(":", 1)
+    context = ssl.create_default_context(cafile=certificate[0])
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    with context.wrap_socket(raw, server_hostname=host) as sock:
+        sock.sendall(frame(Op.HELLO, b"dejavu-sdk\nt0ken") + frame(Op.GET, str(KEY).encode()))
+        received = bytearray(sock.recv(65536))
+        time.sleep(1.0)  # the server's send blocks: the watcher takes over the rest
+        deadline = time.monotonic() + 10
+        while len(received) < block.numel():
+            assert time.monotonic() < deadline
+            received += sock.recv(1 << 20)
+            if len(received) > block.numel() + 200:
+                break
+    payload = bytes(received)
+    start = payload.index(bytes(block[:64].numpy()))
+    assert payload[start:start + block.numel()] == bytes(block.numpy())
