@@ -46,7 +46,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     try:
         name = str(dtype).removeprefix("torch.")
     except Exception as error:  # an int past Python's digit limit, or an object whose __str__ fails
-        raise ConfigError(f"dtype {_shown(dtype)} is not a dtype; supported: {', '.join(DTYPE_CODES)}") from error
+        raise ConfigError(f"dtype {shown(dtype)} is not a dtype; supported: {', '.join(DTYPE_CODES)}") from error
     if name not in DTYPE_CODES:
         raise ConfigError(f"dtype {name!r} cannot be stored in a block; supported: {', '.join(DTYPE_CODES)}")
     return name
@@ -65,7 +65,7 @@ def check_stream_id(stream_id: object) -> str:
     text = str.__str__(stream_id) if isinstance(stream_id, str) else ""
     if not _STREAM_ID.fullmatch(text) or text in (".", ".."):
         raise ConfigError(
-            f"invalid stream_id {_shown(stream_id)}: use 1-200 characters from letters, digits and _.:@+=,~- "
+            f"invalid stream_id {shown(stream_id)}: use 1-200 characters from letters, digits and _.:@+=,~- "
             "(no '/', spaces or other separators; not '.' or '..')"
         )
     return text
@@ -75,7 +75,7 @@ def check_run(run: object) -> str:
     """Return `run` as a plain str if it is a valid run id ("" for none, else 1-32 lowercase hex digits)."""
     text = str.__str__(run) if isinstance(run, str) else None
     if text is None or (text and not _RUN_ID.fullmatch(text)):
-        raise ConfigError(f"invalid run {_shown(run)}: use '' (no run) or 1-32 lowercase hex digits, "
+        raise ConfigError(f"invalid run {shown(run)}: use '' (no run) or 1-32 lowercase hex digits, "
                           "e.g. uuid4().hex[:16]")
     return text
 
@@ -83,11 +83,11 @@ def check_run(run: object) -> str:
 def check_key(key: object) -> BlockKey:
     """Return `key` if it is a BlockKey; ConfigError otherwise."""
     if not isinstance(key, BlockKey):
-        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {_shown(key)}")
+        raise ConfigError(f"expected a dejavu_sdk.BlockKey, got {type(key).__name__} {shown(key)}")
     return key
 
 
-def _shown(text: object, limit: int = 120) -> str:
+def shown(text: object, limit: int = 120) -> str:
     """`text` for an error message, cut short: names come from stores and peers and may be huge.
 
     Never raises, so a bad argument always gets its ConfigError: `repr` fails for an int past Python's
@@ -110,16 +110,16 @@ def _range(value: object, what: str) -> tuple[int, int]:
     try:  # three items at most: an endless or huge iterable costs nothing
         pair = tuple(itertools.islice(cast("Iterable[object]", value), 3))
     except Exception as error:  # not iterable, or its __iter__ / __next__ failed
-        raise ConfigError(f"{what} must be a (start, stop) pair, got {_shown(value)}") from error
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {shown(value)}") from error
     if len(pair) != 2:
-        raise ConfigError(f"{what} must be a (start, stop) pair, got {_shown(value)}")
+        raise ConfigError(f"{what} must be a (start, stop) pair, got {shown(value)}")
     if not (_is_int(pair[0]) and _is_int(pair[1])):
-        raise ConfigError(f"{what} must hold integers, got {_shown(value)}")
+        raise ConfigError(f"{what} must hold integers, got {shown(value)}")
     start, stop = (int.__index__(cast("int", number)) for number in pair)  # plain ints, whatever the subclass
     if not 0 <= start < stop:
-        raise ConfigError(f"{what} range {_shown(value)} is empty or inverted: need 0 <= start < stop")
+        raise ConfigError(f"{what} range {shown(value)} is empty or inverted: need 0 <= start < stop")
     if stop >= INDEX_LIMIT:
-        raise ConfigError(f"{what} range {_shown(value)} reaches past 10**{MAX_INDEX_DIGITS}, "
+        raise ConfigError(f"{what} range {shown(value)} reaches past 10**{MAX_INDEX_DIGITS}, "
                           "the largest index a key names")
     return (start, stop)
 
@@ -162,7 +162,7 @@ class BlockKey:
         text = str.__str__(text) if isinstance(text, str) else text  # a subclass's own __ne__ never decides
         match = _KEY_TEXT.fullmatch(text) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"{_shown(text)} is not a block key: {_CANONICAL}")
+            raise ConfigError(f"{shown(text)} is not a block key: {_CANONICAL}")
         key = cls(
             match["stream"],
             layers=(int(match["a"]), int(match["b"])),
@@ -170,7 +170,7 @@ class BlockKey:
             run=match["run"] or "",
         )
         if str(key) != text:
-            raise ConfigError(f"{_shown(text)} is not the canonical name of block {key}: {_CANONICAL}")
+            raise ConfigError(f"{shown(text)} is not the canonical name of block {key}: {_CANONICAL}")
         return key
 
     @property
@@ -217,11 +217,11 @@ class ProgressKey:
         text = str.__str__(text) if isinstance(text, str) else text
         match = _PROGRESS_TEXT.fullmatch(text) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"{_shown(text)} is not a progress record name: the canonical spelling is "
+            raise ConfigError(f"{shown(text)} is not a progress record name: the canonical spelling is "
                               "'stream/r<run>.progress<log>.step<step>', as str(ProgressKey) writes it")
         key = cls(match["stream"], match["run"], int(match["log"]), int(match["step"]))
         if str(key) != text:
-            raise ConfigError(f"{_shown(text)} is not the canonical name of progress record {key}")
+            raise ConfigError(f"{shown(text)} is not the canonical name of progress record {key}")
         return key
 
     def next_step(self) -> ProgressKey:
@@ -246,13 +246,13 @@ def _index(value: object, what: str) -> int:
     """`value` as a plain int from 0 to `INDEX_LIMIT - 1`, the numbers a key's name can hold; ConfigError otherwise."""
     number = int.__index__(cast("int", value)) if _is_int(value) else -1
     if not 0 <= number < INDEX_LIMIT:
-        raise ConfigError(f"{what} must be an integer from 0 to 10**{MAX_INDEX_DIGITS} - 1, got {_shown(value)}")
+        raise ConfigError(f"{what} must be an integer from 0 to 10**{MAX_INDEX_DIGITS} - 1, got {shown(value)}")
     return number
 
 
 def _positive(_instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not _is_int(value) or cast("int", value) < 1:
-        raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {_shown(value)}")
+        raise ConfigError(f"KVSpec.{attribute.name} must be a positive integer, got {shown(value)}")
 
 
 @attrs.frozen

@@ -26,7 +26,7 @@ from typing import Any, TypeGuard
 
 import attrs
 
-from .blocks import DTYPE_CODES, BlockKey, ProgressKey, check_run
+from .blocks import DTYPE_CODES, BlockKey, ProgressKey, check_run, shown
 from .errors import ConfigError, CorruptBlock
 from .store import Store
 
@@ -148,7 +148,7 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
         raise schema.fail("format", "is missing")
     version = fields["format"]
     if not _is_int(version):
-        raise schema.fail("format", f"must be an integer, got {_shown(version)}")
+        raise schema.fail("format", f"must be an integer, got {shown(version)}")
     if version not in (3, FORMAT):
         raise ConfigError(f"stream {stream_id} was written by manifest format {version}; this SDK reads formats "
                           f"3 and {FORMAT}. Finish it with the SDK that started it, or delete it with "
@@ -165,14 +165,14 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
         raise schema.fail(extra[0], f"is not a field of manifest format {FORMAT} (unknown: {', '.join(extra)})")
 
     if given["stream_id"] != stream_id:
-        raise schema.fail("stream_id", f"is {_shown(given['stream_id'])}: the manifest belongs to another stream")
+        raise schema.fail("stream_id", f"is {shown(given['stream_id'])}: the manifest belongs to another stream")
     run = given["run"]
     if not isinstance(run, str) or not run:
-        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {_shown(run)}")
+        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {shown(run)}")
     try:
         check_run(run)
     except ConfigError:
-        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {_shown(run)}") from None
+        raise schema.fail("run", f"must be a run id of 1-32 lowercase hex digits, got {shown(run)}") from None
 
     rows, prompt = schema.rows("input_ids", given["input_ids"])
     schema.rows("attention_mask", given["attention_mask"], shape=(rows, prompt), values=(0, 1))
@@ -183,13 +183,13 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
     if within is not None and (isinstance(within, bool) or not isinstance(within, (int, float))
                                or not 0 < within < math.inf):
         raise schema.fail("replicate_within_ms", f"must be a positive, finite number of milliseconds or null, got "
-                          f"{_shown(within)}")
+                          f"{shown(within)}")
     if given["prompt_streaming"] not in ("layerwise", "after"):
         raise schema.fail("prompt_streaming", f"must be \"layerwise\" or \"after\", got "
-                          f"{_shown(given['prompt_streaming'])}")
+                          f"{shown(given['prompt_streaming'])}")
     eos = given["eos_token_id"]
     if not isinstance(eos, list):
-        raise schema.fail("eos_token_id", f"must be a list of token ids, got {_shown(eos)}")
+        raise schema.fail("eos_token_id", f"must be a list of token ids, got {shown(eos)}")
     for index, token in enumerate(eos):
         schema.integer(f"eos_token_id[{index}]", token)
     if given["pad_token_id"] is not None:
@@ -203,7 +203,7 @@ def check_manifest(fields: object, stream_id: str) -> dict[str, Any]:
         raise schema.fail("durable_positions", f"is {durable}, past the {length} positions of prompt and tokens")
     schema.blocks(given["blocks"], run, given["geometry"]["layers"], length)
     if not isinstance(given["finished"], bool):
-        raise schema.fail("finished", f"must be true or false, got {_shown(given['finished'])}")
+        raise schema.fail("finished", f"must be true or false, got {shown(given['finished'])}")
     schema.sampling(given["sampling"], given["rng"])
     schema.integer("log", given["log"])
     return given
@@ -222,7 +222,7 @@ class _Schema:
 
     def integer(self, field: str, value: object, minimum: int = 0) -> int:
         if not _is_int(value):
-            raise self.fail(field, f"must be an integer, got {_shown(value)}")
+            raise self.fail(field, f"must be an integer, got {shown(value)}")
         if value < minimum:
             raise self.fail(field, f"must be at least {minimum}, got {value}")
         return value
@@ -231,7 +231,7 @@ class _Schema:
              values: tuple[int, int] | None = None, empty_rows: bool = False) -> tuple[int, int]:
         """(rows, width) of a list of equally long lists of ints >= 0 (within `values` when given)."""
         if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
-            raise self.fail(field, f"must be a list of rows (lists of integers), got {_shown(value)}")
+            raise self.fail(field, f"must be a list of rows (lists of integers), got {shown(value)}")
         if not value:
             raise self.fail(field, "has no rows")
         width = len(value[0])
@@ -263,16 +263,16 @@ class _Schema:
         except (ValueError, RecursionError) as error:
             raise self.fail(name, f"cannot be read: {error}") from None
         if not isinstance(record, dict) or record.keys() != PROGRESS_FIELDS.keys():
-            raise self.fail(name, f"must hold exactly {', '.join(PROGRESS_FIELDS)}; got {_shown(record)}")
+            raise self.fail(name, f"must hold exactly {', '.join(PROGRESS_FIELDS)}; got {shown(record)}")
         for field, kind in PROGRESS_FIELDS.items():
             if not isinstance(record[field], kind) or isinstance(record[field], bool):
-                raise self.fail(f"{field} of {name}", f"must be a {kind.__name__}, got {_shown(record[field])}")
+                raise self.fail(f"{field} of {name}", f"must be a {kind.__name__}, got {shown(record[field])}")
         self.rows(f"tokens of {name}", record["tokens"], shape=(rows, None), empty_rows=True)
         return record
 
     def geometry(self, value: object, rows: int) -> None:
         if not isinstance(value, dict):
-            raise self.fail("geometry", f"must be an object, got {_shown(value)}")
+            raise self.fail("geometry", f"must be an object, got {shown(value)}")
         missing, extra = sorted(GEOMETRY_FIELDS.keys() - value.keys()), sorted(value.keys() - GEOMETRY_FIELDS.keys())
         if missing or extra:
             raise self.fail("geometry", f"must hold exactly {', '.join(GEOMETRY_FIELDS)}; "
@@ -281,7 +281,7 @@ class _Schema:
             if kind is int:
                 self.integer(f"geometry.{name}", value[name], minimum=1)
             elif not isinstance(value[name], str) or not value[name]:
-                raise self.fail(f"geometry.{name}", f"must be a non-empty string, got {_shown(value[name])}")
+                raise self.fail(f"geometry.{name}", f"must be a non-empty string, got {shown(value[name])}")
         if value["dtype"] not in DTYPE_CODES:
             raise self.fail("geometry.dtype", f"{value['dtype']!r} is not a dtype blocks hold")
         if value["batch"] != rows:
@@ -290,23 +290,23 @@ class _Schema:
     def sampling(self, value: object, rng: object) -> None:
         """`sampling` is null for greedy streams, with no generator state; else its fields, and a state."""
         if not isinstance(rng, str):
-            raise self.fail("rng", f"must be a string, got {_shown(rng)}")
+            raise self.fail("rng", f"must be a string, got {shown(rng)}")
         if value is None:
             if rng:
                 raise self.fail("rng", "is set, but the stream is greedy (sampling is null)")
             return
         if not isinstance(value, dict) or value.keys() != SAMPLING_FIELDS.keys():
             raise self.fail("sampling", f"must be null or hold exactly {', '.join(SAMPLING_FIELDS)}; got "
-                                        f"{_shown(value)}")
+                                        f"{shown(value)}")
         for name, kind in SAMPLING_FIELDS.items():
             if not isinstance(value[name], kind) or isinstance(value[name], bool):
-                raise self.fail(f"sampling.{name}", f"must be a {kind.__name__}, got {_shown(value[name])}")
+                raise self.fail(f"sampling.{name}", f"must be a {kind.__name__}, got {shown(value[name])}")
         for name, setting in value["settings"].items():
             if not isinstance(setting, (int, float, str)) and setting is not None:
                 raise self.fail(f"sampling.settings.{name}", f"must be a number, a string or null, got "
-                                                             f"{_shown(setting)}")
+                                                             f"{shown(setting)}")
         if not all(isinstance(version, str) for version in value["versions"].values()):
-            raise self.fail("sampling.versions", f"must map names to version strings, got {_shown(value['versions'])}")
+            raise self.fail("sampling.versions", f"must map names to version strings, got {shown(value['versions'])}")
         try:
             base64.b64decode(rng, validate=True)
         except ValueError:
@@ -316,11 +316,11 @@ class _Schema:
 
     def blocks(self, value: object, run: str, layers: int, length: int) -> None:
         if not isinstance(value, list):
-            raise self.fail("blocks", f"must be a list of block names, got {_shown(value)}")
+            raise self.fail("blocks", f"must be a list of block names, got {shown(value)}")
         for index, name in enumerate(value):
             field = f"blocks[{index}]"
             if not isinstance(name, str):
-                raise self.fail(field, f"must be a block name, got {_shown(name)}")
+                raise self.fail(field, f"must be a block name, got {shown(name)}")
             try:
                 key = BlockKey.parse(name)
             except ConfigError as error:
@@ -376,8 +376,3 @@ def _is_int(value: object) -> TypeGuard[int]:
 def _json_type(value: object) -> str:
     names = {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
     return names.get(type(value), type(value).__name__)
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= limit else f"{shown[:limit]}..."
