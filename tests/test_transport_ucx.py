@@ -25,3 +25,18 @@ def test_an_idle_connection_is_closed_and_the_client_reopens_it(caplog) -> None:
             time.sleep(0.05)
         time.sleep(1.0)  # UCX tells the client's endpoint of the close asynchronously
         assert link.fetch(key).tolist() == [0, 1, 2, 3]  # reopened, no error
+
+
+def test_a_connection_that_never_says_hello_is_dropped_after_hello_timeout(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
+    with dv.serve("ucx://127.0.0.1:0", "memory://", hello_timeout=0.5) as server, \
+            dv.open_transport(server.url, timeout=10) as silent, dv.open_transport(server.url, timeout=10) as link:
+        channel = silent._connect()  # connected, and nothing sent
+        try:
+            link.flush(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4)), torch.arange(4))  # others are served
+            deadline = time.monotonic() + 10
+            while not any("no HELLO within 0.5 s" in record.message for record in caplog.records):
+                assert time.monotonic() < deadline, "the silent connection was kept"
+                time.sleep(0.05)
+        finally:
+            channel.close()

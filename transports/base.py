@@ -34,7 +34,7 @@ IDLE_TIMEOUT = 600.0
 MAX_CONNECTIONS = 256
 #: Tensors a server's inbox holds before refusing more with ServerBusy.
 INBOX_SIZE = 64
-#: Seconds a new connection has to say HELLO (TLS handshake included) before a tcp:// server drops it.
+#: Seconds a new connection has to say HELLO (TLS handshake included) before a server drops it.
 HELLO_TIMEOUT = 5.0
 #: Connections a tcp:// server holds that have not said HELLO yet; the oldest goes when one more comes.
 MAX_UNAUTHENTICATED = 128

@@ -288,12 +288,12 @@ class ServerOptions:
     `accept_tensors`: whether peers may send tensors (a store server nobody reads tensors from says no);
     `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy); a posted tensor
     waits up to `timeout` for room instead, holding its sender back.
-    `max_inflight_bytes`: memory for records on their way in or out (copies of records a store lends, such
-    as LMDB's, and records being received), shared by every connection; a transfer that does not fit waits
-    up to `timeout` for room, then gets ServerBusy. A record larger than this is served alone.
-    tcp:// servers also take: `hello_timeout`, seconds a new connection has to open with its HELLO (TLS
-    handshake included); `max_unauthenticated`, connections that have not yet done so, held apart from
-    `max_connections` (when full, the oldest is dropped for the newest); `workers`, threads that answer
+    `max_inflight_bytes`: memory for records on their way in or out (copies a GET makes, records being
+    received), shared by every connection; a transfer that does not fit waits up to `timeout` for room, then
+    gets ServerBusy. A record larger than this is served alone. `hello_timeout`: seconds a new connection has
+    to open with its HELLO (TLS handshake included; gloo links have no such wait).
+    tcp:// servers also take: `max_unauthenticated`, connections that have not said HELLO yet, held apart
+    from `max_connections` (when full, the oldest is dropped for the newest); `workers`, threads that answer
     requests (one more watches every socket), whatever the number of connections.
     """
 
@@ -451,11 +451,17 @@ class ChannelServer(Server):
             admitted = self._connections < self.options.max_connections
             self._connections += admitted
         try:
-            hello = recv_message(channel, self.limits, idle=True)
+            channel.set_idle_timeout(self.options.hello_timeout)
+            try:
+                hello = recv_message(channel, self.limits, idle=True)
+            except IdleTimeout:
+                self.log.warning("dropping %s: no HELLO within %s s", channel.peer, self.options.hello_timeout)
+                return
             scope, reply = self.greet(hello, admitted, channel.peer)
             reply.send(channel)
             if scope is None:
                 return
+            channel.set_idle_timeout(self.options.idle_timeout)
             while True:
                 outcome = self.respond(channel, recv_message(channel, self.limits, idle=True), scope)
                 while isinstance(outcome, Wait):

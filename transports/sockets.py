@@ -71,6 +71,9 @@ class SocketChannel(Channel):
             raise TimeoutError
         return left
 
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        self._idle_timeout = seconds
+
     def closed_by_peer(self) -> bool:
         # Between requests the server sends nothing: readable means its close (or a protocol error), except
         # on TLS, where the socket may hold protocol records (session tickets) that carry no data.

@@ -77,6 +77,9 @@ class UcxChannel(Channel):
         self.peer = peer
         self._timeout, self._idle_timeout = timeout, idle_timeout
 
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        self._idle_timeout = seconds
+
     def closed_by_peer(self) -> bool:
         return bool(self._endpoint.closed)
 

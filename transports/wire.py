@@ -108,6 +108,10 @@ class Channel(ABC):
     def start_deadline(self) -> None:  # noqa: B027 - optional: channels whose every call is bounded need none
         """Start the deadline of one message: the rest of it must be sent or received within the timeout."""
 
+    def set_idle_timeout(self, seconds: float | None) -> None:  # noqa: B027 - optional, as above
+        """How long `recv_into(idle=True)` waits for a message's first byte from now on (None: forever);
+        channels whose links fix their waits when they form (torch.distributed) keep theirs."""
+
     def closed_by_peer(self) -> bool:
         """Whether the peer has already closed this channel, between requests (an idle timeout): a client
         then opens a new one instead of sending into a dead one. Channels that cannot tell say False."""

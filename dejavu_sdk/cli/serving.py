@@ -51,8 +51,8 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-unauthenticated", type=int, default=base.MAX_UNAUTHENTICATED, help="tcp: connections "
                         "that have not said HELLO yet, held apart from --max-connections; when full, the oldest is "
                         f"dropped (default {base.MAX_UNAUTHENTICATED})")
-    parser.add_argument("--hello-timeout", type=float, default=base.HELLO_TIMEOUT, help="tcp: seconds a connection "
-                        f"has to say HELLO, TLS handshake included (default {base.HELLO_TIMEOUT:g})")
+    parser.add_argument("--hello-timeout", type=float, default=base.HELLO_TIMEOUT, help="seconds a connection has "
+                        f"to say HELLO, TLS handshake included (default {base.HELLO_TIMEOUT:g})")
     parser.add_argument("--workers", type=int, default=base.WORKERS, help="tcp: threads that answer requests, "
                         f"whatever the number of connections (default {base.WORKERS})")
     parser.add_argument("--timeout", type=float, default=base.SERVER_TIMEOUT, help="seconds a request has to "
@@ -64,10 +64,9 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _limit_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"max_inflight_bytes": args.max_inflight_bytes, "max_connections": args.max_connections,
-               "timeout": args.timeout, "idle_timeout": args.idle_timeout}
+               "timeout": args.timeout, "idle_timeout": args.idle_timeout, "hello_timeout": args.hello_timeout}
     if args.listen.startswith("tcp://"):
-        options.update(max_unauthenticated=args.max_unauthenticated, hello_timeout=args.hello_timeout,
-                       workers=args.workers)
+        options.update(max_unauthenticated=args.max_unauthenticated, workers=args.workers)
     return options
 
 
