@@ -80,12 +80,8 @@ class _Connection:
     events: int = 0  # what the watcher's selector waits for on it (0: not registered)
 
 
-class _Incomplete(Exception):
-    """A HELLO whose bytes have not all arrived."""
-
-
 class _BytesChannel(Channel):
-    """Bytes already received, read as a channel: parses a HELLO that arrived in pieces."""
+    """Bytes already received, read as a channel: parses a HELLO that arrived in pieces (all of them)."""
 
     byte_stream = True
 
@@ -102,7 +98,7 @@ class _BytesChannel(Channel):
     def recv_into(self, buffer: np.ndarray, idle: bool = False) -> None:
         end = self._at + buffer.nbytes
         if end > len(self._data):
-            raise _Incomplete
+            raise ProtocolError(f"{self.peer} sent a HELLO shorter than its control frame says")
         buffer.data.cast("B")[:] = self._data[self._at:end]
         self._at = end
 
