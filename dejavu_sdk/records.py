@@ -93,6 +93,11 @@ class RecordStore(ABC):
     def remove(self, names: Sequence[str]) -> None:
         """Delete the records under `names`; names already gone are ignored."""
 
+    def record_size(self, name: str) -> int | None:
+        """The size of record `name` when the store knows it without reading the record (a local file's), else
+        None: a server reserves the memory for a read before making it."""
+        return None
+
     def allocate(self, nbytes: int) -> np.ndarray:
         """A writable uint8 buffer for one record about to be put; memory stores return memory they keep."""
         return np.empty(nbytes, dtype=np.uint8)

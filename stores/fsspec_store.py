@@ -19,7 +19,7 @@ import numpy as np
 from fsspec.registry import known_implementations
 
 from ..errors import BackendUnavailable, BlockNotFound, StoreError
-from ..records import NamedRecord, RecordStore, record_array, returned_memory
+from ..records import NamedRecord, RecordStore, record_array
 from ..store import Store
 from ..urls import ParsedURL
 
@@ -89,11 +89,19 @@ class FsspecRecords(RecordStore):
                 raise BlockNotFound(f"no block {name} in {self.url}") from None
         yield record
 
+    def record_size(self, name: str) -> int | None:
+        if not self._local:
+            return None  # asking an object store costs a request of its own
+        with _translated(self.url):
+            try:
+                return os.stat(self._path(name)).st_size
+            except FileNotFoundError:
+                raise BlockNotFound(f"no block {name} in {self.url}") from None
+
     def _read_local(self, name: str) -> np.ndarray:
-        """Read a local file straight into one buffer (fsspec's cat_file would copy it twice), whose memory goes
-        back to the system once the caller drops it."""
+        """Read a local file straight into one buffer (fsspec's cat_file would copy it twice)."""
         with open(self._path(name), "rb") as file:
-            record = returned_memory(os.fstat(file.fileno()).st_size)
+            record = np.empty(os.fstat(file.fileno()).st_size, dtype=np.uint8)
             return record[:file.readinto(record.data)]
 
     def names(self, prefix: str) -> list[str]:

@@ -154,12 +154,14 @@ def _stalled_reader(server: dv.transports.Server) -> socket.socket:
 
 @needs_proc
 @pytest.mark.slow
-def test_100_slow_readers_of_a_16_mib_block_hold_max_inflight_bytes_and_give_it_back(tmp_path) -> None:
-    """An LMDB store (blocks are copied out of the map to be sent): 100 readers that read slowly hold at most
-    `--max-inflight-bytes` of copies between them, not one each, and the memory goes back when they leave."""
+@pytest.mark.parametrize("scheme", ["lmdb", "file"])
+def test_100_slow_readers_of_a_16_mib_block_hold_max_inflight_bytes_and_give_it_back(tmp_path, scheme: str) -> None:
+    """LMDB (blocks copied out of the map to be sent) and files (read into memory to be sent): 100 readers that
+    read slowly hold at most `--max-inflight-bytes` of copies between them, not one each, and the memory goes
+    back when they leave."""
     limit = 40 * MIB  # two copies of the block at a time
     block = torch.randint(0, 256, (16 * MIB,), dtype=torch.uint8)
-    with ServedStoreProcess("tcp", f"lmdb://{tmp_path / 'store'}", quiet=True,
+    with ServedStoreProcess("tcp", f"{scheme}://{tmp_path / 'store'}", quiet=True,
                             options=["--max-inflight-bytes", "40MiB"]) as served:
         pid = served.process.pid
         with dv.open_transport(served.url) as writer:

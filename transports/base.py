@@ -42,6 +42,9 @@ MAX_UNAUTHENTICATED = 128
 WORKERS = 16
 #: Bytes of records a server holds for transfers at once (copies out of LMDB, records being received).
 MAX_INFLIGHT_BYTES = 256 << 20
+#: Seconds a transfer waits for room among those bytes (at most the server's timeout) before ServerBusy:
+#: well within a client's own timeout, so that the client hears why.
+ROOM_WAIT = 10.0
 
 
 class Transport(RecordStore, BlockStreaming):

@@ -10,6 +10,7 @@ alone, when nothing else is in flight.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from collections.abc import Callable
 import attrs
 
 from ..errors import ConfigError
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -88,8 +91,7 @@ class InflightBudget:
             self._used -= size
             ready = self._grant()
             self._lock.notify_all()
-        for waiter in ready:
-            waiter.granted(True)
+        self._tell(ready, True)
 
     def expire(self, now: float) -> None:
         """Tell each waiter whose deadline is past that it gets nothing."""
@@ -98,10 +100,19 @@ class InflightBudget:
             for waiter in late:
                 self._waiters.remove(waiter)
             ready = self._grant()
-        for waiter in late:
-            waiter.granted(False)
-        for waiter in ready:
-            waiter.granted(True)
+        self._tell(late, False)
+        self._tell(ready, True)
+
+    def _tell(self, waiters: list[_Waiter], granted: bool) -> None:
+        """Call each waiter's `granted`; one that fails is logged and its bytes given back, and the rest still
+        hear."""
+        for waiter in waiters:
+            try:
+                waiter.granted(granted)
+            except Exception:  # noqa: PERF203 - each waiter on its own
+                _log.exception("a waiter for %d bytes failed to take its answer", waiter.size)
+                if granted:
+                    self.release(waiter.size)
 
     def _grant(self) -> list[_Waiter]:
         """Reserve for the waiters at the front that fit now; called with the lock held."""

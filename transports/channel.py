@@ -47,6 +47,7 @@ from .base import (
     MAX_CONNECTIONS,
     MAX_INFLIGHT_BYTES,
     MAX_UNAUTHENTICATED,
+    ROOM_WAIT,
     SERVER_TIMEOUT,
     WORKERS,
     Server,
@@ -289,9 +290,10 @@ class ServerOptions:
     `inbox_size`: tensors held for `recv_tensor`, beyond which more are refused (ServerBusy); a posted tensor
     waits up to `timeout` for room instead, holding its sender back.
     `max_inflight_bytes`: memory for records on their way in or out (copies a GET makes, records being
-    received), shared by every connection; a transfer that does not fit waits up to `timeout` for room, then
-    gets ServerBusy. A record larger than this is served alone. `hello_timeout`: seconds a new connection has
-    to open with its HELLO (TLS handshake included; gloo links have no such wait).
+    received), shared by every connection; a transfer that does not fit waits up to `ROOM_WAIT` (10 s, at most
+    `timeout`) for room, then gets ServerBusy. A record larger than this is served alone.
+    `hello_timeout`: seconds a new connection has to open with its HELLO (TLS handshake included; gloo links
+    have no such wait).
     tcp:// servers also take: `max_unauthenticated`, connections that have not said HELLO yet, held apart
     from `max_connections` (when full, the oldest is dropped for the newest); `workers`, threads that answer
     requests (one more watches every socket), whatever the number of connections.
@@ -434,6 +436,8 @@ class ChannelServer(Server):
         self.timeout = options.timeout
         self.limits = Limits(max_record_bytes=options.max_record_bytes)
         self.budget = InflightBudget(options.max_inflight_bytes)
+        #: Seconds a transfer waits for room in the budget before ServerBusy.
+        self.room_wait = ROOM_WAIT if options.timeout is None else min(ROOM_WAIT, options.timeout)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=options.inbox_size)
         self._connections = 0
@@ -465,7 +469,7 @@ class ChannelServer(Server):
             while True:
                 outcome = self.respond(channel, recv_message(channel, self.limits, idle=True), scope)
                 while isinstance(outcome, Wait):
-                    outcome = outcome.resume(self.budget.reserve(outcome.size, self.timeout))
+                    outcome = outcome.resume(self.budget.reserve(outcome.size, self.room_wait))
                 if outcome is not None:
                     outcome.send(channel)
         except Exception as error:  # every way a connection ends is logged; none escapes
@@ -533,7 +537,7 @@ class ChannelServer(Server):
                 name = _block_name(request.text)
             except ConfigError as error:
                 return Reply(*_error_reply(error))
-            return self._get(name)
+            return self._get(channel, name)
         if request.op == Op.HELLO:
             raise ProtocolError("HELLO twice on one connection")
         if request.op == Op.LIST:
@@ -544,23 +548,29 @@ class ChannelServer(Server):
                                                                 for name in request.text.split("\n")])))
         raise ProtocolError(f"{request.op.name} is not a request")
 
-    def _get(self, name: str, held: int = 0) -> Reply | Wait:
+    def _get(self, channel: Channel, name: str, held: int = 0) -> Reply | Wait:
         """The record `name` for a reply. A store that keeps it in memory (`resident`) lends it as kept; any
         other read makes a copy, held in the in-flight budget until it is sent (`held`: bytes already reserved
-        for this request): a store's own copy (files, objects) as it is, a record lent by the store (LMDB)
-        copied out of its read transaction, so that a slow reader holds none, into memory that goes back to
-        the system once sent."""
+        for this request; reserved before the read where the store knows the size): a store's own copy
+        (files, objects) as it is, a record lent by the store (LMDB) copied out of its read transaction, so
+        that a slow reader holds none, into memory that goes back to the system once sent."""
         try:
+            if not self.records.resident:
+                expected = self.records.record_size(name)
+                if expected is not None and expected != held:
+                    reserved = self._reserve_instead(held, expected)
+                    if reserved is None:
+                        return Wait(expected, functools.partial(self._get_once_reserved, channel, name, expected))
+                    held = reserved
             with self.records.get_record(name) as stored:
                 if self.records.resident:
                     return Reply(record=OutgoingRecord.from_record(stored, name))
                 size = memoryview(stored).nbytes
-                if size != held:  # the first try, or the record changed while this request waited
-                    self.budget.release(held)
-                    held = 0
-                    if not self.budget.try_reserve(size):
-                        return Wait(size, functools.partial(self._get_once_reserved, name, size))
-                    held = size
+                if size != held:  # unknown before the read, or the record changed meanwhile
+                    reserved = self._reserve_instead(held, size)
+                    if reserved is None:
+                        return Wait(size, functools.partial(self._get_once_reserved, channel, name, size))
+                    held = reserved
                 copy = stored
                 if self.records.lends_buffers:
                     copy = returned_memory(size)
@@ -574,22 +584,30 @@ class ChannelServer(Server):
             raise
         return Reply(record=record, release=functools.partial(self.budget.release, held))
 
-    def _get_once_reserved(self, name: str, size: int, granted: bool) -> Reply | Wait:
+    def _reserve_instead(self, held: int, size: int) -> int | None:
+        """Give back `held` bytes and reserve `size` if they fit now (nobody waiting first): `size`, or None."""
+        self.budget.release(held)
+        return size if self.budget.try_reserve(size) else None
+
+    def _get_once_reserved(self, channel: Channel, name: str, size: int, granted: bool) -> Reply | Wait:
+        if channel.closed_by_peer():  # the reader gave up waiting: read nothing for it
+            self.budget.release(size if granted else 0)
+            raise PeerClosed(f"{channel.peer} left while its GET waited for room")
         if not granted:
             return self._no_room()
-        return self._get(name, size)
+        return self._get(channel, name, size)
 
     def _no_room(self) -> Reply:
         return Reply(Status.BUSY, f"the server holds {self.budget.limit} bytes for other transfers "
-                                  f"(max_inflight_bytes) and none came free within {self.timeout} s".encode())
+                                  f"(max_inflight_bytes) and none came free within {self.room_wait} s".encode())
 
     def _receive_once_reserved(self, channel: Channel, request: Message, size: int, granted: bool) -> Reply | None:
         channel.start_deadline()  # the record has the whole timeout again: the wait was the server's
         if granted:
             return self._received(channel, request, size)
+        if request.op == Op.POST:  # refused by closing the connection: no need to read the tensor first
+            raise ProtocolError(f"refused a posted tensor: no room for it within {self.room_wait} s")
         discard_payload(channel, request)  # read it all, so the channel stays in step
-        if request.op == Op.POST:
-            raise ProtocolError(f"refused a posted tensor: no room for it within {self.timeout} s")
         return self._no_room()
 
     def _received(self, channel: Channel, request: Message, size: int) -> Reply | None:

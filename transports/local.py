@@ -41,6 +41,7 @@ class LocalTransport(Transport):
         # The records are the store's own: so are its promises.
         self.atomic_batches = store.records.atomic_batches
         self.persistent, self.shared = store.records.persistent, store.records.shared
+        self.lends_buffers, self.resident = store.records.lends_buffers, store.records.resident
         self._side_streams: dict[torch.device, Any] = {}
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue()
         self._closed = False
@@ -133,6 +134,10 @@ class LocalTransport(Transport):
     def get_record(self, name: str) -> contextlib.AbstractContextManager[Any]:
         self._check_open()
         return self.store.records.get_record(name)
+
+    def record_size(self, name: str) -> int | None:
+        self._check_open()
+        return self.store.records.record_size(name)
 
     def names(self, prefix: str) -> list[str]:
         self._check_open()

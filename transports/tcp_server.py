@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
+import errno
 import functools
 import queue
 import selectors
@@ -51,6 +52,7 @@ LINGER = 0.05
 _TICK = 0.1  # seconds between checks of every deadline
 _ACCEPTS_PER_TURN = 64
 _WAKE = object()
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class _Phase(enum.Enum):
@@ -128,6 +130,7 @@ class TcpServer(ChannelServer):
         self._handed_back: queue.SimpleQueue[tuple[_Connection, _Phase]] = queue.SimpleQueue()
         self._unauthenticated: dict[_Connection, None] = {}  # in the order they came
         self._accepting_again: float | None = None  # when a pause in accepting (no descriptors left) ends
+        self._paused_since = 0.0  # when accepting last failed for want of descriptors (0: it works)
         self._open: set[_Connection] = set()
         self._admitted = 0
         self._stopping = False
@@ -165,11 +168,17 @@ class TcpServer(ChannelServer):
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # out of file descriptors, say: pause instead of spinning on the listener
-                self.log.warning("cannot accept a connection on %s: %s; pausing for %s s", self.url, error, _TICK)
-                self._selector.unregister(self._listener)
+            except OSError as error:
+                if error.errno not in _OUT_OF_RESOURCES:  # that one connection failed: go on with the next
+                    continue
+                if not self._paused_since:  # said once per stretch without descriptors, not every pause
+                    self.log.warning("cannot accept connections on %s: %s; pausing %s s at a time", self.url, error,
+                                     _TICK)
+                    self._paused_since = time.monotonic()
+                self._selector.unregister(self._listener)  # instead of spinning on a listener that stays readable
                 self._accepting_again = time.monotonic() + _TICK
                 return
+            self._paused_since = 0.0
             sock.setblocking(False)
             phase = _Phase.HELLO
             if self._tls is not None:
@@ -378,7 +387,7 @@ class TcpServer(ChannelServer):
                     outcome, resumed = resumed(), None
                 if isinstance(outcome, Wait):
                     channel.keep_unread()
-                    deadline = time.monotonic() + (self.timeout if self.timeout is not None else float("inf"))
+                    deadline = time.monotonic() + self.room_wait
                     self.budget.wait(outcome.size, deadline, functools.partial(self._resume, connection, outcome))
                     return
                 if outcome is not None and self._sent_part(connection, outcome):
@@ -411,11 +420,13 @@ class TcpServer(ChannelServer):
         return True
 
     def _resume(self, connection: _Connection, wait: Wait, granted: bool) -> None:
-        if self._stopping:
+        try:
+            if self._stopping:
+                raise RuntimeError("stopping")
+            self._submit(connection, functools.partial(wait.resume, granted))
+        except RuntimeError:  # the pool is shut down: nobody will carry the request on
             if granted:
                 self.budget.release(wait.size)
-            return
-        self._submit(connection, functools.partial(wait.resume, granted))
 
     def _hand_back(self, connection: _Connection, phase: _Phase) -> None:
         """Give a connection back to the watcher, which alone changes its phase from `WORKING`."""

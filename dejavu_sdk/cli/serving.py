@@ -10,8 +10,10 @@ Nobody reads a store server's inbox, so it refuses tensors.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import ipaddress
 import os
+import sys
 from typing import Any
 
 from ..controller import limits
@@ -29,12 +31,29 @@ def _serve_store(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     options = {**_access_options(args), **_limit_options(args)}
+    _give_back_large_buffers()
     with dejavu_sdk.open_store(args.store) as store, \
             dejavu_sdk.serve(args.listen, store, accept_tensors=False, **options) as server:
         print(f"serving {store.url} at {server.url}", flush=True)
         stop.wait()
         logging.info("stopping")
     return 0
+
+
+def _give_back_large_buffers() -> None:
+    """With glibc, give every buffer of 256 KiB or more a mapping of its own, returned to the system when it is
+    freed: glibc raises that threshold as large buffers come and go (a server's copies for its readers), then
+    keeps what they freed, so a server whose readers have left would keep their memory."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 256 << 10)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def _limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +63,8 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--max-inflight-bytes", type=parse_size, default=base.MAX_INFLIGHT_BYTES, help="memory for "
                         "records on their way in or out (copies out of LMDB, records being received), all connections "
-                        "together: 4096, 512KiB, 64MiB, 1GiB (default 256MiB); a transfer waits for room, up to the "
-                        "server's timeout, then gets ServerBusy")
+                        "together: 4096, 512KiB, 64MiB, 1GiB (default 256MiB); a transfer waits for room up to 10 s "
+                        "(at most --timeout), then gets ServerBusy")
     parser.add_argument("--max-connections", type=int, default=base.MAX_CONNECTIONS, help="authenticated "
                         f"connections at once; one more gets ServerBusy (default {base.MAX_CONNECTIONS})")
     parser.add_argument("--max-unauthenticated", type=int, default=base.MAX_UNAUTHENTICATED, help="tcp: connections "
