@@ -156,6 +156,10 @@ class RecordingStore(MemoryStore):
         self.requests.append([key.tokens for key, _ in blocks])
         super().flush_group(blocks)
 
+    def flush(self, key, block) -> None:  # one block, one request
+        self.requests.append([key.tokens])
+        super().flush(key, block)
+
 
 def _with_progress(model, store, **options):
     """Generate with progress records, as the engine does (blocks and records together)."""

@@ -23,8 +23,7 @@ from dejavu_sdk.stores import MemoryStore
 from dejavu_sdk.testing.frames import HELLO, frame
 from dejavu_sdk.testing.peers import ServedStoreProcess
 from dejavu_sdk.transports import base
-from dejavu_sdk.transports.tcp_server import HELLO_BYTES
-from dejavu_sdk.transports.wire import CONTROL, Op, OutgoingRecord
+from dejavu_sdk.transports.wire import CONTROL, HELLO_BYTES, Op, OutgoingRecord
 
 KEY = dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4))
 TOKEN = "a-token-for-the-tests"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -7,6 +8,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.testing.transports import TransportTests
+from dejavu_sdk.transports.wire import HELLO_BYTES, Op, send_message
 
 
 class TestUcxTransport(TransportTests):
@@ -40,3 +42,19 @@ def test_a_connection_that_never_says_hello_is_dropped_after_hello_timeout(caplo
                 time.sleep(0.05)
         finally:
             channel.close()
+
+
+def test_a_hello_larger_than_any_hello_is_refused_before_it_is_read(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
+    with dv.serve("ucx://127.0.0.1:0", "memory://") as server, dv.open_transport(server.url, timeout=10) as client:
+        channel = client._connect()
+        try:
+            with contextlib.suppress(dv.TransportError):  # refused after its control frame: the rest may bounce
+                send_message(channel, Op.HELLO, meta=b"x" * (HELLO_BYTES + 1))
+            deadline = time.monotonic() + 10
+            while not any("over the limit" in record.message for record in caplog.records):
+                assert time.monotonic() < deadline, "an oversized HELLO was read"
+                time.sleep(0.05)
+        finally:
+            channel.close()
+        client.flush(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4)), torch.arange(4))  # others are served

@@ -57,6 +57,7 @@ from .base import (
 )
 from .budget import InflightBudget
 from .wire import (
+    HELLO_BYTES,
     MAX_RECORD_BYTES,
     Channel,
     IdleTimeout,
@@ -76,6 +77,7 @@ from .wire import (
 )
 
 TENSOR_LABEL = "tensor"
+_HELLO_LIMITS = Limits(max_record_bytes=0, max_meta_bytes=HELLO_BYTES)  # nothing larger is allocated for a HELLO
 _STATUS_ERRORS: dict[Status, type[DejaVuError]] = {
     Status.NOT_FOUND: BlockNotFound, Status.CORRUPT: CorruptBlock, Status.BAD_REQUEST: TransportError,
     Status.FAILED: StoreError, Status.DENIED: AccessDenied, Status.BUSY: ServerBusy,
@@ -457,7 +459,7 @@ class ChannelServer(Server):
         try:
             channel.set_idle_timeout(self.options.hello_timeout)
             try:
-                hello = recv_message(channel, self.limits, idle=True)
+                hello = recv_message(channel, _HELLO_LIMITS, idle=True)
             except IdleTimeout:
                 self.log.warning("dropping %s: no HELLO within %s s", channel.peer, self.options.hello_timeout)
                 return

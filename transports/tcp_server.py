@@ -39,12 +39,10 @@ from ..urls import join_host_port
 from .access import Scope
 from .channel import ChannelServer, Reply, ServerOptions, Wait
 from .sockets import READ_AHEAD_BYTES, SocketChannel, server_tls_context
-from .wire import CONTROL, MAGIC, Channel, IdleTimeout, Message, Op, ProtocolError, recv_message
+from .wire import CONTROL, HELLO_BYTES, MAGIC, Channel, IdleTimeout, Message, Op, ProtocolError, recv_message
 
 #: Connections the kernel queues before the server accepts them.
 LISTEN_BACKLOG = 1024
-#: The most bytes a HELLO (version and token) may take; more is no HELLO.
-HELLO_BYTES = 64 << 10
 #: Seconds a worker waits for a connection's next request before handing it back to the watcher (when no
 #: other connection waits for a worker): a client that sends one request after another keeps its worker,
 #: as a pipeline's activations and a cache's decode steps do, and pays no hand-over per request.
@@ -136,6 +134,7 @@ class TcpServer(ChannelServer):
         self._stopping = False
         self._queued = 0  # connections handed to the pool that no worker took yet
         self._busy = 0  # workers serving a connection
+        self._jobs: set[concurrent.futures.Future[None]] = set()  # handed to the pool and not done
         self._queue_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.workers, thread_name_prefix="dejavu-serve-worker")
         self._watcher = threading.Thread(target=self._watch, name=f"dejavu-serve {self.url}", daemon=True)
@@ -356,7 +355,9 @@ class TcpServer(ChannelServer):
     def _submit(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
         with self._queue_lock:
             self._queued += 1
-        self._pool.submit(self._work, connection, resumed)
+            job = self._pool.submit(self._work, connection, resumed)
+            self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
 
     def _work(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
         """Answer a connection's requests while they come (for up to `LINGER` seconds between two, while no
@@ -443,9 +444,9 @@ class TcpServer(ChannelServer):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self._open):  # workers' too: their next call on it fails, and they stop
             self._close(connection)
-        deadline = time.monotonic() + 10
-        while self._busy and time.monotonic() < deadline:  # none may touch the store once this returns
-            time.sleep(0.01)
+        with self._queue_lock:
+            running = list(self._jobs)
+        concurrent.futures.wait(running, timeout=10)  # none may touch the store once this returns
         self._take_back()
         for sock in (self._listener, self._wake_reader, self._wake_writer):
             _close_socket(sock)

@@ -36,6 +36,8 @@ CONTROL = struct.Struct("<4sBBHIIQQ")
 _UNCHECKED = CONTROL.size - 8
 MAX_RECORD_BYTES = 4 << 30
 MERGED_PAYLOAD_BYTES = 256 << 10  # on byte streams, messages with payloads up to this go out in one send
+#: The most bytes a HELLO (control frame, version and token) may take; more is no HELLO.
+HELLO_BYTES = 64 << 10
 
 
 class Op(enum.IntEnum):
