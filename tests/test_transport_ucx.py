@@ -29,6 +29,13 @@ def test_an_idle_connection_is_closed_and_the_client_reopens_it(caplog) -> None:
         assert link.fetch(key).tolist() == [0, 1, 2, 3]  # reopened, no error
 
 
+def _wait_for_log(caplog, text: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in record.message for record in caplog.records):
+        assert time.monotonic() < deadline, f"the server never logged {text!r}"
+        time.sleep(0.05)
+
+
 def test_a_connection_that_never_says_hello_is_dropped_after_hello_timeout(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="dejavu_sdk.transports")
     with dv.serve("ucx://127.0.0.1:0", "memory://", hello_timeout=0.5) as server, \
@@ -36,10 +43,7 @@ def test_a_connection_that_never_says_hello_is_dropped_after_hello_timeout(caplo
         channel = silent._connect()  # connected, and nothing sent
         try:
             link.flush(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4)), torch.arange(4))  # others are served
-            deadline = time.monotonic() + 10
-            while not any("no HELLO within 0.5 s" in record.message for record in caplog.records):
-                assert time.monotonic() < deadline, "the silent connection was kept"
-                time.sleep(0.05)
+            _wait_for_log(caplog, "no HELLO within 0.5 s")
         finally:
             channel.close()
 
@@ -51,10 +55,7 @@ def test_a_hello_larger_than_any_hello_is_refused_before_it_is_read(caplog) -> N
         try:
             with contextlib.suppress(dv.TransportError):  # refused after its control frame: the rest may bounce
                 send_message(channel, Op.HELLO, meta=b"x" * (HELLO_BYTES + 1))
-            deadline = time.monotonic() + 10
-            while not any("over the limit" in record.message for record in caplog.records):
-                assert time.monotonic() < deadline, "an oversized HELLO was read"
-                time.sleep(0.05)
+            _wait_for_log(caplog, "over the limit")
         finally:
             channel.close()
         client.flush(dv.BlockKey("req-1", layers=(0, 1), tokens=(0, 4)), torch.arange(4))  # others are served
