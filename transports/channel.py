@@ -557,22 +557,18 @@ class ChannelServer(Server):
         (files, objects) as it is, a record lent by the store (LMDB) copied out of its read transaction, so
         that a slow reader holds none, into memory that goes back to the system once sent."""
         try:
-            if not self.records.resident:
-                expected = self.records.record_size(name)
-                if expected is not None and expected != held:
-                    reserved = self._reserve_instead(held, expected)
-                    if reserved is None:
-                        return Wait(expected, functools.partial(self._get_once_reserved, channel, name, expected))
-                    held = reserved
+            expected = None if self.records.resident else self.records.record_size(name)
+            if expected is not None:
+                held = self._hold(held, expected)
+                if held < 0:
+                    return Wait(expected, functools.partial(self._get_once_reserved, channel, name, expected))
             with self.records.get_record(name) as stored:
                 if self.records.resident:
                     return Reply(record=OutgoingRecord.from_record(stored, name))
                 size = memoryview(stored).nbytes
-                if size != held:  # unknown before the read, or the record changed meanwhile
-                    reserved = self._reserve_instead(held, size)
-                    if reserved is None:
-                        return Wait(size, functools.partial(self._get_once_reserved, channel, name, size))
-                    held = reserved
+                held = self._hold(held, size)  # its size was unknown before the read, or changed meanwhile
+                if held < 0:
+                    return Wait(size, functools.partial(self._get_once_reserved, channel, name, size))
                 copy = stored
                 if self.records.lends_buffers:
                     copy = returned_memory(size)
@@ -586,10 +582,13 @@ class ChannelServer(Server):
             raise
         return Reply(record=record, release=functools.partial(self.budget.release, held))
 
-    def _reserve_instead(self, held: int, size: int) -> int | None:
-        """Give back `held` bytes and reserve `size` if they fit now (nobody waiting first): `size`, or None."""
+    def _hold(self, held: int, size: int) -> int:
+        """Hold `size` bytes instead of the `held` reserved: `size` once held, or -1 (none held) when they do
+        not fit now (or others wait first)."""
+        if size == held:
+            return held
         self.budget.release(held)
-        return size if self.budget.try_reserve(size) else None
+        return size if self.budget.try_reserve(size) else -1
 
     def _get_once_reserved(self, channel: Channel, name: str, size: int, granted: bool) -> Reply | Wait:
         if channel.closed_by_peer():  # the reader gave up waiting: read nothing for it
@@ -616,7 +615,7 @@ class ChannelServer(Server):
         """Receive a request's record into `size` bytes reserved for it, store or queue it, and give the bytes
         back; its reply (None for a posted tensor taken: a refused one closes the connection)."""
         try:
-            status, meta = self._store_received(channel, request, request.header, size)
+            status, meta = self._store_received(channel, request, size)
         finally:
             self.budget.release(size)
         if request.op == Op.POST:
@@ -625,9 +624,9 @@ class ChannelServer(Server):
             return None
         return Reply(status, meta)
 
-    def _store_received(self, channel: Channel, request: Message, header: RecordHeader | None,
-                        size: int) -> tuple[Status, bytes]:
+    def _store_received(self, channel: Channel, request: Message, size: int) -> tuple[Status, bytes]:
         """Receive records whole and verified, then store or queue them; never store half a record."""
+        header = request.header
         record = self.records.allocate(size)
         if header is None:
             intact, _ = recv_payload(channel, request, record)

@@ -29,12 +29,16 @@ READ_AHEAD_BYTES = 256 << 10
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
     """`sendall` for several buffers: `sendmsg` until every byte is out."""
     while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        _advance(views, sock.sendmsg(views))
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first `sent` bytes of `views`, which went out."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
 
 
 class SocketChannel(Channel):
@@ -187,14 +191,9 @@ class SocketChannel(Channel):
         try:
             while views:
                 self._sock.settimeout(max(0.0, deadline - time.monotonic()) if seconds else 0.0)
-                # TLS sockets have no sendmsg
-                sent = self._sock.send(views[0][:self.chunk_size]) if self._tls or views[0].nbytes > self.chunk_size \
-                    else self._sock.sendmsg(views[:64])
-                while views and sent >= views[0].nbytes:
-                    sent -= views[0].nbytes
-                    views.pop(0)
-                if views and sent:
-                    views[0] = views[0][sent:]
+                # TLS sockets have no sendmsg; large views go 1 MiB at a time, as `send` sends them
+                _advance(views, self._sock.send(views[0][:self.chunk_size])
+                         if self._tls or views[0].nbytes > self.chunk_size else self._sock.sendmsg(views[:64]))
         except (BlockingIOError, TimeoutError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return views
         except (BrokenPipeError, ConnectionResetError) as error:

@@ -79,6 +79,10 @@ class _Connection:
     admitted: bool = False  # holds one of `max_connections`
     events: int = 0  # what the watcher's selector waits for on it (0: not registered)
 
+    def carry(self, reply: Reply, views: list[memoryview]) -> None:
+        """Take on the rest of `reply` (`views`) to send, and what to do once it is out."""
+        self.outgoing, self.release, self.close_after = views, reply.release, reply.close
+
 
 class _BytesChannel(Channel):
     """Bytes already received, read as a channel: parses a HELLO that arrived in pieces (all of them)."""
@@ -128,7 +132,7 @@ class TcpServer(ChannelServer):
         self._handed_back: queue.SimpleQueue[tuple[_Connection, _Phase]] = queue.SimpleQueue()
         self._unauthenticated: dict[_Connection, None] = {}  # in the order they came
         self._accepting_again: float | None = None  # when a pause in accepting (no descriptors left) ends
-        self._paused_since = 0.0  # when accepting last failed for want of descriptors (0: it works)
+        self._out_of_descriptors = False  # accepting failed for want of them, and has not worked since
         self._open: set[_Connection] = set()
         self._admitted = 0
         self._stopping = False
@@ -170,14 +174,14 @@ class TcpServer(ChannelServer):
             except OSError as error:
                 if error.errno not in _OUT_OF_RESOURCES:  # that one connection failed: go on with the next
                     continue
-                if not self._paused_since:  # said once per stretch without descriptors, not every pause
+                if not self._out_of_descriptors:  # said once per stretch without them, not every pause
                     self.log.warning("cannot accept connections on %s: %s; pausing %s s at a time", self.url, error,
                                      _TICK)
-                    self._paused_since = time.monotonic()
+                    self._out_of_descriptors = True
                 self._selector.unregister(self._listener)  # instead of spinning on a listener that stays readable
                 self._accepting_again = time.monotonic() + _TICK
                 return
-            self._paused_since = 0.0
+            self._out_of_descriptors = False
             sock.setblocking(False)
             phase = _Phase.HELLO
             if self._tls is not None:
@@ -255,10 +259,7 @@ class TcpServer(ChannelServer):
         if scope is not None:
             connection.scope, connection.admitted = scope, True
             self._admitted += 1
-        self._start_sending(connection, reply, reply.views())
-
-    def _start_sending(self, connection: _Connection, reply: Reply, views: list[memoryview]) -> None:
-        connection.outgoing, connection.release, connection.close_after = views, reply.release, reply.close
+        connection.carry(reply, reply.views())
         connection.phase, connection.since = _Phase.SENDING, time.monotonic()
         self._send_more(connection)
 
@@ -372,38 +373,45 @@ class TcpServer(ChannelServer):
                 self._busy -= 1
 
     def _serve(self, connection: _Connection, resumed: Callable[[], Reply | Wait | None] | None) -> None:
+        channel = connection.channel
+        assert channel is not None
+        channel.lend_read_ahead(_worker_read_ahead())
+        try:
+            after = self._answer_while_they_come(connection, resumed)
+        except Exception as error:  # every way a connection ends is logged; none escapes
+            self.ended(channel, error)
+            after = _Phase.CLOSED
+        finally:
+            channel.keep_unread()  # before any other thread may serve the connection
+        if isinstance(after, Wait):
+            deadline = time.monotonic() + self.room_wait
+            self.budget.wait(after.size, deadline, functools.partial(self._resume, connection, after))
+        else:
+            self._hand_back(connection, after)
+
+    def _answer_while_they_come(self, connection: _Connection,
+                                resumed: Callable[[], Reply | Wait | None] | None) -> _Phase | Wait:
+        """Answer the connection's requests (carrying on `resumed` first) while they come; what comes next:
+        the phase to hand it back in, or a wait for room in the budget."""
         channel, scope = connection.channel, connection.scope
         assert channel is not None
         assert scope is not None
-        channel.lend_read_ahead(_worker_read_ahead())
-        try:
-            while True:
-                if resumed is None:
-                    try:  # the first request is there already; the next ones may come within LINGER
-                        request = recv_message(channel, self.limits, idle=True)
-                    except IdleTimeout:
-                        break
-                    outcome = self.respond(channel, request, scope)
-                else:
-                    outcome, resumed = resumed(), None
-                if isinstance(outcome, Wait):
-                    channel.keep_unread()
-                    deadline = time.monotonic() + self.room_wait
-                    self.budget.wait(outcome.size, deadline, functools.partial(self._resume, connection, outcome))
-                    return
-                if outcome is not None and self._sent_part(connection, outcome):
-                    channel.keep_unread()
-                    self._hand_back(connection, _Phase.SENDING)
-                    return
-                outcome = None  # its copy goes now, not after the next request
-                if not channel.buffered() and (self._queued or self._busy >= self.options.workers):
-                    break  # no worker would be free for another connection's request meanwhile
-            channel.keep_unread()
-            self._hand_back(connection, _Phase.IDLE)
-        except Exception as error:  # every way a connection ends is logged; none escapes
-            channel.keep_unread()
-            self.ended(channel, error)
-            self._hand_back(connection, _Phase.CLOSED)
+        while True:
+            if resumed is None:
+                try:  # the first request is there already; the next ones may come within LINGER
+                    request = recv_message(channel, self.limits, idle=True)
+                except IdleTimeout:
+                    return _Phase.IDLE
+                outcome = self.respond(channel, request, scope)
+            else:
+                outcome, resumed = resumed(), None
+            if isinstance(outcome, Wait):
+                return outcome
+            if outcome is not None and self._sent_part(connection, outcome):
+                return _Phase.SENDING
+            outcome = None  # its copy goes now, not after the next request
+            if not channel.buffered() and (self._queued or self._busy >= self.options.workers):
+                return _Phase.IDLE  # no worker would be free for another connection's request meanwhile
 
     def _sent_part(self, connection: _Connection, reply: Reply) -> bool:
         """Send what the socket takes of `reply` within `LINGER`; whether some is left for the watcher to send
@@ -417,7 +425,7 @@ class TcpServer(ChannelServer):
         if not rest:
             reply.release()
             return False
-        connection.outgoing, connection.release, connection.close_after = rest, reply.release, reply.close
+        connection.carry(reply, rest)
         return True
 
     def _resume(self, connection: _Connection, wait: Wait, granted: bool) -> None:
