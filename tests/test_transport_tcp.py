@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 
@@ -245,3 +246,23 @@ def test_a_refused_post_fails_the_next_call_saying_what_may_be_lost() -> None:
         with pytest.raises(dv.TransportError, match=r"1 tensor\(s\) posted since its last answer may not have"):
             transport.post_tensor(torch.ones(4))
         transport.flush(dv.BlockKey("s", layers=(0, 1), tokens=(0, 1)), torch.ones(2, 2))  # a new link works
+
+
+@pytest.mark.skipif(not hasattr(os, "dup2"), reason="places a socket at a chosen descriptor")
+def test_a_connection_on_a_descriptor_past_1024_knows_whether_its_peer_closed() -> None:
+    """A server with a thousand sockets holds descriptors past select's FD_SETSIZE: an open connection there
+    must not look closed (a GET waiting for room would be dropped)."""
+    from dejavu_sdk.transports.sockets import SocketChannel
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname(), timeout=5)
+        theirs, _ = listener.accept()
+    high = os.dup2(ours.fileno(), 1500)
+    ours.close()
+    channel = SocketChannel(socket.socket(fileno=high), "peer", timeout=5)
+    try:
+        assert not channel.closed_by_peer()
+        theirs.close()
+        assert channel.closed_by_peer()
+    finally:
+        channel.close()

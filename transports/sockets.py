@@ -32,6 +32,16 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
         _advance(views, sock.sendmsg(views))
 
 
+def _readable_now(sock: socket.socket) -> bool:
+    """Whether `sock` has bytes (or its peer's close) to read now. poll, where there is one: a server's
+    descriptors pass select's FD_SETSIZE (1024), and select would fail on them."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 def _advance(views: list[memoryview], sent: int) -> None:
     """Drop the first `sent` bytes of `views`, which went out."""
     while views and sent >= views[0].nbytes:
@@ -84,8 +94,7 @@ class SocketChannel(Channel):
         try:
             if self._ahead_end > self._ahead_start:
                 return True  # the server sent something unasked: its close reply, or a protocol error
-            readable, _, _ = select.select([self._sock], [], [], 0)
-            if not readable:
+            if not _readable_now(self._sock):
                 return False
             if not self._tls:
                 return True
