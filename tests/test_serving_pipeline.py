@@ -191,8 +191,10 @@ def test_a_stopped_worker_misses_its_heartbeats_and_fails_its_requests_long_befo
 
 
 def test_bad_heartbeat_settings_are_refused() -> None:
-    for options in ({"heartbeat": 0}, {"heartbeat": "1s"}, {"missed_beats": 0}, {"missed_beats": 1.5}):
-        with pytest.raises(dv.ConfigError, match=r"heartbeat|missed_beats"):
+    for options in ({"heartbeat": 0}, {"heartbeat": "1s"}, {"missed_beats": 0}, {"missed_beats": 1.5},
+                    {"progress_timeout": 0}, {"progress_timeout": float("inf")},
+                    {"progress_timeout": 1.0, "heartbeat": 1.0}):
+        with pytest.raises(dv.ConfigError, match=r"heartbeat|missed_beats|progress_timeout"):
             Pipeline("tiny_models:llama", stages=2, **options)
 
 

@@ -152,3 +152,9 @@ def llama_fatal() -> Any:
 
     model.get_input_embeddings().register_forward_pre_hook(exit_on_fatal)
     return model
+
+
+def long_llama() -> Any:
+    """A llama of 12 random layers with a context of 8,192 positions, whose prefill of an 8,000-token prompt takes
+    seconds on a CPU (a fraction of a second each layer): long work, to tell from a stage that is stuck."""
+    return random_llama(layers=12, max_positions=8192)

@@ -172,6 +172,9 @@ def _controller_arguments(parser: Any) -> None:
                         "60; 0: at once)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM: seconds the requests in "
                         "flight have to finish (new ones get 503) before the workers stop (default 30)")
+    parser.add_argument("--progress-timeout", type=float, default=60.0, help="seconds a microbatch may go "
+                        "without a token while no stage computes before its stage counts as stuck and is recovered "
+                        "(default 60); a stage busy with a long prompt says so in its heartbeats")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
                         f"wait to start, then a 503 (default {limits.QUEUE_TIMEOUT:.0f})")
 
@@ -282,6 +285,7 @@ def _serve(args: argparse.Namespace) -> int:
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
                     link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,
                     keep_finished=args.keep_finished, worker_port=worker_port,
+                    progress_timeout=args.progress_timeout,
                     **({} if args.orphan_timeout is None else {"orphan_timeout": args.orphan_timeout}),
                     launch=not args.remote_workers, **layout) as controller:
         print(f"serving {args.model} at {controller.url}/v1 (OpenAI-compatible; Authorization: Bearer <token>)",

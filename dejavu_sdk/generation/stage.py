@@ -43,6 +43,9 @@ class Stage:
         self.layer_types: list[str] = list(getattr(self.config, "layer_types", None) or
                                            ["full_attention"] * (stop - start))
         self._modules = kept
+        #: Layers run so far, over every forward: a heartbeat sends it, so that the head tells a stage that computes
+        #: for long (a long prompt) from one that is stuck.
+        self.layers_run = 0
         model.eval()
 
     def new_cache(self) -> DynamicCache:
@@ -69,6 +72,7 @@ class Stage:
         call = self.adapter.layer_call(hidden, mask, position_ids, cache, self.layer_types)
         for index, layer in enumerate(self._modules):
             hidden = call(index, layer, hidden)
+            self.layers_run += 1
             if after_layer is not None:
                 after_layer(index)
         if not self.last:

@@ -56,13 +56,16 @@ log = logging.getLogger(__name__)
 class Heartbeat:
     """Sends `heartbeat` to the head every `interval` seconds from a thread and a link of its own, however busy
     the stage is (a stopped or hung process sends none: the head counts it dead after a few missed), with the
-    worker's epoch and inbox (a worker replaced meanwhile is told there to exit). Each waits for the head's
+    worker's epoch and inbox (a worker replaced meanwhile is told there to exit) and the layers its stage has
+    run so far (`work`): a stage deep in a long prompt is computing, not stuck. Each waits for the head's
     inbox to take it, at most `timeout` seconds: a head whose address refuses, or that has taken none for
     HEAD_SILENCE seconds (at least `timeout`), is kept as `error` for the worker's loop to raise."""
 
     def __init__(self, head: str, stage: str, interval: float, timeout: float,
-                 epoch: Callable[[], int] = lambda: 0, url: str | None = None) -> None:
+                 epoch: Callable[[], int] = lambda: 0, url: str | None = None,
+                 work: Callable[[], int] = lambda: 0) -> None:
         self.stage, self.interval, self.timeout, self.epoch, self.url = stage, interval, timeout, epoch, url
+        self.work = work
         self.head = open_transport(head, timeout=timeout, **link_options(LinkTls.from_environment()))
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -86,7 +89,7 @@ class Heartbeat:
         """Send one heartbeat; what kept the head from answering it (None: it answered)."""
         try:
             self.head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
-                                                                 "url": self.url})))
+                                                                 "url": self.url, "work": self.work()})))
         except ServerBusy:  # a full inbox: the head is there, and behind
             return None
         except Exception as error:
@@ -183,7 +186,7 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
         interval = float(fields["heartbeat"])
         serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
                                                   interval * int(fields.get("missed_beats", 3)),
-                                                  lambda: serving.epoch, inbox.url)
+                                                  lambda: serving.epoch, inbox.url, lambda: stage.layers_run)
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else int(fields.get("epoch", 0))  # raised by recoveries

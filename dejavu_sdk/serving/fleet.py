@@ -56,6 +56,9 @@ class Fleet:
         self.links: list[Transport] = []  # to each stage's inbox
         self.urls: list[str] = []  # each stage's inbox
         self.beats: dict[str, float] = {}  # per stage name: when its last heartbeat (or `ready`) arrived
+        self.work: dict[str, int] = {}  # per stage name: the layers its worker had run at its last heartbeat
+        #: When a heartbeat last said that a stage had run layers since the one before (-inf: never).
+        self.worked_at = float("-inf")
         self.assigned: dict[str, int] = {}  # per stage name: the epoch its worker was assigned in
         self.spares: dict[str, WorkerHandle] = {}  # launched workers not serving a stage, by launcher-given id
         self.pool: list[Spare] = []  # spares with the model loaded, oldest first
@@ -257,15 +260,22 @@ class Fleet:
             return self.epoch
 
     # ---- watching them -----------------------------------------------------------------------------------
-    def beat(self, name: str, epoch: int) -> None:
-        """A heartbeat: a standby's beats only show it is there; a replaced worker's are no one's."""
+    def beat(self, name: str, epoch: int, work: int | None = None) -> None:
+        """A heartbeat: a standby's beats only show it is there; a replaced worker's are no one's. `work`: the
+        layers the stage has run so far; when it grew, the pipeline is computing (`worked_at`)."""
         with self.lock:
             if name in self.beats and epoch >= self.assigned.get(name, 0):
-                self.beats[name] = time.monotonic()
+                now = self.beats[name] = time.monotonic()
+                if work is not None and work != self.work.get(name):
+                    if name in self.work:
+                        self.worked_at = now
+                    self.work[name] = work
 
     def heard_from(self, index: int) -> None:
         with self.lock:
-            self.beats[self.layout.stages[index].name] = time.monotonic()
+            name = self.layout.stages[index].name
+            self.beats[name] = time.monotonic()
+            self.work.pop(name, None)  # a new worker counts its layers from 0
 
     def silent(self, now: float) -> list[tuple[float, str]]:
         """The stages that missed `missed_beats` heartbeats in a row: (last beat, name), oldest first."""

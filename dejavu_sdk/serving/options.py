@@ -58,6 +58,8 @@ RECOVERABLE_TRANSPORTS = ("tcp", "gloo", "ucx")
 DEFAULT_PREFILL_TOKENS = 256
 #: Seconds a worker whose head is gone waits for a successor to take its stage back (`orphan_timeout`).
 ORPHAN_TIMEOUT = 60.0
+#: Seconds a microbatch may go without a token while no stage computes before its stage counts as stuck.
+PROGRESS_TIMEOUT = 60.0
 #: The smallest body cap a controller takes.
 MIN_BODY_BYTES = 1024
 
@@ -75,8 +77,11 @@ class PipelineOptions:
     the copies keep up, from a step time and host bandwidth measured here (`swap_choice` says what it chose
     and why).
 
-    `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds a microbatch in
-    flight may go without a new token before its requests fail with `TransportError` (a stage dead or stuck).
+    `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds any one wait
+    for a worker may take (to start, to answer, to take a message). `progress_timeout`: seconds a microbatch in
+    flight may go without a new token while no stage computes (a stage dead or stuck somewhere: its requests
+    fail with `TransportError`, or a recovery starts); a stage deep in a long prompt says so in its heartbeats
+    (the layers it has run), so slow work is never taken for a failure.
     `heartbeat`: seconds between each worker's heartbeats (sent from a thread of their own); a worker that
     misses `missed_beats` in a row (a process stopped or hung, or gone) fails the requests in flight.
     `recovery`: what a dead or hung stage costs. None (default): the requests in flight fail with
@@ -142,6 +147,7 @@ class PipelineOptions:
     max_prefill_tokens: int | None = None
     link_tls: LinkTls | None = None
     orphan_timeout: float = ORPHAN_TIMEOUT
+    progress_timeout: float = PROGRESS_TIMEOUT
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -154,7 +160,8 @@ class PipelineOptions:
               host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
               max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS, link_tls_cert: str | None = None,
               link_tls_key: str | None = None, link_tls_ca: str | None = None,
-              orphan_timeout: float = ORPHAN_TIMEOUT, replica_prefix: str | None = None) -> PipelineOptions:
+              orphan_timeout: float = ORPHAN_TIMEOUT, replica_prefix: str | None = None,
+              progress_timeout: float = PROGRESS_TIMEOUT) -> PipelineOptions:
         if transport not in TRANSPORTS:
             raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
         link_tls = LinkTls.of(link_tls_cert, link_tls_key, link_tls_ca, transport)
@@ -163,6 +170,10 @@ class PipelineOptions:
         _seconds(heartbeat, "heartbeat", most=60)
         _positive_integer(missed_beats, "missed_beats")
         _seconds(orphan_timeout, "orphan_timeout", zero=True)
+        _seconds(progress_timeout, "progress_timeout")
+        if progress_timeout <= heartbeat:
+            raise ConfigError(f"progress_timeout={progress_timeout!r} must be longer than a heartbeat "
+                              f"({heartbeat!r} s): heartbeats say whether a stage computes")
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
         reference = load_model(model, weights=False)  # ConfigError for a bad name, before any process starts
@@ -210,7 +221,7 @@ class PipelineOptions:
                    LocalProcesses() if launch is True else (launch or None), host, port,
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
                    [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls,
-                   float(orphan_timeout))
+                   float(orphan_timeout), float(progress_timeout))
 
 
 def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> str:

@@ -79,9 +79,10 @@ class Pipeline:
 
     The other options (`PipelineOptions` checks and describes each): `kv_budget_bytes` and `swapping` (KV
     within a device budget, swapped to host memory or not), `transport` (tcp, gloo, nccl, ucx), `timeout`,
-    `heartbeat` and `missed_beats` (when a stage counts as dead or hung), `recovery`, `replica_store` and
-    `standby` (what a dead stage costs), `ignore_eos`, `threads`, `launch` (local processes, a `Launcher`, or
-    workers that join from elsewhere), `host`/`port` (where the head listens) and `token` (the links' secret).
+    `progress_timeout`, `heartbeat` and `missed_beats` (when a stage counts as dead or hung), `recovery`,
+    `replica_store` and `standby` (what a dead stage costs), `ignore_eos`, `threads`, `launch` (local processes,
+    a `Launcher`, or workers that join from elsewhere), `host`/`port` (where the head listens) and `token` (the
+    links' secret).
     `on_recovery(report)` is called after each recovery (on its thread), `on_failure(reason)` as one starts.
     """
 
@@ -453,7 +454,8 @@ class Pipeline:
         if isinstance(url, str) and not self.fleet.serves(stage, url, epoch):
             self.fleet.fence_stale(url, stage, epoch)
         else:
-            self.fleet.beat(stage, epoch)
+            work = message.fields.get("work")
+            self.fleet.beat(stage, epoch, work if isinstance(work, int) else None)
 
     def _on_not_entered(self, message: Message) -> None:
         self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))
@@ -499,8 +501,9 @@ class Pipeline:
 
     def _watch(self) -> None:
         """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
-        heartbeats, or a microbatch without progress (no new tokens) for `timeout` seconds. Recover from them,
-        or, without recovery, fail the requests in flight."""
+        heartbeats, or a microbatch without progress (no new tokens) for `progress_timeout` seconds while no
+        stage's heartbeats said it ran a layer. Recover from them, or, without recovery, fail the requests in
+        flight."""
         if self._recoveries.running:
             return  # the recovery watches its own steps
         now = time.monotonic()
@@ -508,8 +511,10 @@ class Pipeline:
         reasons = [f"the process of {self.layout.stages[index].name} exited" for index in exited]
         reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.missed_beats} missed): its "
                     "process is dead or hung" for last, name in silent]
-        if stalled is not None and now - stalled > self.timeout:
-            reasons.append(f"a microbatch made no progress for {self.timeout:.0f} s: a stage worker is dead or stuck")
+        limit = self.options.progress_timeout
+        if stalled is not None and now - stalled > limit and now - self.fleet.worked_at > limit:
+            reasons.append(f"a microbatch made no progress for {limit:.0f} s and no stage computed meanwhile: a stage "
+                           "worker is stuck (progress_timeout)")
         if not reasons:
             return
         if self.recovery is None:

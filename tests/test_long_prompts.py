@@ -1,0 +1,78 @@
+"""Slow is not dead: a prompt whose prefill takes longer than `progress_timeout` is served without a recovery in
+every layout (its stage's heartbeats say it is computing), a request sent after it is served too, and a stage
+killed during such a prefill is still recovered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import expectations
+import pytest
+import tiny_models
+import torch
+
+from dejavu_sdk.serving import Pipeline
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_workers_import_tiny_models")]
+
+#: The long prompt's length: its prefill takes seconds on this model, several times `PROGRESS`.
+LONG = 8000
+#: The progress threshold of these pipelines, and their heartbeat: a layer of the long prefill takes a fraction
+#: of a second, the whole of it several seconds.
+PROGRESS, HEARTBEAT = 1.0, 0.2
+#: Layouts, each with the recovery and batching it serves long prompts with; unchunked (`max_prefill_tokens`
+#: None), so that one step holds a stage for the whole prefill.
+LAYOUTS = {
+    "one stage": {"stages": 1, "recovery": "recompute"},
+    "mixed": {"stages": 2, "recovery": "replicas", "batching": "continuous"},
+    "disaggregated": {"prompt_stages": 1, "token_stages": 1, "recovery": "recompute"},
+}
+
+
+def _long_prompt() -> torch.Tensor:
+    return torch.randint(1, 90, (LONG,), generator=torch.Generator().manual_seed(3))
+
+
+def _pipeline(layout: dict) -> Pipeline:
+    return Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT,
+                    progress_timeout=PROGRESS, max_prefill_tokens=None, **layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_prefill_longer_than_the_progress_timeout_is_no_failure(layout: str) -> None:
+    long, short = _long_prompt(), torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
+    with _pipeline(LAYOUTS[layout]) as pipe:
+        began = time.monotonic()
+        first = pipe.submit(long, max_new_tokens=4)
+        time.sleep(0.5)
+        second = pipe.submit(short, max_new_tokens=4)
+        results = [first.result(timeout=120), second.result(timeout=120)]
+        took = time.monotonic() - began
+        assert pipe.recoveries == [], f"a long prefill was taken for a failure: {pipe.recoveries[0].describe()}"
+        pad, eos = pipe.pad, pipe.eos
+    assert took > 2 * PROGRESS, f"the long prefill took {took:.1f} s: not long enough to test anything"
+    model = tiny_models.long_llama()
+    want = expectations.expected(model, [[0], [1]], [long, short], [4, 4], pad, eos)
+    for result, tokens in zip(results, want, strict=True):
+        assert torch.equal(result.tokens, tokens)
+
+
+def test_a_stage_killed_during_a_long_prefill_is_recovered() -> None:
+    long = _long_prompt()
+    with _pipeline(LAYOUTS["one stage"]) as pipe:
+        future = pipe.submit(long, max_new_tokens=4)
+        deadline = time.monotonic() + 30
+        while pipe.fleet.work.get("stage 0", 0) == 0 and not future.done():  # its heartbeats say it computes
+            assert time.monotonic() < deadline, "the stage never said that it computes"
+            time.sleep(0.02)
+        pid = next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == "stage 0")
+        os.kill(pid, signal.SIGKILL)
+        result = future.result(timeout=120)
+        reports = list(pipe.recoveries)
+        pad, eos = pipe.pad, pipe.eos
+    assert len(reports) == 1
+    assert "exited" in reports[0].reason
+    (want,) = expectations.expected(tiny_models.long_llama(), [[0]], [long], [4], pad, eos)
+    assert torch.equal(result.tokens, want)
