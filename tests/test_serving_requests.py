@@ -14,6 +14,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.ledger_state import POISON
 
 pytestmark = [pytest.mark.usefixtures("workers_import_tiny_models"), pytest.mark.slow]
 
@@ -145,18 +146,25 @@ def test_non_finite_logits_fail_their_request_alone_and_the_rows_beside_it_go_on
     assert torch.equal(after.tokens, expected[3])
 
 
-def test_a_request_in_two_recoveries_in_a_row_without_progress_fails_and_the_next_is_served() -> None:
+@pytest.mark.parametrize("layout", [
+    {"stages": 2, "recovery": "recompute"},
+    {"prompt_stages": 1, "token_stages": 2, "recovery": "replicas", "batching": "continuous"},
+], ids=["mixed static", "disaggregated continuous"])
+def test_a_request_in_two_recoveries_in_a_row_without_progress_fails_and_the_next_is_served(layout) -> None:
     prompts = _prompts(3, seed=24)
     prompts[0][1] = tiny_models.FATAL
-    with Pipeline("tiny_models:llama_fatal", stages=2, microbatch=1, timeout=60, heartbeat=0.5,
-                  recovery="recompute", standby=1) as pipe:
+    with Pipeline("tiny_models:llama_fatal", microbatch=1, timeout=60, heartbeat=0.5, standby=1,
+                  **layout) as pipe:
         with pytest.raises(dv.RequestFailed, match="two recoveries in a row"):
             pipe.submit(prompts[0], max_new_tokens=6).result(timeout=120)
         after = pipe.submit(prompts[1], max_new_tokens=6).result(timeout=120)
         pad, eos = pipe.pad, pipe.eos
         reports = list(pipe.recoveries)
     assert len(reports) == 2
-    assert reports[-1].failed == [reports[0].recomputed[0]]
+    if "stages" in layout:
+        assert reports[-1].failed == [reports[0].recomputed[0]]
+    else:  # the slot its group opened never reached the token stages: it is lost with the poison bound's reason
+        assert [reason for reason in reports[-1].lost.values()] == [POISON]
     (want,) = expectations.expected(tiny_models.llama(), [[1]], prompts, [0, 6, 0], pad, eos)[1:2]
     assert torch.equal(after.tokens, want)
 

@@ -24,7 +24,7 @@ import torch
 from ..errors import TransportError
 from ..generation.batching import Microbatch, Request, SlotBatch
 from .ledger_slots import SlotDecisions
-from .ledger_state import Answer, Flight, Outcome, Phase, _fail_rows
+from .ledger_state import POISON, Answer, Flight, Outcome, Phase, _fail_rows
 from .messages import Kind, Message
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,6 @@ log = logging.getLogger(__name__)
 #: Sampling with recovery: the last steps whose generator states the ledger keeps (a microbatch whose replicas
 #: lag further behind starts over).
 RNG_STEPS_KEPT = 64
-#: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
-#: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
-POISON = ("it was in flight at two recoveries in a row without making progress; it is not tried again, so that "
-          "no request can hold the pipeline in recoveries")
 
 
 class Ledger(SlotDecisions):
@@ -277,10 +273,12 @@ class Ledger(SlotDecisions):
         return outcome
 
     def seen_by_recovery(self, number: int) -> None:
-        """A recovery resumed microbatch `number` (its messages went out): if the next recovery finds it without
-        a new step since, it fails (the poison bound)."""
+        """A recovery resumed microbatch `number` (its messages went out), or sent a slot's group to the prompt
+        pipeline again under that number: if the next recovery finds it without a new step since, it fails (the
+        poison bound)."""
         with self.lock:
-            flight = self.flights.get(number)
+            group = self.prompting.get(number)  # a slot's group in the prompt pipeline counts for its slot
+            flight = self.flights.get(number if group is None else group.slot)
             if flight is not None:
                 flight.batch.seen_by_recovery = flight.batch.steps_received
 

@@ -22,7 +22,7 @@ from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
 from ..generation.batching import Microbatch, Request, SlotBatch, group_rows
 from ..generation.slots import Round
-from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
+from .ledger_state import POISON, Answer, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
 from .messages import Kind, Message
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
@@ -114,6 +114,7 @@ class SlotDecisions(LedgerState):
             if rng.numel():
                 batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
             flight.progress = time.monotonic()
+            batch.steps_received += 1  # progress, for the poison bound
             outcome.answers = self._failed_rows(batch, {str(batch.rows_of[members[int(row)]]): failure
                                                         for row, failure in failures.items()})
             outcome.calls = batch.unstreamed(self.eos)
@@ -280,10 +281,12 @@ class SlotDecisions(LedgerState):
 
     def _lose_slot(self, batch: Microbatch, reason: str) -> list[Answer]:
         """A slot that cannot go on: its requests without a token yet wait again, first in the queue (nothing of
-        theirs was streamed); the others fail with `reason` (under the lock)."""
+        theirs was streamed), unless the slot is poison (one of them may be what kills the stages); the others fail
+        with `reason` (under the lock)."""
         self._slot_groups(batch)
-        fresh = [row for row in range(len(batch.requests)) if row not in batch.settled and not batch.generated[row]
-                 and not batch.requests[row].future.done()]
+        fresh = [] if reason == POISON else [
+            row for row in range(len(batch.requests)) if row not in batch.settled and not batch.generated[row]
+            and not batch.requests[row].future.done()]
         batch.settled.update(fresh)
         self.waiting.extendleft(reversed([batch.requests[row] for row in fresh]))
         return _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")

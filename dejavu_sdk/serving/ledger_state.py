@@ -20,6 +20,11 @@ from ..generation.batching import Microbatch, Request, Result
 from .layout import Layout
 from .messages import Message
 
+#: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
+#: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
+POISON = ("it was in flight at two recoveries in a row without making progress; it is not tried again, so that "
+          "no request can hold the pipeline in recoveries")
+
 
 class Phase(enum.Enum):
     """Where a microbatch in flight is."""

@@ -69,14 +69,14 @@ class SlotRecovery:
         survivors = [index for index in layout.decoding_stages() if index not in recovery.dead]
         for number, batch in ledger.slots_to_recover(recovery.epoch):
             heard = len(batch.rounds)
+            if batch.seen_by_recovery == batch.steps_received:  # its group in the prompt pipeline too
+                self.lost[number] = poison
+                continue
             if not batch.opened:
                 self.unopened.append(number)
                 continue
             if recovery.options.recovery != "replicas":
                 self.lost[number] = "continuous batching recovers from replicas only"
-                continue
-            if batch.seen_by_recovery == batch.steps_received:
-                self.lost[number] = poison
                 continue
             ran = {layout.stages[index].name: int(paused[layout.stages[index].name].fields.get("slots", {})
                                                   .get(str(number), 0)) for index in survivors}
