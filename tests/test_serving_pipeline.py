@@ -16,6 +16,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.messages import Message, pack
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
@@ -229,6 +230,20 @@ def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
             stranger.send_tensor(torch.zeros(4, dtype=torch.uint8))
         stranger.close()
         assert pipe.generate([expectations.prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
+
+
+@pytest.mark.slow
+def test_garbage_on_a_stage_link_costs_that_message_and_no_recovery() -> None:
+    prompts = expectations.prompts(2, seed=8)
+    with Pipeline("tiny_models:llama", stages=2, timeout=60, recovery="replicas") as pipe:
+        before = pipe.generate(prompts[:1], max_new_tokens=4)[0]
+        with dv.open_transport(pipe.fleet.url_of(1), token=pipe.options.token, timeout=5) as link:
+            link.send_tensor(torch.randint(0, 256, (64,), dtype=torch.uint8))  # no message at all
+            link.send_tensor(pack(Message("no-such-kind", {"microbatch": 0})))
+        after = pipe.generate(prompts, max_new_tokens=4)
+        assert pipe.recoveries == []
+        assert pipe.status()["epoch"] == 0
+    assert torch.equal(after[0], before)
 
 
 @pytest.mark.slow

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 QUIET = 2.0
 #: The messages that compute a step of a microbatch: what they raise fails that microbatch, not the stage.
 STEPS = ("prefill", "decode", "start")
+#: The kinds a worker's inbox takes: any other is dropped.
+KNOWN_KINDS = frozenset(kind.value for kind in Kind)
 
 
 def failure_message(stage: str | int, error: BaseException, epoch: int = 0) -> torch.Tensor:
@@ -68,8 +70,8 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             try:
                 if self.heartbeat is not None:
                     self.heartbeat.check()
-                if packed is not None:  # handled before the KV sender's check: a failed send loses no message
-                    message = unpack(packed)
+                message = None if packed is None else self._readable(packed)
+                if message is not None:  # handled before the KV sender's check: a failed send loses no message
                     if message.kind == Kind.SHUTDOWN:
                         return
                     if message.kind == Kind.REJOIN:  # a new head at the address, found by the heartbeat's link
@@ -91,6 +93,19 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             except Exception as error:  # a bad message, or the stage failed: tell the head
                 self.tell_head(failure_message(self.role.name, error, self.epoch))
                 raise
+
+    def _readable(self, packed: torch.Tensor) -> Message | None:
+        """The message in `packed`, or None (with a warning) when it is none a pipeline sends: bytes that a holder
+        of the links' token sent by mistake or malice cost that message, not the stage."""
+        try:
+            message = unpack(packed)
+        except TransportError as error:
+            log.warning("%s dropped what it received: %s", self.role.name, error)
+            return None
+        if message.kind not in KNOWN_KINDS:
+            log.warning("%s dropped a message of unknown kind %r", self.role.name, message.kind[:64])
+            return None
+        return message
 
     def tell_head(self, message: torch.Tensor) -> None:
         """Send the head a packed message; HeadGone if it cannot be reached (then none is left to tell)."""
