@@ -373,6 +373,42 @@ def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tm
             process.wait()
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_drains_and_stops_without_a_recovery(tmp_path) -> None:
+    """As a terminal's Ctrl-C or a service manager's stop delivers it: the head, the zygote and every stage
+    worker get the signal at once. The head drains (the request in flight gets all its tokens), the workers
+    exit when told, and nothing is recovered."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text("client-secret\n")
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+    environment.pop("DEJAVU_TOKEN", None)
+    log = tmp_path / "serve.log"
+    with log.open("w") as errors:
+        process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--stages",
+                                    "2", "--listen", "127.0.0.1:0", "--token-file", str(token_file)],
+                                   stdout=subprocess.PIPE, stderr=errors, text=True, env=environment,
+                                   start_new_session=True)  # a process group of its own, as a service's
+    try:
+        assert process.stdout is not None
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", process.stdout.readline())
+        assert match
+        client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key="client-secret", max_retries=0, timeout=60)
+        stream = client.completions.create(model=MODEL, prompt=[[3, 4, 5]], max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        received = [len(next(stream).choices[0].token_ids)]
+        os.killpg(process.pid, signal.SIGTERM)
+        received += [len(chunk.choices[0].token_ids) for chunk in stream if chunk.choices]
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert sum(received) == 200
+    text = log.read_text()
+    assert "draining" in text
+    assert "recover" not in text, text[-2000:]
+
+
 def test_bad_controller_settings_are_refused_before_any_process_starts() -> None:
     with pytest.raises(dv.ConfigError, match="max_body_bytes"):
         dv.Controller(MODEL, max_body_bytes=10)

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -258,7 +259,8 @@ def _wait_for_assignment(inbox: Server, head: Transport) -> Message:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a worker from its command line (as launchers start it); its exit status as `dejavu worker`'s: 0 once
-    the head says `shutdown`, 2 on a `DejaVuError` (a head gone, a bad assignment), 130 on Ctrl-C."""
+    the head says `shutdown`, 2 on a `DejaVuError` (a head gone, a bad assignment). It ignores SIGINT and
+    SIGTERM: its head stops it."""
     parser = argparse.ArgumentParser(prog="python -m dejavu_sdk.serving.bootstrap",
                                      description="a stage worker: join a pipeline's head and serve the stage it "
                                      "assigns (the token comes from DEJAVU_TOKEN)")
@@ -269,14 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--orphan-timeout", type=float, help="seconds it keeps its stage and asks a successor at "
                         "the head's address to take it back, once the head is gone (default: the head's choice)")
     args = parser.parse_args(argv)
+    # a launched worker is its head's to stop (`shutdown`), and stops on its own once the head is gone: Ctrl-C at
+    # the head's terminal, or a service manager's stop sent to every process of the service, reach the head,
+    # which drains, rather than end the stages under it
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         run_worker(args.join, host=args.host, threads=args.threads, worker_id=args.worker_id,
                    orphan_timeout=args.orphan_timeout)
     except DejaVuError as error:
         print(f"dejavu: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     return 0
 
 

@@ -194,7 +194,8 @@ def serve(requests: int, replies: int) -> None:
     """Fork a worker for each request on `requests` until it closes; report starts and ends on `replies`."""
     from . import bootstrap  # the imports every worker needs, once  # noqa: F401
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at the head's terminal is the head's to handle
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of every process of the service, is the
+        signal.signal(signum, signal.SIG_IGN)        # head's to handle: it ends when the head closes its pipe
     children: dict[int, str] = {}  # pid -> worker id, until reaped
     pending = b""
     while True:
@@ -248,7 +249,6 @@ def _run_child(request: dict[str, Any], pipes: Sequence[int]) -> None:
     try:
         for fd in pipes:
             os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["environment"])
         os.chdir(request["cwd"])
