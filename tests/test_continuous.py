@@ -59,7 +59,7 @@ def _assert_replayed(model, results, decoding: Decoding) -> None:
 
 def _assert_slots_were_refilled(results) -> None:
     """The schedules show rows joining a slot while others decode, rows leaving, and a group's prompt prefilled
-    a few columns at a time beside decode steps (within `MAX_PREFILL` positions a round)."""
+    a few columns at a time (within `MAX_PREFILL` positions a round)."""
     width = {result.request: prompt.numel() for result, prompt in zip(results, PROMPTS, strict=True)}
     rounds = {step for result in results for step in result.schedule}
     assert any(step.joined and len(step.decoded) > len(step.joined) for step in rounds)
@@ -72,10 +72,8 @@ def _assert_slots_were_refilled(results) -> None:
             continue
         members, start, stop = step.prefill
         assert 0 <= start < stop <= max(width[member] for member in members)
-        if step.decoded:  # beside decode steps: the prefill budget, one column at least
-            assert (stop - start) * len(members) <= max(MAX_PREFILL, len(members))
-        else:  # nothing to hold up: the rest of the prompts at once
-            assert stop == max(width[member] for member in members)
+        # beside decode steps or alone, the prefill budget, one column at least: no round holds a stage for long
+        assert (stop - start) * len(members) <= max(MAX_PREFILL, len(members))
     assert len({result.microbatch for result in results}) < len(results)  # slots were reused
 
 
@@ -107,10 +105,10 @@ def test_rows_joining_and_leaving_slots_get_the_tokens_of_replaying_their_schedu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_request_alone_equals_model_generate_greedy_and_sampled(family) -> None:
     model = getattr(tiny_models, family)()
-    prompt = PROMPTS[8]  # 10 tokens, prefilled at once (nothing decodes beside it) despite max_prefill_tokens
+    prompt = PROMPTS[8]  # 10 tokens, within max_prefill_tokens: prefilled at once
     rules = RoundRobin(model).rules
     engine = dv.DejaVuEngine(model)
-    greedy = engine.generate_many([prompt], 10, batching="continuous", max_prefill_tokens=2, swapping=False)
+    greedy = engine.generate_many([prompt], 10, batching="continuous", max_prefill_tokens=16, swapping=False)
     want = expectations.expected(model, [[0]], [prompt], [10], rules.pad, rules.eos)[0]
     assert greedy[0].tokens.tolist() == want.tolist()
     schedule = greedy[0].schedule
@@ -119,13 +117,19 @@ def test_a_request_alone_equals_model_generate_greedy_and_sampled(family) -> Non
     assert all(step == Round(decoded=(greedy[0].request,)) for step in schedule[2:])
     assert len(schedule) == greedy[0].tokens.numel()  # the prefill picks the first token, each round one more
     for seed in (5, 6):
-        sampled = engine.generate_many([prompt], 10, batching="continuous", max_prefill_tokens=2, swapping=False,
+        sampled = engine.generate_many([prompt], 10, batching="continuous", max_prefill_tokens=16, swapping=False,
                                        do_sample=True, seed=seed, top_k=20)
         # the engine's row draws from torch.Generator().manual_seed(seed): on the CPU, what
         # torch.manual_seed(seed) then generate draws
         want = expectations.sampled(model, [prompt], [0], 10, rules.pad, rules.eos, seed, top_k=20)[0]
         assert sampled[0].tokens.tolist() == want.tolist(), seed
     assert sampled[0].tokens.tolist() != greedy[0].tokens.tolist()
+    # past the budget, alone too, the prompt runs a chunk a round: the replay of those rounds is the reference
+    chunked = engine.generate_many([prompt], 10, batching="continuous", max_prefill_tokens=4, swapping=False)
+    assert [step.prefill for step in chunked[0].schedule[:3]] == [((chunked[0].request,), start, min(start + 4, 10))
+                                                                   for start in (0, 4, 8)]
+    reference = {chunked[0].request: Request(prompt, 10, Decoding())}
+    assert chunked[0].tokens.tolist() == replay(model, chunked[0].schedule, reference)[chunked[0].request].tolist()
 
 
 # ---- 3. the KV budget ----------------------------------------------------------------------------------

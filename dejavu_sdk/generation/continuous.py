@@ -164,7 +164,7 @@ class Continuous(RoundRobin):
         prefill = None
         if slot.joining is not None:
             group, picker = slot.joining
-            start, stop = group.columns(self.max_prefill_tokens, beside_decoding=bool(decoded))
+            start, stop = group.columns(self.max_prefill_tokens)
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)

@@ -9,8 +9,9 @@ mask is 0 over its padding. A slot lives in rounds, and each round runs, in this
    two caches left-padded to the longer;
 3. `decoded`: every row takes one decode step;
 4. `prefill`: columns [start, stop) of a joining group's prompts run into the group's own cache, at most
-   `max_prefill_tokens` positions (rows x columns) when rows are decoding beside it, all at once when none
-   are; after its last columns the group's first tokens are picked, and it joins at the next round.
+   `max_prefill_tokens` positions (rows x columns) a round, whether rows decode beside it or not (a long prompt
+   holds its stage for one chunk at a time); after its last columns the group's first tokens are picked, and it
+   joins at the next round.
 
 The rounds of a slot are its `Round`s, the schedule: replaying them through the model in one process
 (`replay.replay`) gives every row's tokens exactly, since the stages of a pipeline compute what the whole model
@@ -129,11 +130,11 @@ class Joining:
     def complete(self) -> bool:
         return self.done >= self.mask.shape[1]
 
-    def columns(self, max_prefill_tokens: int | None, beside_decoding: bool) -> tuple[int, int]:
-        """The columns to run next: all that are left when no row decodes beside them (nothing to hold up) or
-        without a budget; else as many as `max_prefill_tokens` positions allow (one at least)."""
+    def columns(self, max_prefill_tokens: int | None) -> tuple[int, int]:
+        """The columns to run next: as many as `max_prefill_tokens` positions allow (one at least), whether rows
+        decode beside them or not, so that no round holds a stage for long; all that are left without a budget."""
         width = self.mask.shape[1]
-        if max_prefill_tokens is None or not beside_decoding:
+        if max_prefill_tokens is None:
             return self.done, width
         return self.done, min(width, self.done + max(1, max_prefill_tokens // len(self.members)))
 

@@ -146,7 +146,7 @@ class SlotHandlers(WorkerState):
             cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
         decoded = list(state.rows.members)
         if self.stage.first:
-            fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields, bool(decoded))
+            fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields)
         decode_out = self._decode_rows(state, decode_in, cache) if decoded else _EMPTY
         if self.stage.first and not decoded and fields.get("prefill") is None:
             state.parked = True  # nothing to run: the next group to enter wakes it
@@ -248,7 +248,7 @@ class SlotHandlers(WorkerState):
             state.ready_picker, state.ready_tokens = None, None
         return cache, True
 
-    def _next_columns(self, state: SlotState, fields: dict[str, Any], beside_decoding: bool,
+    def _next_columns(self, state: SlotState, fields: dict[str, Any]
                       ) -> tuple[list[Any] | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first stage: which columns of which group run this round (starting the next queued group when none
         is joining), their ids, and at a group's start its mask (and, disaggregated, its generators' states)."""
@@ -268,7 +268,7 @@ class SlotHandlers(WorkerState):
             state.joining = Joining(list(group.fields["members"]), mask, self.stage.new_cache(), ids)
         if state.joining is None:
             return None, _EMPTY, _EMPTY, _EMPTY
-        start, stop = state.joining.columns(self.max_prefill_tokens, beside_decoding)
+        start, stop = state.joining.columns(self.max_prefill_tokens)
         assert state.joining.ids is not None  # the first stage keeps them
         return [state.joining.members, start, stop], state.joining.ids[:, start:stop], mask, rng
 
