@@ -13,6 +13,9 @@ import pytest
 import tiny_models
 import torch
 
+from dejavu_sdk.generation.batching import Request
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.replay import replay
 from dejavu_sdk.serving import Pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_workers_import_tiny_models")]
@@ -76,3 +79,32 @@ def test_a_stage_killed_during_a_long_prefill_is_recovered() -> None:
     assert "exited" in reports[0].reason
     (want,) = expectations.expected(tiny_models.long_llama(), [[0]], [long], [4], pad, eos)
     assert torch.equal(result.tokens, want)
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["one stage", "mixed"])
+def test_a_short_request_gets_its_first_token_beside_a_long_prefill(stages: int) -> None:
+    """Continuous batching runs a long prompt a chunk a round, and a request that cannot join its slot before
+    it does opens a slot beside it: its first token comes within a few of the long prompt's chunks."""
+    long, short = _long_prompt(), torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
+    with Pipeline("tiny_models:long_llama", stages=stages, microbatch=2, threads=1, heartbeat=HEARTBEAT,
+                  progress_timeout=PROGRESS, batching="continuous") as pipe:
+        first = pipe.submit(long, max_new_tokens=4)
+        deadline = time.monotonic() + 30
+        while not any(step["steps"] for step in pipe.status()["microbatches"]):  # its first chunk ran
+            assert time.monotonic() < deadline, "the long prompt's first chunk never ran"
+            time.sleep(0.01)
+        second = pipe.submit(short, max_new_tokens=4)
+        long_result, short_result = first.result(timeout=120), second.result(timeout=120)
+        assert pipe.recoveries == []
+        pad, eos = pipe.pad, pipe.eos
+    prefill = long_result.first_token - long_result.submitted
+    waited = short_result.first_token - short_result.submitted
+    assert prefill > 2 * PROGRESS, f"the long prefill took {prefill:.1f} s: not long enough to test anything"
+    assert waited < prefill / 4, f"the short request waited {waited:.2f} s for its first token beside a prefill " \
+        f"of {prefill:.2f} s"
+    assert short_result.microbatch != long_result.microbatch  # a slot of its own, beside the long one
+    model = tiny_models.long_llama()
+    (want,) = expectations.expected(model, [[0]], [short], [4], pad, eos)
+    assert torch.equal(short_result.tokens, want)  # alone in its slot, within the prefill budget
+    requests = {long_result.request: Request(long, 4, Decoding())}
+    assert long_result.tokens.tolist() == replay(model, long_result.schedule, requests)[long_result.request].tolist()

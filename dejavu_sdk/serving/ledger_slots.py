@@ -49,7 +49,8 @@ class SlotDecisions(LedgerState):
                 sends.append(self._send_group(flight, taken, epoch))
         sends += self._end_idle_slots(epoch)
         slots = self.layout.token_depth if self.layout.disaggregated else len(self.layout.stages)
-        while self.waiting and len(self.holding()) < slots and self._prompt_room():
+        while self.waiting and len(self.holding()) - self._long_prefills() < slots \
+                and len(self.holding()) < 2 * slots and self._prompt_room():
             taken = self._take(self.microbatch, [], None)
             if not taken:
                 break
@@ -59,6 +60,16 @@ class SlotDecisions(LedgerState):
             self.most_in_flight = max(self.most_in_flight, len(self.holding()))
             sends.append(self._send_group(flight, taken, epoch))
         return sends
+
+    def _long_prefills(self) -> int:
+        """Mixed: the slots whose joining group has more than a round of prompt positions left to run (under the
+        lock). A waiting request can join none of them before that group does, so each lets another slot open
+        beside it on the same stages, whose rounds take turns with its chunks: a short request is not held back
+        by a long prompt (the disaggregated prompt pipeline holds its groups apart already)."""
+        if self.prefill_tokens is None or self.layout.disaggregated:
+            return 0
+        return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
+                   and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > self.prefill_tokens)
 
     def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
         """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
@@ -320,6 +331,18 @@ class SlotDecisions(LedgerState):
                 sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **again, "epoch": epoch},
                                          (group_ids, group_mask))))
         return sends
+
+
+def _prefill_left(batch: SlotBatch) -> int:
+    """The prompt positions (rows x columns) that the group on its way into `batch` has yet to run, as the
+    rounds reported so far say (0: none on its way, or its prompts are in)."""
+    if not batch.groups or not batch.entering - batch.completed:
+        return 0
+    fields, _, mask = batch.groups[-1]
+    members = set(fields["members"])
+    done = next((step.prefill[2] for step in reversed(batch.rounds)
+                 if step.prefill is not None and step.prefill[0] and step.prefill[0][0] in members), 0)
+    return (mask.shape[1] - done) * len(members)
 
 
 def _by_member(scores: dict[str, Any] | None, members: list[int], rows: list[int]) -> dict[str, Any]:

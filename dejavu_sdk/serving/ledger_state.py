@@ -76,13 +76,16 @@ class PromptGroup:
 class LedgerState:
     """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
-    `continuous` whether microbatches are slots that rows join and leave."""
+    `continuous` whether microbatches are slots that rows join and leave, and `prefill_tokens` the positions of
+    a joining group's prompts a round runs."""
 
     def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
-                 admission: Admission, epoch: Callable[[], int] = lambda: 0, continuous: bool = False) -> None:
+                 admission: Admission, epoch: Callable[[], int] = lambda: 0, continuous: bool = False,
+                 prefill_tokens: int | None = None) -> None:
         self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
-        #: Continuous batching: microbatches are slots whose rows come and go (`ledger_slots`).
-        self.continuous = continuous
+        #: Continuous batching: microbatches are slots whose rows come and go (`ledger_slots`), a joining group
+        #: prefilled `prefill_tokens` positions a round (None: at once).
+        self.continuous, self.prefill_tokens = continuous, prefill_tokens
         self.eos, self.pad, self.admission = eos, pad, admission
         #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
         #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).

@@ -110,7 +110,8 @@ class Pipeline:
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
-                             lambda: self.fleet.epoch, continuous=checked.batching == "continuous")
+                             lambda: self.fleet.epoch, continuous=checked.batching == "continuous",
+                             prefill_tokens=checked.max_prefill_tokens)
         #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
         self.batching = checked.batching
         #: The stages' answers to a recovery's steps, for the recovery thread.
