@@ -15,7 +15,8 @@ mask is 0 over its padding. A slot lives in rounds, and each round runs, in this
 
 The rounds of a slot are its `Round`s, the schedule: replaying them through the model in one process
 (`replay.replay`) gives every row's tokens exactly, since the stages of a pipeline compute what the whole model
-computes on the same inputs. A row alone in its slot all its life is `model.generate` on it.
+computes on the same inputs. A row alone in its slot all its life, its prompt run in one round, is
+`model.generate` on it.
 """
 
 from __future__ import annotations
