@@ -284,6 +284,15 @@ def test_hostile_bodies_get_a_4xx_and_the_request_id_comes_back(controller) -> N
         assert response.headers["X-Request-Id"] == "mine-42"
 
 
+def test_an_error_quotes_briefly_what_a_request_sent(controller) -> None:
+    for stop_ids in ([10**6] * 100_000, [7] * 100_000 + ["x"]):  # ids outside the vocabulary; one that is no id
+        body = {"model": "text", "prompt": "Hi", "max_tokens": 2, "stop_token_ids": stop_ids}
+        status, answer, _ = _raw(controller.url, "/v1/completions", json.dumps(body).encode(), controller.token)
+        assert status == 400
+        assert "stop_token_ids" in answer["error"]["message"]
+        assert len(json.dumps(answer)) < 1500
+
+
 def test_a_request_during_start_up_is_served_and_health_answers_while_a_stage_hangs(
         workers_import_tiny_models, tokenizer) -> None:
     controller = dv.Controller(MODEL, stages=1, microbatch=4, port=0, timeout=60, tokenizer=tokenizer,

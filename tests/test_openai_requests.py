@@ -1,6 +1,6 @@
 """Checking OpenAI requests before anything is queued: chat messages rendered with the model's template, choices
 (`n`) with seeds derived from the request's, limits up to the context, stop strings, and a clear 4xx for each
-bad input."""
+bad input that quotes it briefly."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import attrs
 import pytest
 
 from dejavu_sdk.controller.openai_requests import ApiError, parse_chat, parse_completion
+from dejavu_sdk.errors import ConfigError
+from dejavu_sdk.generation.decoding import Decoding
 
 
 @attrs.frozen
@@ -95,3 +97,26 @@ def test_bad_chats_are_refused_with_a_reason(tokenizer) -> None:
              400, "not supported")
     _refused(parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, _Facts(), 400,
              "no chat template")
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m" * 100_000, "prompt": [1]},
+    {"model": "m", "prompt": [1], "stop_token_ids": [7] * 100_000 + ["x"]},
+    {"model": "m", "prompt": [1], "n": "n" * 100_000},
+    {"model": "m", "prompt": [1], "temperature": [0.5] * 100_000},
+    {"model": "m", "prompt": [1], "stream": {"x" * 100_000: 1}},
+    {"model": "m", "prompt": [1], "logit_bias": {str(token): 1 for token in range(100_000)}},
+    {"model": "m", "prompt": [1], "temperature": 0.5, "seed": [1] * 100_000},
+])
+def test_an_error_quotes_at_most_a_few_hundred_characters_of_what_was_sent(body) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_completion(body, _Facts(), 16)
+    assert len(refused.value.message) < 400, refused.value.message[:1000]
+
+
+@pytest.mark.parametrize("settings", [{"top_p": [0.5] * 100_000}, {"top_k": "k" * 100_000},
+                                      {"stop_token_ids": [-1] * 100_000}, {"min_tokens": [1] * 100_000}])
+def test_a_decoding_error_quotes_at_most_a_few_hundred_characters(settings) -> None:
+    with pytest.raises(ConfigError) as refused:
+        Decoding.of(do_sample=True, **settings)
+    assert len(str(refused.value)) < 400, str(refused.value)[:1000]

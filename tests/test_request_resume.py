@@ -41,7 +41,7 @@ def _events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
             event_id, data = None, None
 
 
-def _resume(controller, request_id: str, last: str | None) -> tuple[list[tuple[str | None, str]], int]:
+def _resume(controller, request_id: str, last: str | bytes | None) -> tuple[list[tuple[str | None, str]], int]:
     headers = {"Authorization": f"Bearer {controller.token}", **({"Last-Event-ID": last} if last else {})}
     with httpx.stream("GET", f"{controller.url}/v1/requests/{request_id}/stream", headers=headers,
                       timeout=60) as response:
@@ -108,6 +108,8 @@ def test_a_stream_cut_short_resumes_past_its_last_event_id_with_every_later_toke
         assert _tokens(_resume(controller, request_id, None)[0])[0] == whole.token_ids
         assert _resume(controller, request_id, "cmpl-other:3")[1] == 400
         assert _resume(controller, request_id, f"{request_id}:x")[1] == 400
+        for forged in ("+5", "1_0", "\uff15", " 5", "-0"):  # what int() reads, and no position is
+            assert _resume(controller, request_id, f"{request_id}:{forged}".encode())[1] == 400, forged
         assert _get(controller, "cmpl-unknown")[0] == 404
 
 

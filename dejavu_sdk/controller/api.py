@@ -50,7 +50,7 @@ import attrs
 from aiohttp import web
 
 from .._version import __version__
-from ..errors import ConfigError, DejaVuError
+from ..errors import ConfigError, DejaVuError, quoted
 from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
@@ -280,7 +280,7 @@ def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
     if run is None and state == "starting":  # it may be one of the journal's, not taken over yet
         raise ApiError(503, f"the server is starting: {why}", "server_error", "server_starting", 1.0)
     if run is None:
-        raise ApiError(404, f"no request {request.match_info['id'][:200]!r} here: it is unknown, or ended longer ago "
+        raise ApiError(404, f"no request {quoted(request.match_info['id'])} here: it is unknown, or ended longer ago "
                        f"than this server keeps requests ({book.keep_finished:.0f} s, --keep-finished)",
                        code="request_not_found")
     return run

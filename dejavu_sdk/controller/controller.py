@@ -384,12 +384,13 @@ class Controller:
         ready.result(timeout=LISTEN_TIMEOUT)
 
     def close(self) -> None:
-        """Stop answering HTTP, then stop the workers. Closing twice is harmless."""
+        """Stop the workers, then stop answering HTTP: the requests still running fail while the API's loop runs,
+        and their clients are told so. Closing twice is harmless."""
+        self.pipeline.close()
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop = self._thread = None
-        self.pipeline.close()
         if self.journal is not None:
             if self._started:  # its workers are told to stop: a successor waits for none to rejoin
                 self.journal.head(None)

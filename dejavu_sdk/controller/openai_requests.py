@@ -3,7 +3,7 @@ become a `GenerationRequest` (the choices to generate, as token ids, their limit
 or an `ApiError` that says what is wrong with the status a client understands.
 
 Tokenizing (and rendering a chat's messages with the tokenizer's chat template) happens here, so the API runs
-`parse_*` off its event loop.
+`parse_*` off its event loop. What an error quotes of a request is short (`quoted`), however large the value sent.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+from ..errors import quoted
 from ..generation.logprobs import MAX_LOGPROBS
+from .api_errors import ApiError
 
 #: Arguments of OpenAI's APIs that change the output and are not supported, with the values that change nothing
 #: (sent by clients that fill in defaults).
@@ -39,15 +41,6 @@ class ModelFacts(Protocol):
     @property
     def names(self) -> Sequence[str]:
         """Every name a client may use for it."""
-
-
-class ApiError(Exception):
-    """An error answered with `status`, OpenAI's error body and, when waiting helps, `retry_after` seconds."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.retry_after = status, message, kind, code, retry_after
 
 
 @attrs.frozen
@@ -125,7 +118,7 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
              echo: bool = False) -> GenerationRequest:
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
-            raise ApiError(400, f"{name}={body[name]!r} is not supported")
+            raise ApiError(400, f"{name}={quoted(body[name])} is not supported")
     n = _check_count(len(prompts), body, max_prompts)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
@@ -157,7 +150,7 @@ def _model(body: Any, facts: ModelFacts) -> str:
     if not isinstance(model, str):
         raise ApiError(400, "'model' is required: the id GET /v1/models lists")
     if model not in facts.names:
-        raise ApiError(404, f"the model {model!r} is not served here; this controller serves "
+        raise ApiError(404, f"the model {quoted(model)} is not served here; this controller serves "
                        f"{', '.join(map(repr, facts.names))}", "not_found_error", "model_not_found")
     return model
 
@@ -234,7 +227,7 @@ def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int,
         return default
     if not _is_id(value) or value < minimum or (maximum is not None and value > maximum):
         within = f"of at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ApiError(400, f"{name!r} must be an integer {within}, got {value!r}")
+        raise ApiError(400, f"{name!r} must be an integer {within}, got {quoted(value)}")
     return value
 
 
@@ -244,7 +237,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
             or not math.isfinite(value):
-        raise ApiError(400, f"{name!r} must be a number from {low} to {high}, got {value!r}")
+        raise ApiError(400, f"{name!r} must be a number from {low} to {high}, got {quoted(value)}")
     return float(value)
 
 
@@ -253,7 +246,7 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name!r} must be true or false, got {value!r}")
+        raise ApiError(400, f"{name!r} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -268,7 +261,7 @@ def _decoding(body: dict[str, Any]) -> dict[str, Any]:
         return {"do_sample": False, **ends}
     seed = body.get("seed")
     if seed is not None and (not _is_id(seed) or not -2**63 <= seed < 2**63):
-        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**63 - 1, got {seed!r}")
+        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**63 - 1, got {quoted(seed)}")
     return {"do_sample": True, "temperature": temperature, "top_p": body.get("top_p", 1.0),
             "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed, **ends}
 
@@ -280,7 +273,7 @@ def _ends(body: dict[str, Any]) -> dict[str, Any]:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(_is_id(token) and token >= 0 for token in stop_ids):
-            raise ApiError(400, f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}")
+            raise ApiError(400, f"'stop_token_ids' must be a list of token ids, got {quoted(stop_ids)}")
         if stop_ids:
             ends["stop_token_ids"] = stop_ids
     if _flag(body, "ignore_eos"):
