@@ -37,7 +37,6 @@ import asyncio
 import contextvars
 import functools
 import hmac
-import json
 import logging
 import re
 import time
@@ -51,12 +50,14 @@ from aiohttp import web
 
 from .._version import __version__
 from ..errors import ConfigError, DejaVuError, quoted
+from .bodies import json_body
 from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
 from .run_book import RunBook
 from .runs import Run
+from .text_routes import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("dejavu_sdk.access")
@@ -163,9 +164,9 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
     app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
     app.router.add_get("/health", functools.partial(_health, backend=backend))
     app.router.add_get("/version", _version)
-    app.router.add_post("/tokenize", functools.partial(_tokenize, backend=backend, text_threads=text_threads))
-    app.router.add_post("/detokenize", functools.partial(_detokenize, backend=backend, text_threads=text_threads))
-    app.router.add_get("/tokenizer_info", functools.partial(_tokenizer_info, backend=backend))
+    app.router.add_post("/tokenize", functools.partial(tokenize, backend=backend, text_threads=text_threads))
+    app.router.add_post("/detokenize", functools.partial(detokenize, backend=backend, text_threads=text_threads))
+    app.router.add_get("/tokenizer_info", functools.partial(tokenizer_info, backend=backend))
     return app
 
 
@@ -197,24 +198,6 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(500, "internal error; the controller's log says more", "server_error")
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body; 400 for what is not JSON, is nested too deeply, or holds text that is not
-    Unicode (a lone surrogate)."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be tokenized: refuse it here
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the body is not valid JSON") from None
-    except ValueError as error:  # an integer of thousands of digits
-        raise ApiError(400, f"the body's JSON is refused: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    except UnicodeEncodeError:
-        raise ApiError(400, "the body holds text that is not valid Unicode (a lone surrogate)") from None
-    return body
-
-
 async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimits, text_threads: Executor,
                     admission: Executor, book: RunBook,
                     parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
@@ -222,7 +205,7 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
     (bounded by the queue timeout), answered whole or streamed."""
     loop = asyncio.get_running_loop()
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         generation = await loop.run_in_executor(text_threads, parse, body, backend, limits.max_prompts)
     except ApiError:
         backend.metrics.requests.labels("bad_request").inc()
@@ -360,55 +343,6 @@ async def _health(_: web.Request, backend: ServedModel) -> web.Response:
 
 async def _version(_: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
-
-
-async def _tokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
-    """{"prompt": text, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt": true}: the
-    token ids, their count and the model's context."""
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    tokens = await asyncio.get_running_loop().run_in_executor(text_threads, _tokens_of, body, backend)
-    return web.json_response({"count": len(tokens), "max_model_len": backend.context, "tokens": tokens})
-
-
-def _tokens_of(body: dict[str, Any], backend: ServedModel) -> list[int]:
-    tokenizer = _tokenizer(backend)
-    if "messages" in body:
-        chat = parse_chat({**body, "model": backend.model_id, "max_tokens": 1}, backend, 1)
-        return chat.prompts[0]
-    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-    if not isinstance(prompt, str) or not isinstance(special, bool):
-        raise ApiError(400, "'prompt' must be a text (and 'add_special_tokens' true or false)")
-    return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
-
-
-async def _detokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
-    """{"tokens": [ids]}: their text."""
-    body = await _json_body(request)
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    vocabulary = len(_tokenizer(backend))
-    if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool)
-                                               and 0 <= token < vocabulary for token in tokens):
-        raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocabulary - 1}")
-    text = await asyncio.get_running_loop().run_in_executor(text_threads, _tokenizer(backend).decode, tokens)
-    return web.json_response({"prompt": text})
-
-
-async def _tokenizer_info(_: web.Request, backend: ServedModel) -> web.Response:
-    """What a client needs to tokenize as the server does (vLLM's `/tokenizer_info`): the special tokens, the
-    chat template and the context."""
-    tokenizer = _tokenizer(backend)
-    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return web.json_response({"tokenizer_class": type(tokenizer).__name__, **special,
-                              "chat_template": getattr(tokenizer, "chat_template", None),
-                              "model_max_length": backend.context})
-
-
-def _tokenizer(backend: ServedModel) -> Any:
-    if backend.tokenizer is None:
-        raise ApiError(400, "this model is served without a tokenizer")
-    return backend.tokenizer
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:

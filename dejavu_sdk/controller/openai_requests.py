@@ -2,8 +2,9 @@
 become a `GenerationRequest` (the choices to generate, as token ids, their limits, decodings and stop strings),
 or an `ApiError` that says what is wrong with the status a client understands.
 
-Tokenizing (and rendering a chat's messages with the tokenizer's chat template) happens here, so the API runs
-`parse_*` off its event loop. What an error quotes of a request is short (`quoted`), however large the value sent.
+Tokenizing (and rendering a chat's messages with the tokenizer's chat template, `chat_prompts`) happens here, so
+the API runs `parse_*` off its event loop. What an error quotes of a request is short (`quoted`), however large the
+value sent.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import attrs
 from ..errors import quoted
 from ..generation.logprobs import MAX_LOGPROBS
 from .api_errors import ApiError
+from .chat_prompts import chat_prompt
 
 #: Arguments of OpenAI's APIs that change the output and are not supported, with the values that change nothing
 #: (sent by clients that fill in defaults).
@@ -91,17 +93,13 @@ def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> Generati
 
 def parse_chat(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
     """A `/v1/chat/completions` body: `messages` rendered with the tokenizer's chat template, the assistant's turn
-    opened; `max_completion_tokens` (or the older `max_tokens`) defaults to the rest of the context."""
+    opened (`chat_prompt`: roles the template handles, special tokens in content as text);
+    `max_completion_tokens` (or the older `max_tokens`) defaults to the rest of the context."""
     model = _model(body, facts)
     tokenizer = facts.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"the model {model!r} has no chat template: use /v1/completions")
-    messages = _messages(body.get("messages"))
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as error:  # the template's own checks (roles that must alternate, ...)
-        raise ApiError(400, f"the chat template refused the messages: {error}") from None
-    prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = chat_prompt(tokenizer, body.get("messages"))
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     if body.get("echo") not in (None, False):
@@ -165,27 +163,6 @@ def _max_tokens(body: dict[str, Any], default: int | None, prompt_length: int, c
             raise ApiError(400, f"the prompt's {prompt_length} tokens fill the model's context of {context}")
         return context - prompt_length
     return _integer(body, "max_tokens", default, minimum=1)
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as a template takes them: a role and text content each (content parts of type text are
-    joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
-    checked = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, "each message needs a 'role' (system, user, assistant) and a 'content'")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ApiError(400, "only text content parts ({type: text, text}) are supported")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ApiError(400, "a message's 'content' must be a text or a list of text parts")
-        checked.append({"role": message["role"], "content": content})
-    return checked
 
 
 def _prompts(prompt: Any, tokenizer: Any | None) -> list[list[int]]:
