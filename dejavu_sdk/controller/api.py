@@ -18,7 +18,11 @@
                                                 tokenizer reads them)
 
 Every other route needs `Authorization: Bearer <token>` (401 otherwise): a client token, and for `/v1/workers`
-the workers' token (neither opens the other's routes). Errors have OpenAI's shape
+the workers' token (neither opens the other's routes). A request belongs to the client token that made it
+(`owners`): `GET /v1/requests/<id>` and its stream answer that token alone, any other gets the 404 of an unknown id
+(nobody learns that another's ids exist), and `/v1/status` lists only the caller's ids among those taken over from
+a journal. The journal records a digest of the owner's token, never the token, so a successor controller given the
+same token answers the same client. Errors have OpenAI's shape
 (`{"error": {"message", "type", "code"}}`) and the status a client understands: 400 a bad request (and its own
 bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
 Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
@@ -36,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import hmac
 import logging
 import re
 import time
@@ -55,6 +58,7 @@ from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
+from .owners import Tokens, owns
 from .run_book import RunBook
 from .runs import Run
 from .text_routes import detokenize, tokenize, tokenizer_info
@@ -73,11 +77,13 @@ TEXT_THREADS, ADMISSION = web.AppKey("text_threads", ThreadPoolExecutor), web.Ap
 
 @attrs.define
 class _Exchange:
-    """One HTTP request as its access-log line tells it: its id, and the tokens it cost."""
+    """One HTTP request as its access-log line tells it: its id, and the tokens it cost; and the owner id of the
+    token it presented (None: it needed none)."""
 
     request_id: str
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    owner: str | None = None
 
 
 _EXCHANGE: contextvars.ContextVar[_Exchange] = contextvars.ContextVar("dejavu_exchange")
@@ -111,7 +117,9 @@ class ServedModel(Protocol):
 
     def started_at(self, future: Future[Any]) -> float | None: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """The serving layout and what it took over from a journal (the request ids `readable` says a caller may
+        know of; None: every one)."""
 
     @property
     def join_url(self) -> str:
@@ -120,10 +128,10 @@ class ServedModel(Protocol):
 
 def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, limits: ApiLimits) -> web.Application:
     """The API over `backend`; clients present one of `tokens`, stage workers `worker_token`."""
-    allowed = [token.encode() for token in tokens]
+    allowed = Tokens(tokens)
     if not allowed:
         raise ConfigError("the controller needs at least one token for its clients")
-    workers = [worker_token.encode()]
+    workers = Tokens([worker_token])
     text_threads = ThreadPoolExecutor(2, thread_name_prefix="dejavu-api-text")
     admission = ThreadPoolExecutor(1, thread_name_prefix="dejavu-api-admission")
 
@@ -159,7 +167,7 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
     app.router.add_get("/v1/requests/{id}", functools.partial(_request_now, backend=backend, book=book))
     app.router.add_get("/v1/requests/{id}/stream", functools.partial(_request_stream, backend=backend, book=book))
     app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
-    app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
+    app.router.add_get("/v1/status", functools.partial(_status, backend=backend, book=book))
     app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
     app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
     app.router.add_get("/health", functools.partial(_health, backend=backend))
@@ -171,15 +179,17 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
 
 
 async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                  allowed: list[bytes], limits: ApiLimits) -> web.StreamResponse:
-    """The handler's response, or the error that stopped it in OpenAI's shape; never an exception."""
+                  allowed: Tokens, limits: ApiLimits) -> web.StreamResponse:
+    """The handler's response, or the error that stopped it in OpenAI's shape; never an exception. The owner id
+    of the token presented is the exchange's."""
     try:
         if request.path not in OPEN_PATHS:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not any(hmac.compare_digest(presented.strip().encode(), token)
-                                                     for token in allowed):
+            owner = allowed.owner(presented.strip()) if scheme.lower() == "bearer" else None
+            if owner is None:
                 raise ApiError(401, "a valid bearer token is needed (Authorization: Bearer <token>)",
                                "authentication_error", "invalid_api_key")
+            _EXCHANGE.get().owner = owner
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             raise ApiError(413, f"the body is {request.content_length} bytes, more than the "
                            f"{limits.max_body_bytes} this server takes", code="body_too_large")
@@ -203,10 +213,11 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
                     parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
     """A completions or chat request: checked and tokenized off the loop, admitted once the pipeline serves
     (bounded by the queue timeout), answered whole or streamed."""
-    loop = asyncio.get_running_loop()
+    loop, exchange = asyncio.get_running_loop(), _EXCHANGE.get()
     try:
         body = await json_body(request)
         generation = await loop.run_in_executor(text_threads, parse, body, backend, limits.max_prompts)
+        generation = attrs.evolve(generation, owner=exchange.owner)  # its caller's alone
     except ApiError:
         backend.metrics.requests.labels("bad_request").inc()
         raise
@@ -234,7 +245,6 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
                        "pipeline_failed", 5.0) from None
     run.start()
     book.add(run)
-    exchange = _EXCHANGE.get()
     exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
     watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
     try:
@@ -258,7 +268,8 @@ def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
 
 
 def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
-    run = book.get(request.match_info["id"])
+    """The caller's run of the id in the path; another's is answered as an unknown one."""
+    run = _owned(book, request.match_info["id"])
     state, why = backend.health()
     if run is None and state == "starting":  # it may be one of the journal's, not taken over yet
         raise ApiError(503, f"the server is starting: {why}", "server_error", "server_starting", 1.0)
@@ -267,6 +278,12 @@ def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
                        f"than this server keeps requests ({book.keep_finished:.0f} s, --keep-finished)",
                        code="request_not_found")
     return run
+
+
+def _owned(book: RunBook, request_id: str) -> Run | None:
+    """The run of `request_id` if the caller made it."""
+    run = book.get(request_id)
+    return run if run is not None and owns(run.request.owner, _EXCHANGE.get().owner) else None
 
 
 async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
@@ -321,8 +338,9 @@ async def _models(_: web.Request, backend: ServedModel) -> web.Response:
          "max_model_len": backend.context} for name in backend.names]})
 
 
-async def _status(_: web.Request, backend: ServedModel) -> web.Response:
-    return web.json_response(backend.status())
+async def _status(_: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
+    """The serving layout; of the requests taken over from a journal, the caller's alone."""
+    return web.json_response(backend.status(lambda request_id: _owned(book, request_id) is not None))
 
 
 async def _workers(_: web.Request, backend: ServedModel) -> web.Response:

@@ -58,8 +58,8 @@ class Choice:
 
 @attrs.frozen
 class GenerationRequest:
-    """A checked request: its choices (prompt by prompt, `n` each), stop strings, whether to stream, and the
-    model name to answer with (the one the client used)."""
+    """A checked request: its choices (prompt by prompt, `n` each), stop strings, whether to stream, the model
+    name to answer with (the one the client used), and its owner."""
 
     kind: Literal["completion", "chat"]
     model: str
@@ -72,6 +72,9 @@ class GenerationRequest:
     logprobs: int | None = None
     #: Completions: the answer's text (and log-probabilities) begin with the prompt's.
     echo: bool = False
+    #: The owner id of the client token that made it (`owners.owner_id`, never the token): only that token reads it
+    #: back. None: no client's (journaled before requests had owners).
+    owner: str | None = None
 
 
 def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
