@@ -16,6 +16,14 @@
 
 from __future__ import annotations
 
+import reprlib
+
+#: How error messages quote values they were given: short, however large the value (what a client sent may be
+#: megabytes).
+_QUOTING = reprlib.Repr()
+_QUOTING.maxlevel, _QUOTING.maxlist, _QUOTING.maxtuple, _QUOTING.maxdict = 2, 8, 8, 4
+_QUOTING.maxstring, _QUOTING.maxother, _QUOTING.maxlong = 120, 120, 60
+
 
 class DejaVuError(Exception):
     """Base of every error the SDK raises on purpose."""
@@ -76,3 +84,10 @@ class RequestFailed(DejaVuError):
     def __init__(self, message: str, request: int | None = None, input_error: bool = False) -> None:
         super().__init__(message if request is None else f"request {request}: {message}")
         self.request, self.input_error = request, input_error
+
+
+def quoted(value: object, limit: int = 200) -> str:
+    """`value` as an error message quotes it: its repr, at most about `limit` characters (a long list, text or
+    number shows its start and `...`)."""
+    shown = _QUOTING.repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}..."

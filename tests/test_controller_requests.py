@@ -184,6 +184,34 @@ def test_sigterm_drains_health_turns_503_new_requests_are_refused_and_the_stream
             process.wait()
 
 
+def test_a_drain_that_times_out_says_so_and_nothing_else_goes_wrong_as_it_stops(tmp_path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("client-secret\n")
+    tests = os.path.dirname(__file__)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--listen",
+                                "127.0.0.1:0", "--token-file", str(token_file), "--ignore-eos", "--journal",
+                                f"file://{tmp_path}/journal", "--drain-timeout", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        assert process.stdout is not None
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", process.stdout.readline())
+        assert match
+        stream = _client(_Served(match.group(1), "client-secret")).completions.create(
+            model=MODEL, prompt=[[5, 6, 7]], max_tokens=None, temperature=0, stream=True)  # up to the context
+        assert next(iter(stream)).choices[0].token_ids
+        stream.close()  # its client gone, the journaled request goes on: it runs past the drain timeout
+        process.send_signal(signal.SIGTERM)
+        _, log = process.communicate(timeout=60)
+        assert process.returncode == 0
+        assert "the drain timeout passed with requests in flight" in log
+        assert "Traceback" not in log, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

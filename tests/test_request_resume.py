@@ -1,7 +1,8 @@
 """Requests outlive their connection and their controller: every server-sent event has `id: <request id>:<position>`,
 a client that reconnects with `Last-Event-ID` gets every later token exactly once (`GET /v1/requests/<id>/stream`),
-`GET /v1/requests/<id>` answers a running or ended request, and a controller started on the journal of one that
-died goes on with its requests under their ids, computing again from the prompt what no worker holds."""
+`GET /v1/requests/<id>` answers a running or ended request to the token that made it (to any other, it does not
+exist), and a controller started on the journal of one that died goes on with its requests under their ids, for
+the same tokens, computing again from the prompt what no worker holds."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import dejavu_sdk as dv
 from dejavu_sdk.controller.journal import Journal, read_journal
 
 MODEL = "tiny_models:llama_text"
+TOKEN = "client-token"
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +26,10 @@ def tokenizer(smollm2_tokenizer):
 
 
 def _controller(tokenizer, journal: str | None, **options) -> dv.Controller:
+    """A controller on `journal`, answering the same client token as every other (as a restart with the same
+    token file does)."""
     return dv.Controller(MODEL, stages=1, microbatch=4, port=0, timeout=60, tokenizer=tokenizer, journal=journal,
-                         **options)
+                         **{"token": TOKEN, **options})
 
 
 def _events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
@@ -41,8 +45,9 @@ def _events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
             event_id, data = None, None
 
 
-def _resume(controller, request_id: str, last: str | None) -> tuple[list[tuple[str | None, str]], int]:
-    headers = {"Authorization": f"Bearer {controller.token}", **({"Last-Event-ID": last} if last else {})}
+def _resume(controller, request_id: str, last: str | bytes | None, token: str | None = None,
+            ) -> tuple[list[tuple[str | None, str]], int]:
+    headers = {"Authorization": f"Bearer {token or controller.token}", **({"Last-Event-ID": last} if last else {})}
     with httpx.stream("GET", f"{controller.url}/v1/requests/{request_id}/stream", headers=headers,
                       timeout=60) as response:
         if response.status_code != 200:
@@ -64,10 +69,13 @@ def _tokens(events: list[tuple[str | None, str]]) -> tuple[list[int], str, list[
     return tokens, text, finish
 
 
-def _get(controller, request_id: str) -> tuple[int, dict]:
-    response = httpx.get(f"{controller.url}/v1/requests/{request_id}", timeout=60,
-                         headers={"Authorization": f"Bearer {controller.token}"})
+def _get(controller, request_id: str, token: str | None = None) -> tuple[int, dict]:
+    response = _as(controller, f"/v1/requests/{request_id}", token or controller.token)
     return response.status_code, response.json()
+
+
+def _as(controller, path: str, token: str) -> httpx.Response:
+    return httpx.get(controller.url + path, headers={"Authorization": f"Bearer {token}"}, timeout=60)
 
 
 @pytest.mark.slow
@@ -108,6 +116,8 @@ def test_a_stream_cut_short_resumes_past_its_last_event_id_with_every_later_toke
         assert _tokens(_resume(controller, request_id, None)[0])[0] == whole.token_ids
         assert _resume(controller, request_id, "cmpl-other:3")[1] == 400
         assert _resume(controller, request_id, f"{request_id}:x")[1] == 400
+        for forged in ("+5", "1_0", "\uff15", " 5", "-0"):  # what int() reads, and no position is
+            assert _resume(controller, request_id, f"{request_id}:{forged}".encode())[1] == 400, forged
         assert _get(controller, "cmpl-unknown")[0] == 404
 
 
@@ -190,3 +200,39 @@ def test_keep_finished_must_be_seconds_from_zero_on() -> None:
     for wrong in (-1, float("inf"), "60", True):
         with pytest.raises(dv.ConfigError, match="keep_finished"):
             dv.Controller(MODEL, keep_finished=wrong)
+
+
+@pytest.mark.slow
+def test_a_request_is_its_token_s_alone_and_stays_so_for_a_successor(workers_import_tiny_models, tokenizer,
+                                                                     tmp_path) -> None:
+    mine, other = "client-a-token", "client-b-token"
+    with _controller(tokenizer, f"file://{tmp_path}/first", token=mine, tokens=[other]) as first:
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key=mine, max_retries=0, timeout=60)
+        answer = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        tokens = answer.choices[0].token_ids
+        status, now = _get(first, answer.id, mine)
+        assert (status, now["choices"][0]["token_ids"]) == (200, tokens)
+        assert _tokens(_resume(first, answer.id, None, mine)[0])[0] == tokens
+        _same_as_unknown(first, answer.id, other)
+        first.journal.flush()
+        held = read_journal(first.journal.store)
+    assert mine not in json.dumps(held[answer.id].admitted)  # the journal holds a digest of it, never the token
+    _cut(held, answer.id, 5, f"file://{tmp_path}/cut")  # killed after 5 tokens: a successor goes on with it
+    with _controller(tokenizer, f"file://{tmp_path}/cut", token=mine, tokens=[other]) as successor:
+        assert successor.adoption.going_on == [answer.id]
+        adopted = {token: _as(successor, "/v1/status", token).json()["adopted"] for token in (mine, other)}
+        assert (adopted[mine]["going_on"], adopted[mine]["recomputed"]) == ([answer.id], {answer.id: 5})
+        assert (adopted[other]["going_on"], adopted[other]["recomputed"], adopted[other]["kept"]) == ([], {}, [])
+        events, status = _resume(successor, answer.id, f"{answer.id}:5", mine)
+        assert (status, _tokens(events)[0]) == (200, tokens[5:])
+        _same_as_unknown(successor, answer.id, other)
+
+
+def _same_as_unknown(controller, request_id: str, token: str) -> None:
+    """`token` gets for `request_id`, read or resumed, what it gets for an id nobody made."""
+    unknown = "cmpl-" + "0" * 32
+    for suffix in ("", "/stream"):
+        got, never = (_as(controller, f"/v1/requests/{name}{suffix}", token) for name in (request_id, unknown))
+        assert got.status_code == never.status_code == 404
+        assert got.text.replace(request_id, unknown) == never.text

@@ -129,8 +129,9 @@ def _controller_arguments(parser: Any) -> None:
                         "ucx)")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
                         "port; the URL is printed)")
-    parser.add_argument("--token-file", help="tokens clients present, one per line; default: DEJAVU_TOKEN, else a "
-                        "random token printed at start")
+    parser.add_argument("--token-file", help="tokens clients present, one per line (a request is read back and "
+                        "resumed with the token that made it alone); default: DEJAVU_TOKEN, else a random token "
+                        "printed at start")
     parser.add_argument("--worker-token-file", help="a file whose first token secures the stage workers' links "
                         "(and lets `dejavu worker --controller` ask where to join); it must differ from every client "
                         "token; default: DEJAVU_WORKER_TOKEN, else a random one (enough for workers started here)")

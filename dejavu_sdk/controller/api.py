@@ -18,7 +18,11 @@
                                                 tokenizer reads them)
 
 Every other route needs `Authorization: Bearer <token>` (401 otherwise): a client token, and for `/v1/workers`
-the workers' token (neither opens the other's routes). Errors have OpenAI's shape
+the workers' token (neither opens the other's routes). A request belongs to the client token that made it
+(`owners`): `GET /v1/requests/<id>` and its stream answer that token alone, any other gets the 404 of an unknown id
+(nobody learns that another's ids exist), and `/v1/status` lists only the caller's ids among those taken over from
+a journal. The journal records a digest of the owner's token, never the token, so a successor controller given the
+same token answers the same client. Errors have OpenAI's shape
 (`{"error": {"message", "type", "code"}}`) and the status a client understands: 400 a bad request (and its own
 bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
 Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
@@ -36,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import hmac
-import json
 import logging
 import re
 import time
@@ -50,13 +52,16 @@ import attrs
 from aiohttp import web
 
 from .._version import __version__
-from ..errors import ConfigError, DejaVuError
+from ..errors import ConfigError, DejaVuError, quoted
+from .bodies import json_body
 from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE, ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
+from .owners import Tokens, owns
 from .run_book import RunBook
 from .runs import Run
+from .text_routes import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("dejavu_sdk.access")
@@ -72,11 +77,13 @@ TEXT_THREADS, ADMISSION = web.AppKey("text_threads", ThreadPoolExecutor), web.Ap
 
 @attrs.define
 class _Exchange:
-    """One HTTP request as its access-log line tells it: its id, and the tokens it cost."""
+    """One HTTP request as its access-log line tells it: its id, and the tokens it cost; and the owner id of the
+    token it presented (None: it needed none)."""
 
     request_id: str
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    owner: str | None = None
 
 
 _EXCHANGE: contextvars.ContextVar[_Exchange] = contextvars.ContextVar("dejavu_exchange")
@@ -110,7 +117,9 @@ class ServedModel(Protocol):
 
     def started_at(self, future: Future[Any]) -> float | None: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """The serving layout and what it took over from a journal (the request ids `readable` says a caller may
+        know of; None: every one)."""
 
     @property
     def join_url(self) -> str:
@@ -119,10 +128,10 @@ class ServedModel(Protocol):
 
 def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, limits: ApiLimits) -> web.Application:
     """The API over `backend`; clients present one of `tokens`, stage workers `worker_token`."""
-    allowed = [token.encode() for token in tokens]
+    allowed = Tokens(tokens)
     if not allowed:
         raise ConfigError("the controller needs at least one token for its clients")
-    workers = [worker_token.encode()]
+    workers = Tokens([worker_token])
     text_threads = ThreadPoolExecutor(2, thread_name_prefix="dejavu-api-text")
     admission = ThreadPoolExecutor(1, thread_name_prefix="dejavu-api-admission")
 
@@ -158,27 +167,29 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
     app.router.add_get("/v1/requests/{id}", functools.partial(_request_now, backend=backend, book=book))
     app.router.add_get("/v1/requests/{id}/stream", functools.partial(_request_stream, backend=backend, book=book))
     app.router.add_get("/v1/models", functools.partial(_models, backend=backend))
-    app.router.add_get("/v1/status", functools.partial(_status, backend=backend))
+    app.router.add_get("/v1/status", functools.partial(_status, backend=backend, book=book))
     app.router.add_get("/metrics", functools.partial(_metrics, backend=backend))
     app.router.add_get("/v1/workers", functools.partial(_workers, backend=backend))
     app.router.add_get("/health", functools.partial(_health, backend=backend))
     app.router.add_get("/version", _version)
-    app.router.add_post("/tokenize", functools.partial(_tokenize, backend=backend, text_threads=text_threads))
-    app.router.add_post("/detokenize", functools.partial(_detokenize, backend=backend, text_threads=text_threads))
-    app.router.add_get("/tokenizer_info", functools.partial(_tokenizer_info, backend=backend))
+    app.router.add_post("/tokenize", functools.partial(tokenize, backend=backend, text_threads=text_threads))
+    app.router.add_post("/detokenize", functools.partial(detokenize, backend=backend, text_threads=text_threads))
+    app.router.add_get("/tokenizer_info", functools.partial(tokenizer_info, backend=backend))
     return app
 
 
 async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                  allowed: list[bytes], limits: ApiLimits) -> web.StreamResponse:
-    """The handler's response, or the error that stopped it in OpenAI's shape; never an exception."""
+                  allowed: Tokens, limits: ApiLimits) -> web.StreamResponse:
+    """The handler's response, or the error that stopped it in OpenAI's shape; never an exception. The owner id
+    of the token presented is the exchange's."""
     try:
         if request.path not in OPEN_PATHS:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not any(hmac.compare_digest(presented.strip().encode(), token)
-                                                     for token in allowed):
+            owner = allowed.owner(presented.strip()) if scheme.lower() == "bearer" else None
+            if owner is None:
                 raise ApiError(401, "a valid bearer token is needed (Authorization: Bearer <token>)",
                                "authentication_error", "invalid_api_key")
+            _EXCHANGE.get().owner = owner
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             raise ApiError(413, f"the body is {request.content_length} bytes, more than the "
                            f"{limits.max_body_bytes} this server takes", code="body_too_large")
@@ -197,33 +208,16 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(500, "internal error; the controller's log says more", "server_error")
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The request's JSON body; 400 for what is not JSON, is nested too deeply, or holds text that is not
-    Unicode (a lone surrogate)."""
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be tokenized: refuse it here
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the body is not valid JSON") from None
-    except ValueError as error:  # an integer of thousands of digits
-        raise ApiError(400, f"the body's JSON is refused: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    except UnicodeEncodeError:
-        raise ApiError(400, "the body holds text that is not valid Unicode (a lone surrogate)") from None
-    return body
-
-
 async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimits, text_threads: Executor,
                     admission: Executor, book: RunBook,
                     parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
     """A completions or chat request: checked and tokenized off the loop, admitted once the pipeline serves
     (bounded by the queue timeout), answered whole or streamed."""
-    loop = asyncio.get_running_loop()
+    loop, exchange = asyncio.get_running_loop(), _EXCHANGE.get()
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         generation = await loop.run_in_executor(text_threads, parse, body, backend, limits.max_prompts)
+        generation = attrs.evolve(generation, owner=exchange.owner)  # its caller's alone
     except ApiError:
         backend.metrics.requests.labels("bad_request").inc()
         raise
@@ -251,7 +245,6 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
                        "pipeline_failed", 5.0) from None
     run.start()
     book.add(run)
-    exchange = _EXCHANGE.get()
     exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
     watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
     try:
@@ -275,15 +268,22 @@ def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
 
 
 def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
-    run = book.get(request.match_info["id"])
+    """The caller's run of the id in the path; another's is answered as an unknown one."""
+    run = _owned(book, request.match_info["id"])
     state, why = backend.health()
     if run is None and state == "starting":  # it may be one of the journal's, not taken over yet
         raise ApiError(503, f"the server is starting: {why}", "server_error", "server_starting", 1.0)
     if run is None:
-        raise ApiError(404, f"no request {request.match_info['id'][:200]!r} here: it is unknown, or ended longer ago "
+        raise ApiError(404, f"no request {quoted(request.match_info['id'])} here: it is unknown, or ended longer ago "
                        f"than this server keeps requests ({book.keep_finished:.0f} s, --keep-finished)",
                        code="request_not_found")
     return run
+
+
+def _owned(book: RunBook, request_id: str) -> Run | None:
+    """The run of `request_id` if the caller made it."""
+    run = book.get(request_id)
+    return run if run is not None and owns(run.request.owner, _EXCHANGE.get().owner) else None
 
 
 async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
@@ -338,8 +338,9 @@ async def _models(_: web.Request, backend: ServedModel) -> web.Response:
          "max_model_len": backend.context} for name in backend.names]})
 
 
-async def _status(_: web.Request, backend: ServedModel) -> web.Response:
-    return web.json_response(backend.status())
+async def _status(_: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
+    """The serving layout; of the requests taken over from a journal, the caller's alone."""
+    return web.json_response(backend.status(lambda request_id: _owned(book, request_id) is not None))
 
 
 async def _workers(_: web.Request, backend: ServedModel) -> web.Response:
@@ -360,55 +361,6 @@ async def _health(_: web.Request, backend: ServedModel) -> web.Response:
 
 async def _version(_: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
-
-
-async def _tokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
-    """{"prompt": text, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt": true}: the
-    token ids, their count and the model's context."""
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    tokens = await asyncio.get_running_loop().run_in_executor(text_threads, _tokens_of, body, backend)
-    return web.json_response({"count": len(tokens), "max_model_len": backend.context, "tokens": tokens})
-
-
-def _tokens_of(body: dict[str, Any], backend: ServedModel) -> list[int]:
-    tokenizer = _tokenizer(backend)
-    if "messages" in body:
-        chat = parse_chat({**body, "model": backend.model_id, "max_tokens": 1}, backend, 1)
-        return chat.prompts[0]
-    prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-    if not isinstance(prompt, str) or not isinstance(special, bool):
-        raise ApiError(400, "'prompt' must be a text (and 'add_special_tokens' true or false)")
-    return list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
-
-
-async def _detokenize(request: web.Request, backend: ServedModel, text_threads: Executor) -> web.Response:
-    """{"tokens": [ids]}: their text."""
-    body = await _json_body(request)
-    tokens = body.get("tokens") if isinstance(body, dict) else None
-    vocabulary = len(_tokenizer(backend))
-    if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool)
-                                               and 0 <= token < vocabulary for token in tokens):
-        raise ApiError(400, f"'tokens' must be a list of token ids from 0 to {vocabulary - 1}")
-    text = await asyncio.get_running_loop().run_in_executor(text_threads, _tokenizer(backend).decode, tokens)
-    return web.json_response({"prompt": text})
-
-
-async def _tokenizer_info(_: web.Request, backend: ServedModel) -> web.Response:
-    """What a client needs to tokenize as the server does (vLLM's `/tokenizer_info`): the special tokens, the
-    chat template and the context."""
-    tokenizer = _tokenizer(backend)
-    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return web.json_response({"tokenizer_class": type(tokenizer).__name__, **special,
-                              "chat_template": getattr(tokenizer, "chat_template", None),
-                              "model_max_length": backend.context})
-
-
-def _tokenizer(backend: ServedModel) -> Any:
-    if backend.tokenizer is None:
-        raise ApiError(400, "this model is served without a tokenizer")
-    return backend.tokenizer
 
 
 def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:

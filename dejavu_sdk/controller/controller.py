@@ -41,6 +41,7 @@ from ..serving.pipeline import Pipeline
 from ..transports.access import TOKEN_VARIABLE
 from ..transports.sockets import server_tls_context
 from . import limits
+from .adoption import Adoption
 from .api import adopt, build_app
 from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
@@ -61,32 +62,13 @@ LISTEN_TIMEOUT = ADOPT_TIMEOUT = 30.0
 REJOIN_WAIT = 3.0
 
 
-@attrs.frozen
-class Adoption:
-    """What a controller took over from its predecessor's journal: the requests still running (`going_on`), those
-    of them that went on from the caches their predecessor's stage workers still held, with the tokens the journal
-    held of them (`taken_over`: not computed again), those with tokens that are computed again from their prompts
-    (`recomputed`: how many the journal held; no worker could go on with them), the ended ones kept for clients to
-    read (`kept`), and the stages whose worker (the predecessor's, with its stage loaded) rejoined (`rejoined`);
-    and the seconds its start spent reading the journal, getting the stage workers (rejoined, or started) and
-    queuing the requests again (taking over the caches included)."""
-
-    going_on: list[str] = attrs.field(factory=list)
-    taken_over: dict[str, int] = attrs.field(factory=dict)
-    recomputed: dict[str, int] = attrs.field(factory=dict)
-    kept: list[str] = attrs.field(factory=list)
-    rejoined: list[str] = attrs.field(factory=list)
-    read_seconds: float = 0.0
-    workers_seconds: float = 0.0
-    adopt_seconds: float = 0.0
-
-
 class Controller:
     """Serve `model` (as `dv.Pipeline` names it) over HTTP at `host:port` (0: a free port; see `url`).
 
     Layout and serving options (`stages`, `layers`, `prompt_stages`, `token_stages`, `microbatch`,
     `kv_budget_bytes`, `swapping`, `transport`, `timeout`, ...) go to the `Pipeline` it runs. `tokens`: more
-    client tokens that the API accepts besides `token` (for example from a token file). `tokenizer`: for
+    client tokens that the API accepts besides `token` (for example from a token file); each reads back and
+    resumes the requests it made alone. `tokenizer`: for
     text prompts and texts in the answers (default: the model's own, when it has one; None: token ids only).
     `recovery` (default "auto"): a dead or hung stage is replaced and the requests in flight go on, from the
     replicas the decoding stages keep of each other where the layout allows it (`dv.Pipeline`'s `recovery`).
@@ -233,8 +215,11 @@ class Controller:
     def started_at(self, future: Future[Result]) -> float | None:
         return self.pipeline.started_at(future)
 
-    def status(self) -> dict[str, Any]:
-        return {"model": self.model_id, **self.pipeline.status(), "adopted": attrs.asdict(self.adoption)}
+    def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """The pipeline's status, and what this controller took over from a journal (`adopted`): of the request ids
+        there, those `readable` says yes to (None: all; the API lists a client's own)."""
+        adoption = self.adoption if readable is None else self.adoption.readable(readable)
+        return {"model": self.model_id, **self.pipeline.status(), "adopted": attrs.asdict(adoption)}
 
     @property
     def join_url(self) -> str:
@@ -384,12 +369,13 @@ class Controller:
         ready.result(timeout=LISTEN_TIMEOUT)
 
     def close(self) -> None:
-        """Stop answering HTTP, then stop the workers. Closing twice is harmless."""
+        """Stop the workers, then stop answering HTTP: the requests still running fail while the API's loop runs,
+        and their clients are told so. Closing twice is harmless."""
+        self.pipeline.close()
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._loop = self._thread = None
-        self.pipeline.close()
         if self.journal is not None:
             if self._started:  # its workers are told to stop: a successor waits for none to rejoin
                 self.journal.head(None)

@@ -2,8 +2,9 @@
 become a `GenerationRequest` (the choices to generate, as token ids, their limits, decodings and stop strings),
 or an `ApiError` that says what is wrong with the status a client understands.
 
-Tokenizing (and rendering a chat's messages with the tokenizer's chat template) happens here, so the API runs
-`parse_*` off its event loop.
+Tokenizing (and rendering a chat's messages with the tokenizer's chat template, `chat_prompts`) happens here, so
+the API runs `parse_*` off its event loop. What an error quotes of a request is short (`quoted`), however large the
+value sent.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+from ..errors import quoted
 from ..generation.logprobs import MAX_LOGPROBS
+from .api_errors import ApiError
+from .chat_prompts import chat_prompt
 
 #: Arguments of OpenAI's APIs that change the output and are not supported, with the values that change nothing
 #: (sent by clients that fill in defaults).
@@ -41,15 +45,6 @@ class ModelFacts(Protocol):
         """Every name a client may use for it."""
 
 
-class ApiError(Exception):
-    """An error answered with `status`, OpenAI's error body and, when waiting helps, `retry_after` seconds."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.retry_after = status, message, kind, code, retry_after
-
-
 @attrs.frozen
 class Choice:
     """One choice to generate: its prompt's token ids, its limit of new tokens, its decoding (`Pipeline.submit`'s
@@ -63,8 +58,8 @@ class Choice:
 
 @attrs.frozen
 class GenerationRequest:
-    """A checked request: its choices (prompt by prompt, `n` each), stop strings, whether to stream, and the
-    model name to answer with (the one the client used)."""
+    """A checked request: its choices (prompt by prompt, `n` each), stop strings, whether to stream, the model
+    name to answer with (the one the client used), and its owner."""
 
     kind: Literal["completion", "chat"]
     model: str
@@ -77,6 +72,9 @@ class GenerationRequest:
     logprobs: int | None = None
     #: Completions: the answer's text (and log-probabilities) begin with the prompt's.
     echo: bool = False
+    #: The owner id of the client token that made it (`owners.owner_id`, never the token): only that token reads it
+    #: back. None: no client's (journaled before requests had owners).
+    owner: str | None = None
 
 
 def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
@@ -98,17 +96,13 @@ def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> Generati
 
 def parse_chat(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
     """A `/v1/chat/completions` body: `messages` rendered with the tokenizer's chat template, the assistant's turn
-    opened; `max_completion_tokens` (or the older `max_tokens`) defaults to the rest of the context."""
+    opened (`chat_prompt`: roles the template handles, special tokens in content as text);
+    `max_completion_tokens` (or the older `max_tokens`) defaults to the rest of the context."""
     model = _model(body, facts)
     tokenizer = facts.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"the model {model!r} has no chat template: use /v1/completions")
-    messages = _messages(body.get("messages"))
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as error:  # the template's own checks (roles that must alternate, ...)
-        raise ApiError(400, f"the chat template refused the messages: {error}") from None
-    prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = chat_prompt(tokenizer, body.get("messages"))
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     if body.get("echo") not in (None, False):
@@ -125,7 +119,7 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
              echo: bool = False) -> GenerationRequest:
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
-            raise ApiError(400, f"{name}={body[name]!r} is not supported")
+            raise ApiError(400, f"{name}={quoted(body[name])} is not supported")
     n = _check_count(len(prompts), body, max_prompts)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
@@ -157,7 +151,7 @@ def _model(body: Any, facts: ModelFacts) -> str:
     if not isinstance(model, str):
         raise ApiError(400, "'model' is required: the id GET /v1/models lists")
     if model not in facts.names:
-        raise ApiError(404, f"the model {model!r} is not served here; this controller serves "
+        raise ApiError(404, f"the model {quoted(model)} is not served here; this controller serves "
                        f"{', '.join(map(repr, facts.names))}", "not_found_error", "model_not_found")
     return model
 
@@ -172,27 +166,6 @@ def _max_tokens(body: dict[str, Any], default: int | None, prompt_length: int, c
             raise ApiError(400, f"the prompt's {prompt_length} tokens fill the model's context of {context}")
         return context - prompt_length
     return _integer(body, "max_tokens", default, minimum=1)
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as a template takes them: a role and text content each (content parts of type text are
-    joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects")
-    checked = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, "each message needs a 'role' (system, user, assistant) and a 'content'")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ApiError(400, "only text content parts ({type: text, text}) are supported")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ApiError(400, "a message's 'content' must be a text or a list of text parts")
-        checked.append({"role": message["role"], "content": content})
-    return checked
 
 
 def _prompts(prompt: Any, tokenizer: Any | None) -> list[list[int]]:
@@ -234,7 +207,7 @@ def _integer(body: dict[str, Any], name: str, default: int | None, minimum: int,
         return default
     if not _is_id(value) or value < minimum or (maximum is not None and value > maximum):
         within = f"of at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ApiError(400, f"{name!r} must be an integer {within}, got {value!r}")
+        raise ApiError(400, f"{name!r} must be an integer {within}, got {quoted(value)}")
     return value
 
 
@@ -244,7 +217,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
             or not math.isfinite(value):
-        raise ApiError(400, f"{name!r} must be a number from {low} to {high}, got {value!r}")
+        raise ApiError(400, f"{name!r} must be a number from {low} to {high}, got {quoted(value)}")
     return float(value)
 
 
@@ -253,7 +226,7 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name!r} must be true or false, got {value!r}")
+        raise ApiError(400, f"{name!r} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -268,7 +241,7 @@ def _decoding(body: dict[str, Any]) -> dict[str, Any]:
         return {"do_sample": False, **ends}
     seed = body.get("seed")
     if seed is not None and (not _is_id(seed) or not -2**63 <= seed < 2**63):
-        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**63 - 1, got {seed!r}")
+        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**63 - 1, got {quoted(seed)}")
     return {"do_sample": True, "temperature": temperature, "top_p": body.get("top_p", 1.0),
             "top_k": body.get("top_k", 0), "min_p": body.get("min_p", 0.0), "seed": seed, **ends}
 
@@ -280,7 +253,7 @@ def _ends(body: dict[str, Any]) -> dict[str, Any]:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(_is_id(token) and token >= 0 for token in stop_ids):
-            raise ApiError(400, f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}")
+            raise ApiError(400, f"'stop_token_ids' must be a list of token ids, got {quoted(stop_ids)}")
         if stop_ids:
             ends["stop_token_ids"] = stop_ids
     if _flag(body, "ignore_eos"):

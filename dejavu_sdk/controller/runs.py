@@ -22,6 +22,7 @@ import collections
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 import attrs
 from aiohttp import web
 
-from ..errors import DejaVuError, RequestFailed
+from ..errors import DejaVuError, RequestFailed, quoted
 from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 REQUEST_HEADER = "X-Dejavu-Request-Id"
 #: Seconds a token waits for the journal to hold it before it is sent anyway (the journal's store hangs).
 JOURNAL_WAIT = 30.0
+#: A position in an event id: ASCII digits (not int()'s signs, underscores or other scripts' digits), 18 at most.
+POSITION = re.compile(r"[0-9]{1,18}")
 
 
 class GenerationBackend(Protocol):
@@ -283,14 +286,13 @@ class Run:
         return f"{self.id}:{','.join(str(position) for position in positions)}"
 
     def positions_of(self, event_id: str) -> list[int]:
-        """The positions a client's `Last-Event-ID` names (ApiError 400: not an id of this run's events)."""
+        """The positions a client's `Last-Event-ID` names, each in ASCII digits (ApiError 400: not an id of this
+        run's events)."""
         run, _, listed = event_id.strip().rpartition(":")
-        try:
-            positions = [int(position) for position in listed.split(",")]
-        except ValueError:
-            positions = []
-        if run != self.id or len(positions) != len(self.states) or min(positions) < 0:
-            raise ApiError(400, f"Last-Event-ID {event_id[:200]!r} is not an event of {self.id}: it has the form "
+        parts = listed.split(",")
+        positions = [int(part) for part in parts] if all(POSITION.fullmatch(part) for part in parts) else []
+        if run != self.id or len(positions) != len(self.states):
+            raise ApiError(400, f"Last-Event-ID {quoted(event_id)} is not an event of {self.id}: it has the form "
                            f"{self.id}:<position>, a position per choice")
         return positions
 

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quoted
 from ..swapping import positions_needed
 from .decoding import Decoding
 from .logprobs import PromptLogprobs, TokenLogprobs
@@ -144,9 +144,9 @@ def check_prompt(ids: Any, context: int | None, vocabulary: int | None = None) -
 
 def check_new_tokens(max_new_tokens: Any, prompt: int, context: int | None) -> int:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {quoted(max_new_tokens)}")
     if context is not None and prompt + max_new_tokens > context:
-        raise ConfigError(f"a prompt of {prompt} tokens and {max_new_tokens} new tokens exceed the model's "
+        raise ConfigError(f"a prompt of {prompt} tokens and {quoted(max_new_tokens)} new tokens exceed the model's "
                           f"context of {context}")
     return max_new_tokens
 

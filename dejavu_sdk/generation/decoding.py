@@ -27,7 +27,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quoted
 from .logprobs import check_count, step_entries
 
 #: The sampling settings a request may give (as `engine.generate` takes them).
@@ -55,11 +55,12 @@ class Ends:
         """ConfigError for ids that are not non-negative integers, a `min_tokens` below 0."""
         stops = tuple(stop_token_ids or ())
         if not all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in stops):
-            raise ConfigError(f"stop_token_ids must be token ids (integers of at least 0), got {stop_token_ids!r}")
+            raise ConfigError(f"stop_token_ids must be token ids (integers of at least 0), got "
+                              f"{quoted(stop_token_ids)}")
         if not isinstance(ignore_eos, bool):
-            raise ConfigError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+            raise ConfigError(f"ignore_eos must be true or false, got {quoted(ignore_eos)}")
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-            raise ConfigError(f"min_tokens must be an integer of at least 0, got {min_tokens!r}")
+            raise ConfigError(f"min_tokens must be an integer of at least 0, got {quoted(min_tokens)}")
         return cls(tuple(sorted(set(stops))), ignore_eos, min_tokens)
 
     def ids(self, eos: Sequence[int]) -> set[int]:
@@ -119,27 +120,27 @@ class Decoding:
 def _checked(name: str, value: Any) -> float | int:
     """One sampling setting, in the range vLLM accepts (top_k -1 becomes 0: off, as transformers reads it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number, got {quoted(value)}")
     if name == "temperature" and value < 0:
-        raise ConfigError(f"temperature must be 0 or more (below {GREEDY_BELOW} is greedy), got {value!r}")
+        raise ConfigError(f"temperature must be 0 or more (below {GREEDY_BELOW} is greedy), got {quoted(value)}")
     if name == "top_p" and not 0 < value <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {value!r}")
+        raise ConfigError(f"top_p must be in (0, 1], got {quoted(value)}")
     if name == "min_p" and not 0 <= value <= 1:
-        raise ConfigError(f"min_p must be in [0, 1], got {value!r}")
+        raise ConfigError(f"min_p must be in [0, 1], got {quoted(value)}")
     if name == "top_k":
         if value != int(value) or value < -1:
-            raise ConfigError(f"top_k must be -1 or 0 (off) or a positive integer, got {value!r}")
+            raise ConfigError(f"top_k must be -1 or 0 (off) or a positive integer, got {quoted(value)}")
         return max(int(value), 0)
     return value
 
 
 def _check_seed(seed: Any) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
+        raise ConfigError(f"seed must be an integer, got {quoted(seed)}")
     try:
         torch.Generator().manual_seed(seed)
     except (ValueError, RuntimeError, OverflowError):
-        raise ConfigError(f"seed must be an integer from -2**63 to 2**64 - 1, got {seed}") from None
+        raise ConfigError(f"seed must be an integer from -2**63 to 2**64 - 1, got {quoted(seed)}") from None
 
 
 @attrs.frozen

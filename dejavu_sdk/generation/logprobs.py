@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quoted
 
 #: The most top tokens a request may ask for at each position (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
@@ -113,5 +113,5 @@ def check_count(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise ConfigError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        raise ConfigError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {quoted(value)}")
     return value
