@@ -27,6 +27,9 @@ from .messages import Kind, Message
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
 SLOT_ROUNDS = 1024
+#: Rounds of prompt a joining group may have left before a slot opens beside its own for the requests that
+#: would wait for it to join (an 8,000-token prompt has 31 of 256 positions).
+LONG_PREFILL_ROUNDS = 16
 
 
 class SlotDecisions(LedgerState):
@@ -62,14 +65,15 @@ class SlotDecisions(LedgerState):
         return sends
 
     def _long_prefills(self) -> int:
-        """Mixed: the slots whose joining group has more than a round of prompt positions left to run (under the
-        lock). A waiting request can join none of them before that group does, so each lets another slot open
-        beside it on the same stages, whose rounds take turns with its chunks: a short request is not held back
-        by a long prompt (the disaggregated prompt pipeline holds its groups apart already)."""
+        """Mixed: the slots whose joining group has more than `LONG_PREFILL_ROUNDS` rounds of prompt positions left
+        to run (under the lock). A waiting request can join none of them before that group does, so each lets
+        another slot open beside it on the same stages, whose rounds take turns with its chunks: a short request
+        is not held back by a long prompt (the disaggregated prompt pipeline holds its groups apart already)."""
         if self.prefill_tokens is None or self.layout.disaggregated:
             return 0
+        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
         return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
-                   and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > self.prefill_tokens)
+                   and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > long)
 
     def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
         """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
