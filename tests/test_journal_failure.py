@@ -62,7 +62,8 @@ def test_a_journal_that_cannot_write_takes_no_request_and_sends_no_token_it_does
         headers = {"Authorization": f"Bearer {controller.token}"}
         request_id, got, error = _stream(controller.url, controller.token, body,
                                          lambda tokens: len(tokens) >= 5 and store.failing.set())
-        assert error is not None and error["code"] == "journal_failed", error  # the stream ends, and says why
+        assert error is not None  # the stream ends, and says why
+        assert error["code"] == "journal_failed"
         assert "Input/output error" in error["message"]
         assert 5 <= len(got) < 1500  # what the journal could not hold was held back
         health = httpx.get(f"{controller.url}/health", timeout=30)
@@ -107,7 +108,7 @@ def test_with_journal_failure_serve_the_controller_serves_on_and_says_it_is_degr
         answer = httpx.post(f"{controller.url}/v1/completions", json=body, headers=headers, timeout=60)
         assert answer.status_code == 200
         assert answer.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
-        request_id, got, error = _stream(controller.url, controller.token, body, lambda _: None)
+        _, got, error = _stream(controller.url, controller.token, body, lambda _: None)
         assert (got, error) == (expected["choices"][0]["token_ids"], None)
 
 

@@ -6,6 +6,7 @@ answered requests, without their prompts."""
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from stub_served import TOKEN, StubModel, serving
 
-from dejavu_sdk.controller.journal import Journal
+from dejavu_sdk.controller.journal import Journal, JournalState
 from dejavu_sdk.controller.limits import MAX_KEPT, ApiLimits
 
 CLIENT = str(Path(__file__).parent / "load_client.py")
@@ -48,3 +49,27 @@ def test_a_hundred_thousand_finished_requests_leave_memory_within_50_mb_of_the_s
     grown = {name: (after[name] - before[name]) / MIB for name in after}
     print(f"per finished request: {(after['VmRSS'] - before['VmRSS']) / 100_000:.0f} B; grown (MiB): {grown}")
     assert grown["RssAnon"] < 50, grown
+
+
+def test_the_journal_keeps_at_most_keep_answered_requests_and_drops_their_prompts_once_no_batch_runs_them() -> None:
+    state = JournalState(keep=3)
+    prompt = list(range(100))
+    for number in range(10):
+        state.apply({"admitted": [[f"cmpl-{number}", {"choices": [{"prompt": prompt}], "prompts": [prompt],
+                                                     "stop": []}]],
+                     "token": [[f"cmpl-{number}", 0, 0, number]]})
+    state.apply({"microbatch": [[7, [["cmpl-8", 0], ["cmpl-9", 0]]]]})  # cmpl-9 runs on, beside cmpl-8
+    state.apply({"answered": [[f"cmpl-{number}", "ok", 100.0 + number] for number in range(9)]})
+    state.prune()
+    assert list(state.requests) == ["cmpl-6", "cmpl-7", "cmpl-8", "cmpl-9"]  # the last three answered, one running
+    assert state.requests["cmpl-6"].admitted["prompts"] == [[]]  # what showing it again needs, no more
+    assert (state.requests["cmpl-6"].prompt_count(), state.requests["cmpl-6"].tokens) == (100, {0: [6]})
+    assert state.requests["cmpl-8"].admitted["prompts"] == [prompt]  # a running batch names it: a successor may
+    state.apply({"answered": [["cmpl-9", "ok", 200.0]]})  # stand it in for its row
+    state.prune()
+    assert list(state.requests) == ["cmpl-7", "cmpl-8", "cmpl-9"]
+    assert state.microbatches == {}
+    assert all(request.admitted["prompts"] == [[]] for request in state.requests.values())
+    again = JournalState.fold([json.loads(state.snapshot())], keep=3)  # a successor holds as much, as little
+    assert {request_id: (request.prompt_count(), request.answered) for request_id, request in again.requests.items()} \
+        == {request_id: (100, "ok") for request_id in ("cmpl-7", "cmpl-8", "cmpl-9")}
