@@ -11,6 +11,7 @@
     │   └── ServerBusy                    the server refused the request for now (too many connections, inbox full)
     ├── AccessDenied (PermissionError)    a server refused the token, or a stream outside the token's prefix
     ├── ReplicationError                  streaming a live cache to its replica failed (a gap)
+    ├── JournalInUse                      another controller holds the journal's lease
     └── RequestFailed                     one request's own input or computation failed it (its neighbours go on)
 """
 
@@ -70,6 +71,10 @@ class ServerBusy(TransportError):
 
 class AccessDenied(DejaVuError, PermissionError):
     """A server refused the client's token, or a request that reaches outside the streams its token allows."""
+
+
+class JournalInUse(DejaVuError):
+    """Another controller serves from this journal (its lease is held and renewed): one writer at a time."""
 
 
 class ReplicationError(DejaVuError):

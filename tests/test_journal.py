@@ -41,14 +41,16 @@ def test_what_is_written_is_read_back_and_a_journal_must_outlive_the_process(tmp
         Journal("memory://")
 
 
-def test_a_journal_that_cannot_write_stops_and_says_why_without_raising(tmp_path) -> None:
+def test_a_journal_that_cannot_hold_an_entry_stops_and_says_why_without_raising(tmp_path) -> None:
     journal = Journal(f"lmdb://{tmp_path}/journal", interval=0.01)
     journal.admitted("cmpl-1", {"unwritable": object()})
-    assert journal.flush()
-    assert isinstance(journal.error, dv.DejaVuError)
-    assert "not JSON serializable" in str(journal.error)
-    journal.token("cmpl-1", 0, 0, 5)  # queued and dropped: the caller is never held up nor failed
-    assert journal.flush()
+    assert not journal.flush(timeout=10)  # never written
+    assert "not JSON serializable" in journal.failure
+    assert journal.health() == ("journal_failed", journal.failure)
+    told = []
+    journal.when_written(journal.token("cmpl-1", 0, 0, 5), told.append)  # queued and dropped: the caller is never
+    assert not journal.flush(timeout=10)  # held up nor failed, and a waiter is told it will never be written
+    assert told == [False]
     journal.close()
 
 
@@ -179,7 +181,7 @@ def test_a_journal_opened_on_a_clock_behind_its_predecessors_sorts_after_it(tmp_
     store = dv.open_store(url)
     future = int(time.time() * 1000) + 10 * 24 * 3600 * 1000  # a predecessor ten days ahead
     store.put_progress(dv.ProgressKey("dejavu-journal", f"{future:012x}00000001", 0, 0),
-                       b'{"admitted": [["cmpl-old", {"choices": []}]]}')
+                       b'{"head": [[null, null]], "admitted": [["cmpl-old", {"choices": []}]]}')
     store.close()
     journal = Journal(url, interval=0.0, compact_bytes=1)  # a snapshot after every record
     assert int(journal.run[:12], 16) > future

@@ -166,7 +166,8 @@ def _controller_arguments(parser: Any) -> None:
                         "controller started on the journal of one that died goes on with its requests")
     parser.add_argument("--keep-finished", type=float, default=limits.KEEP_FINISHED, help="seconds an ended "
                         "request stays readable at /v1/requests/<id> and its stream resumable (default "
-                        f"{limits.KEEP_FINISHED:.0f})")
+                        f"{limits.KEEP_FINISHED:.0f}; at most {limits.MAX_KEPT:,} ended requests are kept)")
+    _journal_arguments(parser)
     parser.add_argument("--orphan-timeout", type=float, help="seconds a stage worker whose controller is gone "
                         "keeps its stage loaded and asks the worker address to take it back (a controller started on "
                         "the same --journal rejoins it), before it stops (default: dv.Pipeline's orphan_timeout, "
@@ -178,6 +179,23 @@ def _controller_arguments(parser: Any) -> None:
                         "(default 60); a stage busy with a long prompt says so in its heartbeats")
     parser.add_argument("--queue-timeout", type=float, default=limits.QUEUE_TIMEOUT, help="seconds a request may "
                         f"wait to start, then a 503 (default {limits.QUEUE_TIMEOUT:.0f})")
+
+
+def _journal_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the controller does when its journal fails, is held by another, or lost its records."""
+    parser.add_argument("--journal-failure", choices=limits.JOURNAL_FAILURES, default="stop", help="while "
+                        "journal writes fail (tried again every second): stop (the default): new requests get 503 "
+                        "journal_failed, /health too, and no token the journal does not hold is sent (a stream "
+                        "waiting 30 s for it ends with an error); serve: serve on without it, /health 200 degraded")
+    parser.add_argument("--journal-lease", type=float, default=limits.JOURNAL_LEASE, help="seconds the journal's lease "
+                        "lasts unless renewed (every quarter of it): one controller writes a journal at a time, and "
+                        "a successor waits up to this long for a dead one's lease to lapse (default "
+                        f"{limits.JOURNAL_LEASE:g})")
+    parser.add_argument("--take-over-journal", action="store_true", help="take the journal's lease at once, even "
+                        "if another controller renews it (use only when that one is gone for good)")
+    parser.add_argument("--journal-reset", action="store_true", help="start the journal empty, discarding what "
+                        "it holds: needed where it lost its records (an LMDB data.mdb of 0 bytes, records without "
+                        "their head), which is otherwise refused")
 
 
 def _link_tls_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,7 +303,9 @@ def _serve(args: argparse.Namespace) -> int:
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
                     link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,
-                    keep_finished=args.keep_finished, worker_port=worker_port,
+                    keep_finished=args.keep_finished, journal_failure=args.journal_failure,
+                    journal_lease=args.journal_lease, take_over_journal=args.take_over_journal,
+                    journal_reset=args.journal_reset, worker_port=worker_port,
                     progress_timeout=args.progress_timeout,
                     **({} if args.orphan_timeout is None else {"orphan_timeout": args.orphan_timeout}),
                     launch=not args.remote_workers, **layout) as controller:

@@ -14,8 +14,9 @@ class Adoption:
     held of them (`taken_over`: not computed again), those with tokens that are computed again from their prompts
     (`recomputed`: how many the journal held; no worker could go on with them), the ended ones kept for clients to
     read (`kept`), and the stages whose worker (the predecessor's, with its stage loaded) rejoined (`rejoined`);
-    and the seconds its start spent reading the journal, getting the stage workers (rejoined, or started) and
-    queuing the requests again (taking over the caches included)."""
+    and the seconds its start spent waiting for its predecessor's lease on the journal to lapse, reading the
+    journal, getting the stage workers (rejoined, or started) and queuing the requests again (taking over the caches
+    included)."""
 
     going_on: list[str] = attrs.field(factory=list)
     taken_over: dict[str, int] = attrs.field(factory=dict)
@@ -23,6 +24,7 @@ class Adoption:
     kept: list[str] = attrs.field(factory=list)
     rejoined: list[str] = attrs.field(factory=list)
     read_seconds: float = 0.0
+    lease_seconds: float = 0.0
     workers_seconds: float = 0.0
     adopt_seconds: float = 0.0
 

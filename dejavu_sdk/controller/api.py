@@ -12,7 +12,8 @@
     GET  /v1/models            the model served, under each of its names
     GET  /v1/status            the serving layout, its stages, the microbatches in flight
     GET  /metrics              Prometheus text format
-    GET  /health               200 when serving, 503 while starting, recovering, draining or failed (no token)
+    GET  /health               200 when serving (or `degraded`: serving on without its journal), 503 while
+                               starting, recovering, draining, failed or `journal_failed` (no token)
     POST /tokenize, /detokenize, GET /version   as vLLM has them
     GET /tokenizer_info                         the tokenizer's special tokens and chat template (lm-eval's remote
                                                 tokenizer reads them)
@@ -26,13 +27,22 @@ same token answers the same client. Errors have OpenAI's shape
 (`{"error": {"message", "type", "code"}}`) and the status a client understands: 400 a bad request (and its own
 bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
 Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
-while the pipeline starts, recovers, drains or has failed, with `Retry-After` where waiting helps. Nothing a
+while the pipeline starts, recovers, drains or has failed, or the journal cannot write (`journal_failed`), with
+`Retry-After` where waiting helps. Nothing a
 client sends can take the controller down, and a request's failure is its own. Tokenizing, rendering templates
 and detokenizing run on the API's text threads, submitting on its admission thread: the event loop only moves
 bytes, so `/health` and `/metrics` answer while a stage hangs. Each request gets an `X-Request-Id` (the client's,
 or a new one) and one access-log line. Without a journal, a client that leaves cancels its request: a waiting one
 is never computed, a running one ends at its next step; either is counted as cancelled. With a journal, the
 request goes on to its end, for the client to resume.
+
+With a journal (`--journal`), a token reaches its client only once the journal holds it. A journal whose writes
+fail (a full disk) tries again every second; meanwhile, by default (`--journal-failure stop`), `/health` answers
+503 `journal_failed` with the reason, new requests get that 503, and a stream whose tokens the journal cannot hold
+within 30 s ends with an error event `journal_failed`; once it writes again, admission reopens. With
+`--journal-failure serve`, `/health` answers 200 `degraded` with the reason and tokens go on without it. A
+controller whose journal another one took over (`--take-over-journal`) answers `journal_failed` for good.
+`/metrics` has `dejavu_journal_healthy` and `dejavu_journal_failed_writes_total`, `/v1/status` the journal's state.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from .owners import Tokens, owns
 from .run_book import RunBook
 from .runs import Run
 from .text_routes import detokenize, tokenize, tokenizer_info
+from .transcripts import Transcript
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("dejavu_sdk.access")
@@ -107,7 +118,7 @@ class ServedModel(Protocol):
                tags: Sequence[Any] | None = None) -> list[Future[Any]]: ...
 
     def health(self) -> tuple[str, str]:
-        """("serving" | "starting" | "recovering" | "draining" | "failed", why)."""
+        """("serving" | "degraded" | "starting" | "recovering" | "draining" | "failed" | "journal_failed", why)."""
 
     def waiting(self) -> int:
         """Choices waiting to start."""
@@ -222,6 +233,8 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
         backend.metrics.requests.labels("bad_request").inc()
         raise
     state, why = await _until_serving(backend, limits.queue_timeout)
+    if state == "journal_failed":
+        raise ApiError(503, f"the server takes no new requests: {why}", "server_error", "journal_failed", 5.0)
     if state != "serving":
         raise ApiError(503, f"the server is {state}: {why}", "server_error", f"server_{state}", 5.0)
     if len(generation.choices) > limits.max_waiting:
@@ -267,8 +280,9 @@ def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
         run.cancel("a client left %s while it was being queued")
 
 
-def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
-    """The caller's run of the id in the path; another's is answered as an unknown one."""
+def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Transcript:
+    """The caller's request of the id in the path (running, or its transcript once it ended); another's is
+    answered as an unknown one."""
     run = _owned(book, request.match_info["id"])
     state, why = backend.health()
     if run is None and state == "starting":  # it may be one of the journal's, not taken over yet
@@ -280,10 +294,10 @@ def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Run:
     return run
 
 
-def _owned(book: RunBook, request_id: str) -> Run | None:
-    """The run of `request_id` if the caller made it."""
+def _owned(book: RunBook, request_id: str) -> Transcript | None:
+    """The request of `request_id` if the caller made it."""
     run = book.get(request_id)
-    return run if run is not None and owns(run.request.owner, _EXCHANGE.get().owner) else None
+    return run if run is not None and owns(run.owner, _EXCHANGE.get().owner) else None
 
 
 async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
@@ -316,13 +330,13 @@ async def adopt(app: web.Application, backend: ServedModel, requests: Sequence[J
 
 async def _until_serving(backend: ServedModel, timeout: float) -> tuple[str, str]:
     """Wait (on the loop, holding no thread) while the workers start, up to `timeout` seconds; the state then.
-    Requests sent during a recovery are queued: they wait in the pipeline."""
+    Requests sent during a recovery are queued: they wait in the pipeline; degraded, they are served."""
     deadline = time.monotonic() + timeout
     state, why = backend.health()
     while state == "starting" and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
         state, why = backend.health()
-    return ("serving", why) if state == "recovering" else (state, why)
+    return ("serving", why) if state in ("recovering", "degraded") else (state, why)
 
 
 async def _queue_timeout(run: Run, backend: ServedModel, timeout: float, admission: Executor) -> None:
@@ -355,8 +369,9 @@ async def _metrics(_: web.Request, backend: ServedModel) -> web.Response:
 
 async def _health(_: web.Request, backend: ServedModel) -> web.Response:
     state, why = backend.health()
-    return web.json_response({"status": state, "reason": why}, status=200 if state == "serving" else 503,
-                             headers=None if state == "serving" else {"Retry-After": "5"})
+    ready = state in ("serving", "degraded")
+    return web.json_response({"status": state, "reason": why}, status=200 if ready else 503,
+                             headers=None if ready else {"Retry-After": "5"})
 
 
 async def _version(_: web.Request) -> web.Response:

@@ -43,7 +43,8 @@ from ..transports.sockets import server_tls_context
 from . import limits
 from .adoption import Adoption
 from .api import adopt, build_app
-from .journal import Journal, JournaledRequest
+from .journal import Journal, JournaledRequest, JournalState
+from .journal_lease import LEASE_SECONDS
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
@@ -83,7 +84,23 @@ class Controller:
     recorded (`controller.journal`; `read_journal` reads it back); a token reaches its client once the journal
     holds it. A controller started on the journal of one that died goes on with its requests (`adoption` says
     which) under their ids, for their clients to resume (`GET /v1/requests/<id>/stream` with `Last-Event-ID`).
-    `keep_finished`: seconds an ended request stays readable there.
+    `keep_finished`: seconds an ended request stays readable there (at most 10,000 ended requests are kept, in
+    memory and in the journal).
+
+    One controller writes a journal at a time: it holds the journal's lease (renewed every quarter of
+    `journal_lease` seconds, default 3). Started on a journal whose lease another controller renews, it raises
+    `JournalInUse` (`dejavu serve` exits with status 2); on one whose holder died, it waits up to `journal_lease`
+    seconds to see the lease lapse, then takes over. `take_over_journal=True` takes the lease at once: the holder,
+    if it still runs, finds it taken at its next renewal and writes no more (its `/health` says `journal_failed`).
+    A journal that lost its records (an LMDB `data.mdb` of 0 bytes, records without their head) is refused
+    (ConfigError) unless `journal_reset=True`, which discards what it holds and starts it empty.
+
+    A journal write that fails is tried again every second. `journal_failure` says what happens meanwhile:
+    "stop" (the default) holds back every token the journal does not hold (a stream ends with a 503
+    `journal_failed` error event after 30 s), answers new requests 503 `journal_failed` and `/health` 503 with
+    the reason, until the journal writes again; "serve" goes on without it, `/health` answering 200 `degraded`
+    with the reason (a successor may not know what was streamed meanwhile). `/metrics` has
+    `dejavu_journal_healthy` and `dejavu_journal_failed_writes_total`, `/v1/status` the journal's state.
     """
 
     def __init__(self, model: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
@@ -93,7 +110,8 @@ class Controller:
                  recovery: str | None = "auto", worker_host: str = "127.0.0.1", worker_port: int = 0,
                  tls_cert: str | None = None, tls_key: str | None = None, worker_token: str | None = None,
                  journal: str | None = None, keep_finished: float = limits.KEEP_FINISHED,
-                 **pipeline_options: Any) -> None:
+                 journal_failure: str = "stop", journal_lease: float = LEASE_SECONDS, take_over_journal: bool = False,
+                 journal_reset: bool = False, **pipeline_options: Any) -> None:
         check_body_limit(max_body_bytes)
         if (tls_cert is None) != (tls_key is None):
             raise ConfigError("TLS needs both tls_cert (a PEM certificate chain) and tls_key (its private key)")
@@ -104,7 +122,9 @@ class Controller:
         if not names or not all(isinstance(name, str) and name for name in names):
             raise ConfigError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
         self.model_id, self.names = names[0], names
-        self.journal = None if journal is None else Journal(journal, keep_finished=keep_finished)
+        self.journal = None if journal is None else Journal(
+            journal, keep_finished=keep_finished, failure_policy=journal_failure, lease=journal_lease,
+            take_over=take_over_journal, reset=journal_reset)
         try:
             # the workers of a predecessor on this journal rejoin where it had them join, with its token
             self._former = former = None if self.journal is None else self.journal.found.head
@@ -134,6 +154,7 @@ class Controller:
         self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
         self.pipeline.on_recovery = self._recovered
         if self.journal is not None:
+            self.metrics.watch_journal(self.journal)
             self.pipeline.on_admitted = self.journal.microbatch
             self.pipeline.on_entered = self.journal.slot_group
         self.host, self.port = host, port
@@ -202,6 +223,9 @@ class Controller:
             return "starting", "the stage workers are starting"
         if self._adopting:
             return "starting", "taking over the requests of the journal"
+        journal = None if self.journal is None else self.journal.health()
+        if journal is not None:
+            return journal
         if pipeline.recovering:
             return "recovering", "a failed stage is being replaced; requests wait for it"
         return "serving", ""
@@ -216,10 +240,11 @@ class Controller:
         return self.pipeline.started_at(future)
 
     def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
-        """The pipeline's status, and what this controller took over from a journal (`adopted`): of the request ids
-        there, those `readable` says yes to (None: all; the API lists a client's own)."""
+        """The pipeline's status, the journal's, and what this controller took over from a journal (`adopted`): of
+        the request ids there, those `readable` says yes to (None: all; the API lists a client's own)."""
         adoption = self.adoption if readable is None else self.adoption.readable(readable)
-        return {"model": self.model_id, **self.pipeline.status(), "adopted": attrs.asdict(adoption)}
+        return {"model": self.model_id, **self.pipeline.status(), "adopted": attrs.asdict(adoption),
+                **({} if self.journal is None else {"journal": self.journal.status()})}
 
     @property
     def join_url(self) -> str:
@@ -256,6 +281,7 @@ class Controller:
             inherited = [] if self.journal is None else self._inherited()
             read = time.monotonic()
             read_seconds = read - began + (0.0 if self.journal is None else self.journal.read_seconds)
+            lease_seconds = 0.0 if self.journal is None else self.journal.lease_seconds
             self._adopting = bool(inherited)
             self.pipeline.listen()
             if self.journal is not None:
@@ -273,8 +299,10 @@ class Controller:
             self._journal_head()  # its epoch, past the rejoined workers'
             self._started = True
             self.adoption = attrs.evolve(self.adoption, rejoined=list(self.pipeline.fleet.rejoined),
-                                         read_seconds=read_seconds, workers_seconds=started - read,
-                                         adopt_seconds=time.monotonic() - started)
+                                         read_seconds=read_seconds, lease_seconds=lease_seconds,
+                                         workers_seconds=started - read, adopt_seconds=time.monotonic() - started)
+            if self.journal is not None:  # taken over: what it found is held by the runs and the journal now
+                self.journal.found = JournalState()
         except BaseException:
             self.close()
             raise

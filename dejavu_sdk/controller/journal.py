@@ -6,17 +6,27 @@ decodings with the seed each choice samples from, stop strings and answer shape)
 streams it, each choice's end, and each request's answer. Writing never happens on the event loop nor on the
 pipeline's receiver thread: they put entries on a queue, and a writer thread groups what arrived within
 up to `interval` seconds into one record (a progress record of the stream `dejavu-journal`, under a run id of
-the controller's incarnation that sorts by its start), written as soon as the queue is empty. So each record
-holds what a step's worth of time added, and its size does not grow with the requests' lengths. Each entry has a
+the controller's incarnation that sorts by its start), written as soon as the queue is empty. Each entry has a
 sequence number, and `when_written(n, callback)` says when the entries up to the n-th are written: the API sends
 a token to its client only once the journal holds it, so a successor never owes a client a token it cannot know.
+
+One controller writes a journal at a time (`journal_lease.py`): opening it takes its lease, which waits for a
+former holder's lease to lapse and refuses one that is renewed (JournalInUse). A journal whose records were lost
+where some were expected (an LMDB data file of 0 bytes, records without the head every controller writes first)
+is refused (ConfigError) unless `reset` starts it afresh.
+
+A write that fails is tried again every `RETRY` seconds, with what was queued since, until it is written: the
+journal `failure` says why meanwhile, and with `failure_policy="stop"` (the default) its waiters wait (the API
+takes no new request and holds tokens back), with "serve" they are told to go on without it. A holder that finds
+its lease taken (`fenced`) writes no more, and its waiters are told their entries never will be written.
 
 `read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order: a record
 is written whole or not at all, and records are read in the order they were written, so what a reader sees after a
 kill -9 is a prefix of what was streamed.
 
 The journal does not grow without end: the writer folds what it writes (starting from what the journal held when
-it opened, a predecessor's requests included), and once the records written since the last snapshot outweigh
+it opened, a predecessor's requests included; at most `keep` answered requests, those answered more than
+`keep_finished` seconds ago dropped), and once the records written since the last snapshot outweigh
 `compact_bytes` (and twice that snapshot) it writes a snapshot (the head, every request not answered, and those
 answered within `keep_finished` seconds, as step 0 of a new log) and then removes every record before it. A reader
 starts at the last snapshot; a kill between the snapshot and the removal leaves records that the next snapshot
@@ -27,96 +37,138 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from ..backends import open_store
 from ..blocks import ProgressKey
-from ..errors import ConfigError, DejaVuError
-from ..store import Store
-from .limits import KEEP_FINISHED
-from .openai_requests import Choice, GenerationRequest
+from ..errors import ConfigError
+from ..urls import parse_url
+from .journal_lease import LEASE_SECONDS, Lease
+from .journal_state import JOURNAL_STREAM, JournaledHead, JournaledRequest, JournalState, read_journal, read_records
+from .limits import JOURNAL_FAILURES, KEEP_FINISHED, MAX_KEPT
+from .openai_requests import GenerationRequest
 
 log = logging.getLogger(__name__)
 
-#: The stream id the journal's records live under.
-JOURNAL_STREAM = "dejavu-journal"
+__all__ = ["JOURNAL_STREAM", "Journal", "JournalState", "JournaledHead", "JournaledRequest", "read_journal",
+           "with_seeds"]
+
 #: Seconds of entries grouped into one record.
 INTERVAL = 0.05
 #: Bytes of records (at least) between two snapshots (`compact_bytes`).
 COMPACT_BYTES = 8 << 20
+#: Seconds between two tries of a write that failed.
+RETRY = 1.0
+#: What a journal that cannot write does (`failure_policy`): its waiters wait ("stop"), or go on ("serve").
+FAILURE_POLICIES = JOURNAL_FAILURES
+#: Entries a journal serving on without its store keeps for it at most; past them it drops them, and its
+#: successor does not know what they said.
+MAX_PENDING = 100_000
 
 
-@attrs.define
-class JournaledRequest:
-    """A request as the journal holds it: what was admitted (`admitted`: the request's fields), each choice's
-    tokens so far and finish reason once it ended, and whether it was answered (`answered`: its outcome, at
-    `answered_at`, seconds since the epoch)."""
+@attrs.frozen
+class _Flush:
+    """A `flush` call: set `done` once the entries up to `sequence` are written, or never will be."""
 
-    id: str
-    admitted: dict[str, Any]
-    tokens: dict[int, list[int]] = attrs.field(factory=dict)
-    finish: dict[int, str] = attrs.field(factory=dict)
-    answered: str | None = None
-    answered_at: float = 0.0
-
-    def request(self) -> GenerationRequest:
-        """The request as it was admitted."""
-        fields = self.admitted
-        return GenerationRequest(**{**fields, "choices": [Choice(**choice) for choice in fields["choices"]],
-                                    "stop": tuple(fields["stop"])})
+    sequence: int
+    done: threading.Event = attrs.field(factory=threading.Event)
 
 
 class Journal:
-    """The writing side, opened on a store URL; `close()` writes what is queued and closes the store."""
+    """The writing side, opened on a store URL; `close()` writes what is queued and closes the store.
+
+    `failure_policy`: "stop" or "serve" (see the module). `lease`: seconds the journal's lease lasts unless
+    renewed; `take_over`: take it without waiting for another holder's to lapse. `reset`: discard what the journal
+    holds and start it empty. `keep`: answered requests held at most."""
 
     def __init__(self, url: str, interval: float = INTERVAL, keep_finished: float = KEEP_FINISHED,
-                 compact_bytes: int = COMPACT_BYTES) -> None:
+                 compact_bytes: int = COMPACT_BYTES, *, failure_policy: str = "stop", lease: float = LEASE_SECONDS,
+                 take_over: bool = False, reset: bool = False, keep: int = MAX_KEPT) -> None:
         if not isinstance(url, str):
             raise ConfigError(f"journal= takes a store URL, got {type(url).__name__}")
+        if failure_policy not in FAILURE_POLICIES:
+            raise ConfigError(f"journal_failure must be one of {', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0.2 <= lease <= 3600:
+            raise ConfigError(f"journal_lease must be seconds from 0.2 to 3600, got {lease!r}")
+        _check_data_file(url, reset)
         self.store = open_store(url)
         if not self.store.persistent:
             self.store.close()
             raise ConfigError(f"journal={url!r} would not outlive this process: give lmdb://, file://, s3:// or a "
                               "tcp:// store server")
         self.url, self.interval, self.keep_finished, self.compact_bytes = url, interval, keep_finished, compact_bytes
-        began = time.monotonic()
+        self.failure_policy = failure_policy
+        self.lease: Lease | None = None
         try:
-            records = _records(self.store)
+            # sorts after every run before it (by its start, or past the last run's when this clock is behind)
+            runs = [key.run for key in self.store.progress_keys(JOURNAL_STREAM)]
+            start = max(time.time_ns() // 1_000_000, max((int(run[:12], 16) + 1 for run in runs), default=0))
+            self.run = f"{start:012x}{secrets.token_hex(4)}"
+            self.lease = Lease(self.store, self.run, lease)
+            self.lease.acquire(take_over)
+            began = time.monotonic()
+            records = self._opened(read_records(self.store), reset)
+            #: What the journal held when it opened (a predecessor's requests and head, for a successor to take
+            #: over), the seconds reading it took, and those spent waiting for a former holder's lease to lapse.
+            self.found = JournalState.fold(records, keep)
+            if records and not self.found.headed:
+                raise ConfigError(f"the journal at {url} has {len(records)} records but not the head record its "
+                                  "controller writes first: records were lost; restore the journal, or pass "
+                                  "--journal-reset (journal_reset=True) to start it empty")
+            self.read_seconds = time.monotonic() - began
+            self.lease_seconds = self.lease.waited
         except BaseException:
+            if self.lease is not None and self.lease.renewed_at:
+                self.lease.release()
             self.store.close()
             raise
-        #: What the journal held when it opened (a predecessor's requests and head, for a successor to take over),
-        #: and the seconds reading it took.
-        self.found = JournalState.fold(records)
-        self.read_seconds = time.monotonic() - began
         #: What it holds: the writer thread's, each record folded in as it is written.
-        self.held = JournalState.fold(records)
+        self.held = JournalState.fold(records, keep)
         self._since_snapshot = 0  # bytes written since the last snapshot (or the opening)
         self._snapshot_bytes = 0
         self._removable: ProgressKey | None = None  # a snapshot written, whose earlier records are still there
-        self._log = 0
-        # sorts after every run before it (by its start, or past the last run's when this clock is behind)
-        runs = [key.run for key in self.store.progress_keys(JOURNAL_STREAM)]
-        start = max(time.time_ns() // 1_000_000, max((int(run[:12], 16) + 1 for run in runs), default=0))
-        self.run = f"{start:012x}{secrets.token_hex(4)}"
-        #: Entries to write (kind, fields, sequence number); None: close; an Event: set it once what came before
+        self._log = self._step = 0
+        #: Entries to write (kind, fields, sequence number); None: close; a _Flush: answer it once what came before
         #: is written.
-        self._entries: queue.SimpleQueue[tuple[str, Any, int] | threading.Event | None] = queue.SimpleQueue()
-        self._step = 0
-        self.error: DejaVuError | None = None  # the write that failed (the journal then stops writing)
+        self._entries: queue.SimpleQueue[tuple[str, Any, int] | _Flush | None] = queue.SimpleQueue()
+        #: Why the journal cannot write now (None: it can), whether another controller took it over (it then
+        #: writes no more), whether it stopped (fenced, closed, or an entry it cannot hold), the writes that failed
+        #: and the entries dropped (serving on without it). `on_failed_write()` is told of each failed write.
+        self.failure: str | None = None
+        self.fenced = self.stopped = False
+        self.failed_writes = self.lost = 0
+        self.on_failed_write: Callable[[], object] | None = None
+        self._retry_at = 0.0
         self._lock = threading.Lock()
-        self._queued = self.written = 0  # entries queued and written so far
-        self._stopped = False  # written no more (failed or closed): every wait ends at once
-        self._waiting: list[tuple[int, Callable[[], object]]] = []  # (sequence number, callback) not yet due
+        self._queued = self.written = 0  # entries queued, and written where a successor reads them, so far
+        self._committed = 0  # entries written, whether or not the lease was known to be valid then
+        self._waiting: list[tuple[int, Callable[[bool], object]]] = []  # (sequence number, callback) not yet due
         self._thread = threading.Thread(target=self._write_loop, name="dejavu-journal", daemon=True)
         self._thread.start()
+        head = self.found.head  # every controller's first record says where the head is: what it found
+        if head is None:
+            self.head(None)
+        else:
+            self.head(head.url, head.token, head.epoch, head.prefix)
+
+    def _opened(self, records: list[dict[str, Any]], reset: bool) -> list[dict[str, Any]]:
+        """The records to start from: those read, or none (`reset`: every record is removed)."""
+        if not reset:
+            return records
+        if records:
+            log.warning("the journal at %s starts empty: %d records are discarded (journal_reset)", self.url,
+                        len(records))
+        for run in {key.run for key in self.store.progress_keys(JOURNAL_STREAM)}:
+            self.store.remove_progress(JOURNAL_STREAM, run)
+        return []
 
     # ---- from any thread: a queue put, nothing more -------------------------------------------------------
     def admitted(self, request_id: str, fields: dict[str, Any]) -> int:
@@ -154,39 +206,69 @@ class Journal:
             self._entries.put((kind, fields, self._queued))
             return self._queued
 
-    def when_written(self, sequence: int, callback: Callable[[], object]) -> None:
-        """Call `callback()` once the entries up to number `sequence` are written, or the journal writes no more
-        (failed or closed): here if that is so already, else on the writer thread."""
+    def when_written(self, sequence: int, callback: Callable[[bool], object]) -> None:
+        """Call `callback(True)` once the entries up to number `sequence` are written (or, serving on without the
+        journal, once it cannot write), `callback(False)` once they never will be (fenced, closed): here if that
+        is so already, else on the writer thread."""
         with self._lock:
-            due = self._stopped or self.written >= sequence
-            if not due:
+            due = self._due(sequence)
+            if due is None:
                 self._waiting.append((sequence, callback))
-        if due:
-            callback()
+        if due is not None:
+            callback(due)
 
-    def _wrote(self, sequence: int, stopped: bool = False) -> None:
-        """Entries up to `sequence` are written (or, `stopped`, none will be): call the callbacks now due."""
+    def _due(self, sequence: int) -> bool | None:
+        """What a waiter for `sequence` is told now (None: nothing yet)."""
+        if self.written >= sequence:
+            return True
+        serving_on = self.failure_policy == "serve" and not self.fenced
+        if self.stopped:
+            return serving_on
+        return True if serving_on and self.failure is not None else None
+
+    def _tell_waiters(self) -> None:
         with self._lock:
-            self.written = max(self.written, sequence)
-            self._stopped = self._stopped or stopped
-            due = [callback for number, callback in self._waiting if self._stopped or number <= self.written]
-            self._waiting = [(number, callback) for number, callback in self._waiting
-                             if not self._stopped and number > self.written]
-        for callback in due:
+            due = [(callback, self._due(number)) for number, callback in self._waiting]
+            self._waiting = [(number, callback) for number, callback in self._waiting if self._due(number) is None]
+        for callback, sendable in due:
+            if sendable is None:
+                continue
             try:
-                callback()
-            except Exception:  # noqa: PERF203 - a waiter gone meanwhile (its event loop closed): none to tell
+                callback(sendable)
+            except Exception:  # a waiter gone meanwhile (its event loop closed): none to tell
                 log.debug("a journal waiter could not be told", exc_info=True)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until what was queued before this call is written (False: not within `timeout` seconds)."""
-        written = threading.Event()
-        self._entries.put(written)
-        return written.wait(timeout)
+        """Wait until what was queued before this call is written; False if it was not within `timeout` seconds
+        (or never will be)."""
+        with self._lock:
+            flush = _Flush(self._queued)
+        self._entries.put(flush)
+        flush.done.wait(timeout)
+        return self.written >= flush.sequence
+
+    def health(self) -> tuple[str, str] | None:
+        """("journal_failed", why): it cannot write, and takes nothing more (or another controller took it over);
+        ("degraded", why): it cannot write, and serving goes on without it; None: it writes."""
+        if self.failure is None:
+            return None
+        if self.fenced or self.failure_policy == "stop":
+            return "journal_failed", self.failure
+        return "degraded", self.failure
+
+    def status(self) -> dict[str, Any]:
+        """What `GET /v1/status` says of the journal."""
+        state = "fenced" if self.fenced else "failed" if self.failure is not None else \
+            "closed" if self.stopped else "writing"
+        return {"url": self.url, "state": state, "failure": self.failure, "failed_writes": self.failed_writes,
+                "lost_entries": self.lost, "on_failure": self.failure_policy,
+                "epoch": None if self.lease is None else self.lease.record.epoch,
+                "lease_seconds": None if self.lease is None else self.lease.seconds,
+                "requests_held": len(self.held.requests)}
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (waiting up to `timeout` seconds), then close the store. Closing twice is
-        harmless."""
+        """Write what is queued (one more try if the store fails; waiting up to `timeout` seconds), release the
+        lease, then close the store. Closing twice is harmless."""
         if self.store.closed:
             return
         self._entries.put(None)
@@ -194,59 +276,138 @@ class Journal:
         if self._thread.is_alive():
             log.warning("the journal's writer did not finish within %.0f s", timeout)
             return
+        if not self.fenced and self.lease is not None:
+            try:
+                self.lease.release()
+            except Exception as error:  # a successor waits for it to lapse instead
+                log.warning("the journal at %s could not release its lease: %s", self.url, error)
         self.store.close()
 
     # ---- the writer thread -------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        pending: list[tuple[str, Any, int]] = []  # entries not yet written, in order
+        flushes: list[_Flush] = []
         closing = False
         while not closing:
-            batch: list[tuple[str, Any, int]] = []
-            waiting: list[threading.Event] = []  # flushes to answer once this batch is written
-            entry = self._entries.get()
-            deadline = time.monotonic() + self.interval
-            while True:
-                if entry is None:
-                    closing = True
-                elif isinstance(entry, threading.Event):
-                    waiting.append(entry)
-                else:
-                    batch.append(entry)
-                if closing or waiting or time.monotonic() >= deadline:
-                    break
-                try:  # what is queued now, without waiting for more: a token waits for its record
-                    entry = self._entries.get_nowait()
-                except queue.Empty:
-                    break
-            if batch and self.error is None:
-                self._write(batch)
-            if batch:
-                self._wrote(batch[-1][2], stopped=self.error is not None)
-            for written in waiting:
-                written.set()
+            closing = self._gather(pending, flushes)
+            if self.stopped:
+                pending.clear()
+            elif (closing or self.failure is None or time.monotonic() >= self._retry_at) and self._keep_lease() \
+                    and pending:  # the lease is renewed when due, entries or none
+                self._write(pending)
+            self._tell_waiters()
+            for flush in [flush for flush in flushes if self.written >= flush.sequence or self.stopped or closing]:
+                flush.done.set()
+                flushes.remove(flush)
             self._remove_before_snapshot()
-        self._wrote(self._queued, stopped=True)
+        self.stopped = True
+        self._tell_waiters()
 
-    def _write(self, batch: list[tuple[str, Any, int]]) -> None:
+    def _gather(self, pending: list[tuple[str, Any, int]], flushes: list[_Flush]) -> bool:
+        """Take what is queued into `pending` (waiting until an entry comes, or the lease's renewal or a retry is
+        due, and then up to `interval` seconds for more); whether the journal closes."""
+        assert self.lease is not None
+        now = time.monotonic()
+        due = self._retry_at - now if self.failure is not None and not self.stopped else self.lease.due()
+        try:
+            entry = self._entries.get(timeout=max(due, 0.001))
+        except queue.Empty:
+            return False
+        deadline = time.monotonic() + self.interval
+        while True:
+            if entry is None:
+                return True
+            if isinstance(entry, _Flush):
+                flushes.append(entry)
+                return False
+            pending.append(entry)
+            if time.monotonic() >= deadline:
+                return False
+            try:  # what is queued now, without waiting for more: a token waits for its record
+                entry = self._entries.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _keep_lease(self) -> bool:
+        """Renew the lease when it is due or no longer valid (what was written meanwhile counts as written once
+        it is renewed); whether it is valid now."""
+        assert self.lease is not None
+        if self.lease.due() == 0 or not self.lease.valid():
+            try:
+                renewed = self.lease.renew()
+            except Exception as error:
+                self._failed(error, "renew its lease")
+                return False
+            if not renewed:
+                self._fence()
+                return False
+        with self._lock:
+            self.written = self._committed
+        return True
+
+    def _write(self, pending: list[tuple[str, Any, int]]) -> None:
+        """Write `pending` as one record (emptied once written)."""
         record: dict[str, list[Any]] = {}
-        for kind, entry, _ in batch:
+        for kind, entry, _ in pending:
             record.setdefault(kind, []).append(entry)
         try:
             written = json.dumps(record).encode()
-            self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, self._log, self._step), written)
-        except Exception as error:  # a store that fails, or an entry it cannot hold: the journal stops, serving goes on
-            self.error = error if isinstance(error, DejaVuError) else DejaVuError(f"{type(error).__name__}: {error}")
-            log.error("the journal at %s stopped: %s", self.url, self.error)
+        except (TypeError, ValueError) as error:  # an entry no journal can hold: trying again cannot help
+            self.failure = f"the journal at {self.url} cannot hold an entry: {error}"
+            self.stopped = True
+            log.error("%s; it writes no more", self.failure)
             return
+        try:
+            self.store.put_progress(ProgressKey(JOURNAL_STREAM, self.run, self._log, self._step), written)
+        except Exception as error:
+            self._failed(error, "write")
+            if self.failure_policy == "serve" and len(pending) > MAX_PENDING:
+                self.lost += len(pending)
+                log.error("the journal at %s dropped %d entries it could not write: a successor does not know "
+                          "what they said", self.url, len(pending))
+                pending.clear()
+            return
+        if self.failure is not None:
+            log.warning("the journal at %s writes again (%d writes failed before)", self.url, self.failed_writes)
+            self.failure = None
         self._step += 1
+        self._committed = pending[-1][2]
+        pending.clear()
         self.held.apply(record)
+        self._keep_lease()  # a record written after the lease's time counts once it is renewed
+        self.held.forget_answered(time.time() - self.keep_finished)
         self._since_snapshot += len(written)
         if self._since_snapshot > max(self.compact_bytes, 2 * self._snapshot_bytes):
             self._snapshot()
 
+    def _failed(self, error: BaseException, doing: str) -> None:
+        """A write (or renewal) failed: say why, count it, and try again in RETRY seconds."""
+        self.failed_writes += 1
+        if self.on_failed_write is not None:
+            self.on_failed_write()
+        first = self.failure is None
+        self.failure = f"the journal at {self.url} cannot {doing}: {type(error).__name__}: {error}"
+        self._retry_at = time.monotonic() + RETRY
+        if first:
+            log.error("%s; %s (it tries again every %.0f s)", self.failure, "new requests are refused and tokens "
+                      "held back until it can" if self.failure_policy == "stop" else "serving goes on without it",
+                      RETRY)
+
+    def _fence(self) -> None:
+        """Another controller took the journal over: write no more, and tell every waiter so."""
+        assert self.lease is not None
+        taken = self.lease.taken
+        assert taken is not None
+        self.fenced = self.stopped = True
+        self.failure = (f"another controller ({taken.holder}) took the journal at {self.url} over (epoch "
+                        f"{taken.epoch}): this one writes it no more")
+        log.error("%s; new requests are refused", self.failure)
+
     def _snapshot(self) -> None:
         """Write what the journal holds as step 0 of a new log, then remove every record before it."""
         self.held.forget_answered(time.time() - self.keep_finished)
-        snapshot = json.dumps(self.held.snapshot()).encode()
+        self.held.prune()
+        snapshot = self.held.snapshot()
         key = ProgressKey(JOURNAL_STREAM, self.run, self._log + 1, 0)
         # the next records go after it, written or not: readers start at it if it was, else at the one before
         self._log, self._step = key.log, 1
@@ -254,6 +415,9 @@ class Journal:
         try:
             self.store.put_progress(key, snapshot)
         except Exception as error:  # the records before it stay, and so does what they say
+            self.failed_writes += 1
+            if self.on_failed_write is not None:
+                self.on_failed_write()
             log.warning("the journal at %s could not write a snapshot (its records stay): %s", self.url, error)
             return
         self._removable = key
@@ -270,6 +434,21 @@ class Journal:
             log.warning("the journal at %s could not remove the records before its snapshot: %s", self.url, error)
 
 
+def _check_data_file(url: str, reset: bool) -> None:
+    """Refuse an LMDB journal whose data file is empty (LMDB writes 8 KiB into a new one at once: an empty one
+    lost what it held), unless `reset` starts it afresh."""
+    parsed = parse_url(url)
+    if parsed.scheme != "lmdb":
+        return
+    data = os.path.join(parsed.path, "data.mdb")
+    if os.path.isfile(data) and os.path.getsize(data) == 0:
+        if not reset:
+            raise ConfigError(f"the journal {url!r} is empty where one was expected: {data} is 0 bytes (its records "
+                              "were lost: a full disk, a copy that failed?); restore it, or pass --journal-reset "
+                              "(journal_reset=True) to start an empty journal there")
+        os.remove(data)  # LMDB starts a new one
+
+
 def with_seeds(request: GenerationRequest) -> GenerationRequest:
     """`request` with a seed drawn for each sampled choice that has none: a journaled choice must say which
     generator it samples from, so that a successor can go on with the same tokens."""
@@ -277,111 +456,3 @@ def with_seeds(request: GenerationRequest) -> GenerationRequest:
                else attrs.evolve(choice, decoding={**choice.decoding, "seed": secrets.randbits(63)})
                for choice in request.choices]
     return attrs.evolve(request, choices=choices)
-
-
-@attrs.frozen
-class JournaledHead:
-    """Where the last controller of a journal had its stage workers join, and their token if it drew it."""
-
-    url: str
-    token: str | None
-    epoch: int = 0
-    #: What its pipeline's replica streams are named from: its workers hold replicas under it.
-    prefix: str | None = None
-
-
-def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
-    """Every request the journal at `url` holds, in the order they were admitted, by id."""
-    return JournalState.fold(_records(url)).requests
-
-
-def _records(url: str | Store) -> list[dict[str, Any]]:
-    """The journal's records from its last snapshot on, in the order they were written."""
-    store = open_store(url)
-    try:
-        keys = store.progress_keys(JOURNAL_STREAM)
-        snapshots = [index for index, key in enumerate(keys) if key.log > 0 and key.step == 0]
-        return [json.loads(store.read_progress(key)) for key in keys[snapshots[-1] if snapshots else 0:]]
-    finally:
-        if isinstance(url, str):
-            store.close()
-
-
-@attrs.define
-class JournalState:
-    """What a journal's records say: its requests, by id in the order admitted, its head, and the rows of the
-    static microbatches that hold a request not answered (`microbatches`: number -> [request id, choice] or None
-    per row), and the groups of the slots that do (`slots`)."""
-
-    requests: dict[str, JournaledRequest] = attrs.field(factory=dict)
-    head: JournaledHead | None = None
-    microbatches: dict[int, list[tuple[str, int] | None]] = attrs.field(factory=dict)
-    #: Continuous batching: each slot's groups, in the order sent, as (members, [request id, choice] or None each).
-    slots: dict[int, list[tuple[list[int], list[tuple[str, int] | None]]]] = attrs.field(factory=dict)
-
-    @classmethod
-    def fold(cls, records: Iterable[dict[str, Any]]) -> JournalState:
-        """The state that `records`, in the order they were written, describe."""
-        state = cls()
-        for record in records:
-            state.apply(record)
-        return state
-
-    def apply(self, record: dict[str, Any]) -> None:
-        """Fold one record in: a snapshot replaces what came before it."""
-        requests = self.requests
-        if "snapshot" in record:
-            requests.clear()
-            self.microbatches.clear()
-            self.slots.clear()
-            for request_id, admitted, tokens, finish, answered, answered_at in record["snapshot"]:
-                requests[request_id] = JournaledRequest(
-                    request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
-                    {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at))
-        for number, rows in [*record.get("microbatches", []), *record.get("microbatch", [])]:
-            self.microbatches[int(number)] = _rows(rows)
-        for slot, groups in record.get("slots", []):
-            self.slots[int(slot)] = [(list(members), _rows(rows)) for members, rows in groups]
-        for slot, members, rows in record.get("slot_group", []):
-            self.slots.setdefault(int(slot), []).append((list(members), _rows(rows)))
-        for url, token, *epoch in record.get("head", []):
-            self.head = None if url is None else JournaledHead(url, token, *epoch)
-        for request_id, fields in record.get("admitted", []):
-            requests[request_id] = JournaledRequest(request_id, fields)
-        unknown = JournaledRequest("", {})  # what is said of a request no longer held (answered, forgotten) goes here
-        for request_id, choice, index, token in record.get("token", []):
-            tokens = requests.get(request_id, unknown).tokens.setdefault(int(choice), [])
-            if index == len(tokens):
-                tokens.append(int(token))
-        for request_id, choice, reason in record.get("finished", []):
-            requests.get(request_id, unknown).finish[int(choice)] = reason
-        for request_id, outcome, *when in record.get("answered", []):
-            requests.get(request_id, unknown).answered = outcome
-            requests.get(request_id, unknown).answered_at = float(when[0]) if when else 0.0
-
-    def forget_answered(self, before: float) -> None:
-        """Drop the requests answered before `before` (seconds since the epoch): no successor keeps them."""
-        self.requests = {request_id: request for request_id, request in self.requests.items()
-                         if request.answered is None or request.answered_at >= before}
-        self.microbatches = {number: rows for number, rows in self.microbatches.items() if self._running(rows)}
-        self.slots = {slot: groups for slot, groups in self.slots.items()
-                      if any(self._running(rows) for _, rows in groups)}
-
-    def _running(self, rows: list[tuple[str, int] | None]) -> bool:
-        """Whether one of `rows` is a request not answered yet."""
-        return any(row is not None and row[0] in self.requests and self.requests[row[0]].answered is None
-                   for row in rows)
-
-    def snapshot(self) -> dict[str, Any]:
-        """A record that says all of this at once."""
-        head = ([None, None] if self.head is None else
-                [self.head.url, self.head.token, self.head.epoch, self.head.prefix])
-        return {"snapshot": [[request.id, request.admitted, request.tokens, request.finish, request.answered,
-                              request.answered_at] for request in self.requests.values()], "head": [head],
-                "microbatches": [[number, rows] for number, rows in self.microbatches.items()],
-                "slots": [[slot, groups] for slot, groups in self.slots.items()]}
-
-
-def _rows(rows: list[Any]) -> list[tuple[str, int] | None]:
-    """Rows as a record gives them back: each a (request id, choice), or None."""
-    return [None if row is None else (str(row[0]), int(row[1])) for row in rows]

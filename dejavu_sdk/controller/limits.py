@@ -10,6 +10,12 @@ from ..errors import ConfigError
 #: Defaults: choices waiting to start; choices in one request; seconds a request may wait to start; body bytes (a
 #: prompt of a few hundred thousand token ids); seconds an ended request is kept for a client to read again.
 MAX_WAITING, MAX_PROMPTS, QUEUE_TIMEOUT, MAX_BODY_BYTES, KEEP_FINISHED = 1024, 128, 600.0, 4 << 20, 60.0
+#: The most ended requests kept at once (in memory, and in the journal), whatever `keep_finished` says: what a
+#: burst of requests keeps is bounded.
+MAX_KEPT = 10_000
+#: What a controller does while its journal cannot write (`journal_failure`): hold tokens back and take no new
+#: request ("stop"), or serve on without it ("serve"); and the seconds the journal's lease lasts unless renewed.
+JOURNAL_FAILURES, JOURNAL_LEASE = ("stop", "serve"), 3.0
 
 
 @attrs.frozen

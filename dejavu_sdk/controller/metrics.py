@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from .journal import Journal
 
 #: Request latency buckets, seconds, from a millisecond (a short answer on a GPU) to long generations on a CPU.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
@@ -16,7 +21,7 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 class ControllerMetrics:
     """Requests by outcome, choices by finish reason, prompt and generated tokens, end-to-end latency, time to
     first token, time between tokens, time waiting to start, choices running and waiting, stage failures and
-    recoveries (as vLLM's server counts them)."""
+    recoveries (as vLLM's server counts them); with a journal (`watch_journal`), its health and failed writes."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -43,6 +48,16 @@ class ControllerMetrics:
         self.recoveries = Counter("dejavu_recoveries", "Recoveries completed", registry=self.registry)
         self.recovery_seconds = Histogram("dejavu_recovery_seconds", "Seconds from detecting a failure to serving "
                                           "again", buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def watch_journal(self, journal: Journal) -> None:
+        """Say whether the journal writes (`dejavu_journal_healthy`: 1, or 0 while it cannot) and count the writes
+        of it that failed (`dejavu_journal_failed_writes_total`)."""
+        healthy = Gauge("dejavu_journal_healthy", "1 while the journal writes, 0 while it cannot (or another "
+                        "controller took it over)", registry=self.registry)
+        healthy.set_function(lambda: 0.0 if journal.failure is not None else 1.0)
+        failed = Counter("dejavu_journal_failed_writes", "Journal writes (records, lease renewals, snapshots) that "
+                         "failed", registry=self.registry)
+        journal.on_failed_write = failed.inc
 
     def recovered(self, seconds: float) -> None:
         self.recoveries.inc()

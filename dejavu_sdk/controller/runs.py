@@ -7,7 +7,10 @@ there are several): the choice's tokens sent so far, and its end as one more. A 
 last id it got (`Last-Event-ID`) gets every later token once. With a journal, a token goes out only once the
 journal holds it, and a successor controller adopts the request (`Run(..., adopted=)`): the journal's tokens
 replayed a token per update (a client resumes at any of them), the rest computed again from the prompt, the
-tokens the journal had checked against it.
+tokens the journal had checked against it. A token the journal does not hold is never sent: a stream whose tokens
+it cannot write within `JOURNAL_WAIT` seconds (or never will: another controller took it over) ends with a 503
+error event `journal_failed`, and its request is cancelled. A run writes its `Transcript` (transcripts.py); once it
+ended, the API keeps that alone (`kept()`).
 
 Each choice ends at its end-of-sequence token, its `max_tokens`, or the first stop string in its text (its
 request is then cancelled in the pipeline: no token is computed past the stop for nobody); the update with its
@@ -20,9 +23,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import json
 import logging
-import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,9 +32,8 @@ from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 import attrs
-from aiohttp import web
 
-from ..errors import DejaVuError, RequestFailed, quoted
+from ..errors import DejaVuError, RequestFailed
 from ..generation.batching import Result
 from ..generation.decoding import ENDS, Ends
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
@@ -41,15 +42,14 @@ from .journal import Journal, JournaledRequest, with_seeds
 from .logprob_shapes import chat_logprobs, completion_logprobs
 from .metrics import ControllerMetrics
 from .openai_requests import ApiError, Choice, GenerationRequest
+from .transcripts import Transcript, Update
 
 log = logging.getLogger(__name__)
 
-#: The response header that names a streamed request (its resumable id) before its first event.
-REQUEST_HEADER = "X-Dejavu-Request-Id"
-#: Seconds a token waits for the journal to hold it before it is sent anyway (the journal's store hangs).
+#: Seconds a token waits for the journal to hold it (its store fails, or hangs) before its stream ends with an
+#: error: it is never sent without the journal.
 JOURNAL_WAIT = 30.0
 #: A position in an event id: ASCII digits (not int()'s signs, underscores or other scripts' digits), 18 at most.
-POSITION = re.compile(r"[0-9]{1,18}")
 
 
 class GenerationBackend(Protocol):
@@ -88,32 +88,10 @@ class _ChoiceState:
     listed: int = 0
 
 
-@attrs.frozen
-class Update:
-    """New text and tokens of choice `index` (with their log-probabilities, in the API's shape, where asked);
-    `finish` set on its last. `position`: the choice's tokens through this update, and its end as one more."""
-
-    index: int
-    text: str
-    tokens: list[int]
-    finish: str | None
-    logprobs: dict[str, Any] | None = None
-    position: int = 0
-
-    def past(self, delivered: int) -> Update:
-        """What of this update a client that has `delivered` positions of its choice has not had: all of it, or
-        (a position inside it, which a client can only name after an update of another controller) the tokens
-        and end past it, without text."""
-        first = self.position - len(self.tokens) - (self.finish is not None)
-        if delivered <= first:
-            return self
-        return attrs.evolve(self, text="", tokens=self.tokens[delivered - first:], logprobs=None)
-
-
-class Run:
-    """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued); `start` (on
-    the event loop) starts the task that writes its log. `adopted`: the request as a predecessor's journal holds
-    it, gone on with under its id."""
+class Run(Transcript):
+    """One request's choices, submitted on creation (ConfigError: a bad prompt, and none is queued, nor
+    journaled); `start` (on the event loop) starts the task that writes its log. `adopted`: the request as a
+    predecessor's journal holds it, gone on with under its id."""
 
     def __init__(self, backend: GenerationBackend, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
                  text_threads: Executor, control: Executor, adopted: JournaledRequest | None = None) -> None:
@@ -123,22 +101,18 @@ class Run:
         self.backend, self.request, self.loop, self.text_threads = backend, request, loop, text_threads
         self.control = control  # cancels go through it: a cancel may wait on a stage, never on the loop
         prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        self.id = adopted.id if adopted is not None else f"{prefix}-{uuid.uuid4().hex}"
-        self.created, self.started = int(time.time()), time.monotonic()
+        super().__init__(adopted.id if adopted is not None else f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                         request.kind, request.model, request.include_usage, len(request.choices),
+                         adopted.prompt_count() if adopted is not None else sum(map(len, request.prompts)),
+                         owner=request.owner)
+        self.started = time.monotonic()
         #: (choice, token or None: done, the token's log-probabilities where asked, its journal entry's number)
         self.events: asyncio.Queue[tuple[int, int | None, TokenLogprobs | None, int]] = asyncio.Queue()
         self.states = [_ChoiceState(None if backend.tokenizer is None else TextStream(backend.tokenizer, request.stop))
                        for _ in request.choices]
-        self.outcome: str | None = None  # ok, failed, cancelled or timed out, in the metrics once
         self.timed_out: str | None = None  # why it was cancelled before it started
         self.first_token: float | None = None
         self.last_token: dict[int, float] = {}  # each choice's last arrival
-        #: The updates so far, what ended the run (None: it ended well), whether it ended, and an event set (and
-        #: replaced) at each change of these.
-        self.log: list[Update] = []
-        self.error: ApiError | None = None
-        self.over = False
-        self._changed = asyncio.Event()
         self._positions = [0] * len(request.choices)
         self._task: asyncio.Task[None] | None = None
         #: Tokens of each choice that a journal held (adopted: computed again, each checked against its own), those
@@ -147,27 +121,30 @@ class Run:
         self.arrived = [0] * len(request.choices)
         self.journaled = [len(tokens) for tokens in self.known]
         self.diverged: str | None = None  # a recomputed token that differs from the journal's
+        #: Held while the choices are submitted and journaled: no token of theirs is journaled before they are.
+        self._admitting = threading.Lock()
         if adopted is not None:
             self.outcome = adopted.answered  # one answered already is counted no more
             self._replay(adopted)
-        elif self.journal is not None:
-            self.journal.admitted(self.id, attrs.asdict(request))
-        self._submit()
+        with self._admitting:
+            try:
+                self._submit()
+            except BaseException:
+                if self.journal is not None and adopted is not None:  # a new request refused is not journaled
+                    self.journal.answered(self.id, "refused")
+                raise
+            if self.journal is not None and adopted is None:
+                self.journal.admitted(self.id, attrs.asdict(request))
 
     def _submit(self) -> None:
         """Queue the choices that have not ended (all of a new request; none of one answered already)."""
         going = [] if self.outcome is not None else [index for index, state in enumerate(self.states)
                                                      if state.finish is None]
         self.futures: list[Future[Result]] = [_ended_future() for _ in self.states]
-        try:
-            submitted = self.backend.submit(
-                [self.request.choices[index] for index in going], functools.partial(self._on_token_of, going),
-                None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going),
-                [[self.id, index] for index in going])
-        except BaseException:
-            if self.journal is not None:
-                self.journal.answered(self.id, "refused")
-            raise
+        submitted = self.backend.submit(
+            [self.request.choices[index] for index in going], functools.partial(self._on_token_of, going),
+            None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going),
+            [[self.id, index] for index in going])
         for index, future in zip(going, submitted, strict=True):
             self.futures[index] = future
             future.add_done_callback(functools.partial(self._on_done, index))
@@ -217,7 +194,8 @@ class Run:
             return
         sequence = 0
         if self.journal is not None:
-            sequence = self.journal.token(self.id, index, self.journaled[index], token)
+            with self._admitting:  # after the request's own entry
+                sequence = self.journal.token(self.id, index, self.journaled[index], token)
             self.journaled[index] += 1
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry, sequence))
 
@@ -253,48 +231,18 @@ class Run:
         self.log.append(attrs.evolve(update, position=position))
         self._wake()
 
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+    def kept(self) -> Transcript:
+        """What is kept of this run once it ended: its transcript (no request, prompts, text state nor futures)."""
+        kept = Transcript(self.id, self.created, self.kind, self.model, self.include_usage, self.choices,
+                          self.prompt_tokens, live=False, owner=self.owner)
+        kept.log, kept.error, kept.outcome = list(self.log), self.error, self.outcome
+        return kept
 
     async def ended(self) -> None:
         """Wait until every choice has ended (or the run failed); a waiter that is cancelled leaves the run be."""
         self.start()
         assert self._task is not None
         await asyncio.shield(self._task)
-
-    async def follow(self, after: list[int]) -> AsyncIterator[tuple[Update, str]]:
-        """The updates past the positions `after` (one per choice), each with its event id, as they come; the
-        run's ApiError where it failed."""
-        sent, positions = 0, list(after)
-        while True:
-            changed = self._changed
-            while sent < len(self.log):
-                update = self.log[sent]
-                sent += 1
-                if update.position > positions[update.index]:
-                    update = update.past(positions[update.index])
-                    positions[update.index] = update.position
-                    yield update, self.event_id(positions)
-            if self.over:
-                if self.error is not None:
-                    raise self.error
-                return
-            await changed.wait()
-
-    def event_id(self, positions: list[int]) -> str:
-        return f"{self.id}:{','.join(str(position) for position in positions)}"
-
-    def positions_of(self, event_id: str) -> list[int]:
-        """The positions a client's `Last-Event-ID` names, each in ASCII digits (ApiError 400: not an id of this
-        run's events)."""
-        run, _, listed = event_id.strip().rpartition(":")
-        parts = listed.split(",")
-        positions = [int(part) for part in parts] if all(POSITION.fullmatch(part) for part in parts) else []
-        if run != self.id or len(positions) != len(self.states):
-            raise ApiError(400, f"Last-Event-ID {quoted(event_id)} is not an event of {self.id}: it has the form "
-                           f"{self.id}:<position>, a position per choice")
-        return positions
 
     # ---- tokens to text ----------------------------------------------------------------------------------
     async def _updates(self) -> AsyncIterator[Update]:
@@ -324,16 +272,25 @@ class Run:
         self._count_ok()
 
     async def _until_journaled(self, sequence: int) -> None:
-        """Wait until the journal holds its entries up to number `sequence` (bounded: JOURNAL_WAIT)."""
+        """Wait until the journal holds its entries up to number `sequence`; past JOURNAL_WAIT seconds, or once it
+        never will, the run fails (ApiError 503 journal_failed) and its choices are cancelled: no token goes out
+        that a successor could not know."""
         if self.journal is None or sequence == 0:
             return
-        written: asyncio.Future[None] = self.loop.create_future()
+        written: asyncio.Future[bool] = self.loop.create_future()
         self.journal.when_written(sequence, functools.partial(self.loop.call_soon_threadsafe, _settle, written))
         try:
-            await asyncio.wait_for(written, JOURNAL_WAIT)
+            if await asyncio.wait_for(written, JOURNAL_WAIT):
+                return
+            why = self.journal.failure or "the journal closed"
         except TimeoutError:
-            log.warning("%s: the journal did not hold its tokens within %.0f s; they are sent anyway", self.id,
-                        JOURNAL_WAIT)
+            why = f"it did not hold them within {JOURNAL_WAIT:.0f} s: {self.journal.failure or 'its store hangs'}"
+        log.error("%s: the journal cannot hold its tokens (%s): they are held back, and the request fails", self.id,
+                  why)
+        self._count("failed")
+        self._cancel_futures(self.futures)
+        raise ApiError(503, f"the journal cannot hold this request's tokens, so they are held back (a controller "
+                       f"taking over would not know them): {why}", "server_error", "journal_failed", 5.0)
 
     def _take(self, index: int, tokens: list[int], entries: list[TokenLogprobs | None]) -> Update:
         """Choice `index`'s new tokens, up to its end (end-of-sequence, max_tokens, or a stop string, which
@@ -423,52 +380,6 @@ class Run:
             self.text_threads, lambda: [self._whole_choice(index) for index in range(len(self.states))])
         return {**self._head(), "choices": choices, "usage": self._usage()}
 
-    async def stream(self, request: web.Request, headers: dict[str, str],
-                     after: list[int] | None = None) -> web.StreamResponse:
-        """Server-sent events past the positions `after` (None: the whole stream): a chunk per update with its
-        event id, an error event if a choice fails, the usage when asked for, then `data: [DONE]`."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_HEADER: self.id, **headers})
-        try:
-            await response.prepare(request)
-            if after is None and self.request.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's
-                for index in range(len(self.states)):
-                    await self._send(response, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}],
-                                     event_id=self.event_id([0] * len(self.states)))
-            try:
-                async for update, event_id in self.follow(after or [0] * len(self.states)):
-                    await self._send(response, [self._chunk_choice(update, self.request.kind)], event_id=event_id)
-            except ApiError as error:
-                await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
-            else:
-                if self.request.include_usage:
-                    await self._send(response, [], usage=self._usage())
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:  # the client left: the API decides what becomes of the run
-            pass
-        return response
-
-    def snapshot(self) -> dict[str, Any]:
-        """The request as `GET /v1/requests/<id>` answers it: its status (running, or how it ended), each
-        choice's text, tokens and finish reason so far, the usage, and its error where it failed."""
-        texts, tokens = ["" for _ in self.states], [[] for _ in self.states]  # type: list[str], list[list[int]]
-        finish: list[str | None] = [None for _ in self.states]
-        for update in self.log:
-            texts[update.index] += update.text
-            tokens[update.index] += update.tokens
-            finish[update.index] = update.finish or finish[update.index]
-        status = "running" if not self.over else "failed" if self.error is not None else \
-            "finished" if self.outcome in (None, "ok") else self.outcome
-        answer = {**self._head(), "object": "request", "status": status,
-                  "choices": [{"index": index, "text": texts[index], "token_ids": tokens[index],
-                               "finish_reason": finish[index]} for index in range(len(self.states))],
-                  "usage": self._usage()}
-        if self.error is not None:
-            answer["error"] = {"message": self.error.message, "type": self.error.kind, "code": self.error.code}
-        return answer
-
     def time_out(self, why: str) -> None:
         """Cancel a request that waited too long to start: its answer is a 503 that says `why`."""
         self.timed_out = why
@@ -494,11 +405,6 @@ class Run:
             cancel_all()
 
     # ---- shapes of the two APIs --------------------------------------------------------------------------
-    def _head(self) -> dict[str, Any]:
-        kind = self.request.kind
-        obj = "text_completion" if kind == "completion" else "chat.completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
-
     def _whole_choice(self, index: int) -> dict[str, Any]:
         state, tokenizer = self.states[index], self.backend.tokenizer
         asked = self.request.logprobs is not None
@@ -523,27 +429,6 @@ class Run:
             raise ApiError(503, "the prompt's log-probabilities were lost in a recovery: send the request again",
                            "server_error", "prompt_logprobs_lost", 1.0)
         return list(found.entries)
-
-    @staticmethod
-    def _chunk_choice(update: Update, kind: str) -> dict[str, Any]:
-        if kind == "chat":
-            delta = {"content": update.text} if update.text or update.finish is None else {}
-            return {"index": update.index, "delta": delta, "finish_reason": update.finish, "logprobs": update.logprobs}
-        return {"index": update.index, "text": update.text, "logprobs": update.logprobs,
-                "finish_reason": update.finish, "token_ids": update.tokens}
-
-    async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],
-                    usage: dict[str, int] | None = None, event_id: str | None = None) -> None:
-        head = self._head()
-        if self.request.kind == "chat":
-            head["object"] = "chat.completion.chunk"
-        extra = {"usage": usage} if self.request.include_usage else {}
-        await _write(response, {**head, "choices": choices, **extra}, event_id)
-
-    def _usage(self) -> dict[str, int]:
-        prompt = sum(len(ids) for ids in self.request.prompts)
-        generated = sum(len(state.tokens) for state in self.states)
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
     # ---- counting, once -----------------------------------------------------------------------------------
     def _note_arrival(self, index: int, tokens: int) -> None:
@@ -612,11 +497,7 @@ def _ended_future() -> Future[Result]:
     return future
 
 
-def _settle(written: asyncio.Future[None]) -> None:
+def _settle(written: asyncio.Future[bool], sendable: bool) -> None:
     if not written.done():
-        written.set_result(None)
+        written.set_result(sendable)
 
-
-async def _write(response: web.StreamResponse, chunk: dict[str, Any], event_id: str | None = None) -> None:
-    head = "" if event_id is None else f"id: {event_id}\n"
-    await response.write(f"{head}data: {json.dumps(chunk)}\n\n".encode())

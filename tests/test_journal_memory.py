@@ -1,0 +1,75 @@
+"""Finished requests cost constant memory: 100,000 one-token requests through the API (a stub model, an LMDB
+journal) leave the controller's memory within 50 MB of where it started, however many passed. Ended requests are
+kept as their transcripts, at most `MAX_KEPT` of them, and the journal's folded state holds at most as many
+answered requests, without their prompts."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from stub_served import TOKEN, StubModel, serving
+
+from dejavu_sdk.controller.journal import Journal, JournalState
+from dejavu_sdk.controller.limits import MAX_KEPT, ApiLimits
+
+CLIENT = str(Path(__file__).parent / "load_client.py")
+MIB = 1 << 20
+
+
+def _memory() -> dict[str, int]:
+    """This process's resident memory after a collection, bytes: anonymous (its own) and file-backed (mapped files:
+    LMDB maps the journal's data file)."""
+    gc.collect()
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def _send(url: str, count: int, first: int) -> None:
+    subprocess.run([sys.executable, CLIENT, url, TOKEN, str(count), str(first)], check=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_hundred_thousand_finished_requests_leave_memory_within_50_mb_of_the_start(tmp_path) -> None:
+    journal = Journal(f"lmdb://{tmp_path}/journal")
+    try:
+        with serving(StubModel(journal), ApiLimits(max_waiting=4096)) as url:
+            _send(url, 1000, 0)  # the code paths, connections and caches every request uses
+            before = _memory()
+            _send(url, 100_000, 1000)
+            assert journal.flush()
+            after = _memory()
+        assert sum(request.answered is not None for request in journal.held.requests.values()) == MAX_KEPT
+    finally:
+        journal.close()
+    grown = {name: (after[name] - before[name]) / MIB for name in after}
+    print(f"per finished request: {(after['VmRSS'] - before['VmRSS']) / 100_000:.0f} B; grown (MiB): {grown}")
+    assert grown["RssAnon"] < 50, grown
+
+
+def test_the_journal_keeps_at_most_keep_answered_requests_and_drops_their_prompts_once_no_batch_runs_them() -> None:
+    state = JournalState(keep=3)
+    prompt = list(range(100))
+    for number in range(10):
+        state.apply({"admitted": [[f"cmpl-{number}", {"choices": [{"prompt": prompt}], "prompts": [prompt],
+                                                     "stop": []}]],
+                     "token": [[f"cmpl-{number}", 0, 0, number]]})
+    state.apply({"microbatch": [[7, [["cmpl-8", 0], ["cmpl-9", 0]]]]})  # cmpl-9 runs on, beside cmpl-8
+    state.apply({"answered": [[f"cmpl-{number}", "ok", 100.0 + number] for number in range(9)]})
+    state.prune()
+    assert list(state.requests) == ["cmpl-6", "cmpl-7", "cmpl-8", "cmpl-9"]  # the last three answered, one running
+    assert state.requests["cmpl-6"].admitted["prompts"] == [[]]  # what showing it again needs, no more
+    assert (state.requests["cmpl-6"].prompt_count(), state.requests["cmpl-6"].tokens) == (100, {0: [6]})
+    assert state.requests["cmpl-8"].admitted["prompts"] == [prompt]  # a running batch names it: a successor may
+    state.apply({"answered": [["cmpl-9", "ok", 200.0]]})  # stand it in for its row
+    state.prune()
+    assert list(state.requests) == ["cmpl-7", "cmpl-8", "cmpl-9"]
+    assert state.microbatches == {}
+    assert all(request.admitted["prompts"] == [[]] for request in state.requests.values())
+    again = JournalState.fold([json.loads(state.snapshot())], keep=3)  # a successor holds as much, as little
+    assert {request_id: (request.prompt_count(), request.answered) for request_id, request in again.requests.items()} \
+        == {request_id: (100, "ok") for request_id in ("cmpl-7", "cmpl-8", "cmpl-9")}
