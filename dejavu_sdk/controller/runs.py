@@ -278,7 +278,11 @@ class Run(Transcript):
         if self.journal is None or sequence == 0:
             return
         written: asyncio.Future[bool] = self.loop.create_future()
-        self.journal.when_written(sequence, functools.partial(self.loop.call_soon_threadsafe, _settle, written))
+
+        def settle(sendable: bool) -> None:  # on the journal's writer thread
+            self.loop.call_soon_threadsafe(_settle, written, sendable)
+
+        self.journal.when_written(sequence, settle)
         try:
             if await asyncio.wait_for(written, JOURNAL_WAIT):
                 return
