@@ -276,7 +276,7 @@ class Run(Transcript):
         if self.journal is None or sequence == 0:
             return
         written: asyncio.Future[bool] = self.loop.create_future()
-        self.journal.when_written(sequence, functools.partial(self.loop.call_soon_threadsafe, _settle, written))
+        self.journal.when_written(sequence, lambda sendable: self.loop.call_soon_threadsafe(_settle, written, sendable))
         try:
             if await asyncio.wait_for(written, JOURNAL_WAIT):
                 return
