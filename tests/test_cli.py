@@ -272,11 +272,12 @@ def test_bench_recovery_kill_controller_times_the_way_back_to_a_new_token(tmp_pa
                  "--json", str(samples)]
     assert main(arguments) == 0
     output = capsys.readouterr().out
-    for expected in ("| detection |", "| journal read |", "| rejoin |", "| adoption |", "| resume |", "| total |",
+    for expected in ("| detection |", "| journal lease |", "| journal read |", "| rejoin |", "| adoption |",
+                     "| resume |", "| total |",
                      "SIGKILLed when the first client had 12 tokens", "--stages 1 --journal"):
         assert expected in output
     (kill,) = json.loads(samples.read_text())["kills"]
-    parts = ("detection", "start", "journal_read", "rejoin", "adoption", "resume")
+    parts = ("detection", "start", "journal_lease", "journal_read", "rejoin", "adoption", "resume")
     assert all(kill[part] >= 0 for part in parts)
     assert kill["rejoined"] == 1  # the killed controller's stage worker took its stage back
     assert sum(kill[part] for part in parts) <= kill["total"] + 0.5  # the parts lie within the whole

@@ -6,8 +6,9 @@ streams `rows` requests from clients of their own, and SIGKILLs the controller w
 would; its own detection of the death comes on top), and each client reconnects with its `Last-Event-ID` until
 its stream goes on. Reported, from the kill to the first new token a reconnected client gets: detection (the
 process gone), start (the new process until it reads its journal: interpreter, imports, model and tokenizer),
-journal read, rejoin (the stage workers of the killed controller, which wait as orphans, take their stages back;
-a stage without one gets a new worker, which loads the model), adoption (the requests queued again, and the
+journal lease (watching the killed controller's lease on the journal lapse), journal read, rejoin (the stage
+workers of the killed controller, which wait as orphans, take their stages back; a stage without one gets a new
+worker, which loads the model), adoption (the requests queued again, and the
 static microbatches the workers still hold taken over) and resume (from serving to that first token: the next
 step of a microbatch taken over, else the prompts and the tokens the journal held, computed again).
 """
@@ -47,6 +48,7 @@ class ControllerKill:
 
     detection: float
     start: float
+    journal_lease: float
     journal_read: float
     rejoin: float
     adoption: float
@@ -69,7 +71,7 @@ class ControllerRecoveryReport:
     kills: list[ControllerKill] = attrs.field(factory=list)
 
     def to_markdown(self) -> str:
-        parts = ("detection", "start", "journal_read", "rejoin", "adoption", "resume", "total")
+        parts = ("detection", "start", "journal_lease", "journal_read", "rejoin", "adoption", "resume", "total")
         rows = [[part.replace("_", " "), f"{statistics.median(getattr(kill, part) for kill in self.kills):.2f}",
                  ", ".join(f"{getattr(kill, part):.2f}" for kill in self.kills)] for part in parts]
         taken_over = ", ".join(str(kill.taken_over) for kill in self.kills)
@@ -230,9 +232,11 @@ def _one_kill(model: str, stages: int, prompts: list[list[int]], new_tokens: int
         adopted = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"},
                             timeout=60).json()["adopted"]
         resumed = min(client.resumed for client in clients if client.resumed is not None)
-        inside = adopted["read_seconds"] + adopted["workers_seconds"] + adopted["adopt_seconds"]
+        inside = adopted["lease_seconds"] + adopted["read_seconds"] + adopted["workers_seconds"] + \
+            adopted["adopt_seconds"]
         return ControllerKill(detection=gone - killed, start=serving - servers[1].started - inside,
-                              journal_read=adopted["read_seconds"], rejoin=adopted["workers_seconds"],
+                              journal_lease=adopted["lease_seconds"], journal_read=adopted["read_seconds"],
+                              rejoin=adopted["workers_seconds"],
                               adoption=adopted["adopt_seconds"], resume=resumed - serving, total=resumed - killed,
                               taken_over=sum(adopted["taken_over"].values()),
                               recomputed=sum(adopted["recomputed"].values()), rejoined=len(adopted["rejoined"]))

@@ -3,43 +3,31 @@
 A controller started with `journal=` (`--journal`; any store URL that outlives the process: `lmdb://`, `file://`,
 `s3://`, `tcp://` to a `dejavu serve-store`) records each admitted request (its prompts as token ids, limits,
 decodings with the seed each choice samples from, stop strings and answer shape), each token as the pipeline
-streams it, each choice's end, and each request's answer. Writing never happens on the event loop nor on the
-pipeline's receiver thread: they put entries on a queue, and a writer thread groups what arrived within
-up to `interval` seconds into one record (a progress record of the stream `dejavu-journal`, under a run id of
-the controller's incarnation that sorts by its start), written as soon as the queue is empty. Each entry has a
-sequence number, and `when_written(n, callback)` says when the entries up to the n-th are written: the API sends
-a token to its client only once the journal holds it, so a successor never owes a client a token it cannot know.
+streams it, each choice's end, and each request's answer. The event loop and the pipeline's receiver thread only
+put entries on a queue; a writer thread groups what arrived within up to `interval` seconds into one record
+(journal_store.py), written as soon as the queue is empty. Each entry has a sequence number, and
+`when_written(n, callback)` says when the entries up to the n-th are written: the API sends a token to its client
+only once the journal holds it, so a successor never owes a client a token it cannot know.
 
-One controller writes a journal at a time (`journal_lease.py`): opening it takes its lease, which waits for a
-former holder's lease to lapse and refuses one that is renewed (JournalInUse). A journal whose records were lost
-where some were expected (an LMDB data file of 0 bytes, records without the head every controller writes first)
-is refused (ConfigError) unless `reset` starts it afresh.
+One controller writes a journal at a time: opening it takes its lease (journal_lease.py). A journal that lost its
+records (an LMDB data file of 0 bytes, records without the head every controller writes first) is refused
+(ConfigError) unless `reset` starts it afresh. A write that fails is tried again every `RETRY` seconds, with what
+was queued since: meanwhile `failure` says why, and with `failure_policy="stop"` (the default) waiters wait (the
+API takes no new request and holds tokens back), with "serve" they are told to go on without it. A holder that
+finds its lease taken (`fenced`) writes no more, and its waiters are told their entries never will be written.
 
-A write that fails is tried again every `RETRY` seconds, with what was queued since, until it is written: the
-journal `failure` says why meanwhile, and with `failure_policy="stop"` (the default) its waiters wait (the API
-takes no new request and holds tokens back), with "serve" they are told to go on without it. A holder that finds
-its lease taken (`fenced`) writes no more, and its waiters are told their entries never will be written.
-
-`read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order: a record
-is written whole or not at all, and records are read in the order they were written, so what a reader sees after a
-kill -9 is a prefix of what was streamed.
-
-The journal does not grow without end: the writer folds what it writes (starting from what the journal held when
-it opened, a predecessor's requests included; at most `keep` answered requests, those answered more than
-`keep_finished` seconds ago dropped), and once the records written since the last snapshot outweigh
-`compact_bytes` (and twice that snapshot) it writes a snapshot (the head, every request not answered, and those
-answered within `keep_finished` seconds, as step 0 of a new log) and then removes every record before it. A reader
-starts at the last snapshot; a kill between the snapshot and the removal leaves records that the next snapshot
-removes.
+`read_journal(url)` gives back every request with the tokens the journal holds of each choice, in order; after a
+kill -9, a prefix of what was streamed (a record is written whole or not at all, and read in the order written).
+The writer folds what it writes (journal_state.py; at most `keep` answered requests, none answered more than
+`keep_finished` seconds ago), and once the records written since the last snapshot outweigh `compact_bytes` (and
+twice that snapshot) it writes a snapshot of that, as step 0 of a new log, then removes every record before it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -50,11 +38,12 @@ import attrs
 from ..backends import open_store
 from ..blocks import ProgressKey
 from ..errors import ConfigError
-from ..urls import parse_url
+from ..store import Store
 from .journal_lease import LEASE_SECONDS, Lease
-from .journal_state import JOURNAL_STREAM, JournaledHead, JournaledRequest, JournalState, read_journal, read_records
+from .journal_state import JournaledHead, JournaledRequest, JournalState, with_seeds
+from .journal_store import JOURNAL_STREAM, check_data_file, discard_records, new_run, read_records, remove_before
+from .journal_waiting import Waiting
 from .limits import JOURNAL_FAILURES, KEEP_FINISHED, MAX_KEPT
-from .openai_requests import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +87,7 @@ class Journal:
             raise ConfigError(f"journal_failure must be one of {', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0.2 <= lease <= 3600:
             raise ConfigError(f"journal_lease must be seconds from 0.2 to 3600, got {lease!r}")
-        _check_data_file(url, reset)
+        check_data_file(url, reset)
         self.store = open_store(url)
         if not self.store.persistent:
             self.store.close()
@@ -106,16 +95,18 @@ class Journal:
                               "tcp:// store server")
         self.url, self.interval, self.keep_finished, self.compact_bytes = url, interval, keep_finished, compact_bytes
         self.failure_policy = failure_policy
-        self.lease: Lease | None = None
+        self.lease = Lease(self.store, lease)
         try:
-            # sorts after every run before it (by its start, or past the last run's when this clock is behind)
-            runs = [key.run for key in self.store.progress_keys(JOURNAL_STREAM)]
-            start = max(time.time_ns() // 1_000_000, max((int(run[:12], 16) + 1 for run in runs), default=0))
-            self.run = f"{start:012x}{secrets.token_hex(4)}"
-            self.lease = Lease(self.store, self.run, lease)
-            self.lease.acquire(take_over)
+            self.run = new_run(self.store)
+            self.lease.acquire(self.run, take_over)
             began = time.monotonic()
-            records = self._opened(read_records(self.store), reset)
+            records = read_records(self.store)
+            if reset:
+                if records:
+                    log.warning("the journal at %s starts empty: %d records are discarded (journal_reset)", url,
+                                len(records))
+                discard_records(self.store)
+                records = []
             #: What the journal held when it opened (a predecessor's requests and head, for a successor to take
             #: over), the seconds reading it took, and those spent waiting for a former holder's lease to lapse.
             self.found = JournalState.fold(records, keep)
@@ -126,7 +117,7 @@ class Journal:
             self.read_seconds = time.monotonic() - began
             self.lease_seconds = self.lease.waited
         except BaseException:
-            if self.lease is not None and self.lease.renewed_at:
+            if self.lease.renewed_at:
                 self.lease.release()
             self.store.close()
             raise
@@ -150,7 +141,7 @@ class Journal:
         self._lock = threading.Lock()
         self._queued = self.written = 0  # entries queued, and written where a successor reads them, so far
         self._committed = 0  # entries written, whether or not the lease was known to be valid then
-        self._waiting: list[tuple[int, Callable[[bool], object]]] = []  # (sequence number, callback) not yet due
+        self._waiting = Waiting(self._due)
         self._thread = threading.Thread(target=self._write_loop, name="dejavu-journal", daemon=True)
         self._thread.start()
         head = self.found.head  # every controller's first record says where the head is: what it found
@@ -158,17 +149,6 @@ class Journal:
             self.head(None)
         else:
             self.head(head.url, head.token, head.epoch, head.prefix)
-
-    def _opened(self, records: list[dict[str, Any]], reset: bool) -> list[dict[str, Any]]:
-        """The records to start from: those read, or none (`reset`: every record is removed)."""
-        if not reset:
-            return records
-        if records:
-            log.warning("the journal at %s starts empty: %d records are discarded (journal_reset)", self.url,
-                        len(records))
-        for run in {key.run for key in self.store.progress_keys(JOURNAL_STREAM)}:
-            self.store.remove_progress(JOURNAL_STREAM, run)
-        return []
 
     # ---- from any thread: a queue put, nothing more -------------------------------------------------------
     def admitted(self, request_id: str, fields: dict[str, Any]) -> int:
@@ -210,12 +190,7 @@ class Journal:
         """Call `callback(True)` once the entries up to number `sequence` are written (or, serving on without the
         journal, once it cannot write), `callback(False)` once they never will be (fenced, closed): here if that
         is so already, else on the writer thread."""
-        with self._lock:
-            due = self._due(sequence)
-            if due is None:
-                self._waiting.append((sequence, callback))
-        if due is not None:
-            callback(due)
+        self._waiting.when(sequence, callback)
 
     def _due(self, sequence: int) -> bool | None:
         """What a waiter for `sequence` is told now (None: nothing yet)."""
@@ -225,18 +200,6 @@ class Journal:
         if self.stopped:
             return serving_on
         return True if serving_on and self.failure is not None else None
-
-    def _tell_waiters(self) -> None:
-        with self._lock:
-            due = [(callback, self._due(number)) for number, callback in self._waiting]
-            self._waiting = [(number, callback) for number, callback in self._waiting if self._due(number) is None]
-        for callback, sendable in due:
-            if sendable is None:
-                continue
-            try:
-                callback(sendable)
-            except Exception:  # a waiter gone meanwhile (its event loop closed): none to tell
-                log.debug("a journal waiter could not be told", exc_info=True)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until what was queued before this call is written; False if it was not within `timeout` seconds
@@ -258,13 +221,10 @@ class Journal:
 
     def status(self) -> dict[str, Any]:
         """What `GET /v1/status` says of the journal."""
-        state = "fenced" if self.fenced else "failed" if self.failure is not None else \
-            "closed" if self.stopped else "writing"
+        state = "fenced" if self.fenced else "failed" if self.failure else "closed" if self.stopped else "writing"
         return {"url": self.url, "state": state, "failure": self.failure, "failed_writes": self.failed_writes,
-                "lost_entries": self.lost, "on_failure": self.failure_policy,
-                "epoch": None if self.lease is None else self.lease.record.epoch,
-                "lease_seconds": None if self.lease is None else self.lease.seconds,
-                "requests_held": len(self.held.requests)}
+                "lost_entries": self.lost, "on_failure": self.failure_policy, "epoch": self.lease.record.epoch,
+                "lease_seconds": self.lease.seconds, "requests_held": len(self.held.requests)}
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (one more try if the store fails; waiting up to `timeout` seconds), release the
@@ -276,7 +236,7 @@ class Journal:
         if self._thread.is_alive():
             log.warning("the journal's writer did not finish within %.0f s", timeout)
             return
-        if not self.fenced and self.lease is not None:
+        if not self.fenced:
             try:
                 self.lease.release()
             except Exception as error:  # a successor waits for it to lapse instead
@@ -295,18 +255,17 @@ class Journal:
             elif (closing or self.failure is None or time.monotonic() >= self._retry_at) and self._keep_lease() \
                     and pending:  # the lease is renewed when due, entries or none
                 self._write(pending)
-            self._tell_waiters()
+            self._waiting.tell()
             for flush in [flush for flush in flushes if self.written >= flush.sequence or self.stopped or closing]:
                 flush.done.set()
                 flushes.remove(flush)
             self._remove_before_snapshot()
         self.stopped = True
-        self._tell_waiters()
+        self._waiting.tell()
 
     def _gather(self, pending: list[tuple[str, Any, int]], flushes: list[_Flush]) -> bool:
         """Take what is queued into `pending` (waiting until an entry comes, or the lease's renewal or a retry is
         due, and then up to `interval` seconds for more); whether the journal closes."""
-        assert self.lease is not None
         now = time.monotonic()
         due = self._retry_at - now if self.failure is not None and not self.stopped else self.lease.due()
         try:
@@ -331,7 +290,6 @@ class Journal:
     def _keep_lease(self) -> bool:
         """Renew the lease when it is due or no longer valid (what was written meanwhile counts as written once
         it is renewed); whether it is valid now."""
-        assert self.lease is not None
         if self.lease.due() == 0 or not self.lease.valid():
             try:
                 renewed = self.lease.renew()
@@ -395,7 +353,6 @@ class Journal:
 
     def _fence(self) -> None:
         """Another controller took the journal over: write no more, and tell every waiter so."""
-        assert self.lease is not None
         taken = self.lease.taken
         assert taken is not None
         self.fenced = self.stopped = True
@@ -428,31 +385,11 @@ class Journal:
         if key is None:
             return
         try:
-            for run in sorted({older.run for older in self.store.progress_keys(JOURNAL_STREAM) if older < key}):
-                self.store.remove_progress(JOURNAL_STREAM, run, below_log=key.log if run == self.run else None)
+            remove_before(self.store, key)
         except Exception as error:  # left for the next snapshot: readers start at this one
             log.warning("the journal at %s could not remove the records before its snapshot: %s", self.url, error)
 
 
-def _check_data_file(url: str, reset: bool) -> None:
-    """Refuse an LMDB journal whose data file is empty (LMDB writes 8 KiB into a new one at once: an empty one
-    lost what it held), unless `reset` starts it afresh."""
-    parsed = parse_url(url)
-    if parsed.scheme != "lmdb":
-        return
-    data = os.path.join(parsed.path, "data.mdb")
-    if os.path.isfile(data) and os.path.getsize(data) == 0:
-        if not reset:
-            raise ConfigError(f"the journal {url!r} is empty where one was expected: {data} is 0 bytes (its records "
-                              "were lost: a full disk, a copy that failed?); restore it, or pass --journal-reset "
-                              "(journal_reset=True) to start an empty journal there")
-        os.remove(data)  # LMDB starts a new one
-
-
-def with_seeds(request: GenerationRequest) -> GenerationRequest:
-    """`request` with a seed drawn for each sampled choice that has none: a journaled choice must say which
-    generator it samples from, so that a successor can go on with the same tokens."""
-    choices = [choice if not choice.decoding.get("do_sample") or choice.decoding.get("seed") is not None
-               else attrs.evolve(choice, decoding={**choice.decoding, "seed": secrets.randbits(63)})
-               for choice in request.choices]
-    return attrs.evolve(request, choices=choices)
+def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
+    """Every request the journal at `url` holds, in the order they were admitted, by id."""
+    return JournalState.fold(read_records(url)).requests

@@ -69,24 +69,24 @@ def read_leases(store: Store) -> list[LeaseRecord]:
 
 
 class Lease:
-    """This controller's lease on the journal in `store`, taken by `acquire` (JournalInUse: another holds it)."""
+    """A controller's lease on the journal in `store`, taken by `acquire` (JournalInUse: another holds it)."""
 
-    def __init__(self, store: Store, run: str, seconds: float = LEASE_SECONDS) -> None:
+    def __init__(self, store: Store, seconds: float = LEASE_SECONDS) -> None:
         self.store, self.seconds = store, seconds
-        self.record = LeaseRecord(run, 0, seconds=seconds, holder=f"pid {os.getpid()} on {socket.gethostname()}")
+        self.record = LeaseRecord("", 0, seconds=seconds, holder=f"pid {os.getpid()} on {socket.gethostname()}")
         self.renewed_at = 0.0  # time.monotonic() at the start of the last renewal that found no later epoch
         self.taken: LeaseRecord | None = None  # the lease of the controller that took the journal over
         self.waited = 0.0  # seconds `acquire` watched a former holder's lease
 
-    def acquire(self, take_over: bool = False) -> None:
-        """Take the lease, in the epoch after every one written; JournalInUse if another controller holds it
-        (its lease was renewed while this one watched, or it took the lease meanwhile)."""
+    def acquire(self, run: str, take_over: bool = False) -> None:
+        """Take the lease for the journal's run `run`, in the epoch after every one written; JournalInUse if another
+        controller holds it (its lease was renewed while this one watched, or it took the lease meanwhile)."""
         leases = read_leases(self.store)
         epoch = max((lease.epoch for lease in leases), default=0) + 1
         holders = [lease for lease in leases if lease.epoch == epoch - 1 and not lease.released]
         if holders and not take_over:
             self._watch(holders)
-        self.record = attrs.evolve(self.record, epoch=epoch)
+        self.record = attrs.evolve(self.record, run=run, epoch=epoch)
         began = time.monotonic()
         self._write()
         rivals = [lease for lease in read_leases(self.store)

@@ -2,7 +2,7 @@
 hold a running request, folded from its records in the order they were written (`JournalState`).
 
 The writer folds what it writes (`Journal.held`), a successor what it found (`Journal.found`), and
-`read_journal(url)` what a store holds. A writer's or successor's state keeps finished requests bounded
+`journal.read_journal(url)` what a store holds. A writer's or successor's state keeps finished requests bounded
 (`keep`: at most that many answered requests, the oldest answered going first), and an answered request that no
 running batch names keeps only what showing it again needs: its prompts shrink to their number of tokens.
 """
@@ -12,17 +12,14 @@ from __future__ import annotations
 import collections
 import io
 import json
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
-from ..backends import open_store
-from ..store import Store
 from .openai_requests import Choice, GenerationRequest
 
-#: The stream id the journal's records live under.
-JOURNAL_STREAM = "dejavu-journal"
 #: Batches a state names before it looks for those with no running row (doubled past what it keeps).
 PRUNE_AT = 1024
 
@@ -224,21 +221,13 @@ class JournalState:
         return out.getvalue()
 
 
-def read_journal(url: str | Store) -> dict[str, JournaledRequest]:
-    """Every request the journal at `url` holds, in the order they were admitted, by id."""
-    return JournalState.fold(read_records(url)).requests
-
-
-def read_records(url: str | Store) -> list[dict[str, Any]]:
-    """The journal's records from its last snapshot on, in the order they were written."""
-    store = open_store(url)
-    try:
-        keys = store.progress_keys(JOURNAL_STREAM)
-        snapshots = [index for index, key in enumerate(keys) if key.log > 0 and key.step == 0]
-        return [json.loads(store.read_progress(key)) for key in keys[snapshots[-1] if snapshots else 0:]]
-    finally:
-        if isinstance(url, str):
-            store.close()
+def with_seeds(request: GenerationRequest) -> GenerationRequest:
+    """`request` with a seed drawn for each sampled choice that has none: a journaled choice must say which
+    generator it samples from, so that a successor can go on with the same tokens."""
+    choices = [choice if not choice.decoding.get("do_sample") or choice.decoding.get("seed") is not None
+               else attrs.evolve(choice, decoding={**choice.decoding, "seed": secrets.randbits(63)})
+               for choice in request.choices]
+    return attrs.evolve(request, choices=choices)
 
 
 def _rows(rows: list[Any]) -> list[tuple[str, int] | None]:

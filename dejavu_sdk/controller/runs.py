@@ -278,11 +278,7 @@ class Run(Transcript):
         if self.journal is None or sequence == 0:
             return
         written: asyncio.Future[bool] = self.loop.create_future()
-
-        def settle(sendable: bool) -> None:  # on the journal's writer thread
-            self.loop.call_soon_threadsafe(_settle, written, sendable)
-
-        self.journal.when_written(sequence, settle)
+        self.journal.when_written(sequence, lambda sendable: self.loop.call_soon_threadsafe(_settle, written, sendable))
         try:
             if await asyncio.wait_for(written, JOURNAL_WAIT):
                 return
