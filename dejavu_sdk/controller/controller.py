@@ -22,18 +22,15 @@ import secrets
 import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import attrs
-import torch
 from aiohttp import web
 
 from ..errors import ConfigError, TransportError
-from ..generation.batching import Request, Result
-from ..generation.decoding import Decoding
+from ..generation.batching import Result
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..models import load_tokenizer
 from ..serving.options import check_body_limit
@@ -48,6 +45,7 @@ from .journal_lease import LEASE_SECONDS
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
+from .succession import Adoption, former_port, stand_in
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +133,7 @@ class Controller:
                 raise ConfigError("the workers' token must differ from every client token: a client must not be "
                                   "able to open a worker link")
             if former is not None and worker_port == 0:
-                worker_port = _former_port(former.url, worker_host)
+                worker_port = former_port(former.url, worker_host)
             if former is not None and former.prefix is not None:  # the replicas its workers hold are named so
                 pipeline_options.setdefault("replica_prefix", former.prefix)
             self.pipeline = Pipeline(model, token=self.worker_token, recovery=recovery, host=worker_host,
@@ -332,9 +330,9 @@ class Controller:
             adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
         going = [run for run in runs if run.outcome is None]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
-        found = None if self.journal is None else self.journal.found
-        rows, groups = ({}, {}) if found is None else (found.microbatches, found.slots)
-        taken = {(str(tag[0]), int(tag[1])) for tag in self.pipeline.take_over(rows, groups, self._stand_in).tags}
+        found = JournalState() if self.journal is None else self.journal.found
+        report = self.pipeline.take_over(found.microbatches, found.slots, functools.partial(stand_in, found))
+        taken = {(str(tag[0]), int(tag[1])) for tag in report.tags}
         over = {run.id: [index for index in running[run.id] if (run.id, index) in taken] for run in going}
         again = {run.id: [index for index in running[run.id] if (run.id, index) not in taken] for run in going}
         self.adoption = Adoption([run.id for run in going],
@@ -348,20 +346,6 @@ class Controller:
                         "held; %d tokens it held are computed again from their prompts: %s", len(going),
                         len(self.adoption.taken_over), sum(self.adoption.recomputed.values()),
                         ", ".join(self.adoption.going_on))
-
-    def _stand_in(self, tag: Any) -> Request | None:
-        """A request like journaled choice `tag` ([request id, choice]), for a row of a microbatch taken over whose
-        choice ended; None if the journal no longer holds it."""
-        assert self.journal is not None  # only taken over with one
-        journaled = self.journal.found.requests.get(str(tag[0]))
-        if journaled is None or not 0 <= int(tag[1]) < len(journaled.admitted["choices"]):
-            return None
-        choice = journaled.request().choices[int(tag[1])]
-        try:
-            return Request(torch.tensor(choice.prompt, dtype=torch.long), choice.max_tokens,
-                           Decoding.of(**choice.decoding))
-        except ConfigError:
-            return None
 
     def _start_http(self) -> None:
         try:
@@ -414,22 +398,6 @@ class Controller:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _former_port(url: str, host: str) -> int:
-    """The port of a predecessor's worker address `url`, to listen on again when it is free and on `host`; else 0
-    (any free port: its workers, which could not reach it, stop after their orphan timeout)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.hostname != host.strip("[]") or parts.port is None:
-        return 0
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host.strip("[]"), parts.port))
-    except OSError as error:
-        log.warning("the former controller's worker address %s is taken (%s): its workers cannot rejoin", url, error)
-        return 0
-    return parts.port
 
 
 def _shifted(callback: Callable[[int, Any], None], offset: int, index: int, value: Any) -> None:

@@ -266,10 +266,12 @@ class Journal:
     def _gather(self, pending: list[tuple[str, Any, int]], flushes: list[_Flush]) -> bool:
         """Take what is queued into `pending` (waiting until an entry comes, or the lease's renewal or a retry is
         due, and then up to `interval` seconds for more); whether the journal closes."""
-        now = time.monotonic()
-        due = self._retry_at - now if self.failure is not None and not self.stopped else self.lease.due()
+        if self.stopped:  # nothing to renew nor to try again: only entries to drop, and the close
+            due = None
+        else:
+            due = max(0.001, self._retry_at - time.monotonic() if self.failure is not None else self.lease.due())
         try:
-            entry = self._entries.get(timeout=max(due, 0.001))
+            entry = self._entries.get(timeout=due)
         except queue.Empty:
             return False
         deadline = time.monotonic() + self.interval
