@@ -45,7 +45,7 @@ from .journal_lease import LEASE_SECONDS
 from .limits import ApiLimits
 from .metrics import ControllerMetrics
 from .openai_requests import Choice
-from .succession import Adoption, former_port, stand_in
+from .succession import former_port, stand_in
 
 log = logging.getLogger(__name__)
 

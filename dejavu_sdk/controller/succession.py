@@ -1,6 +1,6 @@
 """What a controller takes over from its predecessor on the same journal: the address its stage workers rejoin
-(`former_port`), requests standing in for the ended rows of a microbatch it goes on with (`stand_in`), and what it
-says it took over (`Adoption`)."""
+(`former_port`) and requests standing in for the ended rows of a microbatch it goes on with (`stand_in`); what it
+says it took over is `adoption.Adoption`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import socket
 import urllib.parse
 from typing import Any
 
-import attrs
 import torch
 
 from ..errors import ConfigError
@@ -18,28 +17,6 @@ from ..generation.decoding import Decoding
 from .journal import JournalState
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class Adoption:
-    """What a controller took over from its predecessor's journal: the requests still running (`going_on`), those
-    of them that went on from the caches their predecessor's stage workers still held, with the tokens the journal
-    held of them (`taken_over`: not computed again), those with tokens that are computed again from their prompts
-    (`recomputed`: how many the journal held; no worker could go on with them), the ended ones kept for clients to
-    read (`kept`), and the stages whose worker (the predecessor's, with its stage loaded) rejoined (`rejoined`);
-    and the seconds its start spent waiting for its predecessor's lease on the journal to lapse, reading the
-    journal, getting the stage workers (rejoined, or started) and queuing the requests again (taking over the caches
-    included)."""
-
-    going_on: list[str] = attrs.field(factory=list)
-    taken_over: dict[str, int] = attrs.field(factory=dict)
-    recomputed: dict[str, int] = attrs.field(factory=dict)
-    kept: list[str] = attrs.field(factory=list)
-    rejoined: list[str] = attrs.field(factory=list)
-    read_seconds: float = 0.0
-    lease_seconds: float = 0.0
-    workers_seconds: float = 0.0
-    adopt_seconds: float = 0.0
 
 
 def stand_in(found: JournalState, tag: Any) -> Request | None:
