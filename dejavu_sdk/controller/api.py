@@ -28,21 +28,21 @@ same token answers the same client. Errors have OpenAI's shape
 bad input, found while computing), 404 an unknown model, 413 a body over the cap (refused from its
 Content-Length, before it is read), 429 a full waiting queue, 500 a request whose own computation failed, 503
 while the pipeline starts, recovers, drains or has failed, or the journal cannot write (`journal_failed`), with
-`Retry-After` where waiting helps. Nothing a
-client sends can take the controller down, and a request's failure is its own. Tokenizing, rendering templates
-and detokenizing run on the API's text threads, submitting on its admission thread: the event loop only moves
-bytes, so `/health` and `/metrics` answer while a stage hangs. Each request gets an `X-Request-Id` (the client's,
-or a new one) and one access-log line. Without a journal, a client that leaves cancels its request: a waiting one
-is never computed, a running one ends at its next step; either is counted as cancelled. With a journal, the
-request goes on to its end, for the client to resume.
+`Retry-After` where waiting helps. Nothing a client sends can take the controller down, and a request's failure is
+its own. Tokenizing, rendering templates and detokenizing run on the API's text threads, submitting on its
+admission thread: the event loop only moves bytes, so `/health` and `/metrics` answer while a stage hangs. Each
+request gets an `X-Request-Id` (the client's, or a new one) and one access-log line. Without a journal, a client
+that leaves cancels its request: a waiting one is never computed, a running one ends at its next step; either is
+counted as cancelled. With a journal, the request goes on to its end, for the client to resume.
 
 With a journal (`--journal`), a token reaches its client only once the journal holds it. A journal whose writes
 fail (a full disk) tries again every second; meanwhile, by default (`--journal-failure stop`), `/health` answers
 503 `journal_failed` with the reason, new requests get that 503, and a stream whose tokens the journal cannot hold
 within 30 s ends with an error event `journal_failed`; once it writes again, admission reopens. With
 `--journal-failure serve`, `/health` answers 200 `degraded` with the reason and tokens go on without it. A
-controller whose journal another one took over (`--take-over-journal`) answers `journal_failed` for good.
-`/metrics` has `dejavu_journal_healthy` and `dejavu_journal_failed_writes_total`, `/v1/status` the journal's state.
+controller whose journal another one took over (`--take-over-journal`) answers `journal_failed` for good (the
+journal's lease, `--journal-lease`, and `--journal-reset`: `Controller`). `/metrics` has `dejavu_journal_healthy`
+and `dejavu_journal_failed_writes_total`, `/v1/status` the journal's state.
 """
 
 from __future__ import annotations
