@@ -48,6 +48,8 @@ LAYOUTS = {
     "static-disaggregated": {"prompt_stages": 1, "token_stages": 1, "batching": "static"},
     "continuous-chunked": {"stages": 2, "batching": "continuous", "max_prefill_tokens": 4},
     "continuous-disaggregated": {"prompt_stages": 1, "token_stages": 1, "batching": "continuous"},
+    "continuous-disaggregated-chunked": {"prompt_stages": 2, "token_stages": 1, "batching": "continuous",
+                                         "max_prefill_tokens": 4},
 }
 
 
@@ -82,6 +84,8 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
     if layout == "continuous-chunked":
         assert any(step.prefill is not None and step.decoded and step.prefill[2] - step.prefill[1] <= 4
                    for step in results[0].schedule), "the prompts were not run in chunks beside decoding"
+    if layout == "continuous-disaggregated-chunked":
+        assert any(step.chunk for step in results[0].schedule), "the prompt stages ran no chunks"
     for index, result in enumerate(results[:2]):
         tokens, steps, prompt_values = expected[index]
         assert result.tokens.tolist() == tokens

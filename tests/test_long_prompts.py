@@ -34,6 +34,10 @@ LAYOUTS = {
 }
 
 
+def _first_stage(layout: str) -> str:
+    return "prompt stage 0" if layout == "disaggregated" else "stage 0"
+
+
 def _long_prompt() -> torch.Tensor:
     return torch.randint(1, 90, (LONG,), generator=torch.Generator().manual_seed(3))
 
@@ -81,16 +85,25 @@ def test_a_stage_killed_during_a_long_prefill_is_recovered() -> None:
     assert torch.equal(result.tokens, want)
 
 
-@pytest.mark.parametrize("stages", [1, 2], ids=["one stage", "mixed"])
-def test_a_short_request_gets_its_first_token_beside_a_long_prefill(stages: int) -> None:
-    """Continuous batching runs a long prompt a chunk a round, and a request that cannot join its slot before
-    it does opens a slot beside it: its first token comes within a few of the long prompt's chunks."""
+#: Layouts under continuous batching with their recovery: the prompt pipeline runs its groups' chunks in turns.
+BESIDE = {
+    "one stage": {"stages": 1, "recovery": None},
+    "mixed": {"stages": 2, "recovery": "replicas"},
+    "disaggregated": {"prompt_stages": 1, "token_stages": 1, "recovery": None},
+}
+
+
+@pytest.mark.parametrize("layout", list(BESIDE))
+def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str) -> None:
+    """Continuous batching runs a long prompt a chunk a round (disaggregated: a chunk a turn of the prompt
+    stage), and a request that cannot join its slot before it does opens a slot beside it: its first token
+    comes within a few of the long prompt's chunks."""
     long, short = _long_prompt(), torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
-    with Pipeline("tiny_models:long_llama", stages=stages, microbatch=2, threads=1, heartbeat=HEARTBEAT,
-                  progress_timeout=PROGRESS, batching="continuous") as pipe:
+    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT,
+                  progress_timeout=PROGRESS, batching="continuous", **BESIDE[layout]) as pipe:
         first = pipe.submit(long, max_new_tokens=4)
         deadline = time.monotonic() + 30
-        while not any(step["steps"] for step in pipe.status()["microbatches"]):  # its first chunk ran
+        while pipe.fleet.work.get(_first_stage(layout), 0) == 0:  # its first chunk runs
             assert time.monotonic() < deadline, "the long prompt's first chunk never ran"
             time.sleep(0.01)
         second = pipe.submit(short, max_new_tokens=4)

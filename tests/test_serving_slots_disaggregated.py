@@ -40,7 +40,8 @@ def _replayed_exactly(family: str, prompts, results) -> None:
 @pytest.mark.parametrize(("family", "layout", "transport"), [
     ("llama", {"prompt_stages": 1, "token_stages": 1}, "tcp"),
     ("gpt2", {"prompt_stages": 1, "token_stages": 2}, "gloo"),
-], ids=["llama-1P+1T-tcp", "gpt2-1P+2T-gloo"])
+    ("llama", {"prompt_stages": 2, "token_stages": 2, "max_prefill_tokens": 6}, "tcp"),
+], ids=["llama-1P+1T-tcp", "gpt2-1P+2T-gloo", "llama-2P+2T-chunked-tcp"])
 def test_groups_prefilled_by_the_prompt_pipeline_join_slots_and_every_row_equals_its_replay(family, layout,
                                                                                             transport) -> None:
     prompts = expectations.prompts(len(LIMITS), seed=31)
@@ -53,6 +54,8 @@ def test_groups_prefilled_by_the_prompt_pipeline_join_slots_and_every_row_equals
     assert any(step.joined and len(step.decoded) > len(step.joined) for step in rounds), "no row joined a slot"
     assert any(step.left for step in rounds), "no row left a slot"
     assert len(results[-1].tokens) == 1
+    if "max_prefill_tokens" in layout:  # the prompt stages ran groups' prompts a chunk a step, in turns
+        assert any(step.chunk for step in rounds), "the prompt stages ran no chunks"
     _replayed_exactly(family, prompts, results)
 
 

@@ -63,7 +63,7 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
             last = torch.tensor([[generated[member][-1]] for member in rows.members], dtype=torch.long, device=device)
             pick(rows.members, forward(last, mask, positions, cache))
         if step.prefill is not None:
-            members, start, stop = step.prefill
+            members, start, _ = step.prefill
             if start == 0:
                 unknown = [member for member in members if member not in requests]
                 if unknown:
@@ -75,7 +75,8 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
                     generated[member] = []
             if group is None or group.ids is None or list(members) != group.members:
                 raise ConfigError(f"round {number} goes on prefilling {list(members)}, which no round started")
-            logits = group.run(forward, group.ids[:, start:stop], start, stop)
+            for begin, end in step.prefill_steps():
+                logits = group.run(forward, group.ids[:, begin:end], begin, end)
             if group.complete:
                 pick(group.members, logits)
                 ready, group = (group.cache, group.rows()), None

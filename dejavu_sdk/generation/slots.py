@@ -36,12 +36,14 @@ from .stage import position_ids
 class Round:
     """One round of a slot (the module's order): the requests whose rows `left`, the group that `joined`, the
     requests `decoded` (the slot's rows, in order), and the joining group's `prefill`: its requests and the
-    columns [start, stop) of their left-padded prompts run this round."""
+    columns [start, stop) of their left-padded prompts run this round. A group that a prompt pipeline prefilled
+    joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step)."""
 
     left: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
     decoded: tuple[int, ...] = ()
     prefill: tuple[tuple[int, ...], int, int] | None = None
+    chunk: int = 0
 
     def fields(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False)
@@ -50,7 +52,16 @@ class Round:
     def of(cls, fields: dict[str, Any]) -> Round:
         prefill = fields.get("prefill")
         return cls(tuple(fields.get("left", ())), tuple(fields.get("joined", ())), tuple(fields.get("decoded", ())),
-                   None if prefill is None else (tuple(prefill[0]), int(prefill[1]), int(prefill[2])))
+                   None if prefill is None else (tuple(prefill[0]), int(prefill[1]), int(prefill[2])),
+                   int(fields.get("chunk") or 0))
+
+    def prefill_steps(self) -> list[tuple[int, int]]:
+        """The columns [start, stop) of `prefill` that ran in a step each."""
+        if self.prefill is None:
+            return []
+        _, start, stop = self.prefill
+        width = self.chunk or stop - start
+        return [(column, min(stop, column + width)) for column in range(start, stop, max(1, width))]
 
 
 @attrs.define

@@ -65,15 +65,25 @@ class SlotDecisions(LedgerState):
         return sends
 
     def _long_prefills(self) -> int:
-        """Mixed: the slots whose joining group has more than `LONG_PREFILL_ROUNDS` rounds of prompt positions left
-        to run (under the lock). A waiting request can join none of them before that group does, so each lets
-        another slot open beside it on the same stages, whose rounds take turns with its chunks: a short request
-        is not held back by a long prompt (the disaggregated prompt pipeline holds its groups apart already)."""
-        if self.prefill_tokens is None or self.layout.disaggregated:
+        """The slots whose joining group has more than `LONG_PREFILL_ROUNDS` rounds of prompt positions left to run
+        (disaggregated: whose group in the prompt pipeline is that long), under the lock. A waiting request can join
+        none of them before that group does, so each lets another slot open beside it, whose rounds (or prompt
+        chunks) take turns with its chunks: a short request is not held back by a long prompt."""
+        if self.prefill_tokens is None:
             return 0
+        if self.layout.disaggregated:
+            return len({group.slot for group in self._long_groups()})
         long = LONG_PREFILL_ROUNDS * self.prefill_tokens
         return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
                    and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > long)
+
+    def _long_groups(self) -> list[PromptGroup]:
+        """Disaggregated: the groups in the prompt pipeline with more than `LONG_PREFILL_ROUNDS` rounds of prompt
+        positions (under the lock)."""
+        if self.prefill_tokens is None:
+            return []
+        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
+        return [group for group in self.prompting.values() if group.mask.numel() > long]
 
     def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
         """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
@@ -89,8 +99,11 @@ class SlotDecisions(LedgerState):
         return ends
 
     def _prompt_room(self) -> bool:
-        """Disaggregated: whether the prompt pipeline has a stage free for another group."""
-        return not self.layout.disaggregated or len(self.prompting) < self.layout.prompt_depth
+        """Disaggregated: whether the prompt pipeline has a stage free for another group; a long group (its
+        chunks take turns with the others') leaves its stage's room to another, up to twice the stages."""
+        depth = self.layout.prompt_depth
+        return not self.layout.disaggregated or (len(self.prompting) - len(self._long_groups()) < depth
+                                                 and len(self.prompting) < 2 * depth)
 
     def _send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
         """Send a group of requests into `flight`'s slot: to the first stage (`prefill` opens the slot there,
@@ -143,7 +156,8 @@ class SlotDecisions(LedgerState):
             batch.staged[number] = tuple(members)
             outcome.sends.append((self.layout.prompt_depth, Message(kind, {
                 "microbatch": batch.number, **group.fields, "staged": number, "first": tokens[:, 0].tolist(),
-                "ended": gone, "epoch": self.epoch()}, (group.mask, rng))))
+                "ended": gone, "chunk": int((scores or {}).get("chunk") or 0), "epoch": self.epoch()},
+                (group.mask, rng))))
         return outcome
 
     def _group_failed(self, number: int, error: str) -> list[Answer]:

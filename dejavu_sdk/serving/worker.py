@@ -26,15 +26,17 @@ messages is `worker_state.WorkerState`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import ReplicationError, TransportError
-from ..generation.decoding import TokenPicker, next_tokens_scored
+from ..generation.decoding import TokenPicker
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import Kind, Message, pack, unpack
+from .prompt_steps import PromptSteps
 from .worker_recovery import RECOVERY, RecoveryHandlers
 from .worker_slots import SlotHandlers
 from .worker_state import HeadGone, MicrobatchState, Role, score_fields
@@ -56,15 +58,15 @@ def failure_message(stage: str | int, error: BaseException, epoch: int = 0) -> t
     return pack(Message(Kind.FAILED, {"stage": stage, "epoch": epoch, "error": f"{type(error).__name__}: {error}"}))
 
 
-class StageWorker(RecoveryHandlers, SlotHandlers):
+class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
     """Runs one assigned stage: `run()` returns when the head says `shutdown`. Its constructor and state are
     `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`, a continuous pipeline's
-    slots by `SlotHandlers`."""
+    slots by `SlotHandlers`, a prompt stage's prefills by `PromptSteps`."""
 
     def run(self) -> None:
         while True:
-            try:
-                packed = self.inbox.recv_tensor(timeout=QUIET)
+            try:  # with prompt columns to run, a look at the inbox only: they run between its messages
+                packed = self.inbox.recv_tensor(timeout=0.0 if self.prompt_turns else QUIET)
             except TransportError:  # a quiet inbox
                 packed = None
             try:
@@ -81,6 +83,8 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
                                     "or cut off meanwhile): exiting", self.role.name, message.fields.get("epoch"))
                         return
                     self.handle(message)
+                if self.prompt_turns:
+                    self._run_step(self.prompt_turns[0], self._prompt_turn)
                 if self.sender is not None:
                     self.sender.check()
             except HeadGone:  # nobody to tell: the worker waits for a successor, or stops
@@ -158,29 +162,14 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
 
     def _compute(self, number: int, message: Message) -> None:
-        """Run a step of microbatch `number`. What its computation raises fails that microbatch alone (the head
+        """Run a step of microbatch `number` (`_run_step`)."""
+        self._run_step(number, lambda: self._step_of(number, message))
+
+    def _run_step(self, number: int, compute: Callable[[], None]) -> None:
+        """Run `compute`, a step of microbatch `number`. What it raises fails that microbatch alone (the head
         hears `microbatch_failed` and its other stages drop it); a lost link is the stage's, and goes on up."""
-        kind = message.kind
         try:
-            slots = self.continuous and self.role.decodes  # a prompt stage prefills as under static batching
-            if slots and kind == Kind.PREFILL and self.stage.first:
-                self._open_slot(number, message)
-            elif slots and kind == Kind.DECODE:
-                self._round(number, message)
-            elif kind == Kind.START and self.role.kind == "token":
-                self._start(number, message)
-            elif kind == Kind.PREFILL and self.role.kind != "token":
-                self._prefill(number, message)
-            elif kind == Kind.DECODE and self.role.kind != "prompt":
-                if number not in self.microbatches:  # ended or dropped meanwhile: nothing to continue
-                    log.warning("%s dropped a step of microbatch %d, which it does not hold", self.role.name, number)
-                    return
-                state = self.microbatches[number]
-                state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
-                state.positions = state.positions[:, -1:] + 1
-                self._step(number, state, message.tensors[0], message, self.caches.acquire(number))
-            else:
-                raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
+            compute()
         except (TransportError, ReplicationError):
             raise
         except Exception as error:
@@ -189,6 +178,31 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             self.head.send_tensor(pack(Message(Kind.MICROBATCH_FAILED, {
                 "microbatch": number, "stage": self.role.name, "epoch": self.epoch,
                 "error": f"{self.role.name} failed on it: {type(error).__name__}: {error}"})))
+
+    def _step_of(self, number: int, message: Message) -> None:
+        """Run the step that `message` asks of microbatch `number`."""
+        kind = message.kind
+        slots = self.continuous and self.role.decodes  # a prompt stage prefills as under static batching
+        if slots and kind == Kind.PREFILL and self.stage.first:
+            self._open_slot(number, message)
+        elif slots and kind == Kind.DECODE:
+            self._round(number, message)
+        elif kind == Kind.START and self.role.kind == "token":
+            self._start(number, message)
+        elif kind == Kind.PREFILL and self.role.kind == "prompt":
+            self._prompt_prefill(number, message)
+        elif kind == Kind.PREFILL and self.role.kind == "mixed":
+            self._prefill(number, message)
+        elif kind == Kind.DECODE and self.role.kind != "prompt":
+            if number not in self.microbatches:  # ended or dropped meanwhile: nothing to continue
+                log.warning("%s dropped a step of microbatch %d, which it does not hold", self.role.name, number)
+                return
+            state = self.microbatches[number]
+            state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
+            state.positions = state.positions[:, -1:] + 1
+            self._step(number, state, message.tensors[0], message, self.caches.acquire(number))
+        else:
+            raise TransportError(f"{self.role.name} got a message of unexpected kind {kind!r}")
 
     def _cancel(self, number: int, rows: list[int]) -> None:
         """End `rows` of microbatch `number` at its next step (their requests were cancelled): the head tells the
@@ -205,44 +219,23 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
         state.ended[rows] = True
 
     def _prefill(self, number: int, message: Message) -> None:
+        """A mixed stage's first step of a static microbatch: its whole prompts, into the cache it decodes on."""
         inputs, mask = message.tensors
         state = MicrobatchState(positions_needed(mask.shape[1], max(message.fields["max_new_tokens"])), mask.clone(),
-                            position_ids(mask), dict(message.fields))
+                                position_ids(mask), dict(message.fields))
         if self.stage.last:
             state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
             state.ended = torch.zeros(len(mask), dtype=torch.bool)
             state.ended[[*message.fields.get("ended", []), *self.kept_cancels(number)]] = True  # cancelled before
-        if self.role.kind == "mixed":
-            self.microbatches[number] = state
-            self._step(number, state, inputs, message, self.caches.new_cache(number))
-            return
-        sender, cache, first_layer = self.sender, self.stage.new_cache(), self.stage.layers[0]
-        assert sender is not None  # a prompt stage streams every layer it runs
-        layers: list[Any] = cache.layers  # key/value layers, as the stage's model makes them
-
-        def stream_layer(local: int) -> None:
-            layer = layers[local]
-            sender.layer_done(number, first_layer + local, layer.keys, layer.values, self.epoch)
-
-        prompt_logprobs: dict[str, Any] = {}
-        on_hidden = self._scorer(state, prompt_logprobs)
-        output = self.stage.forward(inputs, state.mask, state.positions, cache, after_layer=stream_layer,
-                                    on_hidden=on_hidden)
-        if not self.stage.last:
-            self._send(self.following, Message(Kind.PREFILL, message.fields, (output, state.mask)))
-            return
-        tokens, ended, failures, logprobs = self._pick(state, output)  # the first tokens; the token stages go on
-        states = state.picker.states() if state.picker is not None else None
-        rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures,
-                                                       **score_fields(logprobs, prompt_logprobs)},
-                                      (tokens[:, None], state.mask, ended.to(torch.uint8), rng)))
+        self.microbatches[number] = state
+        self._step(number, state, inputs, message, self.caches.new_cache(number))
 
     def _receive_kv(self, number: int, message: Message) -> None:
         if number in self.failed:  # a piece a failed microbatch's prompt stage sent before it failed
             return
         staged = self._staged(number)
-        staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0])
+        staged.add(self.stage.layers[0], tuple(message.fields["layers"]), message.tensors[0],
+                   bool(message.fields.get("last", True)))
         if staged.complete and staged.start is not None:  # a step that waited for this KV
             self._compute(int(staged.start.fields["microbatch"]), staged.start)
 
@@ -310,21 +303,6 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             self.replicator.start(number, cache)
         else:
             self.replicator.step(number, cache)
-
-    def _pick(self, state: MicrobatchState,
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
-        """Each row's next token (padding once the row has ended), which rows have now ended, why each row
-        that failed now did, and the log-probabilities of the rows that ask (both by row, as message fields)."""
-        if state.ended is None:
-            state.ended = torch.zeros(len(logits), dtype=torch.bool)
-        assert state.picker is not None  # made with the microbatch on the last stage
-        state.steps += 1
-        self.row_steps += int((~state.ended).sum())
-        tokens, state.ended, failures, logprobs = next_tokens_scored(
-            state.picker, logits, state.ended, state.steps, state.fields["max_new_tokens"], self.eos, self.pad)
-        state.history.append(tokens.tolist())
-        return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
-                {str(row): entry for row, entry in logprobs.items()})
 
     def _scorer(self, state: MicrobatchState, into: dict[str, Any]) -> Any:
         """The last stage's prompt scorer of a microbatch's prefill (None elsewhere, or when no row asks)."""

@@ -44,6 +44,8 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         if self.replicator is not None:
             self.replicator.finish_all()
         self.staged.clear()
+        self.prompt_runs.clear()  # a prompt stage's: the head sends again what it still wants prefilled
+        self.prompt_turns.clear()
         self.restored.clear()
         self.restored_pieces.clear()
         caches = {str(number): self.caches.acquire(number).get_seq_length() for number in self.microbatches

@@ -260,7 +260,7 @@ class SlotHandlers(WorkerState):
                 return None, _EMPTY, _EMPTY, _EMPTY  # its KV is on its way: a later round starts it
             state.queued.popleft()
             fields["group"] = {name: group.fields[name] for name in ("max_new_tokens", "decoding", "staged", "first",
-                                                                     "ended") if name in group.fields}
+                                                                     "ended", "chunk") if name in group.fields}
             if staged is not None:  # prefilled by the prompt pipeline: all its columns at once, computing nothing
                 mask, rng = (tensor.clone() for tensor in group.tensors)
                 return [group.fields["members"], 0, mask.shape[1]], _EMPTY, mask, rng
@@ -386,7 +386,8 @@ class SlotHandlers(WorkerState):
             self._let_go(state, [member for member in group_members if member not in set(joined)])
         state.last = None  # tokens were picked: a recovery cannot take this round back
         step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
-                     None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]))
+                     None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]),
+                     int((fields.get("group") or {}).get("chunk") or 0))
         idle = not decoded and fields.get("prefill") is None  # parked on the first stage
         left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)

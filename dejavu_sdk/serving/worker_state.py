@@ -19,7 +19,7 @@ import torch
 
 from ..backends import open_store, open_transport
 from ..errors import TransportError
-from ..generation.decoding import TokenPicker
+from ..generation.decoding import TokenPicker, next_tokens_scored
 from ..generation.logprobs import prompt_scores
 from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage
@@ -139,6 +139,18 @@ class SlotState:
     reports: list[tuple[dict[str, Any], list[int]]] | None = attrs.field(factory=list)
 
 
+@attrs.define
+class PromptRun:
+    """A microbatch of prompts on a prompt stage while they are prefilled: the head's fields, the prompts'
+    `Joining` (ids on the first stage), the columns a step runs (`chunk`, once more than one step runs), and
+    on the last stage the prompt log-probabilities so far (by row)."""
+
+    fields: dict[str, Any]
+    joining: Joining
+    chunk: int = 0
+    prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)
+
+
 def score_fields(logprobs: dict[str, Any], prompt_logprobs: dict[str, Any]) -> dict[str, Any]:
     """A step report's log-probability fields, those that hold any (by row, or by member in a slot)."""
     return {name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)) if value}
@@ -202,6 +214,8 @@ class WorkerState:
         self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
                                     swapping and role.kind != "prompt")  # a prompt stage keeps no cache
         self.staged: dict[int, StagedKV] = {}  # a token stage's: KV received for microbatches not started yet
+        self.prompt_runs: dict[int, PromptRun] = {}  # a prompt stage's: microbatches whose prompts it prefills
+        self.prompt_turns: deque[int] = deque()  # the first prompt stage's: whose columns run next
         self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
         self.failed: deque[int] = deque(maxlen=1024)  # microbatches that failed lately (numbers are never reused)
         self._cancels: dict[int, set[int]] = {}  # the last stage's: rows cancelled before their microbatch came
@@ -217,6 +231,21 @@ class WorkerState:
         """The rows of microbatch `number` cancelled before it came, now taken."""
         return sorted(self._cancels.pop(number, ()))
 
+    def _pick(self, state: MicrobatchState,
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """Each row's next token (padding once the row has ended), which rows have now ended, why each row
+        that failed now did, and the log-probabilities of the rows that ask (both by row, as message fields)."""
+        if state.ended is None:
+            state.ended = torch.zeros(len(logits), dtype=torch.bool)
+        assert state.picker is not None  # made with the microbatch on the last stage
+        state.steps += 1
+        self.row_steps += int((~state.ended).sum())
+        tokens, state.ended, failures, logprobs = next_tokens_scored(
+            state.picker, logits, state.ended, state.steps, state.fields["max_new_tokens"], self.eos, self.pad)
+        state.history.append(tokens.tolist())
+        return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
+                {str(row): entry for row, entry in logprobs.items()})
+
     def _staged(self, number: int) -> StagedKV:
         """The prompt KV received for microbatch (or group) `number`, kept until its first step takes it."""
         return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
@@ -230,6 +259,7 @@ class WorkerState:
         self.restored.pop(number, None)
         self.restored_pieces.pop(number, None)
         self.staged.pop(number, None)
+        self.prompt_runs.pop(number, None)
         if self.replicator is not None:
             self.replicator.end(number)
             if slot is not None:
