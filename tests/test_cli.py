@@ -307,3 +307,50 @@ def test_bench_swapping_reports_both_variants_beside_the_planner(tmp_path, capsy
     assert "--depth must be at least 4" in capsys.readouterr().err
     assert main(["bench", "swapping", "--device", "tpu", "--quiet"]) == 2
     assert "--device is cpu or cuda" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_long_prompt_times_a_short_request_beside_a_long_prefill_and_alone(tmp_path, capsys,
+                                                                                  monkeypatch) -> None:
+    from dejavu_sdk.bench.common import Spread
+
+    tests = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(tests)  # tiny_models, loaded in this process and in the stage processes
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    samples, figure = tmp_path / "long.json", tmp_path / "long.png"
+    arguments = ["bench", "long-prompt", "--model", "tiny_models:long_llama", "--prompt-tokens", "6000",
+                 "--short-tokens", "8", "--new-tokens", "2", "--repeats", "2", "--threads", "1", "--json",
+                 str(samples), "--plot", str(figure)]
+    assert main(arguments) == 0
+    captured = capsys.readouterr()
+    recorded = json.loads(samples.read_text())
+    layouts = {"one-stage": "one stage", "mixed": "mixed, 2 stages", "disaggregated": "1 prompt + 1 token stage"}
+    assert list(recorded["trials"]) == list(layouts)
+    for layout, trials in recorded["trials"].items():
+        assert len(trials) == 2  # one per repeat
+        for trial in trials:
+            assert 0 < trial["sent_after"] < trial["prefill"]  # the short request was sent while the prompt prefilled
+            assert trial["alone"] > 0
+            assert trial["beside"] > 0
+            assert trial["ratio"] == pytest.approx(trial["beside"] / trial["alone"])
+        ratio = Spread.of([trial["ratio"] for trial in trials]).text(1)
+        assert f"| {layout} ({layouts[layout]}, 1 thread each) |" in captured.out
+        assert f" | {ratio}x | " in captured.out  # the table reports the median of the per-repeat ratios
+    # two slots on two stages: the short request's first token came while the long prompt still prefilled
+    assert all(trial["sent_after"] + trial["beside"] < trial["prefill"] for trial in recorded["trials"]["mixed"])
+    assert "a prompt of 6000 tokens" in captured.out
+    assert "prefill budget 256 positions a step" in captured.out
+    progress = [line for line in captured.err.splitlines() if line.startswith("repeat ")]
+    assert len(progress) == 2 * 3 * 2  # a line per run: alone and beside, per layout and repeat
+    assert figure.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_long_prompt_refuses_what_it_cannot_measure(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # tiny_models, loaded in this process
+    assert main(["bench", "long-prompt", "--layouts", "mixed,ring", "--quiet"]) == 2
+    assert "unknown layout(s) ['ring']" in capsys.readouterr().err
+    assert main(["bench", "long-prompt", "--repeats", "0", "--quiet"]) == 2
+    assert "repeats must be positive" in capsys.readouterr().err
+    too_long = ["bench", "long-prompt", "--model", "tiny_models:long_llama", "--prompt-tokens", "8190", "--quiet"]
+    assert main(too_long) == 2  # refused before any stage process starts
+    assert "a prompt of 8190 tokens and 4 new ones do not fit the model's context of 8192" in capsys.readouterr().err

@@ -63,6 +63,24 @@ def smollm2_or_its_shape(random_model: bool = False) -> tuple[Any, str]:
 
 
 @attrs.frozen
+class Spread:
+    """A median over repeats, and the least and most of them."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values))
+
+    def text(self, digits: int = 2) -> str:
+        if len({round(self.low, digits), round(self.high, digits)}) == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+
+@attrs.frozen
 class Throughputs:
     """Per-repeat throughputs in GB/s, keyed by (block size, what was measured), and where they came from."""
 

@@ -61,7 +61,7 @@ from ..planner import plan
 from ..report import markdown_table
 from ..timing import measure_times
 from ..traces import Trace, load_trace
-from .common import machine_description
+from .common import Spread, machine_description
 from .serving_http import CONTROLLERS, JOURNAL_TARGET, ControllerServer
 
 #: The pipelines, by variant: the layout and the batching asked for.
@@ -216,24 +216,6 @@ class Prediction:
     prompt_tokens: float
     new_tokens: float
     speedup: float
-
-
-@attrs.frozen
-class Spread:
-    """A median over repeats, and the least and most of them."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-    def text(self, digits: int = 2) -> str:
-        if len({round(self.low, digits), round(self.high, digits)}) == 1:
-            return f"{self.median:.{digits}f}"
-        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
 
 
 @attrs.define

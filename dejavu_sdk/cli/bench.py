@@ -1,4 +1,4 @@
-"""`dejavu bench stores|...|swapping|recovery`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|...|recovery|long-prompt`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -160,6 +160,18 @@ def _bench_recovery(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_long_prompt(args: argparse.Namespace) -> int:
+    from ..bench.long_prompt import plot_long_prompt_bench, run_long_prompt_bench
+
+    layouts = [layout.strip() for layout in args.layouts.split(",") if layout.strip()]
+    report = run_long_prompt_bench(args.model, layouts=layouts, prompt_tokens=args.prompt_tokens,
+                                   short_tokens=args.short_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
+                                   threads=args.threads, progress=not args.quiet)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_long_prompt_bench(report, path))
+    return 0
+
+
 def _lengths(text: str, option: str) -> tuple[int, int]:
     try:
         prompt, new = (int(part) for part in text.split(","))
@@ -284,3 +296,19 @@ def add_bench_commands(commands: Any) -> None:
                           "static microbatches; 2 or more: continuous batching, recovering from replicas)")
     add_output_arguments(recovery, figures="latencies with and without a failure, and the time from kill to serving")
     recovery.set_defaults(run=_bench_recovery)
+
+    long_prompt = benches.add_parser("long-prompt", help="a short request's time to first token sent while a long "
+                                     "prompt prefills, against alone, per layout (continuous batching)")
+    long_prompt.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
+    long_prompt.add_argument("--layouts", default="one-stage,mixed,disaggregated", help="comma-separated, of "
+                             "one-stage, mixed (2 stages), disaggregated (1 prompt + 1 token stage)")
+    long_prompt.add_argument("--prompt-tokens", type=int, default=8000, help="the long prompt's length (with "
+                             "--new-tokens, within the model's context)")
+    long_prompt.add_argument("--short-tokens", type=int, default=16, help="the short request's prompt length")
+    long_prompt.add_argument("--new-tokens", type=int, default=4, help="tokens each request generates")
+    long_prompt.add_argument("--repeats", type=int, default=3)
+    long_prompt.add_argument("--threads", type=int, help="torch threads per stage process (default: the pipelines' "
+                             "own, this machine's cores shared between a pipeline's stages)")
+    add_output_arguments(long_prompt, figures="the prefill and the short request's time to first token beside it "
+                         "and alone, and their ratio, per layout")
+    long_prompt.set_defaults(run=_bench_long_prompt)
