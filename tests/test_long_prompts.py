@@ -121,3 +121,29 @@ def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str)
     assert torch.equal(short_result.tokens, want)  # alone in its slot, within the prefill budget
     requests = {long_result.request: Request(long, 4, Decoding())}
     assert long_result.tokens.tolist() == replay(model, long_result.schedule, requests)[long_result.request].tolist()
+
+
+def test_a_long_prompt_cancelled_in_the_prompt_pipeline_stops_being_prefilled() -> None:
+    """Disaggregated: cancelling the only request of a group whose prompt the prompt stage is running in chunks
+    stops its chunks there (the stage's layers-run count stops growing), and the pipeline goes on serving."""
+    short = torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
+    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT, progress_timeout=PROGRESS,
+                  batching="continuous", **BESIDE["disaggregated"]) as pipe:
+        future = pipe.submit(_long_prompt(), max_new_tokens=4)
+        deadline = time.monotonic() + 30
+        while pipe.fleet.work.get("prompt stage 0", 0) == 0:  # its first chunks run
+            assert time.monotonic() < deadline, "the long prompt's first chunk never ran"
+            time.sleep(0.01)
+        assert pipe.cancel(future)
+        time.sleep(4 * HEARTBEAT)  # the chunk it was running ends, and a heartbeat says so
+        stopped = pipe.fleet.work["prompt stage 0"]
+        time.sleep(8 * HEARTBEAT)
+        assert pipe.fleet.work["prompt stage 0"] == stopped, "the prompt stage went on prefilling a cancelled prompt"
+        layers = tiny_models.long_llama().config.num_hidden_layers
+        chunks = -(-LONG // 256)
+        assert stopped < layers * chunks / 2, f"{stopped} layers ran of the {layers * chunks} of the whole prefill"
+        result = pipe.submit(short, max_new_tokens=4).result(timeout=60)
+        pad, eos = pipe.pad, pipe.eos
+    assert future.cancelled()
+    (want,) = expectations.expected(tiny_models.long_llama(), [[0]], [short], [4], pad, eos)
+    assert torch.equal(result.tokens, want)

@@ -205,8 +205,8 @@ class Ledger(SlotDecisions):
                 del self.flights[number]
 
     def on_microbatch_failed(self, number: int, error: str) -> Outcome:
-        """A stage's computation failed on a microbatch: its unanswered requests fail with that error, every
-        decoding stage drops it, and its room is free. The other microbatches go on."""
+        """A stage's computation failed on a microbatch: its unanswered requests fail with that error, every stage
+        drops it, and its room is free. The other microbatches go on."""
         outcome = Outcome()
         with self.lock:
             epoch = self.epoch()
@@ -220,7 +220,7 @@ class Ledger(SlotDecisions):
                 outcome.answers = _fail_rows(flight.batch, error)
             dropped = [number, *(self._slot_groups(flight.batch) if flight is not None else ())]
         outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": dropped, "failed": True, "epoch": epoch}))
-                         for stage in self.layout.decoding_stages()]
+                         for stage in range(len(self.layout.stages))]  # prompt stages too: chunks left to run
         return outcome
 
     # ---- failures and recoveries ---------------------------------------------------------------------------

@@ -256,8 +256,33 @@ class SlotDecisions(LedgerState):
         row = batch.rows_of[request.number]
         batch.dropped.add(row)
         batch.settled.add(row)
+        dropped = self._drop_cancelled_group(flight, request.number)
+        if dropped:
+            return dropped
         return [(self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
             "microbatch": batch.number, "rows": [request.number], "epoch": self.epoch()}))]
+
+    def _drop_cancelled_group(self, flight: Flight, member: int) -> list[tuple[int, Message]]:
+        """Disaggregated: the group in the prompt pipeline that `member` (just cancelled) belongs to, once every
+        member of it is cancelled, stops there: every stage drops it (a prompt stage its chunks still to run, a
+        token stage the KV it staged, and any that comes later), and its slot no longer waits for it (under the
+        lock)."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        for number, group in self.prompting.items():
+            members = group.fields["members"]
+            if group.slot != batch.number or member not in members:
+                continue
+            if not all(batch.rows_of[other] in batch.dropped for other in members):
+                return []
+            del self.prompting[number]
+            batch.entering -= {batch.rows_of[other] for other in members}
+            self._reserve(flight)
+            if not batch.opened:  # the slot's first group: nothing else is on its way to it
+                del self.flights[batch.number]
+            return [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True, "epoch": self.epoch()}))
+                    for stage in range(len(self.layout.stages))]
+        return []
 
 
     # ---- recoveries --------------------------------------------------------------------------------------
