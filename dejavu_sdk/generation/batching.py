@@ -1,7 +1,7 @@
 """Requests and microbatches, as the paper's baseline schedules them, each row with a life of its own.
 
 Requests wait in arrival order; a microbatch takes up to `size` of them, taking turns between the submissions
-they came in (one large submission does not hold back a later one), left-pads their prompts to the longest,
+they came in (`turns`: one large submission does not hold back a later one), left-pads their prompts to the longest,
 and runs until every row has ended. Each row has its own decoding and its own end: its end-of-sequence token,
 its own `max_new_tokens`, a failure of its own or a cancellation; its request is answered at that step. A row
 that ended keeps producing padding until the microbatch ends, as in `model.generate`.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -323,37 +322,6 @@ def group_rows(fields: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor,
     for name in ("members", "max_new_tokens", "decoding"):
         kept[name] = [fields[name][row] for row in rows]
     return kept, ids[:, trim:], mask[:, trim:]
-
-
-def take_microbatch(waiting: deque[Request], size: int,
-                    fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
-    """Up to `size` waiting requests, taking turns between the submissions they came in: one from each, the
-    submission of the oldest request first, then a second from each, and so on, in arrival order within each
-    (rows of any decoding share a microbatch). With `fits`, only as many as fit (none when the first alone does
-    not). The others keep their places; cancelled requests leave the queue."""
-    submissions: dict[int, list[Request]] = {}
-    for request in waiting:
-        if not request.future.cancelled():
-            submissions.setdefault(request.group, []).append(request)
-    queues = [iter(requests) for requests in submissions.values()]
-    taken: list[Request] = []
-    while queues and len(taken) < size:
-        for turn in list(queues):
-            following = next(turn, None)
-            if following is None:
-                queues.remove(turn)
-            elif len(taken) < size:
-                taken.append(following)
-    while fits is not None and taken and not fits(taken):
-        taken.pop()
-    now = time.monotonic()
-    for request in taken:
-        request.started = now if request.started is None else request.started
-    chosen = {id(request) for request in taken}
-    kept = [request for request in waiting if id(request) not in chosen and not request.future.cancelled()]
-    waiting.clear()
-    waiting.extend(kept)
-    return taken
 
 
 @attrs.define(eq=False)
