@@ -22,6 +22,7 @@ from ..errors import ConfigError, quoted
 from ..swapping import positions_needed
 from .decoding import Decoding
 from .logprobs import PromptLogprobs, TokenLogprobs
+from .shared_prompts import prompt_sources
 from .slots import Round
 
 
@@ -175,6 +176,8 @@ class Microbatch:
     #: (row, prompt index).
     logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
     prompt_logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
+    #: Rows whose prompt log-probabilities another row of the same prompt asks for (`shared_prompts`): row -> it.
+    prompt_sources: dict[int, int] = attrs.field(factory=dict)
 
     def rewind(self, steps: int) -> None:
         """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
@@ -206,11 +209,13 @@ class Microbatch:
                 self.prompt_logprobs[row, index] = TokenLogprobs.of_wire(entry)
 
     def prompt_entries(self, row: int) -> tuple[TokenLogprobs | None, ...] | None:
-        """Row `row`'s prompt log-probabilities (None for its first token), or None if some are missing."""
+        """Row `row`'s prompt log-probabilities (None for its first token; those its source row got, where another
+        row of its prompt asked for them), or None if some are missing."""
         length = self.requests[row].ids.numel()
-        if any((row, index) not in self.prompt_logprobs for index in range(1, length)):
-            return None
-        return (None, *(self.prompt_logprobs[row, index] for index in range(1, length)))
+        for scored in (self.prompt_sources.get(row, row), row):
+            if all((scored, index) in self.prompt_logprobs for index in range(1, length)):
+                return (None, *(self.prompt_logprobs[scored, index] for index in range(1, length)))
+        return None
 
     def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[Any], None], Any]]:
         """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
@@ -236,7 +241,8 @@ class Microbatch:
     @classmethod
     def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
         ids, mask = left_pad([request.ids for request in requests], pad)
-        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests])
+        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests],
+                   prompt_sources=prompt_sources(requests))
 
     @property
     def max_new_tokens(self) -> list[int]:
@@ -249,7 +255,8 @@ class Microbatch:
     def fields(self) -> dict[str, Any]:
         """What the stages need to know of it, as message fields (each row's limit and decoding)."""
         return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens,
-                "decoding": [row_fields(request) for request in self.requests]}
+                "decoding": [row_fields(request, row not in self.prompt_sources)
+                             for row, request in enumerate(self.requests)]}
 
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
@@ -296,11 +303,12 @@ def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
     return len(requests) * positions_needed(longest, new) * bytes_per_position
 
 
-def row_fields(request: Request) -> dict[str, Any]:
+def row_fields(request: Request, scores_prompt: bool = True) -> dict[str, Any]:
     """What the last stage needs of a request's row: its decoding, and its prompt where it asks for the prompt's
-    log-probabilities (the last stage sees hidden states, not ids)."""
+    log-probabilities (the last stage sees hidden states, not ids) and no other row of its prompt asks for them
+    (`scores_prompt`)."""
     fields = request.decoding.fields()
-    if request.decoding.prompt_logprobs is not None:
+    if request.decoding.prompt_logprobs is not None and scores_prompt:
         fields["prompt"] = request.ids.tolist()
     return fields
 
@@ -368,8 +376,10 @@ class SlotBatch(Microbatch):
     def enter(self, requests: Sequence[Request]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
         """Take `requests` in as new rows: what the stages need of them (fields, and their prompts left-padded to
         each other with their mask)."""
-        for request in requests:
-            row = len(self.requests)
+        first = len(self.requests)
+        sources = prompt_sources(requests, first)
+        self.prompt_sources.update(sources)
+        for row, request in enumerate(requests, start=first):
             self.requests.append(request)
             self.generated.append([])
             self.stamps.append([])
@@ -378,7 +388,8 @@ class SlotBatch(Microbatch):
         ids, mask = left_pad([request.ids for request in requests], self.pad)
         return ({"members": [request.number for request in requests],
                  "max_new_tokens": [request.max_new_tokens for request in requests],
-                 "decoding": [row_fields(request) for request in requests]}, ids, mask)
+                 "decoding": [row_fields(request, row not in sources) for row, request in enumerate(requests, first)]},
+                ids, mask)
 
     def leave_unentered(self, members: Sequence[int]) -> list[Request]:
         """The requests of `members` that did not get in (taken out of their group on the first stage, or their

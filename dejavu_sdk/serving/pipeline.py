@@ -252,9 +252,9 @@ class Pipeline:
         new tokens (`generate`'s `min_new_tokens`). `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the
         log-probability of each new (prompt) token and of the n most likely at its position (`Result.logprobs`,
         `Result.prompt_logprobs`; `on_logprobs` gets the prompt's as a `PromptLogprobs` before the first token, and
-        each token's `TokenLogprobs` before `on_token` gets the token). Requests of any settings share
-        microbatches. `on_token(id)` gets each new token as it arrives, on the head's receiver thread (keep it
-        short). The future is answered at the
+        each token's `TokenLogprobs` before `on_token` gets the token; rows of one prompt in a microbatch, as a
+        request's choices, have it scored once). Requests of any settings share microbatches. `on_token(id)` gets
+        each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
         step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
         `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
         off the queue, and ends a running one at its next step. A pipeline still starting queues the request once it
