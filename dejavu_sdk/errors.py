@@ -2,6 +2,7 @@
 
     DejaVuError
     ├── ConfigError (ValueError)          bad arguments, URLs, options, `out` tensors
+    │   └── RequestTooLarge               a request's KV cache can never fit the pipeline's KV budget
     ├── BackendUnavailable (ImportError)  a backend's optional dependency is missing; carries `hint`
     ├── BlockNotFound (KeyError)          no block is stored under that key
     ├── CorruptBlock                      stored bytes fail the header or checksum check
@@ -32,6 +33,16 @@ class DejaVuError(Exception):
 
 class ConfigError(DejaVuError, ValueError):
     """An argument, URL or option is invalid; the message says what to change."""
+
+
+class RequestTooLarge(ConfigError):
+    """A request's KV cache could never be admitted: alone in the pipeline it needs `needed` bytes on a stage,
+    more than the `budget` (`kv_budget_bytes`) each stage gives. Shortening its prompt or `max_new_tokens`
+    (`max_tokens`) to `most_new_tokens` or fewer (None: even one new token does not fit) makes it fit."""
+
+    def __init__(self, message: str, needed: int, budget: int, most_new_tokens: int | None) -> None:
+        super().__init__(message)
+        self.needed, self.budget, self.most_new_tokens = needed, budget, most_new_tokens
 
 
 class BackendUnavailable(DejaVuError, ImportError):

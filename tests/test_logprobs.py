@@ -13,6 +13,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.generation import logprobs
+from dejavu_sdk.generation.batching import Microbatch, Request, SlotBatch
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, prompt_scores
 from dejavu_sdk.serving import Pipeline
@@ -78,16 +79,17 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
                                      on_token=lambda _, event=decoding: event.set()))
             assert decoding.wait(60)
         # the others join a slot while it decodes: under continuous batching their prompts run in chunks there
-        asking = pipe.submit_all(PROMPTS[:2], NEW, logprobs=TOP, prompt_logprobs=PROMPT_TOP, on_token=on_token,
-                                 on_logprobs=on_logprobs, ignore_eos=True)
+        # the third prompt repeats the first: where they share a microbatch, the first alone is scored
+        asking = pipe.submit_all([*PROMPTS[:2], PROMPTS[0]], NEW, logprobs=TOP, prompt_logprobs=PROMPT_TOP,
+                                 on_token=on_token, on_logprobs=on_logprobs, ignore_eos=True)
         results = [future.result(timeout=120) for future in [*asking, *leads]]
     if layout == "continuous-chunked":
         assert any(step.prefill is not None and step.decoded and step.prefill[2] - step.prefill[1] <= 4
                    for step in results[0].schedule), "the prompts were not run in chunks beside decoding"
     if layout == "continuous-disaggregated-chunked":
         assert any(step.chunk for step in results[0].schedule), "the prompt stages ran no chunks"
-    for index, result in enumerate(results[:2]):
-        tokens, steps, prompt_values = expected[index]
+    for index, result in enumerate(results[:3]):
+        tokens, steps, prompt_values = expected[index % 2]
         assert result.tokens.tolist() == tokens
         assert result.logprobs is not None
         assert len(result.logprobs) == NEW
@@ -105,7 +107,7 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
         assert events[0][1] == PromptLogprobs(result.prompt_logprobs)
         assert [value for kind, value in events if kind == "token"] == tokens
         assert [value for kind, value in events[1:] if kind == "logprobs"] == list(result.logprobs)
-    for lead in results[2:]:
+    for lead in results[3:]:
         assert (lead.logprobs, lead.prompt_logprobs) == (None, None)
         assert lead.tokens.tolist()[:NEW] == expected[2][0]
 
@@ -154,3 +156,26 @@ def test_prompt_scores_of_chunks_concatenate_to_those_of_the_whole(monkeypatch) 
     blocked = prompt_scores(head, hidden, 0, 9, prompts)[1][1]
     assert [entry[1] for entry in blocked] == [entry[1] for entry in whole[1]]
     assert [entry[0] for entry in blocked] == pytest.approx([entry[0] for entry in whole[1]], abs=1e-5)
+
+
+def test_rows_of_one_prompt_in_a_microbatch_have_it_scored_once_and_share_its_entries() -> None:
+    """A request's n choices with echo: the first row of each prompt (and top count) asks the last stage for the
+    prompt's log-probabilities; the others get its entries."""
+    echo, fewer = Decoding.of(prompt_logprobs=2), Decoding.of(prompt_logprobs=1)
+    choices = [Request(PROMPTS[1], 3, decoding) for decoding in (echo, echo, Decoding.of(), fewer, echo)]
+    other = Request(PROMPTS[2], 3, echo)
+    batch = Microbatch.of(0, [*choices, other], pad=0)
+    asking = ["prompt" in fields for fields in batch.fields()["decoding"]]
+    assert asking == [True, False, False, True, False, True]  # the third asks for none, the fourth fewer
+    entries = [[-1.5, [9, 4], [-0.5, -1.0]], [-2.0, [7, 3], [-0.25, -2.0]], [-0.75, [4, 1], [-0.5, -0.75]]]
+    top_one = [[value, ids[:1], values[:1]] for value, ids, values in entries]
+    batch.add_step([1] * 6, {"prompt_logprobs": {"0": [1, entries], "3": [1, top_one]}})
+    assert batch.prompt_entries(4) == batch.prompt_entries(1) == batch.prompt_entries(0)
+    assert batch.prompt_entries(0) is not None
+    assert len(batch.prompt_entries(0)[1].top) == 2
+    assert batch.prompt_entries(5) is None  # its own prompt's are not in yet
+    slot = SlotBatch.open(1, pad=0)
+    slot.enter(choices[:1])
+    fields, _, _ = slot.enter([choices[1], choices[4]])  # a later group scores its prompt itself
+    assert ["prompt" in decoding for decoding in fields["decoding"]] == [True, False]
+    assert slot.prompt_sources == {2: 1}

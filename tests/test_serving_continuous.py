@@ -226,14 +226,19 @@ def test_a_request_alone_equals_generate_and_continuous_is_the_default(llama_pip
 def test_the_kv_budget_is_never_exceeded_and_rows_still_equal_their_replay(swapping) -> None:
     """Two stages (layers 0-1 and 2), two slots of up to three rows, twelve requests submitted at once: room on
     each stage for three rows at the longest final length. Unbounded, these requests hold about one and a half
-    times that on the first stage (six rows in two slots), so the budget, not the rows, bounds the slots."""
+    times that on the first stage (six rows in two slots), so the budget, not the rows, bounds the slots. A request
+    that alone takes the whole budget (with swapping, its cache and its own while it joins) is served as
+    `model.generate` serves it; one new token more, and it is refused as it is submitted."""
     prompts = _prompts(12, seed=33)
     limits = [16, 12, 14, 9, 16, 11, 13, 15, 10, 16, 12, 14]
     settings: list[dict] = [{}, {"do_sample": True, "seed": 1, "top_k": 12}, {}, {}, {"do_sample": True, "seed": 7},
                             {}, {}, {"do_sample": True, "seed": 2, "temperature": 0.8}, {}, {}, {}, {}]
     longest = max(positions_needed(prompt.numel(), limit) for prompt, limit in zip(prompts, limits, strict=True))
-    row = longest * kv_bytes_per_token(tiny_models.llama().config, torch.float32, layers=2)  # the widest stage's
+    per_position = kv_bytes_per_token(tiny_models.llama().config, torch.float32, layers=2)  # the widest stage's
+    row = longest * per_position
     budget = 3 * row
+    whole = _prompts(1, seed=35)[0][:PREFILL]  # within one round's prefill: alone, it equals generate
+    most = 3 * longest // (2 if swapping else 1) - whole.numel() + 1  # new tokens that fill the budget beside it
     with Pipeline("tiny_models:llama", layers=[(0, 2), (2, 3)], microbatch=3, timeout=60, kv_budget_bytes=budget,
                   swapping=swapping, max_prefill_tokens=PREFILL) as pipe:
         assert pipe.batching == "continuous"
@@ -242,6 +247,13 @@ def test_the_kv_budget_is_never_exceeded_and_rows_still_equal_their_replay(swapp
                    for prompt, limit, decoding in zip(prompts, limits, settings, strict=True)]
         results = [future.result(timeout=120) for future in futures]
         stats = pipe.stage_stats()
+        with pytest.raises(dv.RequestTooLarge, match=f"at most {most} new tokens fit") as refused:
+            pipe.submit(whole, max_new_tokens=most + 1)
+        assert refused.value.budget == budget
+        assert pipe.waiting() == 0
+        alone = pipe.submit(whole, max_new_tokens=most).result(timeout=120)
+    want = expectations.expected(tiny_models.llama(), [[0]], [whole], [most], pipe.pad, pipe.eos)
+    assert alone.tokens.tolist() == want[0].tolist()
     assert sorted(stats) == ["stage 0", "stage 1"]
     for name, stage in stats.items():
         assert stage["swapping"] is swapping

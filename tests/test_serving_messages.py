@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.generation.batching import Microbatch, Request, check_prompt, take_microbatch
+from dejavu_sdk.generation.batching import Microbatch, Request, check_prompt
 from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.turns import take_microbatch
 from dejavu_sdk.serving.messages import Message, pack, unpack
 
 

@@ -173,8 +173,9 @@ def test_cancelled_requests_are_never_computed_or_stop_being_stepped_and_give_th
     prompts = _prompts(6, seed=25)
     streamed: dict[int, list[int]] = {0: [], 1: []}
     with Pipeline("tiny_models:llama", stages=1, microbatch=2, timeout=60, ignore_eos=True, batching="static") as pipe:
-        first = pipe.submit_all(prompts[:2], 60, on_token=lambda index, token: streamed[index].append(token))
-        waiting = pipe.submit(prompts[2], max_new_tokens=5)  # one stage: it waits for the first microbatch
+        # two submissions of a row each, each its share of the stage's microbatch: a third waits for it to end
+        first = [pipe.submit(prompt, 60, on_token=streamed[index].append) for index, prompt in enumerate(prompts[:2])]
+        waiting = pipe.submit(prompts[2], max_new_tokens=5)
         assert pipe.cancel(waiting)
         assert waiting.cancelled()
         later = pipe.submit(prompts[3], max_new_tokens=4)

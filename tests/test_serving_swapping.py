@@ -28,7 +28,8 @@ def _check_against_generate(family: str, prompts, limits, results, pipe) -> None
 def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_microbatches_in() -> None:
     """Three one-layer stages, one-row microbatches, a budget of two microbatches' caches per stage: unswapped,
     two microbatches are in flight; swapped, three (one per stage), two at a time on each stage's device. Same
-    tokens."""
+    tokens. A request whose cache alone fills the budget is served; one position more, and it is refused as it is
+    submitted (it could never start)."""
     prompts = [torch.randint(1, tiny_models.VOCAB, (11,), generator=torch.Generator().manual_seed(index))
                for index in range(8)]
     limits = [6] * len(prompts)
@@ -41,10 +42,15 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
             results = [future.result(timeout=120) for future in futures]
             stats = pipe.stage_stats()
             assert pipe.most_in_flight == (3 if swapping else 2)
-            if swapping:  # a request whose cache cannot have two slots is refused before it is queued
-                with pytest.raises(dv.ConfigError, match="two device slots"):
-                    pipe.submit(torch.ones(20, dtype=torch.long), max_new_tokens=2)  # 21 positions: 2 x 21 > 2 x 16
+            full = torch.randint(1, tiny_models.VOCAB, (20,), generator=torch.Generator().manual_seed(99))
+            with pytest.raises(dv.RequestTooLarge) as refused:  # 20 + 14 - 1 positions: one more than 2 x 16
+                pipe.submit(full, max_new_tokens=14)
+            assert (refused.value.needed, refused.value.budget, refused.value.most_new_tokens) == (33 * each // 16,
+                                                                                                   2 * each, 13)
+            assert pipe.waiting() == 0
+            alone = pipe.submit(full, max_new_tokens=13).result(timeout=120)  # the whole budget
             _check_against_generate("llama", prompts, limits, results, pipe)
+            _check_against_generate("llama", [full], [13], [alone], pipe)
         assert sorted(stats) == ["stage 0", "stage 1", "stage 2"]
         for stage in stats.values():  # device bytes held, counted by each stage from its caches' tensors
             assert 0 < stage["peak_kv_bytes"] <= 2 * each

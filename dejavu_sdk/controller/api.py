@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import json
 import logging
 import re
 import time
@@ -62,7 +63,7 @@ import attrs
 from aiohttp import web
 
 from .._version import __version__
-from ..errors import ConfigError, DejaVuError, quoted
+from ..errors import ConfigError, DejaVuError, RequestTooLarge, quoted
 from .bodies import json_body
 from .journal import Journal, JournaledRequest
 from .limits import ApiLimits
@@ -84,6 +85,8 @@ OPEN_PATHS, WORKER_PATHS = ("/health", "/version"), ("/v1/workers",)
 #: Where an app keeps its runs, and the threads that run's text and admission use.
 BOOK = web.AppKey("book", RunBook)
 TEXT_THREADS, ADMISSION = web.AppKey("text_threads", ThreadPoolExecutor), web.AppKey("admission", ThreadPoolExecutor)
+#: The argument that carries a request's prompt, by the API it came in by.
+_PROMPTS = {"completion": "prompt", "chat": "messages"}
 
 
 @attrs.define
@@ -206,7 +209,7 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
                            f"{limits.max_body_bytes} this server takes", code="body_too_large")
         return await handler(request)
     except ApiError as error:
-        response = _error(error.status, error.message, error.kind, error.code)
+        response = _error(error.status, error.message, error.kind, error.code, error.param)
         if error.retry_after is not None:
             response.headers["Retry-After"] = str(max(1, round(error.retry_after)))
         if error.status == 413:
@@ -250,6 +253,11 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
     except asyncio.CancelledError:  # the client left while its request was being queued: take it off again
         submitted.add_done_callback(_cancel_when_submitted)
         raise
+    except RequestTooLarge as error:  # never queued: it would wait for ever
+        backend.metrics.requests.labels("bad_request").inc()
+        param = "max_tokens" if error.most_new_tokens is not None else _PROMPTS[generation.kind]
+        raise ApiError(400, f"{error}; each choice is a row of its own", code="kv_budget_exceeded",
+                       param=param) from None
     except ConfigError as error:
         backend.metrics.requests.labels("bad_request").inc()
         raise ApiError(400, str(error)) from None
@@ -265,7 +273,8 @@ async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimit
         if generation.stream:
             return await run.stream(request, headers)
         answer = await run.complete()
-        return web.json_response(answer, headers=headers)
+        body = await loop.run_in_executor(text_threads, json.dumps, answer)  # megabytes with n choices' log-probs
+        return web.Response(text=body, content_type="application/json", headers=headers)
     finally:
         watch.cancel()
         if backend.journal is None:  # nothing computes for nobody; with a journal, the client may resume it
@@ -378,6 +387,6 @@ async def _version(_: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
-def _error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
+def _error(status: int, message: str, kind: str, code: str | None = None, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)

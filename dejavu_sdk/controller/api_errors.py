@@ -7,12 +7,14 @@ MAX_MESSAGE = 1000
 
 
 class ApiError(Exception):
-    """An error answered with `status`, OpenAI's error body and, when waiting helps, `retry_after` seconds. A
-    message past `MAX_MESSAGE` characters is cut there."""
+    """An error answered with `status`, OpenAI's error body (`param`: the argument of the request at fault, where
+    one is) and, when waiting helps, `retry_after` seconds. A message past `MAX_MESSAGE` characters is cut
+    there."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, param: str | None = None) -> None:
         if len(message) > MAX_MESSAGE:
             message = message[:MAX_MESSAGE] + "..."
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.retry_after = status, message, kind, code, retry_after
+        self.param = param

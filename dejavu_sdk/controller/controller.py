@@ -183,28 +183,20 @@ class Controller:
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
                tags: Sequence[Any] | None = None) -> list[Future[Result]]:
-        """Queue the choices, those of equal limits and decodings together (one submission: admission takes
-        turns between submissions); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
-        `on_logprobs(index, entry)` where asked; `tags`: each choice's name in the journal. A refused one
-        (ConfigError) takes back those already queued."""
-        futures: list[Future[Result]] = []
-        try:
-            start = 0
-            while start < len(choices):
-                end = start + 1
-                while end < len(choices) and (choices[end].max_tokens, choices[end].decoding) == \
-                        (choices[start].max_tokens, choices[start].decoding):
-                    end += 1
-                futures += self.pipeline.submit_all(
-                    [choice.prompt for choice in choices[start:end]], choices[start].max_tokens,
-                    on_token=functools.partial(_shifted, on_token, start),
-                    on_logprobs=None if on_logprobs is None else functools.partial(_shifted, on_logprobs, start),
-                    tags=None if tags is None else tags[start:end], **choices[start].decoding)
-                start = end
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        """Queue the choices as one submission (admission takes turns between submissions: a request's choices
+        take one turn at a time, however many they are), each with its own limit and seed (an unseeded sampled
+        choice draws its own); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
+        `on_logprobs(index, entry)` where asked; `tags`: each choice's name in the journal. All are checked
+        before any is queued (ConfigError)."""
+        if not choices:  # an adopted request that had ended: nothing to queue
+            return []
+        settings = _but_seed(choices[0].decoding)
+        if any(_but_seed(choice.decoding) != settings for choice in choices):
+            raise ConfigError("the choices of one request differ in more than their seeds")
+        futures = self.pipeline.submit_all([choice.prompt for choice in choices],
+                                           [choice.max_tokens for choice in choices],
+                                           seed=[choice.decoding.get("seed") for choice in choices], on_token=on_token,
+                                           on_logprobs=on_logprobs, tags=tags, **settings)
         for future in futures:
             future.add_done_callback(self._note_failure)
         return futures
@@ -400,6 +392,6 @@ class Controller:
         self.close()
 
 
-def _shifted(callback: Callable[[int, Any], None], offset: int, index: int, value: Any) -> None:
-    """`callback` (`on_token`, `on_logprobs`) of the choice `offset + index` (a submission's `index`-th prompt)."""
-    callback(offset + index, value)
+def _but_seed(decoding: dict[str, Any]) -> dict[str, Any]:
+    """A choice's decoding settings but its seed (the choices of one request differ in their seeds alone)."""
+    return {name: value for name, value in decoding.items() if name != "seed"}

@@ -3,18 +3,22 @@
 A microbatch reserves its cache's final size (rows x (longest prompt + largest max_new_tokens - 1) positions)
 from admission until its cache is freed. Without swapping every reservation in flight must fit in the budget
 at once; with swapping only the two largest (any two may be on the device at once). Under continuous batching
-admission counts rows (`take_rows`): a slot reserves each of its rows at its longest row's final length.
+admission counts rows (`take_rows`): a slot reserves each of its rows at its longest row's final length. Which
+waiting requests come first is `turns`' rule; a request that could not be admitted even alone is refused when it is
+submitted (`check_alone`), never left waiting.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from ..errors import RequestTooLarge
 from ..swapping import positions_needed, slots_needed
-from .batching import Request, cache_bytes, take_microbatch
+from .batching import Request, cache_bytes
+from .turns import take_microbatch
 
 
 class Admission:
@@ -32,28 +36,61 @@ class Admission:
         """Whether microbatches of these reservations fit in the budget together."""
         return self.budget is None or slots_needed(reservations, self.swapping) <= self.budget
 
-    def take(self, waiting: deque[Request], size: int, in_flight: list[int]) -> list[Request]:
+    def take(self, waiting: deque[Request], size: int, in_flight: list[int], shares: Mapping[int, int] | None = None,
+             barred: Collection[int] = ()) -> list[Request]:
         """The next microbatch of up to `size` waiting requests whose cache fits beside those `in_flight` (as
-        many rows as fit; none when the first alone does not)."""
-        return take_microbatch(waiting, size, lambda rows: self.fits([*in_flight, self.reserve(rows)]))
+        many rows as fit; none when the first alone does not), in turns between submissions (`shares`: the rows
+        each holds in flight, and `barred`, as `turns.take_microbatch` takes them)."""
+        return take_microbatch(waiting, size, lambda rows: self.fits([*in_flight, self.reserve(rows)]), shares,
+                               barred)
 
-    def take_rows(self, waiting: deque[Request], room: int, held: Sequence[Request],
-                  others: Sequence[Slot]) -> list[Request]:
+    def take_rows(self, waiting: deque[Request], room: int, held: Sequence[Request], others: Sequence[Slot],
+                  shares: Mapping[int, int] | None = None, barred: Collection[int] = ()) -> list[Request]:
         """Continuous batching: up to `room` waiting requests to enter a slot whose cache holds (or takes in)
-        the rows of `held`, beside the `others` slots, as many as fit.
+        the rows of `held`, beside the `others` slots, as many as fit, in turns between submissions (`shares`
+        and `barred`, as `turns.take_microbatch` takes them)."""
+        def fits(group: list[Request]) -> bool:
+            return self.budget is None or self.rows_need(group, held, others) <= self.budget
+
+        return take_microbatch(waiting, room, fits, shares, barred) if room >= 1 else []
+
+    def rows_need(self, group: Sequence[Request], held: Sequence[Request], others: Sequence[Slot]) -> int:
+        """Continuous batching: the device bytes a stage needs at most once `group` enters a slot that holds
+        `held`, beside the `others` slots.
 
         A slot reserves its rows at its longest row's final length (`row_bytes`). A group's own cache, while
         its prompts are prefilled and until it joins its slot, stays on the device: with swapping, where only
         two slots' caches are on the device at once, every such group counts besides them."""
-        def fits(group: list[Request]) -> bool:
-            if self.budget is None:
-                return True
-            slot = row_bytes([*held, *group], self.bytes_per_token)
-            reservations = [other.reserved for other in others] + [slot]
-            entering = sum(other.entering for other in others) + row_bytes(group, self.bytes_per_token)
-            return slots_needed(reservations, self.swapping) + (entering if self.swapping else 0) <= self.budget
+        slot = row_bytes([*held, *group], self.bytes_per_token)
+        reservations = [other.reserved for other in others] + [slot]
+        entering = sum(other.entering for other in others) + row_bytes(group, self.bytes_per_token)
+        return slots_needed(reservations, self.swapping) + (entering if self.swapping else 0)
 
-        return take_microbatch(waiting, room, fits) if room >= 1 else []
+    def alone_needs(self, request: Request, continuous: bool) -> int:
+        """The device bytes a stage needs for `request` alone in the pipeline, as admission counts them (in a
+        slot of its own under continuous batching, or a microbatch of its own): no budget can take it in
+        unless this fits."""
+        if continuous:
+            return self.rows_need([request], [], [])
+        return slots_needed([self.reserve([request])], self.swapping)
+
+    def check_alone(self, request: Request, continuous: bool) -> None:
+        """RequestTooLarge when `request` could never be admitted, even alone: it would wait for ever. Each of a
+        submission's requests (a request's choices) is a row of its own, admitted without the others where they
+        do not fit together, so each is checked alone."""
+        needed = self.alone_needs(request, continuous)
+        if self.budget is None or needed <= self.budget:
+            return
+        prompt = request.ids.numel()
+        # what it needs grows with its positions: the positions of one row that the budget holds, counted alike
+        positions = self.budget * positions_needed(prompt, request.max_new_tokens) // needed
+        most = positions - prompt + 1 if positions >= prompt else None
+        swapped = " (with swapping, its cache and its own while it joins)" if self.swapping and continuous else ""
+        advice = f"at most {most} new tokens fit beside its prompt" if most else "even its prompt alone does not fit"
+        raise RequestTooLarge(
+            f"a request of {prompt} prompt tokens and {request.max_new_tokens} new tokens needs {needed} bytes of KV "
+            f"cache on a stage{swapped}, more than the {self.budget} bytes each stage gives (kv_budget_bytes): "
+            f"{advice}", needed, self.budget, most)
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """Requests and microbatches, as the paper's baseline schedules them, each row with a life of its own.
 
 Requests wait in arrival order; a microbatch takes up to `size` of them, taking turns between the submissions
-they came in (one large submission does not hold back a later one), left-pads their prompts to the longest,
+they came in (`turns`: one large submission does not hold back a later one), left-pads their prompts to the longest,
 and runs until every row has ended. Each row has its own decoding and its own end: its end-of-sequence token,
 its own `max_new_tokens`, a failure of its own or a cancellation; its request is answered at that step. A row
 that ended keeps producing padding until the microbatch ends, as in `model.generate`.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -23,6 +22,7 @@ from ..errors import ConfigError, quoted
 from ..swapping import positions_needed
 from .decoding import Decoding
 from .logprobs import PromptLogprobs, TokenLogprobs
+from .shared_prompts import prompt_sources
 from .slots import Round
 
 
@@ -176,6 +176,8 @@ class Microbatch:
     #: (row, prompt index).
     logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
     prompt_logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
+    #: Rows whose prompt log-probabilities another row of the same prompt asks for (`shared_prompts`): row -> it.
+    prompt_sources: dict[int, int] = attrs.field(factory=dict)
 
     def rewind(self, steps: int) -> None:
         """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
@@ -207,11 +209,13 @@ class Microbatch:
                 self.prompt_logprobs[row, index] = TokenLogprobs.of_wire(entry)
 
     def prompt_entries(self, row: int) -> tuple[TokenLogprobs | None, ...] | None:
-        """Row `row`'s prompt log-probabilities (None for its first token), or None if some are missing."""
+        """Row `row`'s prompt log-probabilities (None for its first token; those its source row got, where another
+        row of its prompt asked for them), or None if some are missing."""
         length = self.requests[row].ids.numel()
-        if any((row, index) not in self.prompt_logprobs for index in range(1, length)):
-            return None
-        return (None, *(self.prompt_logprobs[row, index] for index in range(1, length)))
+        for scored in (self.prompt_sources.get(row, row), row):
+            if all((scored, index) in self.prompt_logprobs for index in range(1, length)):
+                return (None, *(self.prompt_logprobs[scored, index] for index in range(1, length)))
+        return None
 
     def unstreamed(self, eos: Sequence[int]) -> list[tuple[Callable[[Any], None], Any]]:
         """Each request's tokens not yet given to its `on_token` (up to its end at any of the `eos` ids or its
@@ -237,7 +241,8 @@ class Microbatch:
     @classmethod
     def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
         ids, mask = left_pad([request.ids for request in requests], pad)
-        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests])
+        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests],
+                   prompt_sources=prompt_sources(requests))
 
     @property
     def max_new_tokens(self) -> list[int]:
@@ -250,7 +255,8 @@ class Microbatch:
     def fields(self) -> dict[str, Any]:
         """What the stages need to know of it, as message fields (each row's limit and decoding)."""
         return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens,
-                "decoding": [row_fields(request) for request in self.requests]}
+                "decoding": [row_fields(request, row not in self.prompt_sources)
+                             for row, request in enumerate(self.requests)]}
 
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
@@ -297,11 +303,12 @@ def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:
     return len(requests) * positions_needed(longest, new) * bytes_per_position
 
 
-def row_fields(request: Request) -> dict[str, Any]:
+def row_fields(request: Request, scores_prompt: bool = True) -> dict[str, Any]:
     """What the last stage needs of a request's row: its decoding, and its prompt where it asks for the prompt's
-    log-probabilities (the last stage sees hidden states, not ids)."""
+    log-probabilities (the last stage sees hidden states, not ids) and no other row of its prompt asks for them
+    (`scores_prompt`)."""
     fields = request.decoding.fields()
-    if request.decoding.prompt_logprobs is not None:
+    if request.decoding.prompt_logprobs is not None and scores_prompt:
         fields["prompt"] = request.ids.tolist()
     return fields
 
@@ -323,37 +330,6 @@ def group_rows(fields: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor,
     for name in ("members", "max_new_tokens", "decoding"):
         kept[name] = [fields[name][row] for row in rows]
     return kept, ids[:, trim:], mask[:, trim:]
-
-
-def take_microbatch(waiting: deque[Request], size: int,
-                    fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
-    """Up to `size` waiting requests, taking turns between the submissions they came in: one from each, the
-    submission of the oldest request first, then a second from each, and so on, in arrival order within each
-    (rows of any decoding share a microbatch). With `fits`, only as many as fit (none when the first alone does
-    not). The others keep their places; cancelled requests leave the queue."""
-    submissions: dict[int, list[Request]] = {}
-    for request in waiting:
-        if not request.future.cancelled():
-            submissions.setdefault(request.group, []).append(request)
-    queues = [iter(requests) for requests in submissions.values()]
-    taken: list[Request] = []
-    while queues and len(taken) < size:
-        for turn in list(queues):
-            following = next(turn, None)
-            if following is None:
-                queues.remove(turn)
-            elif len(taken) < size:
-                taken.append(following)
-    while fits is not None and taken and not fits(taken):
-        taken.pop()
-    now = time.monotonic()
-    for request in taken:
-        request.started = now if request.started is None else request.started
-    chosen = {id(request) for request in taken}
-    kept = [request for request in waiting if id(request) not in chosen and not request.future.cancelled()]
-    waiting.clear()
-    waiting.extend(kept)
-    return taken
 
 
 @attrs.define(eq=False)
@@ -400,8 +376,10 @@ class SlotBatch(Microbatch):
     def enter(self, requests: Sequence[Request]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
         """Take `requests` in as new rows: what the stages need of them (fields, and their prompts left-padded to
         each other with their mask)."""
-        for request in requests:
-            row = len(self.requests)
+        first = len(self.requests)
+        sources = prompt_sources(requests, first)
+        self.prompt_sources.update(sources)
+        for row, request in enumerate(requests, start=first):
             self.requests.append(request)
             self.generated.append([])
             self.stamps.append([])
@@ -410,7 +388,8 @@ class SlotBatch(Microbatch):
         ids, mask = left_pad([request.ids for request in requests], self.pad)
         return ({"members": [request.number for request in requests],
                  "max_new_tokens": [request.max_new_tokens for request in requests],
-                 "decoding": [row_fields(request) for request in requests]}, ids, mask)
+                 "decoding": [row_fields(request, row not in sources) for row, request in enumerate(requests, first)]},
+                ids, mask)
 
     def leave_unentered(self, members: Sequence[int]) -> list[Request]:
         """The requests of `members` that did not get in (taken out of their group on the first stage, or their

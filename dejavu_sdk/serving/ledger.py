@@ -82,30 +82,42 @@ class Ledger(SlotDecisions):
             if self.continuous:
                 return self._slot_admissions(epoch) if self.failure is None and not self.held else []
             while self.failure is None and not self.held:
-                staged = sorted((flight for flight in self.flights.values() if flight.phase is Phase.STAGED),
-                                key=lambda flight: flight.staged_at)
-                if staged and self._count(Phase.DECODING) < self.layout.token_depth:
+                staged = sorted((flight for flight in self.flights.values() if flight.phase is Phase.STAGED
+                                 and self._room_to_decode(flight.beside)), key=lambda flight: flight.staged_at)
+                if staged:
                     flight = staged[0]
                     flight.phase, flight.progress = Phase.DECODING, time.monotonic()
                     assert flight.start is not None  # kept from its `prefilled`
                     sends.append((self.layout.prompt_depth, _stamped(_with_ended(flight.start, flight.batch.dropped),
                                                                      epoch)))
                     flight.start = None
-                elif self.waiting and self._room_for_a_prefill():
-                    taken = self.admission.take(self.waiting, self.microbatch,
-                                                [flight.reserved for flight in self.holding()])
-                    if not taken:  # the budget is full: wait for a microbatch to end
+                elif self.waiting and self._room_for_a_prefill(beside=False):
+                    if not self._start(epoch, sends, beside=False):  # the budget is full: wait for one to end
                         break
-                    batch = Microbatch.of(self._numbers, taken, self.pad)
-                    self._numbers += 1
-                    phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
-                    self.flights[batch.number] = Flight(batch, phase, self.admission.reserve(taken), time.monotonic())
-                    self.most_in_flight = max(self.most_in_flight, len(self.holding()))
-                    sends.append((0, Message(Kind.PREFILL, {**batch.fields(), "epoch": epoch},
-                                             (batch.ids, batch.mask))))
+                elif self.waiting and self._room_for_a_prefill(beside=True) and self._held_back():
+                    if not self._start(epoch, sends, beside=True):
+                        break
                 else:
                     break
         return sends
+
+    def _start(self, epoch: int, sends: list[tuple[int, Message]], beside: bool) -> bool:
+        """Start a microbatch of waiting requests that fits the budget (`beside`: one beside the layout's for the
+        submissions held back, of their requests alone, so that a large request, which takes turns, does not keep
+        them waiting for its microbatch to end); whether one started (under the lock)."""
+        barred = set(self._shares()) if beside else set()
+        taken = self.admission.take(self.waiting, self.microbatch, [flight.reserved for flight in self.holding()],
+                                    self._shares(), barred)
+        if not taken:
+            return False
+        batch = Microbatch.of(self._numbers, taken, self.pad)
+        self._numbers += 1
+        phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
+        self.flights[batch.number] = Flight(batch, phase, self.admission.reserve(taken), time.monotonic(),
+                                            beside=beside)
+        self.most_in_flight = max(self.most_in_flight, len(self.holding()))
+        sends.append((0, Message(Kind.PREFILL, {**batch.fields(), "epoch": epoch}, (batch.ids, batch.mask))))
+        return True
 
     def cancel(self, request: Request) -> list[tuple[int, Message]]:
         """A request's caller cancelled it: a waiting one leaves the queue; a running row is ended at its next
@@ -286,10 +298,22 @@ class Ledger(SlotDecisions):
     def _count(self, phase: Phase) -> int:
         return sum(1 for flight in self.flights.values() if flight.phase is phase)
 
-    def _room_for_a_prefill(self) -> bool:
+    def _room_to_decode(self, beside: bool) -> bool:
+        """Disaggregated: whether a staged microbatch may start on the token stages: one per token stage, and as
+        many again `beside` them for submissions held back."""
+        decoding = [flight for flight in self.flights.values() if flight.phase is Phase.DECODING]
+        counted = len(decoding) if beside else sum(1 for flight in decoding if not flight.beside)
+        return counted < (2 if beside else 1) * self.layout.token_depth
+
+    def _room_for_a_prefill(self, beside: bool) -> bool:
+        """Whether another microbatch may start: one per stage (per token slot, disaggregated, while the prompt
+        pipeline has a stage free), and as many again `beside` them for submissions held back."""
+        holding = self.holding()
+        counted = len(holding) if beside else sum(1 for flight in holding if not flight.beside)
+        limit = (2 if beside else 1) * self._layout_microbatches()
         if not self.layout.disaggregated:
-            return len(self.holding()) < len(self.layout.stages)  # one microbatch per stage
-        return self._count(Phase.PROMPTING) < self.layout.prompt_depth and len(self.holding()) < self.token_slots
+            return counted < limit
+        return self._count(Phase.PROMPTING) < self.layout.prompt_depth and counted < limit
 
 
 def answer(answers: list[Answer]) -> None:

@@ -4,10 +4,12 @@ report means.
 A slot (`SlotBatch`) opens with a group of waiting requests (`prefill` to the first stage), and takes another
 group (`enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
 its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
-longest row's final length (`admission.row_bytes`). A slot whose round ran nothing is `idle` (parked on its
-first stage); one that no group is bound for then ends here (`end` through every stage), and its room is free
-once every stage has let its cache go (`freed`). A slot stops taking groups after `SLOT_ROUNDS` rounds (its
-schedule, which every result carries, stays bounded): it drains and ends, and waiting requests open new slots.
+longest row's final length (`admission.row_bytes`), and takes them in turns between submissions (`turns`); a
+submission held back by a larger one gets a slot beside the others (`LedgerState._held_back`). A slot whose
+round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`end`
+through every stage), and its room is free once every stage has let its cache go (`freed`). A slot stops taking
+groups after `SLOT_ROUNDS` rounds (its schedule, which every result carries, stays bounded): it drains and ends,
+and waiting requests open new slots.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class SlotDecisions(LedgerState):
 
     def _slot_admissions(self, epoch: int) -> list[tuple[int, Message]]:
         """Groups of waiting requests into slots with room, then new slots while the (token) stages have room for
-        one each; disaggregated, as many groups at once as the prompt pipeline has stages (under the lock)."""
+        one each, and beside them for submissions held back (`_held_back`); disaggregated, as many groups at once
+        as the prompt pipeline has stages (under the lock)."""
         sends: list[tuple[int, Message]] = []
         for flight in [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
                        and flight.phase is Phase.DECODING]:
@@ -51,18 +54,33 @@ class SlotDecisions(LedgerState):
             if taken:
                 sends.append(self._send_group(flight, taken, epoch))
         sends += self._end_idle_slots(epoch)
-        slots = self.layout.token_depth if self.layout.disaggregated else len(self.layout.stages)
-        while self.waiting and len(self.holding()) - self._long_prefills() < slots \
+        slots = self._layout_microbatches()
+        while self.waiting and self._shared_slots() - self._long_prefills() < slots \
                 and len(self.holding()) < 2 * slots and self._prompt_room():
-            taken = self._take(self.microbatch, [], None)
-            if not taken:
+            if not self._open_slot(epoch, sends, beside=False):
                 break
-            batch = SlotBatch.open(self._numbers, self.pad)
-            self._numbers += 1
-            flight = self.flights[batch.number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
-            self.most_in_flight = max(self.most_in_flight, len(self.holding()))
-            sends.append(self._send_group(flight, taken, epoch))
+        while self.waiting and len(self.holding()) < 2 * slots and self._prompt_room() and self._held_back():
+            if not self._open_slot(epoch, sends, beside=True):
+                break
         return sends
+
+    def _shared_slots(self) -> int:
+        """The slots whose rows any submission may take (all but those opened beside them)."""
+        return sum(1 for flight in self.holding() if not flight.beside)
+
+    def _open_slot(self, epoch: int, sends: list[tuple[int, Message]], beside: bool) -> bool:
+        """Open a slot with a group of waiting requests (`beside`: one beside the others for the submissions held
+        back, which only theirs join, so that a large request, which takes turns, does not keep them waiting for
+        its rows to end); whether one opened (under the lock)."""
+        flight = Flight(SlotBatch.open(self._numbers, self.pad), Phase.DECODING, 0, time.monotonic(), beside=beside)
+        taken = self._take(self.microbatch, [], flight)
+        if not taken:
+            return False
+        self._numbers += 1
+        self.flights[flight.batch.number] = flight
+        self.most_in_flight = max(self.most_in_flight, len(self.holding()))
+        sends.append(self._send_group(flight, taken, epoch))
+        return True
 
     def _long_prefills(self) -> int:
         """The slots whose joining group has more than `LONG_PREFILL_ROUNDS` rounds of prompt positions left to run
@@ -194,10 +212,12 @@ class SlotDecisions(LedgerState):
         assert isinstance(batch, SlotBatch)
         flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
 
-    def _take(self, room: int, held: list[Request], flight: Flight | None) -> list[Request]:
-        """Up to `room` waiting requests that fit beside `held` (a slot's rows) and every other slot's."""
+    def _take(self, room: int, held: list[Request], flight: Flight) -> list[Request]:
+        """Up to `room` waiting requests for `flight`'s slot that fit beside `held` (its rows) and every other
+        slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
+        back, only submissions that hold no row in another)."""
         others = [self._admitted(other) for other in self.holding() if other is not flight]
-        return self.admission.take_rows(self.waiting, room, held, others)
+        return self.admission.take_rows(self.waiting, room, held, others, self._shares(), self._barred(flight))
 
     def _admitted(self, flight: Flight) -> Slot:
         """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""

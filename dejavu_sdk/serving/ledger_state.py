@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -16,7 +16,8 @@ import torch
 
 from ..errors import RequestFailed, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Microbatch, Request, Result
+from ..generation.batching import Microbatch, Request, Result, SlotBatch
+from ..generation.turns import shares_of
 from .layout import Layout
 from .messages import Message
 
@@ -38,8 +39,9 @@ class Phase(enum.Enum):
 @attrs.define(eq=False)
 class Flight:
     """One microbatch in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its last
-    progress (None: not watched, as while it waits for a token stage), its `start` while staged, and whether
-    every stage freed its cache already."""
+    progress (None: not watched, as while it waits for a token stage), its `start` while staged, whether every
+    stage freed its cache already, and whether it was opened `beside` the layout's microbatches for the
+    submissions held back (`LedgerState._held_back`): only requests of submissions with no row elsewhere join it."""
 
     batch: Microbatch
     phase: Phase
@@ -48,6 +50,7 @@ class Flight:
     start: Message | None = None
     staged_at: int = 0
     freed: bool = False
+    beside: bool = False
 
 
 Answer = tuple["Future[Result]", Any]  # a future and its result or error
@@ -112,6 +115,38 @@ class LedgerState:
         return [flight for flight in self.flights.values() if not flight.freed]
 
     # ---- under the lock ---------------------------------------------------------------------------------
+    def _shares(self, besides: Flight | None = None) -> Counter[int]:
+        """The rows each submission holds in flight, not yet answered (in every microbatch but `besides`)."""
+        rows: list[Request] = []
+        for flight in self.holding():
+            batch = flight.batch
+            if flight is besides:
+                continue
+            live = batch.present | batch.entering if isinstance(batch, SlotBatch) else range(len(batch.requests))
+            rows += [batch.requests[row] for row in live if row not in batch.settled]
+        return shares_of(rows)
+
+    def _held_back(self) -> bool:
+        """Whether a waiting submission holds no row while another holds more than its fair share of the rows the
+        layout's microbatches have (one per stage, or per token slot; shared by every submission in flight or
+        waiting): a microbatch may then open beside them for the former (`Flight.beside`)."""
+        shares = self._shares()
+        waiting = {request.group for request in self.waiting if not request.future.cancelled()}
+        fair = max(1, self.microbatch * self._layout_microbatches() // max(1, len(waiting | set(shares))))
+        return any(group not in shares for group in waiting) and any(rows > fair for rows in shares.values())
+
+    def _layout_microbatches(self) -> int:
+        """The microbatches the layout keeps in flight: a slot per stage (per token stage, disaggregated), or a
+        static microbatch per stage (per token slot, disaggregated)."""
+        if not self.layout.disaggregated:
+            return len(self.layout.stages)
+        return self.layout.token_depth if self.continuous else self.token_slots
+
+    def _barred(self, flight: Flight | None) -> set[int]:
+        """The submissions that may not take rows in `flight` (opened beside the others, or about to be): those
+        holding rows in another microbatch."""
+        return set(self._shares(besides=flight)) if flight is not None and flight.beside else set()
+
     @staticmethod
     def _failed_rows(batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
         """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they

@@ -70,7 +70,8 @@ class PipelineOptions:
     `token_slots`, `machines`, `plan`, `workload`) and `microbatch` are described on `Pipeline`; the others:
 
     `kv_budget_bytes`: device memory each stage may give its microbatches' KV caches (None: no cap); a new
-    microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight.
+    microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight, and a request
+    that could never fit, even alone, is refused as it is submitted (`RequestTooLarge`).
     `swapping=True` keeps the decoding stages' caches in host memory with two on the device, brought in while
     the previous microbatch computes, so about twice as many fit; `"auto"` swaps when the in-flight
     microbatches of the `workload` would not fit, the stages run on a GPU and the planner's condition says

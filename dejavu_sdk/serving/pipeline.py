@@ -33,10 +33,9 @@ import torch
 from ..backends import serve
 from ..errors import ConfigError, StoreError, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Request, Result, SlotBatch, cache_bytes, check_new_tokens, check_prompt
+from ..generation.batching import Request, Result, SlotBatch, check_new_tokens, check_prompt
 from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
-from ..swapping import check_fits_alone
 from ..transports.base import Server
 from .fleet import Fleet
 from .ledger import Ledger, Outcome, answer, stream
@@ -253,9 +252,9 @@ class Pipeline:
         new tokens (`generate`'s `min_new_tokens`). `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the
         log-probability of each new (prompt) token and of the n most likely at its position (`Result.logprobs`,
         `Result.prompt_logprobs`; `on_logprobs` gets the prompt's as a `PromptLogprobs` before the first token, and
-        each token's `TokenLogprobs` before `on_token` gets the token). Requests of any settings share
-        microbatches. `on_token(id)` gets each new token as it arrives, on the head's receiver thread (keep it
-        short). The future is answered at the
+        each token's `TokenLogprobs` before `on_token` gets the token; rows of one prompt in a microbatch, as a
+        request's choices, have it scored once). Requests of any settings share microbatches. `on_token(id)` gets
+        each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
         step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
         `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
         off the queue, and ends a running one at its next step. A pipeline still starting queues the request once it
@@ -266,18 +265,54 @@ class Pipeline:
         return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
                                on_logprobs=scores, **settings)[0]
 
-    def submit_all(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
-                   seed: int | None = None, on_token: Callable[[int, int], None] | None = None,
+    def submit_all(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 32, *, do_sample: bool = False,
+                   seed: int | Sequence[int | None] | None = None, on_token: Callable[[int, int], None] | None = None,
                    on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
                    tags: Sequence[Any] | None = None, **settings: Any) -> list[Future[Result]]:
-        """Queue several prompts together, in order, every one checked before any is queued (ConfigError);
-        decoding as in `submit`, each prompt from its own generator seeded with `seed`; `on_token(index, id)`
-        gets the new tokens of `prompts[index]` as they arrive, and `on_logprobs(index, entry)` their
-        log-probabilities, as `submit`'s `on_logprobs`. Admission takes turns between submissions: a
-        long list does not hold back a submission that comes after it. `tags`: what the caller calls each
-        prompt (JSON values), as `on_admitted` reports them."""
+        """Queue several prompts together, in order, every one checked before any is queued (ConfigError;
+        `RequestTooLarge` for one whose KV cache could never fit `kv_budget_bytes`, even alone); decoding as in
+        `submit`, each prompt from its own generator seeded with `seed` (or with its own of a sequence of seeds,
+        a prompt each, None drawing one), up to `max_new_tokens` (or its own of a sequence); `on_token(index,
+        id)` gets the new tokens of `prompts[index]` as they arrive, and `on_logprobs(index, entry)` their
+        log-probabilities, as `submit`'s `on_logprobs`. `tags`: what the caller calls each prompt (JSON values),
+        as `on_admitted` reports them.
+
+        The prompts are one submission. Admission takes turns between submissions, the one with the fewest rows
+        in flight first: a long list does not hold back a submission that comes after it, and one that has no
+        row in flight while another holds more than its share of the layout's rows gets a microbatch (or slot)
+        beside them, which only submissions without rows elsewhere join."""
         self._wait_until_running()
-        decoding = Decoding.of(do_sample, seed, **settings)
+        limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
+        for name, given in (("max_new_tokens", limits), ("seed", seed), ("tags", tags)):
+            if isinstance(given, Sequence) and len(given) != len(prompts):
+                raise ConfigError(f"{name}= names {len(given)} prompts, not the {len(prompts)} given")
+        if isinstance(seed, Sequence):
+            decodings = [Decoding.of(do_sample, each, **settings) for each in seed]
+        else:
+            decodings = [Decoding.of(do_sample, seed, **settings)] * len(prompts)
+        requests: list[Request] = []
+        for index, (ids, decoding) in enumerate(zip(prompts, decodings, strict=True)):  # all checked before any queued
+            prompt = check_prompt(ids, self.context, self.vocabulary)
+            limit = check_new_tokens(limits[index], prompt.numel(), self.context)
+            self._check_decoding(decoding, limit)
+            listener = None if on_token is None else functools.partial(on_token, index)
+            scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
+            request = Request(prompt, limit, decoding, on_token=listener, on_logprobs=scores,
+                              tag=None if tags is None else tags[index])
+            if requests:  # prompts submitted together are one submission: admission takes turns between them
+                request.group = requests[0].group
+            requests.append(request)
+            self.ledger.admission.check_alone(request, self.ledger.continuous)  # else it would wait for ever
+        self.ledger.queue(requests)
+        for request in requests:
+            self._requests[request.future] = request
+            request.future.add_done_callback(functools.partial(self._answered, request))
+        self._admit()
+        return [request.future for request in requests]
+
+    def _check_decoding(self, decoding: Decoding, max_new_tokens: int) -> None:
+        """ConfigError for a decoding this model cannot serve: sampling it refuses, stop ids outside its vocabulary,
+        more `min_tokens` than new tokens."""
         if decoding.do_sample and self.options.rules.sampling_refused is not None:
             raise self.options.rules.sampling_refused
         outside = [token for token in decoding.ends.stop_token_ids if token >= self.vocabulary]
@@ -285,26 +320,6 @@ class Pipeline:
             raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary of {self.vocabulary}")
         if decoding.ends.min_tokens > max_new_tokens:
             raise ConfigError(f"min_tokens ({decoding.ends.min_tokens}) is more than max_new_tokens ({max_new_tokens})")
-        if tags is not None and len(tags) != len(prompts):
-            raise ConfigError(f"tags= names {len(tags)} prompts, not the {len(prompts)} given")
-        requests: list[Request] = []
-        for index, ids in enumerate(prompts):  # every prompt is checked before any is queued
-            prompt = check_prompt(ids, self.context, self.vocabulary)
-            listener = None if on_token is None else functools.partial(on_token, index)
-            scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
-            request = Request(prompt, check_new_tokens(max_new_tokens, prompt.numel(), self.context), decoding,
-                              on_token=listener, on_logprobs=scores, tag=None if tags is None else tags[index])
-            if requests:  # prompts submitted together are one submission: admission takes turns between them
-                request.group = requests[0].group
-            requests.append(request)
-            check_fits_alone(cache_bytes([request], self.options.kv_bytes_per_token), self.options.kv_budget,
-                             self.swapping)
-        self.ledger.queue(requests)
-        for request in requests:
-            self._requests[request.future] = request
-            request.future.add_done_callback(functools.partial(self._answered, request))
-        self._admit()
-        return [request.future for request in requests]
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                  seed: int | None = None, **settings: Any) -> list[torch.Tensor]:

@@ -1,0 +1,152 @@
+"""Fair shares at the head, decided without processes: turns between submissions go to the one with the fewest rows
+in flight, a request held back by a large one gets a microbatch (or slot) beside it that the large one does not
+take, and a request that could never be admitted is refused when it is submitted, exactly then."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+import dejavu_sdk as dv
+from dejavu_sdk.generation.admission import Admission
+from dejavu_sdk.generation.batching import Request
+from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.turns import take_microbatch
+from dejavu_sdk.serving.layout import Layout
+from dejavu_sdk.serving.ledger import Ledger
+from dejavu_sdk.serving.messages import Kind
+from dejavu_sdk.swapping import positions_needed
+
+ONE_STAGE = Layout([[(0, 3)]])
+EOS = [2]
+
+
+def _large(count: int, new_tokens: int = 16) -> list[Request]:
+    """One request's `count` choices: one submission."""
+    first = Request(torch.tensor([5, 6, 7]), new_tokens, Decoding())
+    return [first, *(Request(torch.tensor([5, 6, 7]), new_tokens, Decoding(), group=first.group)
+                     for _ in range(count - 1))]
+
+
+def _one() -> Request:
+    return Request(torch.tensor([9]), 4, Decoding())
+
+
+def _opened(sends) -> list[tuple[Kind, list[int]]]:
+    return [(message.kind, message.fields["members"]) for _, message in sends]
+
+
+def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=()) -> dict:
+    return {"members": list(members), "failed": {}, "complete": list(complete), "idle": False,
+            "round": {"left": list(left), "joined": list(joined), "decoded": list(decoded), "prefill": prefill}}
+
+
+def test_turns_go_first_to_the_submission_with_the_fewest_rows_in_flight() -> None:
+    large, late = _large(6), _one()
+    waiting = deque([*large, late])
+    # one row free: the large request, older but holding four rows, waits its turn
+    assert take_microbatch(waiting, 1, shares={large[0].group: 4}) == [late]
+    waiting.appendleft(late)
+    assert take_microbatch(waiting, 3, shares={late.group: 1}) == [large[0], late, large[1]]  # none held first
+    assert take_microbatch(waiting, 3, shares={large[0].group: 2}, barred={large[0].group}) == []
+    assert list(waiting) == large[2:]
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
+def test_a_request_held_back_by_a_large_one_gets_a_microbatch_beside_it_that_the_large_one_does_not_take(
+        continuous) -> None:
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=continuous)
+    large, late = _large(12), _one()
+    ledger.queue(large)
+    (opened,) = ledger.admit()
+    assert opened[1].fields["max_new_tokens"] == [16] * 4  # the stage's one microbatch, full of the large one's
+    assert ledger.admit() == []
+    ledger.queue([late])
+    (beside,) = ledger.admit()  # not after the large one's sixteen steps: at once, beside it, alone
+    assert (beside[1].kind, beside[1].fields["max_new_tokens"]) == (Kind.PREFILL, [4])
+    assert ledger.admit() == []  # the large one takes no row of it, nor a third microbatch
+    assert [flight.beside for flight in ledger.flights.values()] == [False, True]
+
+
+def test_disaggregated_a_microbatch_beside_a_large_one_is_prompted_and_decodes_beside_it() -> None:
+    ledger = Ledger(Layout([[(0, 3)], [(0, 3)]]), 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1))
+    large, late = _large(12), _one()
+    ledger.queue(large)
+    for number, rows in ((0, 4), (1, 1)):
+        (prefill,) = ledger.admit()  # to the prompt stage
+        assert (prefill[0], prefill[1].kind, len(prefill[1].fields["max_new_tokens"])) == (0, Kind.PREFILL, rows)
+        first_tokens = torch.full((rows, 1), 7)
+        ledger.on_prefilled(number, (first_tokens, torch.ones(rows, 3, dtype=torch.long),
+                                     torch.zeros(rows, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)),
+                            {}, keep_states=False)
+        (start,) = ledger.admit()  # the token stage takes it: the late one's beside the large one's
+        assert (start[0], start[1].kind, start[1].fields["microbatch"]) == (1, Kind.START, number)
+        ledger.queue([late])
+    assert ledger.admit() == []
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
+def test_requests_of_their_own_share_the_layouts_microbatches_as_before(continuous) -> None:
+    """One row each is every submission's share: none is held back, and nothing opens beside."""
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=continuous)
+    ledger.queue([_one() for _ in range(7)])
+    (opened,) = ledger.admit()
+    assert len(opened[1].fields["max_new_tokens"]) == 4
+    assert ledger.admit() == []
+
+
+def test_a_row_that_leaves_a_slot_goes_to_the_submission_holding_fewest_rows() -> None:
+    ledger = Ledger(ONE_STAGE, 2, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=True)
+    large = _large(6)
+    large[0].max_new_tokens = 1  # its first choice ends at its first token
+    first, second = large[0].number, large[1].number
+    ledger.queue(large)
+    (opened,) = ledger.admit()
+    slot = opened[1].fields["microbatch"]
+    held_back, later = _one(), _one()
+    ledger.queue([held_back])
+    assert _opened(ledger.admit()) == [(Kind.PREFILL, [held_back.number])]  # beside it
+    ledger.queue([later])  # the slot beside is taking its first group in, and no third slot opens
+    assert ledger.admit() == []
+    ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3], complete=[first, second]), [7, 8])
+    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])  # the first row has left
+    assert _opened(ledger.admit()) == [(Kind.ENTER, [later.number])]  # not the large one's third, older choice
+
+
+@pytest.mark.parametrize(("continuous", "swapping", "alone"), [
+    (False, False, 1), (False, True, 1),  # a static microbatch of its own: with swapping, any two on the device
+    (True, False, 1), (True, True, 2),  # a slot: with swapping, its group's own cache counts until it joins
+])
+def test_a_request_is_refused_exactly_when_admission_could_never_take_it(continuous, swapping, alone) -> None:
+    per_position, prompt = 3, 5
+    budget = alone * positions_needed(prompt, 7) * per_position  # seven new tokens fit, not eight
+    admission = Admission(budget, swapping, per_position)
+    for new_tokens, fits in ((7, True), (8, False)):
+        request = Request(torch.arange(1, prompt + 1), new_tokens, Decoding())
+        taken = (admission.take_rows(deque([request]), 4, [], []) if continuous
+                 else admission.take(deque([request]), 4, []))
+        assert bool(taken) is fits  # alone, with nothing in flight
+        if fits:
+            admission.check_alone(request, continuous)
+            continue
+        with pytest.raises(dv.RequestTooLarge) as refused:
+            admission.check_alone(request, continuous)
+        needed = alone * positions_needed(prompt, 8) * per_position
+        assert (refused.value.needed, refused.value.budget, refused.value.most_new_tokens) == (needed, budget, 7)
+        assert f"needs {needed} bytes" in str(refused.value)
+        assert f"the {budget} bytes each stage gives" in str(refused.value)
+    assert isinstance(refused.value, dv.ConfigError)
+    with pytest.raises(dv.RequestTooLarge, match="even its prompt alone does not fit") as refused:
+        admission.check_alone(Request(torch.arange(1, budget + 2), 1, Decoding()), continuous)
+    assert refused.value.most_new_tokens is None
+
+
+def test_n_choices_are_rows_of_their_own_each_checked_alone() -> None:
+    admission = Admission(positions_needed(3, 4), False, 1)
+    choices = _large(8, new_tokens=4)
+    for choice in choices:
+        admission.check_alone(choice, continuous=True)  # each fits alone; eight together do not
+    waiting = deque(choices)
+    assert admission.take_rows(waiting, 8, [], []) == choices[:1]
