@@ -1,4 +1,4 @@
-"""Chaos: `dejavu serve --journal` SIGKILLed (or stopped) at a random moment while 16 clients stream (greedy and seeded
+"""Chaos: `dejavu serve --journal` SIGKILLed (or stopped) at a random moment while 8 clients stream (greedy and seeded
 sampling), alone or with its stage worker; a new one started on the same journal and address goes on with every
 request, and each client, reconnecting with its `Last-Event-ID`, ends with exactly the tokens of a run without
 the failure: none missing, none twice."""
@@ -22,7 +22,7 @@ from resuming_clients import ResumingClient
 MODEL = "tiny_models:llama_text"
 TESTS = str(Path(__file__).parent)
 TOKEN = "chaos-token"
-CLIENTS, NEW = 16, 40
+CLIENTS, NEW = 8, 24
 #: Seconds a client keeps reconnecting while the controller is replaced.
 RECONNECT = 120.0
 
