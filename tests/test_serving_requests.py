@@ -171,14 +171,13 @@ def test_a_request_in_two_recoveries_in_a_row_without_progress_fails_and_the_nex
 
 def test_cancelled_requests_are_never_computed_or_stop_being_stepped_and_give_their_room_back() -> None:
     prompts = _prompts(6, seed=25)
-    streamed: dict[int, list[int]] = {0: [], 1: []}
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
     with Pipeline("tiny_models:llama", stages=1, microbatch=2, timeout=60, ignore_eos=True, batching="static") as pipe:
-        # two submissions of a row each, each its share of the stage's microbatch: a third waits for it to end
-        first = [pipe.submit(prompt, 60, on_token=streamed[index].append) for index, prompt in enumerate(prompts[:2])]
-        waiting = pipe.submit(prompts[2], max_new_tokens=5)
+        first = pipe.submit_all(prompts[:3], 60, on_token=lambda index, token: streamed[index].append(token))
+        waiting = first[2]  # one stage, a microbatch of two: it waits for room
         assert pipe.cancel(waiting)
         assert waiting.cancelled()
-        later = pipe.submit(prompts[3], max_new_tokens=4)
+        later = pipe.submit(prompts[3], max_new_tokens=4)  # held back by the first submission: a microbatch beside
         _wait(lambda: len(streamed[1]) >= 5, 60, "5 tokens of the second row")
         assert pipe.cancel(first[1])
         cancelled_at = len(streamed[1])
@@ -196,6 +195,7 @@ def test_cancelled_requests_are_never_computed_or_stop_being_stepped_and_give_th
         assert last.microbatch == kept.microbatch + 3
         _wait(lambda: pipe.status()["microbatches"] == [], 10, "every microbatch to end")  # ends after its answer
     assert first[1].cancelled()
+    assert streamed[2] == []
     assert len(streamed[1]) <= cancelled_at + 2
     assert 60 + 4 + cancelled_at <= stepped <= 60 + 4 + cancelled_at + 3  # the cancelled row: a step or two more
 
