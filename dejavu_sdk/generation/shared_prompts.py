@@ -6,13 +6,21 @@ entries (`Microbatch.prompt_entries`). A step then scores each distinct prompt o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .batching import Request
+import torch
+
+from .decoding import Decoding
 
 
-def prompt_sources(requests: Sequence[Request], first_row: int = 0) -> dict[int, int]:
+class Prompted(Protocol):
+    """What scoring needs of a request (`batching.Request` is one): its prompt's ids and its decoding."""
+
+    ids: torch.Tensor
+    decoding: Decoding
+
+
+def prompt_sources(requests: Sequence[Prompted], first_row: int = 0) -> dict[int, int]:
     """Rows of `requests` (numbered from `first_row`, as they are prefilled together) that ask for the same
     prompt log-probabilities as an earlier one of them (the same prompt and top count): row -> that earlier
     row."""
