@@ -21,12 +21,9 @@ from typing import Any
 
 import torch
 
-from ..generation.decoding import TokenPicker
 from ..generation.slots import Joining
-from ..generation.stage import position_ids
-from ..swapping import positions_needed
 from .messages import Kind, Message
-from .worker_state import MicrobatchState, PromptRun, WorkerState, score_fields
+from .worker_state import PromptRun, WorkerState, score_fields
 
 
 class PromptSteps(WorkerState):
@@ -103,13 +100,10 @@ class PromptSteps(WorkerState):
 
     def _first_tokens(self, number: int, run: PromptRun, logits: torch.Tensor) -> None:
         """The last prompt stage, its prompts in: pick the first tokens and report them; the token stages go on."""
-        fields, mask = run.fields, run.joining.mask
-        state = MicrobatchState(positions_needed(mask.shape[1], max(fields["max_new_tokens"])), mask,
-                                position_ids(mask), fields)
-        state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
-        state.ended = torch.zeros(len(mask), dtype=torch.bool)
-        state.ended[[*fields.get("ended", []), *self.kept_cancels(number)]] = True  # cancelled before
+        mask = run.joining.mask
+        state = self._prefilled_state(number, run.fields, mask)
         tokens, ended, failures, logprobs = self._pick(state, logits)
+        assert state.picker is not None  # made on the last stage
         states = state.picker.states()
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
         self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures, "chunk": run.chunk,

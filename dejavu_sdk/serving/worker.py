@@ -221,12 +221,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
     def _prefill(self, number: int, message: Message) -> None:
         """A mixed stage's first step of a static microbatch: its whole prompts, into the cache it decodes on."""
         inputs, mask = message.tensors
-        state = MicrobatchState(positions_needed(mask.shape[1], max(message.fields["max_new_tokens"])), mask.clone(),
-                                position_ids(mask), dict(message.fields))
-        if self.stage.last:
-            state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.fields["decoding"])
-            state.ended = torch.zeros(len(mask), dtype=torch.bool)
-            state.ended[[*message.fields.get("ended", []), *self.kept_cancels(number)]] = True  # cancelled before
+        state = self._prefilled_state(number, dict(message.fields), mask.clone())
         self.microbatches[number] = state
         self._step(number, state, inputs, message, self.caches.new_cache(number))
 

@@ -22,10 +22,10 @@ from ..errors import TransportError
 from ..generation.decoding import TokenPicker, next_tokens_scored
 from ..generation.logprobs import prompt_scores
 from ..generation.slots import Joining, SlotRows
-from ..generation.stage import Stage
+from ..generation.stage import Stage, position_ids
 from ..store import Store
 from ..stream import LayerPartition
-from ..swapping import SwappedCaches
+from ..swapping import SwappedCaches, positions_needed
 from ..transports.base import Server, Transport
 from .handoff import LayerSender, StagedKV
 from .link_tls import LinkTls, link_options
@@ -245,6 +245,17 @@ class WorkerState:
         state.history.append(tokens.tolist())
         return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
                 {str(row): entry for row, entry in logprobs.items()})
+
+    def _prefilled_state(self, number: int, fields: dict[str, Any], mask: torch.Tensor) -> MicrobatchState:
+        """A microbatch's state as its prompts are prefilled (`fields`: the head's, `mask` its prompts'); on the
+        last stage with its picker and its rows ended so far (those the head ended, and those cancelled before)."""
+        state = MicrobatchState(positions_needed(mask.shape[1], max(fields["max_new_tokens"])), mask,
+                                position_ids(mask), fields)
+        if self.stage.last:
+            state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
+            state.ended = torch.zeros(len(mask), dtype=torch.bool)
+            state.ended[[*fields.get("ended", []), *self.kept_cancels(number)]] = True
+        return state
 
     def _staged(self, number: int) -> StagedKV:
         """The prompt KV received for microbatch (or group) `number`, kept until its first step takes it."""
