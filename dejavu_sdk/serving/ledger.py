@@ -105,9 +105,9 @@ class Ledger(SlotDecisions):
         """Start a microbatch of waiting requests that fits the budget (`beside`: one beside the layout's for the
         submissions held back, of their requests alone, so that a large request, which takes turns, does not keep
         them waiting for its microbatch to end); whether one started (under the lock)."""
-        barred = set(self._shares()) if beside else set()
+        shares = self._shares()
         taken = self.admission.take(self.waiting, self.microbatch, [flight.reserved for flight in self.holding()],
-                                    self._shares(), barred)
+                                    shares, set(shares) if beside else set())
         if not taken:
             return False
         batch = Microbatch.of(self._numbers, taken, self.pad)
