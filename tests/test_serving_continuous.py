@@ -358,7 +358,6 @@ def test_a_row_whose_logits_are_not_finite_fails_alone_and_its_slot_goes_on() ->
 
 # ---- 6. options --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("options", "message"), [
-    ({"stages": 2, "recovery": "recompute", "batching": "continuous"}, "recovery='recompute'"),
     ({"stages": 2, "batching": "bogus"}, "batching must be one of"),
     ({"stages": 2, "max_prefill_tokens": 0}, "max_prefill_tokens must be a positive integer"),
     ({"stages": 2, "max_prefill_tokens": -3}, "max_prefill_tokens must be a positive integer"),
@@ -381,7 +380,8 @@ def test_sliding_window_models_refuse_continuous_batching() -> None:
     ("llama", {"stages": 2, "batching": "static"}, "static"),
     ("llama", {"prompt_stages": 1, "token_stages": 1}, "continuous"),
     ("llama", {"prompt_stages": 1, "token_stages": 1, "batching": "static"}, "static"),
-    ("llama", {"stages": 2, "recovery": "recompute"}, "static"),
+    ("llama", {"stages": 2, "recovery": "recompute"}, "continuous"),
+    ("llama", {"stages": 1, "recovery": "auto"}, "continuous"),
     ("llama", {"stages": 2, "recovery": "replicas"}, "continuous"),
     ("llama", {"stages": 2, "recovery": "auto"}, "continuous"),
     ("mistral", {"stages": 2}, "static"),

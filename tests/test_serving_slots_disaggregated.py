@@ -79,11 +79,10 @@ def test_a_request_cancelled_in_the_prompt_pipeline_or_its_slot_leaves_the_other
         assert result.tokens.tolist() == replay(model, result.schedule, {**requests, **extra})[result.request].tolist()
 
 
-def test_continuous_batching_takes_recovery_from_replicas_and_refuses_recompute() -> None:
-    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="replicas").batching == "continuous"
-    with pytest.raises(dv.ConfigError, match="recovery='recompute'"):
-        Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="recompute", batching="continuous")
-    assert Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery="recompute").batching == "static"
+def test_continuous_batching_takes_either_recovery() -> None:
+    for recovery in ("replicas", "recompute"):
+        pipe = Pipeline("tiny_models:llama", prompt_stages=1, token_stages=2, recovery=recovery)
+        assert (pipe.batching, pipe.recovery) == ("continuous", recovery)
 
 
 @pytest.mark.slow

@@ -47,13 +47,15 @@ def _rounds(pipe: Pipeline) -> int:
 
 
 def _serve_and_kill(victims: list[str], rounds: int = 30, **options) -> tuple[list, dict, list, list]:
-    """The twelve requests through a continuous pipeline with recovery from replicas, the `victims` SIGKILLed
+    """The twelve requests through a continuous pipeline with recovery (from replicas unless `options` say), the
+    `victims` SIGKILLed
     together once the slots ran `rounds` rounds; each request's result (or error), the tokens each streamed,
     the recoveries and the prompts."""
     prompts = [prompt.clamp(max=90) for prompt in expectations.prompts(len(LIMITS), seed=21)]
     streamed: dict[int, list[int]] = defaultdict(list)
-    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, heartbeat=0.5, recovery="replicas", threads=1,
-                  max_prefill_tokens=4, **options) as pipe:
+    options = {"recovery": "replicas", **options}
+    with Pipeline("tiny_models:llama", microbatch=3, timeout=60, heartbeat=0.5, threads=1, max_prefill_tokens=4,
+                  **options) as pipe:
         assert pipe.batching == "continuous"
         futures = [pipe.submit(prompt, max_new_tokens=limit,
                                on_token=lambda token, index=index: streamed[index].append(token), **_settings(index))
@@ -120,17 +122,38 @@ def test_a_replica_store_lets_every_slot_go_on_even_when_neighbours_die_together
     assert dv.open_store(f"file://{tmp_path}/replicas").keys() == []  # each slot's replica went with it
 
 
+def _went_on(outcomes: list) -> list[int]:
+    """The requests whose rows went on in another slot from the tokens they had (a slot lost before their end)."""
+    return [index for index, outcome in enumerate(outcomes)
+            if not isinstance(outcome, Exception) and any(step.lost for step in outcome.schedule)]
+
+
 @pytest.mark.slow
-def test_slots_whose_replicas_died_with_them_fail_the_started_requests_and_requeue_the_rest() -> None:
-    """Both token stages of a ring die at once: each held the other's replicas, so no slot can go on. A request
-    with a token streamed fails and says why; one that had none waits again and completes exactly."""
+def test_slots_whose_replicas_died_with_them_go_on_from_the_tokens_their_rows_had() -> None:
+    """Both token stages of a ring die at once: each held the other's replicas, so no slot can go on from its
+    round. Every request still completes: a row with tokens goes on in a new slot from its prompt followed by
+    them (sampled rows from their generators as they stood), one without waits again; each equals the replay
+    of its schedule, which runs through the lost slot, and streamed each token once."""
     outcomes, streamed, reports, prompts = _serve_and_kill(["token stage 0", "token stage 1"], rounds=10,
                                                            prompt_stages=1, token_stages=2)
     assert any(report.lost for report in reports)
-    failed = [index for index, outcome in enumerate(outcomes) if isinstance(outcome, Exception)]
-    assert failed, "every request was answered, though slots were lost"
-    for index in failed:
-        assert "could not be recovered" in str(outcomes[index])
-        assert streamed[index], f"request {index} failed without a token: it should have waited again"
-    assert len(failed) < len(outcomes), "no request waited again"
+    assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+    assert _went_on(outcomes), "no row went on from its tokens"
+    assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
+    _check_replayed(outcomes, streamed, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "victim"), [({"stages": 1}, "stage 0"), ({"stages": 2}, "stage 1"),
+                                                ({"prompt_stages": 1, "token_stages": 1}, "token stage 0")],
+                         ids=["one-stage", "mixed-last", "disaggregated-token"])
+def test_continuous_recompute_goes_on_with_every_row_of_a_lost_slot_exactly(layout, victim) -> None:
+    """recovery="recompute" keeps no replica: a stage killed while rows join and leave loses its slots, and each
+    of their rows goes on from its prompt and the tokens it has; every request equals the replay of its schedule
+    and streamed each token once."""
+    outcomes, streamed, reports, prompts = _serve_and_kill([victim], recovery="recompute", **layout)
+    assert [report.replaced for report in reports] == [[victim]]
+    assert reports[0].lost and not reports[0].slots, reports[0].describe()
+    assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+    assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
     _check_replayed(outcomes, streamed, prompts)

@@ -75,6 +75,49 @@ class Request:
     group: int = attrs.field(default=attrs.Factory(lambda self: self.number, takes_self=True))
     #: What its submitter calls it (the controller: its request id and choice), for records that outlive the head.
     tag: Any = None
+    #: What it had when a slot it ran in was lost (it goes on from its prompt followed by those tokens).
+    earlier: Earlier | None = None
+
+    def going_on(self, tokens: Sequence[int], stamps: Sequence[float], schedule: Sequence[Round],
+                 scores: dict[str, Any]) -> Request:
+        """This request as it goes on in another slot after the one it ran in was lost before its end, with
+        `tokens` of its own (arrived at `stamps`) from that slot's rounds `schedule` and their log-probabilities
+        (`scores`: `Microbatch.scores_of`): its prompt is its own followed by every token it has, its limit what is
+        left, its generator where it stood; its future, callbacks and number stay, so its answer and stream go on
+        where they were."""
+        before = self.earlier or Earlier(self.ids, self.max_new_tokens)
+        logprobs = scores.get("logprobs")
+        earlier = Earlier(before.prompt, before.max_new_tokens, (*before.tokens, *tokens), (*before.stamps, *stamps),
+                          (*before.schedule, *schedule, Round(lost=True)),
+                          None if before.logprobs is None or logprobs is None else (*before.logprobs, *logprobs),
+                          before.prompt_logprobs if self.earlier else scores.get("prompt_logprobs"))
+        return attrs.evolve(self, ids=torch.cat([before.prompt, torch.tensor(earlier.tokens, dtype=torch.long)]),
+                            max_new_tokens=self.max_new_tokens - len(tokens),
+                            decoding=self.decoding.going_on(len(tokens)), streamed=0, earlier=earlier)
+
+
+@attrs.frozen
+class Earlier:
+    """What a request going on in another slot (`Request.going_on`) had from the slots it ran in before: its own
+    prompt and limit, its tokens and when each reached the head, those slots' rounds (each closed by a
+    `Round(lost=True)`), and its tokens' and prompt's log-probabilities where asked."""
+
+    prompt: torch.Tensor
+    max_new_tokens: int
+    tokens: tuple[int, ...] = ()
+    stamps: tuple[float, ...] = ()
+    schedule: tuple[Round, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] | None = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+
+    def before(self, result: Result) -> Result:
+        """`result` (of the slot it went on in) with what came before it in front."""
+        tokens = torch.cat([torch.tensor(self.tokens, dtype=torch.long), result.tokens])
+        logprobs = None if self.logprobs is None or result.logprobs is None else (*self.logprobs, *result.logprobs)
+        return attrs.evolve(result, tokens=tokens, first_token=self.stamps[0] if self.stamps else result.first_token,
+                            finished=result.finished if result.tokens.numel() else self.stamps[-1],
+                            schedule=(*self.schedule, *result.schedule), logprobs=logprobs,
+                            prompt_logprobs=self.prompt_logprobs)
 
 
 @attrs.frozen
@@ -408,7 +451,7 @@ class SlotBatch(Microbatch):
                   scores: dict[str, Any] | None = None) -> None:
         """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran (and
         whether that was its last: `complete`, its members), each member's new token and log-probabilities."""
-        self.rounds.append(step)
+        self.rounds.append(self.with_resumed(step))
         self.steps_received += 1
         self.present -= {self.rows_of[member] for member in step.left}
         self.present |= self.completed & {self.rows_of[member] for member in step.joined}
@@ -435,8 +478,23 @@ class SlotBatch(Microbatch):
     def result(self, row: int, eos: Sequence[int]) -> Result:
         request, stamps = self.requests[row], self.stamps[row]
         kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
-        return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
-                      request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
-                      stamps[len(kept) - 1] if kept else 0.0, request.number,
-                      (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])),
-                      **self.scores_of(row, len(kept)))
+        result = Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
+                        request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
+                        stamps[len(kept) - 1] if kept else 0.0, request.number,
+                        (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])),
+                        **self.scores_of(row, len(kept)))
+        return result if request.earlier is None else request.earlier.before(result)
+
+    def going_on(self, row: int) -> Request:
+        """Row `row`'s request as it goes on in another slot, this slot lost (`Request.going_on`)."""
+        kept = len(self.generated[row])
+        return self.requests[row].going_on(self.generated[row], self.stamps[row], self.rounds,
+                                           self.scores_of(row, kept))
+
+    def with_resumed(self, step: Round) -> Round:
+        """`step` with the tokens its prefill's members that go on from earlier slots had (`Round.resumed`)."""
+        if step.prefill is None or step.prefill[1] != 0:
+            return step
+        resumed = tuple((member, earlier.tokens) for member in step.prefill[0]
+                        if (earlier := self.requests[self.rows_of[member]].earlier) is not None)
+        return attrs.evolve(step, resumed=resumed) if resumed else step

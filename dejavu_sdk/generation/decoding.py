@@ -14,7 +14,7 @@ import copy
 import math
 import secrets
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import attrs
 import torch
@@ -82,6 +82,8 @@ class Decoding:
     ends: Ends = Ends()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    #: Tokens its generator drew before (`going_on`).
+    drawn: int = 0
 
     @classmethod
     def of(cls, do_sample: bool = False, seed: int | None = None, *, stop_token_ids: Sequence[int] | None = None,
@@ -114,7 +116,15 @@ class Decoding:
     def fields(self) -> dict[str, Any]:
         """As message fields, for the last stage."""
         return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed,
-                "ends": attrs.asdict(self.ends), "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+                "ends": attrs.asdict(self.ends), "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
+                "drawn": self.drawn}
+
+    def going_on(self, had: int) -> Decoding:
+        """This decoding for a row that goes on from `had` tokens it already has (its prompt followed by them):
+        its generator as it stood after drawing them, its `min_tokens` less them, and no prompt log-probabilities
+        (they were given with the first)."""
+        ends = attrs.evolve(self.ends, min_tokens=max(0, self.ends.min_tokens - had))
+        return attrs.evolve(self, ends=ends, prompt_logprobs=None, drawn=self.drawn + (had if self.do_sample else 0))
 
 
 def _checked(name: str, value: Any) -> float | int:
@@ -212,9 +222,15 @@ def next_tokens_scored(picker: TokenPicker, logits: torch.Tensor, ended: torch.T
     return tokens, now_ended, failures, picker.logprobs(logits, tokens, ended)
 
 
-class _Sampler(NamedTuple):
+@attrs.define
+class _Sampler:
+    """A sampled row's warpers and generator. `owed`: draws its generator made for the row elsewhere (a row
+    that goes on from the tokens it had when its slot was lost), made before its next one on a distribution of
+    the same size (a draw consumes the generator by the size alone), so that it goes on where it stood."""
+
     warpers: LogitsProcessorList
     generator: torch.Generator
+    owed: int = 0
 
 
 class TokenPicker:
@@ -244,7 +260,8 @@ class TokenPicker:
                 self.refused[row] = RowFailure(f"its sampling settings are refused: {error}", input_error=True)
                 self.samplers.append(None)
                 continue
-            self.samplers.append(_Sampler(built[key], torch.Generator().manual_seed(int(fields["seed"]))))
+            self.samplers.append(_Sampler(built[key], torch.Generator().manual_seed(int(fields["seed"])),
+                                          int(fields.get("drawn") or 0)))
 
     @property
     def sampled(self) -> bool:
@@ -278,6 +295,7 @@ class TokenPicker:
         for sampler, state in zip(self.samplers, states, strict=True):
             if sampler is not None:
                 sampler.generator.set_state(state.clone())
+                sampler.owed = 0
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, ended_before: torch.Tensor) -> dict[int, Any]:
         """The step's log-probabilities (wire form) of the rows that ask for them and got a token (not ended
@@ -327,10 +345,15 @@ def _draw(sampler: _Sampler, logits: torch.Tensor) -> int | RowFailure:
     no_ids = cast(torch.LongTensor, torch.empty((1, 0), dtype=torch.long))
     try:
         scores = sampler.warpers(no_ids, logits)
-        probabilities = torch.nn.functional.softmax(scores, dim=-1)
+        probabilities = torch.nn.functional.softmax(scores, dim=-1).cpu()
+        if sampler.owed:
+            uniform = torch.ones_like(probabilities)
+            for _ in range(sampler.owed):
+                torch.multinomial(uniform, num_samples=1, generator=sampler.generator)
+            sampler.owed = 0
         # On the CPU generator's side, wherever the logits are: reproducible from the seed (on a GPU it does not
         # repeat `generate`, which draws from the GPU's generator).
-        return int(torch.multinomial(probabilities.cpu(), num_samples=1, generator=sampler.generator))
+        return int(torch.multinomial(probabilities, num_samples=1, generator=sampler.generator))
     except (RuntimeError, ValueError) as error:  # non-finite or negative probabilities, a warper's refusal
         return RowFailure(f"its next token could not be drawn: {error}")
 

@@ -6,6 +6,10 @@ number change the arithmetic of a step, as they do in `model.generate` on a padd
 rounds a slot recorded (`Result.schedule`) through the model's own forward, with a `DynamicCache` changed
 between steps as the slot's was (`slots.leave`, `slots.stack`), each row picking its tokens with its own
 decoding; the tokens of every request that ended in those rounds come out. A pipeline's rows equal them.
+
+A schedule may run through several slots: a slot lost in a recovery that kept no replica of it ends with a
+`lost` round, and its rows go on in another slot from their prompts followed by the tokens they had (`resumed`),
+each with its generator where it stood: the replay does the same.
 """
 
 from __future__ import annotations
@@ -40,6 +44,18 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
         return model(input_ids=inputs, attention_mask=mask, position_ids=positions, cache=into,
                      use_cache=True).logits[:, -1, :].float()
 
+    def start_row(member: int, had: list[int]) -> None:
+        """A row's decoding as it is prefilled: new, or going on from the tokens it `had` (as this replay gave
+        them if it ran its earlier slot, with its generator where it stood; else from a picker that owes them)."""
+        if member in generated:
+            if generated[member] != had:
+                raise ConfigError(f"request {member} goes on from {had}; its earlier rounds gave {generated[member]}")
+            return
+        fields = requests[member].decoding.fields()  # the counts picks are made with are the row's whole
+        fields["drawn"] = len(had) if fields["do_sample"] else 0  # life's, its min_tokens too
+        pickers[member] = TokenPicker(model.generation_config, [fields])
+        generated[member] = had
+
     def pick(members: Sequence[int], logits: torch.Tensor) -> None:
         for row, member in enumerate(members):
             tokens, failures = pickers[member](logits[row:row + 1], [len(generated[member]) + 1], eos)
@@ -48,6 +64,9 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
             generated[member].append(int(tokens[0]))
 
     for number, step in enumerate(schedule):
+        if step.lost:  # the slot is gone with its cache; another slot's rounds follow from its start
+            rows, cache, group, ready = SlotRows(), DynamicCache(config=model.config), None, None
+            continue
         rows = leave(cache, rows, step.left)
         if step.joined:
             if ready is None:
@@ -68,11 +87,13 @@ def replay(model: Any, schedule: Sequence[Round], requests: Mapping[int, Request
                 unknown = [member for member in members if member not in requests]
                 if unknown:
                     raise ConfigError(f"round {number} prefills requests {unknown}, which were not given")
-                ids, mask = left_pad([requests[member].ids for member in members], rules.pad)
-                group = Joining(list(members), mask.to(device), DynamicCache(config=model.config), ids.to(device))
+                had = dict(step.resumed)
                 for member in members:
-                    pickers[member] = TokenPicker(model.generation_config, [requests[member].decoding.fields()])
-                    generated[member] = []
+                    start_row(member, list(had.get(member, ())))
+                ids, mask = left_pad([torch.cat([requests[member].ids.reshape(-1),
+                                                 torch.tensor(generated[member], dtype=torch.long)])
+                                      for member in members], rules.pad)
+                group = Joining(list(members), mask.to(device), DynamicCache(config=model.config), ids.to(device))
             if group is None or group.ids is None or list(members) != group.members:
                 raise ConfigError(f"round {number} goes on prefilling {list(members)}, which no round started")
             for begin, end in step.prefill_steps():

@@ -37,13 +37,20 @@ class Round:
     """One round of a slot (the module's order): the requests whose rows `left`, the group that `joined`, the
     requests `decoded` (the slot's rows, in order), and the joining group's `prefill`: its requests and the
     columns [start, stop) of their left-padded prompts run this round. A group that a prompt pipeline prefilled
-    joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step)."""
+    joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step).
+
+    Members of a prefill that go on from a slot lost before their end (recovery without a replica of it) are
+    `resumed` with the tokens they had: their prompts are their own followed by those. A result's schedule holds
+    the rounds of every slot its request ran in, each lost one closed by a round that is only `lost`: there the
+    slot's rows and cache are gone, and the rounds after it are another slot's from its start."""
 
     left: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
     decoded: tuple[int, ...] = ()
     prefill: tuple[tuple[int, ...], int, int] | None = None
     chunk: int = 0
+    resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    lost: bool = False
 
     def fields(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=False)
@@ -53,7 +60,9 @@ class Round:
         prefill = fields.get("prefill")
         return cls(tuple(fields.get("left", ())), tuple(fields.get("joined", ())), tuple(fields.get("decoded", ())),
                    None if prefill is None else (tuple(prefill[0]), int(prefill[1]), int(prefill[2])),
-                   int(fields.get("chunk") or 0))
+                   int(fields.get("chunk") or 0),
+                   tuple((int(member), tuple(tokens)) for member, tokens in fields.get("resumed", ())),
+                   bool(fields.get("lost")))
 
     def prefill_steps(self) -> list[tuple[int, int]]:
         """The columns [start, stop) of `prefill` that ran in a step each."""

@@ -164,7 +164,7 @@ class SlotDecisions(LedgerState):
             outcome.answers = self._failed_rows(batch, {str(batch.rows_of[members[int(row)]]): failure
                                                         for row, failure in failures.items()})
             outcome.calls = batch.unstreamed(self.eos)
-            batch.prefilled = Round(prefill=(tuple(members), 0, group.mask.shape[1]))
+            batch.prefilled = batch.with_resumed(Round(prefill=(tuple(members), 0, group.mask.shape[1])))
             outcome.answers += self._ended_rows(batch)
             batch.prefilled = None
             gone = [member for index, member in enumerate(members)
@@ -354,16 +354,21 @@ class SlotDecisions(LedgerState):
         return outcome
 
     def _lose_slot(self, batch: Microbatch, reason: str) -> list[Answer]:
-        """A slot that cannot go on: its requests without a token yet wait again, first in the queue (nothing of
-        theirs was streamed), unless the slot is poison (one of them may be what kills the stages); the others fail
-        with `reason` (under the lock)."""
+        """A slot that cannot go on from where it was: its requests wait again, first in the queue, those without
+        a token as they came, the others from their prompts followed by the tokens they have (`going_on`: the
+        tokens streamed stay theirs, and what they have left is computed again), unless the slot is poison (one
+        of them may be what kills the stages): then they fail with `reason` (under the lock)."""
         self._slot_groups(batch)
-        fresh = [] if reason == POISON else [
-            row for row in range(len(batch.requests)) if row not in batch.settled and not batch.generated[row]
-            and not batch.requests[row].future.done()]
-        batch.settled.update(fresh)
-        self.waiting.extendleft(reversed([batch.requests[row] for row in fresh]))
-        return _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
+        assert isinstance(batch, SlotBatch)
+        again = [] if reason == POISON else [row for row in range(len(batch.requests)) if row not in batch.settled
+                                             and not batch.requests[row].future.done()]
+        ended = [row for row in again if batch.row_ended(row, self.eos)]  # its last token came with the loss
+        answers = [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
+        again = [row for row in again if row not in ended]
+        batch.settled.update([*ended, *again])
+        self.waiting.extendleft(reversed([batch.going_on(row) if batch.generated[row] else batch.requests[row]
+                                          for row in again]))
+        return answers + _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
 
     def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:
         """The groups of `batch` whose prefill had not begun (none of their members in a `started` group), sent

@@ -213,7 +213,7 @@ class PipelineOptions:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         rules = TokenRules.of(reference)
-        chosen_batching = check_pipeline_batching(batching, recovery, reference)
+        chosen_batching = check_pipeline_batching(batching, reference)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
@@ -225,13 +225,12 @@ class PipelineOptions:
                    float(orphan_timeout), float(progress_timeout))
 
 
-def check_pipeline_batching(batching: Any, recovery: str | None, model: Any) -> str:
+def check_pipeline_batching(batching: Any, model: Any) -> str:
     """The pipeline's batching: continuous unless asked for static, or (left unset) where it does not apply yet;
     ConfigError when continuous is asked for there."""
     if batching is not None:
         check_batching(batching)
-    why = ("recovery='recompute'" if recovery == "recompute" else
-           "sliding-window attention layers" if not full_attention(model.config) else None)
+    why = "sliding-window attention layers" if not full_attention(model.config) else None
     if batching == "continuous" and why is not None:
         raise ConfigError(f"batching='continuous' does not cover {why} yet: use batching='static'")
     return "static" if why is not None or batching == "static" else "continuous"

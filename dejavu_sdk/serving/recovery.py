@@ -79,7 +79,8 @@ class RecoveryReport:
     total: float
     detected: float
     failed: list[int] = attrs.field(factory=list)
-    #: Continuous batching: each slot that went on, with the round it went on with, and each that could not, why.
+    #: Continuous batching: each slot that went on, with the round it went on with, and each that could not, why
+    #: (its rows go on in other slots from their prompts and tokens, unless it is poison).
     slots: dict[int, int] = attrs.field(factory=dict)
     lost: dict[int, str] = attrs.field(factory=dict)
 
@@ -89,7 +90,7 @@ class RecoveryReport:
                 f"{self.pausing:.2f} s, replaced {self.replacing:.2f} s, caches back {self.transferring:.2f} s; "
                 f"resumed {resumed or 'none'}; recomputed {self.recomputed or 'none'}"
                 + (f"; slots going on at rounds {self.slots}" if self.slots else "")
-                + (f"; slots lost {self.lost}" if self.lost else "")
+                + (f"; slots computed again {self.lost}" if self.lost else "")
                 + (f"; finished before it {self.finished}" if self.finished else "")
                 + (f"; failed (no progress since the recovery before) {self.failed}" if self.failed else ""))
 

@@ -6,9 +6,10 @@ before passing it on), with the row change that the next round opens with alread
 slot there from its schedule (`slot_replicas.trace`): its rows, the pieces of the replica that hold their
 columns, and the group joining then. A replaced stage gets those pieces back (from the holder of its replicas,
 or from the shared replica store), and every decoding stage rewinds the slot to that point
-(`worker_slot_recovery`). A slot that cannot go on (a stage ran rounds the head never heard of, a piece is lost
-with two neighbouring stages, a rewind fails, or it made no progress since the recovery before) fails its
-requests with the reason; the others go on.
+(`worker_slot_recovery`). A slot that cannot go on from there (no replica is kept: `recovery="recompute"`, a
+stage ran rounds the head never heard of, a piece is lost with two neighbouring stages, a rewind fails) is lost:
+its rows go on in other slots from their prompts followed by the tokens they have (`ledger_slots._lose_slot`);
+one that made no progress since the recovery before fails its requests (the poison bound).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class SlotRecovery:
                 self.unopened.append(number)
                 continue
             if recovery.options.recovery != "replicas":
-                self.lost[number] = "continuous batching recovers from replicas only"
+                self.lost[number] = "recovery='recompute' keeps no replica of it"
                 continue
             ran = {layout.stages[index].name: int(paused[layout.stages[index].name].fields.get("slots", {})
                                                   .get(str(number), 0)) for index in survivors}
@@ -159,7 +160,7 @@ class SlotRecovery:
 
     def _lose(self, number: int, reason: str) -> None:
         if self.resumed.pop(number, None) is not None:
-            log.warning("%s: its requests fail", reason)
+            log.warning("%s: its requests go on from their prompts and the tokens they have", reason)
             self.lost[number] = reason
 
 
