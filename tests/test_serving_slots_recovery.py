@@ -157,3 +157,16 @@ def test_continuous_recompute_goes_on_with_every_row_of_a_lost_slot_exactly(layo
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
     _check_replayed(outcomes, streamed, prompts)
+
+
+@pytest.mark.slow
+def test_continuous_recompute_keeps_the_slots_of_living_token_stages_when_a_prompt_stage_dies() -> None:
+    """Disaggregated with recovery="recompute": the token stages hold every slot whole, so a dead prompt stage
+    loses none of them; they go on from their round (its groups are prefilled again)."""
+    outcomes, streamed, reports, prompts = _serve_and_kill(["prompt stage 0"], recovery="recompute", prompt_stages=1,
+                                                           token_stages=1)
+    assert [report.replaced for report in reports] == [["prompt stage 0"]]
+    assert reports[0].slots and not reports[0].lost, reports[0].describe()
+    assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+    assert not _went_on(outcomes)
+    _check_replayed(outcomes, streamed, prompts)

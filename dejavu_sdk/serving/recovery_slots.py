@@ -6,8 +6,10 @@ before passing it on), with the row change that the next round opens with alread
 slot there from its schedule (`slot_replicas.trace`): its rows, the pieces of the replica that hold their
 columns, and the group joining then. A replaced stage gets those pieces back (from the holder of its replicas,
 or from the shared replica store), and every decoding stage rewinds the slot to that point
-(`worker_slot_recovery`). A slot that cannot go on from there (no replica is kept: `recovery="recompute"`, a
-stage ran rounds the head never heard of, a piece is lost with two neighbouring stages, a rewind fails) is lost:
+(`worker_slot_recovery`); with no stage that holds it dead (a prompt stage died, a controller's successor takes
+over) it needs no replica. A slot that cannot go on from there (a decoding stage died and `recovery="recompute"`
+keeps no replica, a stage ran rounds the head never heard of, a piece is lost with two neighbouring stages, a
+rewind fails) is lost:
 its rows go on in other slots from their prompts followed by the tokens they have (`ledger_slots._lose_slot`);
 one that made no progress since the recovery before fails its requests (the poison bound).
 """
@@ -76,8 +78,8 @@ class SlotRecovery:
             if not batch.opened:
                 self.unopened.append(number)
                 continue
-            if recovery.options.recovery != "replicas":
-                self.lost[number] = "recovery='recompute' keeps no replica of it"
+            if recovery.options.recovery != "replicas" and recovery.dead & set(layout.decoding_stages()):
+                self.lost[number] = "recovery='recompute' keeps no replica of what the dead stages held"
                 continue
             ran = {layout.stages[index].name: int(paused[layout.stages[index].name].fields.get("slots", {})
                                                   .get(str(number), 0)) for index in survivors}
