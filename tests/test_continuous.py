@@ -17,7 +17,7 @@ from dejavu_sdk.generation.continuous import Continuous, check_batching, check_m
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.replay import replay
 from dejavu_sdk.generation.roundrobin import RoundRobin
-from dejavu_sdk.generation.slots import Round, SlotRows, check_full_attention, leave, stack
+from dejavu_sdk.generation.slots import Round, SlotRows, leave, stack
 from dejavu_sdk.swapping import kv_bytes_per_token, positions_needed
 
 FAMILIES = ["llama", "gpt2", "opt"]
@@ -253,22 +253,25 @@ def _sliding_qwen2():
     return Qwen2ForCausalLM(config).eval()
 
 
-def test_continuous_batching_refuses_sliding_window_layers() -> None:
-    for family in ("llama", "gpt2", "opt", "qwen2"):  # every layer attends to the whole sequence
-        check_full_attention(getattr(tiny_models, family)().config)
-    qwen2 = _sliding_qwen2()  # per-layer types, some sliding
-    mistral = tiny_models.mistral()  # one sliding window for every layer, and no layer types
-    assert mistral.config.sliding_window == 5
-    for model in (qwen2, mistral):
-        with pytest.raises(dv.ConfigError, match="sliding-window"):
-            check_full_attention(model.config)
-        with pytest.raises(dv.ConfigError, match="batching='static'"):
-            dv.DejaVuEngine(model).generate_many(expectations.prompts(6), 6, microbatch=2, batching="continuous",
-                                                 swapping=False)
-        with pytest.raises(dv.ConfigError):
-            Continuous(model)
-        # static microbatches still serve it
-        assert len(dv.DejaVuEngine(model).generate_many(expectations.prompts(2), 3, batching="static")) == 2
+@pytest.mark.parametrize("swapping", [False, True], ids=["unswapped", "swapped"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2-sliding"])
+def test_sliding_window_rows_joining_and_leaving_equal_generate_alone_and_their_replay(family, swapping) -> None:
+    """Sliding-window layers hold each slot's last positions only (Mistral: every layer, window 5; Qwen2: some
+    layers, window 4; the rows reach 12 positions): rows joining and leaving slots, their prompts chunked, each
+    get the tokens of `model.generate` alone (greedy) and of their schedule's replay (greedy and sampled)."""
+    model = tiny_models.mistral() if family == "mistral" else _sliding_qwen2()
+    assert any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
+    rules = RoundRobin(model).rules
+    for settings in ({}, SAMPLED):
+        results = dv.DejaVuEngine(model).generate_many(PROMPTS, LIMITS, microbatch=MICROBATCH, batching="continuous",
+                                                       max_prefill_tokens=MAX_PREFILL,
+                                                       kv_budget_bytes=_budget(model), swapping=swapping, **settings)
+        _assert_slots_were_refilled(results)
+        _assert_replayed(model, results, _decoding(bool(settings)))
+        if not settings:
+            for result, prompt, limit in zip(results, PROMPTS, LIMITS, strict=True):
+                want = expectations.expected(model, [[0]], [prompt], [limit], rules.pad, rules.eos)[0]
+                assert result.tokens.tolist() == want.tolist(), result.request
 
 
 # ---- 6. leave and stack ---------------------------------------------------------------------------------

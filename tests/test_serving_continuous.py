@@ -186,7 +186,7 @@ def llama_pipe(module_workers_import_tiny_models):
 # ---- 1. mixed layouts: every row equals its replay -------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize(("transport", "stages", "family"),
-                         [("tcp", 1, "llama"), ("tcp", 2, "llama"), ("gloo", 2, "gpt2")])
+                         [("tcp", 1, "llama"), ("tcp", 2, "llama"), ("gloo", 2, "gpt2"), ("tcp", 2, "mistral")])
 def test_rows_join_leave_and_prefill_in_chunks_and_each_equals_its_replay(request, transport, stages, family) -> None:
     if (transport, stages, family) == ("tcp", 2, "llama"):
         pipe = request.getfixturevalue("llama_pipe")
@@ -369,11 +369,6 @@ def test_batching_options_are_refused_before_any_process_starts(options, message
         Pipeline("tiny_models:llama", timeout=60, **options)
 
 
-def test_sliding_window_models_refuse_continuous_batching() -> None:
-    with pytest.raises(dv.ConfigError, match="sliding-window"):
-        Pipeline("tiny_models:mistral", stages=2, batching="continuous")
-
-
 @pytest.mark.parametrize(("model", "options", "batching"), [
     ("llama", {"stages": 2}, "continuous"),
     ("llama", {"stages": 1, "max_prefill_tokens": None}, "continuous"),
@@ -384,7 +379,7 @@ def test_sliding_window_models_refuse_continuous_batching() -> None:
     ("llama", {"stages": 1, "recovery": "auto"}, "continuous"),
     ("llama", {"stages": 2, "recovery": "replicas"}, "continuous"),
     ("llama", {"stages": 2, "recovery": "auto"}, "continuous"),
-    ("mistral", {"stages": 2}, "static"),
+    ("mistral", {"stages": 2}, "continuous"),
 ])
 def test_the_default_batching_is_continuous_where_the_layout_takes_it(model, options, batching) -> None:
     assert Pipeline(f"tiny_models:{model}", **options).batching == batching

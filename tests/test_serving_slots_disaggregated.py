@@ -41,7 +41,8 @@ def _replayed_exactly(family: str, prompts, results) -> None:
     ("llama", {"prompt_stages": 1, "token_stages": 1}, "tcp"),
     ("gpt2", {"prompt_stages": 1, "token_stages": 2}, "gloo"),
     ("llama", {"prompt_stages": 2, "token_stages": 2, "max_prefill_tokens": 6}, "tcp"),
-], ids=["llama-1P+1T-tcp", "gpt2-1P+2T-gloo", "llama-2P+2T-chunked-tcp"])
+    ("mistral", {"prompt_stages": 1, "token_stages": 2, "max_prefill_tokens": 6}, "tcp"),
+], ids=["llama-1P+1T-tcp", "gpt2-1P+2T-gloo", "llama-2P+2T-chunked-tcp", "mistral-sliding-1P+2T-chunked-tcp"])
 def test_groups_prefilled_by_the_prompt_pipeline_join_slots_and_every_row_equals_its_replay(family, layout,
                                                                                             transport) -> None:
     prompts = expectations.prompts(len(LIMITS), seed=31)

@@ -23,7 +23,7 @@ from .admission import Admission, Slot, row_bytes
 from .batching import Request, Result, left_pad
 from .decoding import TokenPicker, next_tokens
 from .roundrobin import RoundRobin
-from .slots import Joining, Round, SlotRows, check_full_attention, leave, stack
+from .slots import Joining, Round, SlotRows, leave, stack
 
 
 def check_max_prefill_tokens(value: Any) -> int | None:
@@ -85,7 +85,6 @@ class Continuous(RoundRobin):
 
     def __init__(self, model: Any, *, max_prefill_tokens: int | None = None, **options: Any) -> None:
         super().__init__(model, **options)
-        check_full_attention(model.config)
         self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         self._requests: dict[int, Request] = {}
         self._generated: dict[int, list[int]] = {}

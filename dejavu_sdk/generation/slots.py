@@ -1,7 +1,9 @@
 """Continuous batching's slot: a microbatch whose rows come and go between steps.
 
 A slot's rows share one KV cache, left-padded: each row's positions sit at the right of the cache and its
-mask is 0 over its padding. A slot lives in rounds, and each round runs, in this order:
+mask is 0 over its padding. A sliding-window layer holds only the cache's last positions (its window), and
+counts every column: since every row ends at the cache's right edge, its last columns are each row's last
+positions, and its window is each row's own. A slot lives in rounds, and each round runs, in this order:
 1. `left`: rows that ended at the round before leave; their rows of the cache, mask and positions go, and so
    do the leading columns that are padding for every row still there (the cache is compacted);
 2. `joined`: a group of requests whose prompts were prefilled together (left-padded to each other) and
@@ -89,19 +91,6 @@ class SlotRows:
         return self.mask, self.positions
 
 
-def full_attention(config: Any) -> bool:
-    """Whether every layer of a model of `config` attends to the whole sequence: sliding-window layers keep only
-    the window in their caches, which stacking rows of different lengths would misalign."""
-    return not any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=config).layers)
-
-
-def check_full_attention(config: Any) -> None:
-    """ConfigError for a model with sliding-window layers (`full_attention`)."""
-    if not full_attention(config):
-        raise ConfigError("continuous batching needs every layer to attend to the whole sequence; this model has "
-                          "sliding-window layers: use batching='static'")
-
-
 def leave(cache: DynamicCache, rows: SlotRows, leaving: Sequence[int]) -> SlotRows:
     """Drop the rows of the requests `leaving` from the cache (in place) and the rows, then the leading columns
     that are padding for every row kept."""
@@ -113,8 +102,12 @@ def leave(cache: DynamicCache, rows: SlotRows, leaving: Sequence[int]) -> SlotRo
     trim = int((mask == 0).all(0).long().cumprod(0).sum()) if keep else mask.shape[1]
     index = torch.tensor(keep, dtype=torch.long)
     for layer in kv_layers(cache):
-        layer.keys = layer.keys[index.to(layer.keys.device), :, trim:].contiguous()
-        layer.values = layer.values[index.to(layer.values.device), :, trim:].contiguous()
+        start = trim
+        if getattr(layer, "is_sliding", False):  # it holds the last positions only, and counts them all
+            layer.cumulative_length -= trim
+            start = max(0, layer.keys.shape[2] - layer.cumulative_length)
+        layer.keys = layer.keys[index.to(layer.keys.device), :, start:].contiguous()
+        layer.values = layer.values[index.to(layer.values.device), :, start:].contiguous()
     return SlotRows([rows.members[row] for row in keep], mask[:, trim:].contiguous(), rows.positions[keep])
 
 
@@ -126,11 +119,18 @@ def stack(cache: DynamicCache, rows: SlotRows, group: DynamicCache, group_rows: 
             if not layer.is_initialized:
                 layer.lazy_initialization(joining.keys, joining.values)
             layer.keys, layer.values = joining.keys, joining.values
+            if getattr(layer, "is_sliding", False):
+                layer.cumulative_length = joining.cumulative_length
         return SlotRows(list(group_rows.members), group_rows.mask, group_rows.positions)
     length = max(rows.mask.shape[1], group_rows.mask.shape[1])
     for layer, joining in zip(kv_layers(cache), kv_layers(group), strict=True):
-        layer.keys = torch.cat([_left_pad(layer.keys, length), _left_pad(joining.keys, length)])
-        layer.values = torch.cat([_left_pad(layer.values, length), _left_pad(joining.values, length)])
+        # A sliding-window layer holds each side's last positions (at most its window): both are right-aligned
+        # with the mask's columns, so left-padding them to the longer keeps every row's window exact.
+        held = max(layer.keys.shape[2], joining.keys.shape[2]) if getattr(layer, "is_sliding", False) else length
+        layer.keys = torch.cat([_left_pad(layer.keys, held), _left_pad(joining.keys, held)])
+        layer.values = torch.cat([_left_pad(layer.values, held), _left_pad(joining.values, held)])
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = length
     mask = torch.cat([_left_pad(rows.mask, length), _left_pad(group_rows.mask, length)])
     return SlotRows([*rows.members, *group_rows.members], mask, torch.cat([rows.positions, group_rows.positions]))
 

@@ -25,7 +25,6 @@ from ..errors import ConfigError
 from ..generation.adapters import adapter_for
 from ..generation.continuous import check_batching, check_max_prefill_tokens
 from ..generation.decoding import TokenRules
-from ..generation.slots import full_attention
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
@@ -213,7 +212,7 @@ class PipelineOptions:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         rules = TokenRules.of(reference)
-        chosen_batching = check_pipeline_batching(batching, reference)
+        chosen_batching = check_pipeline_batching(batching)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
@@ -225,15 +224,11 @@ class PipelineOptions:
                    float(orphan_timeout), float(progress_timeout))
 
 
-def check_pipeline_batching(batching: Any, model: Any) -> str:
-    """The pipeline's batching: continuous unless asked for static, or (left unset) where it does not apply yet;
-    ConfigError when continuous is asked for there."""
+def check_pipeline_batching(batching: Any) -> str:
+    """The pipeline's batching: continuous unless asked for static."""
     if batching is not None:
         check_batching(batching)
-    why = "sliding-window attention layers" if not full_attention(model.config) else None
-    if batching == "continuous" and why is not None:
-        raise ConfigError(f"batching='continuous' does not cover {why} yet: use batching='static'")
-    return "static" if why is not None or batching == "static" else "continuous"
+    return "static" if batching == "static" else "continuous"
 
 
 def check_body_limit(max_body_bytes: Any) -> int:
