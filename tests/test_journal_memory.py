@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from stub_served import TOKEN, StubModel, serving
 
+from dejavu_sdk.controller import run_book
 from dejavu_sdk.controller.journal import Journal, JournalState
 from dejavu_sdk.controller.limits import ApiLimits
-from dejavu_sdk.controller import run_book
 
 CLIENT = str(Path(__file__).parent / "load_client.py")
 MIB = 1 << 20

@@ -10,7 +10,6 @@ import pytest
 import tiny_models
 import torch
 
-import dejavu_sdk as dv
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.replay import replay
