@@ -153,7 +153,8 @@ def test_continuous_recompute_goes_on_with_every_row_of_a_lost_slot_exactly(layo
     and streamed each token once."""
     outcomes, streamed, reports, prompts = _serve_and_kill([victim], recovery="recompute", **layout)
     assert [report.replaced for report in reports] == [[victim]]
-    assert reports[0].lost and not reports[0].slots, reports[0].describe()
+    assert reports[0].lost, reports[0].describe()
+    assert not reports[0].slots, reports[0].describe()
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
     _check_replayed(outcomes, streamed, prompts)
@@ -166,7 +167,8 @@ def test_continuous_recompute_keeps_the_slots_of_living_token_stages_when_a_prom
     outcomes, streamed, reports, prompts = _serve_and_kill(["prompt stage 0"], recovery="recompute", prompt_stages=1,
                                                            token_stages=1)
     assert [report.replaced for report in reports] == [["prompt stage 0"]]
-    assert reports[0].slots and not reports[0].lost, reports[0].describe()
+    assert reports[0].slots, reports[0].describe()
+    assert not reports[0].lost, reports[0].describe()
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert not _went_on(outcomes)
     _check_replayed(outcomes, streamed, prompts)
