@@ -158,3 +158,12 @@ def long_llama() -> Any:
     """A llama of 12 random layers with a context of 8,192 positions, whose prefill of an 8,000-token prompt takes
     seconds on a CPU (a fraction of a second each layer): long work, to tell from a stage that is stuck."""
     return random_llama(layers=12, max_positions=8192)
+
+
+def qwen2_sliding() -> Any:
+    """A Qwen2 whose later layers attend through a sliding window of 4 positions and whose first attends to the
+    whole sequence: a family that mixes both kinds of layers (as Gemma and gpt-oss alternate them)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(**SMALL, intermediate_size=128, num_key_value_heads=2, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1, initializer_range=0.2, pad_token_id=0)
+    return Qwen2ForCausalLM(config).eval()
