@@ -266,3 +266,20 @@ def test_a_connection_on_a_descriptor_past_1024_knows_whether_its_peer_closed() 
         assert channel.closed_by_peer()
     finally:
         channel.close()
+
+
+def test_a_server_that_stops_while_peers_are_connected_warns_of_nothing(caplog) -> None:
+    """Stopping closes the connections its workers read from: that ends no request of a peer's, and a server
+    whose connections sat idle past `idle_timeout` closed them in the normal course: no warning either."""
+    caplog.set_level(logging.INFO, logger="dejavu_sdk.transports")
+    with dv.serve("tcp://127.0.0.1:0", "memory://", idle_timeout=0.3) as server:
+        links = [open_transport(server.url, timeout=10) for _ in range(3)]
+        for number, link in enumerate(links):
+            link.flush(dv.BlockKey(f"req-{number}", layers=(0, 1), tokens=(0, 1)), torch.ones(1))
+        time.sleep(0.6)  # past the idle timeout: the server closes the idle ones
+        links[0].flush(dv.BlockKey("again", layers=(0, 1), tokens=(0, 1)), torch.ones(1))  # reopened
+    for link in links:
+        link.close()
+    noisy = [record.getMessage() for record in caplog.records if record.levelno >= logging.INFO
+             and ("mid-request" in record.getMessage() or "sent no request" in record.getMessage())]
+    assert noisy == []

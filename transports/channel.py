@@ -441,6 +441,7 @@ class ChannelServer(Server):
         #: Seconds a transfer waits for room in the budget before ServerBusy.
         self.room_wait = ROOM_WAIT if options.timeout is None else min(ROOM_WAIT, options.timeout)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
+        self._stopping = False  # set as the server stops: the connections it closes then end no request of theirs
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=options.inbox_size)
         self._connections = 0
         self._connections_lock = threading.Lock()
@@ -485,9 +486,11 @@ class ChannelServer(Server):
         """Log why serving `channel` stopped (telling a peer that broke the protocol why, if it still listens)."""
         if isinstance(error, PeerClosed):
             self.log.info("%s disconnected", channel.peer)
-        elif isinstance(error, IdleTimeout):
-            self.log.info("%s sent no request for %s s: closing its connection", channel.peer,
-                          self.options.idle_timeout)
+        elif isinstance(error, IdleTimeout):  # it reconnects when it has something to send: nothing to say
+            self.log.debug("%s sent no request for %s s: closing its connection", channel.peer,
+                           self.options.idle_timeout)
+        elif self._stopping and isinstance(error, TransportError):  # this server closed it, stopping
+            self.log.debug("closed the connection of %s as the server stops", channel.peer)
         elif isinstance(error, (ProtocolError, CorruptBlock)):
             self.log.warning("dropping %s: %s", channel.peer, error)
             with contextlib.suppress(TransportError):

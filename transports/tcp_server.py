@@ -315,7 +315,7 @@ class TcpServer(ChannelServer):
         idle, timeout = self.options.idle_timeout, self.options.timeout
         for connection in list(self._open):
             if connection.phase is _Phase.IDLE and idle is not None and now - connection.since > idle:
-                self.log.info("%s sent no request for %s s: closing its connection", connection.peer, idle)
+                self.log.debug("%s sent no request for %s s: closing its connection", connection.peer, idle)
                 self._close(connection)
             elif connection.phase is _Phase.SENDING and timeout is not None and now - connection.since > timeout:
                 self.log.warning("dropping %s: it did not read its reply within %s s", connection.peer, timeout)
