@@ -86,11 +86,11 @@ def _wait(condition, seconds: float, what: str) -> None:
 @pytest.mark.parametrize("batching", ["static", "continuous"])
 def test_a_large_request_takes_turns_and_a_greedy_one_beside_it_gets_its_first_token_about_as_soon_as_alone(
         workers_import_tiny_models, smollm2_tokenizer, batching) -> None:
-    """Static microbatches (the one-stage default) and continuous slots alike. The greedy request is sent as the
+    """Static microbatches and continuous slots alike. The greedy request is sent as the
     large one's first tokens are out: it does not wait for the large one's microbatch to end (16 steps), nor for
     its 124 waiting choices (a seed each, yet one submission, which takes one turn at a time); it gets a
     microbatch beside it, after at most the large one's step in flight."""
-    options = {"batching": "continuous", "recovery": None} if batching == "continuous" else {}
+    options = {"batching": batching, "recovery": None if batching == "continuous" else "auto"}
     with dv.Controller(MODEL, tokenizer=smollm2_tokenizer, **SERVER, **options) as controller:
         assert controller.pipeline.batching == batching
         client = _client(controller)
