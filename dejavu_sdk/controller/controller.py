@@ -202,23 +202,18 @@ class Controller:
         return futures
 
     def health(self) -> tuple[str, str]:
-        pipeline = self.pipeline
+        """("serving" | "degraded" | "starting" | "recovering" | "draining" | "failed" | "journal_failed", why)."""
         if self._draining:
             return "draining", "the server is shutting down: it finishes the requests it has and takes no new ones"
-        if pipeline.ledger.failure is not None:
-            return "failed", f"the pipeline failed: {pipeline.ledger.failure}"
-        if pipeline.closed:
-            return "failed", "the pipeline is closed"
-        if not pipeline.running:
-            return "starting", "the stage workers are starting"
+        state, why = self.pipeline.health()
+        if state in ("failed", "starting"):
+            return state, why
         if self._adopting:
             return "starting", "taking over the requests of the journal"
         journal = None if self.journal is None else self.journal.health()
         if journal is not None:
             return journal
-        if pipeline.recovering:
-            return "recovering", "a failed stage is being replaced; requests wait for it"
-        return "serving", ""
+        return (state, why) if state == "recovering" else ("serving", "")
 
     def waiting(self) -> int:
         return self.pipeline.waiting()
