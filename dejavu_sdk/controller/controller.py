@@ -314,7 +314,7 @@ class Controller:
         assert self._loop is not None
         assert self._app is not None
         runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
-            adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
+            adopt(self._app, inherited), self._loop).result(ADOPT_TIMEOUT)
         going = [run for run in runs if run.outcome is None]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
         found = JournalState() if self.journal is None else self.journal.found
