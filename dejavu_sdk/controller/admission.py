@@ -28,11 +28,10 @@ from .api_errors import ApiError
 from .journal import JournaledRequest
 from .limits import ApiLimits
 from .openai_requests import GenerationRequest
+from .openai_responses import shape_of
 from .runs import Run
 from .served_model import ServedModel
 
-#: The argument that carries a request's prompt, by the API it came in by.
-_PROMPTS = {"completion": "prompt", "chat": "messages"}
 #: Seconds between looks at whether the stage workers have started, while a request waits for them.
 STARTING_POLL = 0.05
 
@@ -68,7 +67,7 @@ class AdmissionPolicy:
             raise
         except RequestTooLarge as error:  # never queued: it would wait for ever
             self.backend.metrics.requests.labels("bad_request").inc()
-            param = "max_tokens" if error.most_new_tokens is not None else _PROMPTS[generation.kind]
+            param = "max_tokens" if error.most_new_tokens is not None else shape_of(generation.kind).prompt_argument
             raise ApiError(400, f"{error}; each choice is a row of its own", code="kv_budget_exceeded",
                            param=param) from None
         except ConfigError as error:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import logging
 import re
 import time
@@ -65,11 +64,13 @@ from aiohttp import web
 from .._version import __version__
 from ..errors import ConfigError, quoted
 from .admission import AdmissionPolicy
+from .answers import respond, stream
 from .bodies import json_body
 from .journal import JournaledRequest
 from .limits import ApiLimits
 from .metrics import CONTENT_TYPE
 from .openai_requests import ApiError, GenerationRequest, parse_chat, parse_completion
+from .openai_responses import snapshot
 from .owners import Tokens, owns
 from .run_book import RunBook
 from .runs import Run
@@ -201,17 +202,11 @@ async def _generate(request: web.Request, backend: ServedModel, door: AdmissionP
     exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
     watch = door.watch(run)
     try:
-        headers = {"X-Request-Id": exchange.request_id}
-        if generation.stream:
-            return await run.stream(request, headers)
-        answer = await run.complete()
-        body = await loop.run_in_executor(text_threads, json.dumps, answer)  # megabytes with n choices' log-probs
-        return web.Response(text=body, content_type="application/json", headers=headers)
+        return await respond(run, request, {"X-Request-Id": exchange.request_id}, text_threads)
     finally:
         watch.cancel()
-        if backend.journal is None:  # nothing computes for nobody; with a journal, the client may resume it
-            run.cancel("%s ended before its answer was complete (the client left)")
-        exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
+        run.detach()
+        exchange.generated_tokens = run.generated()
 
 
 def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Transcript:
@@ -236,7 +231,7 @@ def _owned(book: RunBook, request_id: str) -> Transcript | None:
 
 async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
     """A running or recently ended request: its status and each choice's text and tokens so far."""
-    return web.json_response(_run(request, backend, book).snapshot())
+    return web.json_response(snapshot(_run(request, backend, book)))
 
 
 async def _request_stream(request: web.Request, backend: ServedModel, book: RunBook) -> web.StreamResponse:
@@ -245,7 +240,7 @@ async def _request_stream(request: web.Request, backend: ServedModel, book: RunB
     run = _run(request, backend, book)
     last = request.headers.get("Last-Event-ID")
     after = None if last is None else run.positions_of(last)
-    return await run.stream(request, {"X-Request-Id": _EXCHANGE.get().request_id}, after)
+    return await stream(run, request, {"X-Request-Id": _EXCHANGE.get().request_id}, after)
 
 
 async def adopt(app: web.Application, requests: Sequence[JournaledRequest]) -> list[Run]:

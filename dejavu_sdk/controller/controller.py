@@ -315,7 +315,7 @@ class Controller:
         assert self._app is not None
         runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
             adopt(self._app, inherited), self._loop).result(ADOPT_TIMEOUT)
-        going = [run for run in runs if run.outcome is None]
+        going = [run for run in runs if not run.state.ended]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
         found = JournalState() if self.journal is None else self.journal.found
         report = self.pipeline.take_over(found.microbatches, found.slots, functools.partial(stand_in, found))
@@ -327,7 +327,7 @@ class Controller:
                                   for run in going if over[run.id]},
                                  {run.id: sum(len(run.known[index]) for index in again[run.id])
                                   for run in going if any(run.known[index] for index in again[run.id])},
-                                 [run.id for run in runs if run.outcome is not None])
+                                 [run.id for run in runs if run.state.ended])
         if going:
             log.warning("took over %d requests from the journal, %d from the caches their predecessor's stages "
                         "held; %d tokens it held are computed again from their prompts: %s", len(going),
