@@ -50,28 +50,31 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
 
 import attrs
 from aiohttp import web
 
 from .._version import __version__
-from ..errors import ConfigError, DejaVuError, RequestTooLarge, quoted
+from ..errors import ConfigError, quoted
+from .admission import AdmissionPolicy
+from .answers import respond, stream
 from .bodies import json_body
-from .journal import Journal, JournaledRequest
+from .journal import JournaledRequest
 from .limits import ApiLimits
-from .metrics import CONTENT_TYPE, ControllerMetrics
-from .openai_requests import ApiError, Choice, GenerationRequest, parse_chat, parse_completion
+from .metrics import CONTENT_TYPE
+from .openai_requests import ApiError, GenerationRequest, parse_chat, parse_completion
+from .openai_responses import snapshot
 from .owners import Tokens, owns
 from .run_book import RunBook
 from .runs import Run
+from .served_model import ServedModel
 from .text_routes import detokenize, tokenize, tokenizer_info
 from .transcripts import Transcript
 
@@ -82,11 +85,8 @@ access_log = logging.getLogger("dejavu_sdk.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: Paths answered without a token, and those that take the workers' token (and no client token).
 OPEN_PATHS, WORKER_PATHS = ("/health", "/version"), ("/v1/workers",)
-#: Where an app keeps its runs, and the threads that run's text and admission use.
-BOOK = web.AppKey("book", RunBook)
-TEXT_THREADS, ADMISSION = web.AppKey("text_threads", ThreadPoolExecutor), web.AppKey("admission", ThreadPoolExecutor)
-#: The argument that carries a request's prompt, by the API it came in by.
-_PROMPTS = {"completion": "prompt", "chat": "messages"}
+#: Where an app keeps its runs, and its admission policy.
+BOOK, DOOR = web.AppKey("book", RunBook), web.AppKey("door", AdmissionPolicy)
 
 
 @attrs.define
@@ -101,43 +101,6 @@ class _Exchange:
 
 
 _EXCHANGE: contextvars.ContextVar[_Exchange] = contextvars.ContextVar("dejavu_exchange")
-
-
-class ServedModel(Protocol):
-    """What the API serves from (the `Controller`)."""
-
-    model_id: str
-    tokenizer: Any | None
-    context: int | None
-    eos: list[int]
-    metrics: ControllerMetrics
-    journal: Journal | None
-
-    @property
-    def names(self) -> Sequence[str]: ...
-
-    def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
-               on_logprobs: Callable[[int, Any], None] | None = None,
-               tags: Sequence[Any] | None = None) -> list[Future[Any]]: ...
-
-    def health(self) -> tuple[str, str]:
-        """("serving" | "degraded" | "starting" | "recovering" | "draining" | "failed" | "journal_failed", why)."""
-
-    def waiting(self) -> int:
-        """Choices waiting to start."""
-
-    def none_started(self, futures: Sequence[Future[Any]]) -> bool:
-        """Whether none of `futures`' requests has started (nor ended)."""
-
-    def started_at(self, future: Future[Any]) -> float | None: ...
-
-    def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
-        """The serving layout and what it took over from a journal (the request ids `readable` says a caller may
-        know of; None: every one)."""
-
-    @property
-    def join_url(self) -> str:
-        """Where stage workers join the pipeline's head (a transport URL)."""
 
 
 def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, limits: ApiLimits) -> web.Application:
@@ -173,9 +136,9 @@ def build_app(backend: ServedModel, tokens: Collection[str], worker_token: str, 
     app = web.Application(middlewares=[guard], client_max_size=limits.max_body_bytes)
     app.on_cleanup.append(on_cleanup)
     book = RunBook(limits.keep_finished)
-    app[BOOK], app[TEXT_THREADS], app[ADMISSION] = book, text_threads, admission
-    generate = functools.partial(_generate, backend=backend, limits=limits, text_threads=text_threads,
-                                 admission=admission, book=book)
+    door = AdmissionPolicy(backend, limits, text_threads, admission)
+    app[BOOK], app[DOOR] = book, door
+    generate = functools.partial(_generate, backend=backend, door=door, text_threads=text_threads, book=book)
     app.router.add_post("/v1/completions", functools.partial(generate, parse=parse_completion))
     app.router.add_post("/v1/chat/completions", functools.partial(generate, parse=parse_chat))
     app.router.add_get("/v1/requests/{id}", functools.partial(_request_now, backend=backend, book=book))
@@ -222,71 +185,28 @@ async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _error(500, "internal error; the controller's log says more", "server_error")
 
 
-async def _generate(request: web.Request, backend: ServedModel, limits: ApiLimits, text_threads: Executor,
-                    admission: Executor, book: RunBook,
-                    parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
-    """A completions or chat request: checked and tokenized off the loop, admitted once the pipeline serves
-    (bounded by the queue timeout), answered whole or streamed."""
+async def _generate(request: web.Request, backend: ServedModel, door: AdmissionPolicy, text_threads: Executor,
+                    book: RunBook, parse: Callable[[Any, ServedModel, int], GenerationRequest]) -> web.StreamResponse:
+    """A completions or chat request: checked and tokenized off the loop, let in by the admission policy,
+    answered whole or streamed."""
     loop, exchange = asyncio.get_running_loop(), _EXCHANGE.get()
     try:
         body = await json_body(request)
-        generation = await loop.run_in_executor(text_threads, parse, body, backend, limits.max_prompts)
+        generation = await loop.run_in_executor(text_threads, parse, body, backend, door.limits.max_prompts)
         generation = attrs.evolve(generation, owner=exchange.owner)  # its caller's alone
     except ApiError:
         backend.metrics.requests.labels("bad_request").inc()
         raise
-    state, why = await _until_serving(backend, limits.queue_timeout)
-    if state == "journal_failed":
-        raise ApiError(503, f"the server takes no new requests: {why}", "server_error", "journal_failed", 5.0)
-    if state != "serving":
-        raise ApiError(503, f"the server is {state}: {why}", "server_error", f"server_{state}", 5.0)
-    if len(generation.choices) > limits.max_waiting:
-        raise ApiError(400, f"{len(generation.choices)} choices is more than the {limits.max_waiting} this server "
-                       "queues at all (--max-waiting)")
-    if backend.waiting() + len(generation.choices) > limits.max_waiting:
-        raise ApiError(429, f"{backend.waiting()} choices are waiting already, and this server queues at most "
-                       f"{limits.max_waiting} (--max-waiting): try again later", "rate_limit_error",
-                       "queue_full", 1.0)
-    submitted = loop.run_in_executor(admission, Run, backend, generation, loop, text_threads, admission)
-    try:
-        run = await asyncio.shield(submitted)
-    except asyncio.CancelledError:  # the client left while its request was being queued: take it off again
-        submitted.add_done_callback(_cancel_when_submitted)
-        raise
-    except RequestTooLarge as error:  # never queued: it would wait for ever
-        backend.metrics.requests.labels("bad_request").inc()
-        param = "max_tokens" if error.most_new_tokens is not None else _PROMPTS[generation.kind]
-        raise ApiError(400, f"{error}; each choice is a row of its own", code="kv_budget_exceeded",
-                       param=param) from None
-    except ConfigError as error:
-        backend.metrics.requests.labels("bad_request").inc()
-        raise ApiError(400, str(error)) from None
-    except DejaVuError as error:  # the pipeline failed or closed meanwhile
-        raise ApiError(503, f"the serving pipeline cannot take requests: {error}", "server_error",
-                       "pipeline_failed", 5.0) from None
-    run.start()
+    run = await door.admit(generation)
     book.add(run)
     exchange.prompt_tokens = sum(len(ids) for ids in generation.prompts)
-    watch = loop.create_task(_queue_timeout(run, backend, limits.queue_timeout, admission))
+    watch = door.watch(run)
     try:
-        headers = {"X-Request-Id": exchange.request_id}
-        if generation.stream:
-            return await run.stream(request, headers)
-        answer = await run.complete()
-        body = await loop.run_in_executor(text_threads, json.dumps, answer)  # megabytes with n choices' log-probs
-        return web.Response(text=body, content_type="application/json", headers=headers)
+        return await respond(run, request, {"X-Request-Id": exchange.request_id}, text_threads)
     finally:
         watch.cancel()
-        if backend.journal is None:  # nothing computes for nobody; with a journal, the client may resume it
-            run.cancel("%s ended before its answer was complete (the client left)")
-        exchange.generated_tokens = sum(len(state.tokens) for state in run.states)
-
-
-def _cancel_when_submitted(submitted: asyncio.Future[Run]) -> None:
-    if not submitted.cancelled() and submitted.exception() is None:
-        run = submitted.result()
-        run.start()  # its end is counted (and journaled) as any run's
-        run.cancel("a client left %s while it was being queued")
+        run.detach()
+        exchange.generated_tokens = run.generated()
 
 
 def _run(request: web.Request, backend: ServedModel, book: RunBook) -> Transcript:
@@ -311,7 +231,7 @@ def _owned(book: RunBook, request_id: str) -> Transcript | None:
 
 async def _request_now(request: web.Request, backend: ServedModel, book: RunBook) -> web.Response:
     """A running or recently ended request: its status and each choice's text and tokens so far."""
-    return web.json_response(_run(request, backend, book).snapshot())
+    return web.json_response(snapshot(_run(request, backend, book)))
 
 
 async def _request_stream(request: web.Request, backend: ServedModel, book: RunBook) -> web.StreamResponse:
@@ -320,39 +240,18 @@ async def _request_stream(request: web.Request, backend: ServedModel, book: RunB
     run = _run(request, backend, book)
     last = request.headers.get("Last-Event-ID")
     after = None if last is None else run.positions_of(last)
-    return await run.stream(request, {"X-Request-Id": _EXCHANGE.get().request_id}, after)
+    return await stream(run, request, {"X-Request-Id": _EXCHANGE.get().request_id}, after)
 
 
-async def adopt(app: web.Application, backend: ServedModel, requests: Sequence[JournaledRequest]) -> list[Run]:
+async def adopt(app: web.Application, requests: Sequence[JournaledRequest]) -> list[Run]:
     """Go on with the requests a predecessor's journal holds (on this app's loop): each kept as a run of this
     controller under its own id, its unended choices computed again from their prompts."""
-    loop, book = asyncio.get_running_loop(), app[BOOK]
     runs = []
     for journaled in requests:
-        run = await loop.run_in_executor(app[ADMISSION], functools.partial(
-            Run, backend, journaled.request(), loop, app[TEXT_THREADS], app[ADMISSION], adopted=journaled))
-        run.start()
-        book.add(run)
+        run = await app[DOOR].adopt(journaled)
+        app[BOOK].add(run)
         runs.append(run)
     return runs
-
-
-async def _until_serving(backend: ServedModel, timeout: float) -> tuple[str, str]:
-    """Wait (on the loop, holding no thread) while the workers start, up to `timeout` seconds; the state then.
-    Requests sent during a recovery are queued: they wait in the pipeline; degraded, they are served."""
-    deadline = time.monotonic() + timeout
-    state, why = backend.health()
-    while state == "starting" and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        state, why = backend.health()
-    return ("serving", why) if state in ("recovering", "degraded") else (state, why)
-
-
-async def _queue_timeout(run: Run, backend: ServedModel, timeout: float, admission: Executor) -> None:
-    """Cancel a request none of whose choices has started after `timeout` seconds: its answer is a 503."""
-    await asyncio.sleep(timeout)
-    if await asyncio.get_running_loop().run_in_executor(admission, backend.none_started, run.futures):
-        run.time_out(f"it waited {timeout:.0f} s (--queue-timeout) without starting")
 
 
 async def _models(_: web.Request, backend: ServedModel) -> web.Response:

@@ -202,23 +202,18 @@ class Controller:
         return futures
 
     def health(self) -> tuple[str, str]:
-        pipeline = self.pipeline
+        """("serving" | "degraded" | "starting" | "recovering" | "draining" | "failed" | "journal_failed", why)."""
         if self._draining:
             return "draining", "the server is shutting down: it finishes the requests it has and takes no new ones"
-        if pipeline.ledger.failure is not None:
-            return "failed", f"the pipeline failed: {pipeline.ledger.failure}"
-        if pipeline.closed:
-            return "failed", "the pipeline is closed"
-        if not pipeline.running:
-            return "starting", "the stage workers are starting"
+        state, why = self.pipeline.health()
+        if state in ("failed", "starting"):
+            return state, why
         if self._adopting:
             return "starting", "taking over the requests of the journal"
         journal = None if self.journal is None else self.journal.health()
         if journal is not None:
             return journal
-        if pipeline.recovering:
-            return "recovering", "a failed stage is being replaced; requests wait for it"
-        return "serving", ""
+        return (state, why) if state == "recovering" else ("serving", "")
 
     def waiting(self) -> int:
         return self.pipeline.waiting()
@@ -319,8 +314,8 @@ class Controller:
         assert self._loop is not None
         assert self._app is not None
         runs = [] if not inherited else asyncio.run_coroutine_threadsafe(
-            adopt(self._app, self, inherited), self._loop).result(ADOPT_TIMEOUT)
-        going = [run for run in runs if run.outcome is None]
+            adopt(self._app, inherited), self._loop).result(ADOPT_TIMEOUT)
+        going = [run for run in runs if not run.state.ended]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
         found = JournalState() if self.journal is None else self.journal.found
         report = self.pipeline.take_over(found.microbatches, found.slots, functools.partial(stand_in, found))
@@ -332,7 +327,7 @@ class Controller:
                                   for run in going if over[run.id]},
                                  {run.id: sum(len(run.known[index]) for index in again[run.id])
                                   for run in going if any(run.known[index] for index in again[run.id])},
-                                 [run.id for run in runs if run.outcome is not None])
+                                 [run.id for run in runs if run.state.ended])
         if going:
             log.warning("took over %d requests from the journal, %d from the caches their predecessor's stages "
                         "held; %d tokens it held are computed again from their prompts: %s", len(going),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -67,4 +68,32 @@ class ControllerMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["CONTENT_TYPE", "ControllerMetrics"]
+class RequestTimes:
+    """One request's times, observed into `metrics`: from its arrival (`started`) to each choice's start, to its
+    first token and to its end, and between each choice's tokens."""
+
+    def __init__(self, metrics: ControllerMetrics) -> None:
+        self.metrics, self.started = metrics, time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: dict[int, float] = {}  # each choice's last arrival
+
+    def choice_started(self, when: float | None) -> None:
+        """A choice left the waiting queue at `when` (`time.monotonic()`; None: unknown)."""
+        if when is not None:
+            self.metrics.queue_time.observe(max(0.0, when - self.started))
+
+    def arrived(self, index: int, tokens: int) -> None:
+        """Choice `index`'s next `tokens` arrived (tokens that arrive together share the time since its last)."""
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.first_token.observe(now - self.started)
+        if index in self.last_token:
+            self.metrics.inter_token.observe((now - self.last_token[index]) / tokens)
+        self.last_token[index] = now
+
+    def ended(self) -> None:
+        self.metrics.latency.observe(time.monotonic() - self.started)
+
+
+__all__ = ["CONTENT_TYPE", "ControllerMetrics", "RequestTimes"]

@@ -1,61 +1,38 @@
 """What a request sent its clients, as updates with their positions (`Transcript`): streamed again to any client
 that resumes it (`GET /v1/requests/<id>/stream`, past its `Last-Event-ID`) and shown by `GET /v1/requests/<id>`.
 
-A running request (`runs.Run`) writes its transcript as it goes; once it ended, the API keeps the transcript alone
-(`Run.kept()`: no request, prompts, text state nor futures), so an ended request costs what it sent, nothing more.
+A running request (`runs.Run`) writes its transcript as it goes (`append`, then `close`); once it ended, the API
+keeps the transcript alone (`Run.kept()`: no request, prompts, text state nor futures), so an ended request costs
+what it sent, nothing more. How it goes out over HTTP is answers.py's; its shapes are openai_responses.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import attrs
-from aiohttp import web
 
 from ..errors import quoted
-from .openai_requests import ApiError
+from .api_errors import ApiError
+from .request_state import RequestState, Update
 
-#: The response header that names a streamed request (its resumable id) before its first event.
-REQUEST_HEADER = "X-Dejavu-Request-Id"
 #: A position of a `Last-Event-ID`: ASCII digits alone (no sign, underscore or other script's digits).
 POSITION = re.compile(r"[0-9]{1,18}")
 
-
-@attrs.frozen
-class Update:
-    """New text and tokens of choice `index` (with their log-probabilities, in the API's shape, where asked);
-    `finish` set on its last. `position`: the choice's tokens through this update, and its end as one more."""
-
-    index: int
-    text: str
-    tokens: list[int]
-    finish: str | None
-    logprobs: dict[str, Any] | None = None
-    position: int = 0
-
-    def past(self, delivered: int) -> Update:
-        """What of this update a client that has `delivered` positions of its choice has not had: all of it, or
-        (a position inside it, which a client can only name after an update of another controller) the tokens
-        and end past it, without text."""
-        first = self.position - len(self.tokens) - (self.finish is not None)
-        if delivered <= first:
-            return self
-        return attrs.evolve(self, text="", tokens=self.tokens[delivered - first:], logprobs=None)
+__all__ = ["POSITION", "Transcript", "Update"]
 
 
 class Transcript:
-    """Request `id`'s updates so far (`log`), what ended it (`error`, None: it ended well; `outcome`: ok, failed,
-    cancelled, timed out), and whether it ended (`over`); `kind` (completion or chat), the model name it was
-    answered with, whether its stream ends with the usage, its number of choices and of prompt tokens, and the owner
-    id of the client token that made it (`owners`). `live`: it may change yet (a run writes it), and followers wait
-    for what comes."""
+    """Request `id`'s updates so far (`log`), its `state` (running, or how it ended) and the error it failed with
+    (`error`), and whether its log is complete (`over`: no update comes any more); `kind` (completion or chat), the
+    model name it was answered with, whether its stream ends with the usage, its number of choices and of prompt
+    tokens, and the owner id of the client token that made it (`owners`). `live`: it may change yet (a run writes
+    it), and followers wait for what comes."""
 
-    __slots__ = ("_changed", "choices", "created", "error", "id", "include_usage", "kind", "log", "model", "outcome",
-                 "over", "owner", "prompt_tokens")
+    __slots__ = ("_changed", "_positions", "choices", "created", "error", "id", "include_usage", "kind", "log",
+                 "model", "over", "owner", "prompt_tokens", "state")
 
     def __init__(self, request_id: str, created: int, kind: str, model: str, include_usage: bool, choices: int,
                  prompt_tokens: int, live: bool = True, owner: str | None = None) -> None:
@@ -63,9 +40,45 @@ class Transcript:
         self.include_usage, self.choices, self.prompt_tokens = include_usage, choices, prompt_tokens
         self.log: list[Update] = []
         self.error: ApiError | None = None
-        self.outcome: str | None = None
+        self.state = RequestState.RUNNING
         self.over = not live
         self._changed: asyncio.Event | None = asyncio.Event() if live else None
+        self._positions = [0] * choices if live else []
+
+    def append(self, update: Update) -> None:
+        """Add `update` to the log, with its position (on the event loop)."""
+        self._positions[update.index] += len(update.tokens)
+        position = self._positions[update.index] + (update.finish is not None)
+        self.log.append(attrs.evolve(update, position=position))
+        self._wake()
+
+    def close(self, error: ApiError | None = None) -> None:
+        """The log is complete (with the request's `error`, where it failed): followers get what is left, then
+        the end."""
+        if error is not None:
+            self.error = error
+        self.over = True
+        self._wake()
+
+    def kept(self) -> Transcript:
+        """This transcript as it stays once its request ended: what it sent, nothing to follow."""
+        kept = Transcript(self.id, self.created, self.kind, self.model, self.include_usage, self.choices,
+                          self.prompt_tokens, live=False, owner=self.owner)
+        kept.log, kept.error, kept.state = list(self.log), self.error, self.state
+        return kept
+
+    def status(self) -> str:
+        """Running, or how it ended: finished, failed, cancelled, timed_out (or refused: taken over from a journal
+        and refused)."""
+        if not self.over:
+            return "running"
+        if self.error is not None:
+            return "failed"
+        return "finished" if self.state in (RequestState.RUNNING, RequestState.FINISHED) else self.state.value
+
+    def generated_tokens(self) -> int:
+        """The tokens sent so far, of every choice."""
+        return sum(len(update.tokens) for update in self.log)
 
     def _wake(self) -> None:
         """Tell those who follow that the log (or the end) changed."""
@@ -106,80 +119,3 @@ class Transcript:
             raise ApiError(400, f"Last-Event-ID {quoted(event_id)} is not an event of {self.id}: it has the form "
                            f"{self.id}:<position>, a position per choice")
         return positions
-
-    async def stream(self, request: web.Request, headers: dict[str, str],
-                     after: list[int] | None = None) -> web.StreamResponse:
-        """Server-sent events past the positions `after` (None: the whole stream): a chunk per update with its
-        event id, an error event if a choice fails, the usage when asked for, then `data: [DONE]`."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_HEADER: self.id, **headers})
-        try:
-            await response.prepare(request)
-            if after is None and self.kind == "chat":  # the assistant's turn opens every choice, as OpenAI's does
-                for index in range(self.choices):
-                    await self._send(response, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}],
-                                     event_id=self.event_id([0] * self.choices))
-            try:
-                async for update, event_id in self.follow(after or [0] * self.choices):
-                    await self._send(response, [self._chunk_choice(update, self.kind)], event_id=event_id)
-            except ApiError as error:
-                await _write(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
-            else:
-                if self.include_usage:
-                    await self._send(response, [], usage=self._usage())
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:  # the client left: the API decides what becomes of the run
-            pass
-        return response
-
-    def snapshot(self) -> dict[str, Any]:
-        """The request as `GET /v1/requests/<id>` answers it: its status (running, or how it ended), each
-        choice's text, tokens and finish reason so far, the usage, and its error where it failed."""
-        texts: list[str] = ["" for _ in range(self.choices)]
-        tokens: list[list[int]] = [[] for _ in range(self.choices)]
-        finish: list[str | None] = [None for _ in range(self.choices)]
-        for update in self.log:
-            texts[update.index] += update.text
-            tokens[update.index] += update.tokens
-            finish[update.index] = update.finish or finish[update.index]
-        status = "running" if not self.over else "failed" if self.error is not None else \
-            "finished" if self.outcome in (None, "ok") else self.outcome
-        answer = {**self._head(), "object": "request", "status": status,
-                  "choices": [{"index": index, "text": texts[index], "token_ids": tokens[index],
-                               "finish_reason": finish[index]} for index in range(self.choices)],
-                  "usage": self._usage()}
-        if self.error is not None:
-            answer["error"] = {"message": self.error.message, "type": self.error.kind, "code": self.error.code}
-        return answer
-
-    def _usage(self) -> dict[str, int]:
-        generated = sum(len(update.tokens) for update in self.log)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
-                "total_tokens": self.prompt_tokens + generated}
-
-    def _head(self) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    @staticmethod
-    def _chunk_choice(update: Update, kind: str) -> dict[str, Any]:
-        if kind == "chat":
-            delta = {"content": update.text} if update.text or update.finish is None else {}
-            return {"index": update.index, "delta": delta, "finish_reason": update.finish, "logprobs": update.logprobs}
-        return {"index": update.index, "text": update.text, "logprobs": update.logprobs,
-                "finish_reason": update.finish, "token_ids": update.tokens}
-
-    async def _send(self, response: web.StreamResponse, choices: list[dict[str, Any]],
-                    usage: dict[str, int] | None = None, event_id: str | None = None) -> None:
-        head = self._head()
-        if self.kind == "chat":
-            head["object"] = "chat.completion.chunk"
-        extra = {"usage": usage} if self.include_usage else {}
-        await _write(response, {**head, "choices": choices, **extra}, event_id)
-
-
-async def _write(response: web.StreamResponse, chunk: dict[str, Any], event_id: str | None = None) -> None:
-    head = "" if event_id is None else f"id: {event_id}\n"
-    await response.write(f"{head}data: {json.dumps(chunk)}\n\n".encode())

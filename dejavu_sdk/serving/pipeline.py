@@ -358,6 +358,18 @@ class Pipeline:
         """Whether a recovery is under way."""
         return self._recoveries.running
 
+    def health(self) -> tuple[str, str]:
+        """Whether it serves: ("failed" | "starting" | "recovering" | "running", why)."""
+        if self.ledger.failure is not None:
+            return "failed", f"the pipeline failed: {self.ledger.failure}"
+        if self._closed:
+            return "failed", "the pipeline is closed"
+        if not self.running:
+            return "starting", "the stage workers are starting"
+        if self.recovering:
+            return "recovering", "a failed stage is being replaced; requests wait for it"
+        return "running", ""
+
     def _wait_until_running(self) -> None:
         """Return once the pipeline runs: at once, or when a start under way ends (within `timeout`)."""
         if self._closed or not (self._starting or self._running.is_set()):
