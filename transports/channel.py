@@ -441,7 +441,6 @@ class ChannelServer(Server):
         #: Seconds a transfer waits for room in the budget before ServerBusy.
         self.room_wait = ROOM_WAIT if options.timeout is None else min(ROOM_WAIT, options.timeout)
         self.log = logging.getLogger(f"dejavu_sdk.transports.{type(self).__name__}")
-        self._stopping = False  # set as the server stops: the connections it closes then end no request of theirs
         self._inbox: queue.Queue[torch.Tensor] = queue.Queue(maxsize=options.inbox_size)
         self._connections = 0
         self._connections_lock = threading.Lock()
@@ -482,6 +481,10 @@ class ChannelServer(Server):
                 self._connections -= admitted
             channel.close()
 
+    def stopping(self) -> bool:
+        """Whether the server is stopping: the connections it closes then end no request of a peer's."""
+        return False
+
     def ended(self, channel: Channel, error: Exception) -> None:
         """Log why serving `channel` stopped (telling a peer that broke the protocol why, if it still listens)."""
         if isinstance(error, PeerClosed):
@@ -489,7 +492,7 @@ class ChannelServer(Server):
         elif isinstance(error, IdleTimeout):  # it reconnects when it has something to send: nothing to say
             self.log.debug("%s sent no request for %s s: closing its connection", channel.peer,
                            self.options.idle_timeout)
-        elif self._stopping and isinstance(error, TransportError):  # this server closed it, stopping
+        elif self.stopping() and isinstance(error, TransportError):  # this server closed it, stopping
             self.log.debug("closed the connection of %s as the server stops", channel.peer)
         elif isinstance(error, (ProtocolError, CorruptBlock)):
             self.log.warning("dropping %s: %s", channel.peer, error)

@@ -152,6 +152,9 @@ class DistServer(ChannelServer):
         finally:
             self._channels.discard(channel)
 
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def _stop(self) -> None:
         self._stopping.set()
         self._acceptor.join(timeout=10)

@@ -444,6 +444,9 @@ class TcpServer(ChannelServer):
             self._wake_writer.send(b"\0")
 
     # ---- stopping -------------------------------------------------------------------------------
+    def stopping(self) -> bool:
+        return self._stopping
+
     def _stop(self) -> None:
         self._stopping = True
         with contextlib.suppress(OSError):
