@@ -77,6 +77,9 @@ class Request:
     tag: Any = None
     #: What it had when a slot it ran in was lost (it goes on from its prompt followed by those tokens).
     earlier: Earlier | None = None
+    #: The tokens it had when the last slot it ran in was lost (None: none was): lost again with no more, it is
+    #: taken for what kills the stages (the poison bound).
+    lost_with: int | None = None
 
     def going_on(self, tokens: Sequence[int], stamps: Sequence[float], schedule: Sequence[Round],
                  scores: dict[str, Any]) -> Request:

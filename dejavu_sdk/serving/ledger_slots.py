@@ -364,10 +364,16 @@ class SlotDecisions(LedgerState):
                                              and not batch.requests[row].future.done()]
         ended = [row for row in again if batch.row_ended(row, self.eos)]  # its last token came with the loss
         answers = [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
-        again = [row for row in again if row not in ended]
+        had = {row: len(batch.generated[row]) + len(getattr(batch.requests[row].earlier, "tokens", ()))
+               for row in again}
+        poison = [row for row in again if row not in ended and batch.requests[row].lost_with == had[row]]
+        answers += _fail_rows(batch, POISON, poison)  # lost twice in a row without a token between
+        again = [row for row in again if row not in ended and row not in poison]
         batch.settled.update([*ended, *again])
-        self.waiting.extendleft(reversed([batch.going_on(row) if batch.generated[row] else batch.requests[row]
-                                          for row in again]))
+        requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
+        for row, request in zip(again, requeued, strict=True):
+            request.lost_with = had[row]
+        self.waiting.extendleft(reversed(requeued))
         return answers + _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
 
     def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:

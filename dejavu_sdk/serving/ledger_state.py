@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -168,9 +168,9 @@ class LedgerState:
         return [(batch.requests[row].future, batch.result(row, self.eos)) for row in rows]
 
 
-def _fail_rows(batch: Microbatch, error: str) -> list[Answer]:
-    """A `RequestFailed` for each row of `batch` not answered yet, which now are."""
-    rows = [row for row in range(len(batch.requests)) if row not in batch.settled]
+def _fail_rows(batch: Microbatch, error: str, rows: Sequence[int] | None = None) -> list[Answer]:
+    """A `RequestFailed` for each row of `batch` (of `rows`) not answered yet, which now are."""
+    rows = [row for row in (range(len(batch.requests)) if rows is None else rows) if row not in batch.settled]
     batch.settled.update(rows)
     return [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number)) for row in rows]
 
