@@ -148,8 +148,8 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="every request generates its max_tokens, past "
                         "end-of-sequence tokens (benchmarks)")
     parser.add_argument("--batching", choices=["continuous", "static"], help="continuous: rows leave a microbatch "
-                        "as they end and waiting requests join it between steps (the default where it applies: "
-                        "without recovery); static: a microbatch runs until its last row ends")
+                        "as they end and waiting requests join it between steps (the default); static: a "
+                        "microbatch runs until its last row ends")
     parser.add_argument("--max-prefill-tokens", type=int, default=256, help="continuous batching: prompt positions "
                         "a joining group runs per step beside decoding rows (default 256)")
     parser.add_argument("--served-model-name", nargs="+", help="the names clients use for the model (default: "
