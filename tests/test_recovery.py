@@ -385,9 +385,10 @@ def test_replica_store_settings_it_cannot_honour_are_refused() -> None:
 
 @pytest.mark.slow
 def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None:
+    """Static microbatches (continuous slots under recompute: tests/test_serving_slots_recovery.py)."""
     prompts = expectations.prompts(4, seed=12)
     with Pipeline("tiny_models:llama", stages=2, microbatch=2, timeout=60, heartbeat=0.5,
-                  recovery="recompute") as pipe:
+                  recovery="recompute", batching="static") as pipe:
         futures = pipe.submit_all(prompts, NEW, **SAMPLING)
         _wait_for_steps(pipe, 40)
         os.kill(_stage_pid(pipe, "stage 1"), signal.SIGKILL)
