@@ -191,9 +191,6 @@ class RowFailure:
     reason: str
     input_error: bool = False
 
-    def fields(self) -> dict[str, Any]:
-        return {"reason": self.reason, "input_error": self.input_error}
-
 
 def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int | Sequence[int],
                 limits: list[int], eos: torch.Tensor,

@@ -40,7 +40,32 @@ from ..transports.base import Server
 from .fleet import Fleet
 from .ledger import Ledger, Outcome, answer, stream
 from .link_tls import inbox_options
-from .messages import Kind, Message, unpack
+from .messages import (
+    Ended,
+    Enter,
+    EpochMessage,
+    Failed,
+    Freed,
+    Heartbeat,
+    Join,
+    LinkLost,
+    Message,
+    MicrobatchFailed,
+    NotEntered,
+    Paused,
+    Prefill,
+    Prefilled,
+    Ready,
+    Rejoin,
+    Relinked,
+    Rewound,
+    RoundReport,
+    Sent,
+    Stats,
+    Tokens,
+    Warm,
+    unpack,
+)
 from .options import PipelineOptions
 from .recovery import Recoveries, Recovery, RecoveryReport
 from .replication import delete_replicas, remove_replicas
@@ -50,11 +75,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between the head's checks of its stages' processes, heartbeats and progress.
 WATCH_PERIOD = 0.1
-#: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
-STEP_REPORTS = (Kind.TOKENS, Kind.PREFILLED, Kind.ENDED, Kind.FREED, Kind.LINK_LOST, Kind.MICROBATCH_FAILED,
-                Kind.NOT_ENTERED)
-#: The stages' answers to a recovery's steps, handed to the recovery thread.
-RECOVERY_REPLIES = (Kind.PAUSED, Kind.RELINKED, Kind.SENT, Kind.REWOUND, Kind.READY)
+#: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped (a slot's
+#: `RoundReport` counts until a recovery plans the slot: `Ledger.on_round`).
+STEP_REPORTS = frozenset({Tokens, Prefilled, Ended, Freed, LinkLost, MicrobatchFailed, NotEntered})
 
 
 class Pipeline:
@@ -126,17 +149,15 @@ class Pipeline:
         self._running = threading.Event()
         self._closed = False
         self._requests: weakref.WeakKeyDictionary[Future[Result], Request] = weakref.WeakKeyDictionary()
-        self._handlers: dict[str, Callable[[Message], None]] = {
-            Kind.JOIN: self.fleet.pool_spare, Kind.REJOIN: self.fleet.turn_away,
-            Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
-            Kind.LINK_LOST: lambda message: self._recoveries.start(
-                set(), f"{message.fields['stage']} lost a link: {message.fields['error']}",
-                int(message.fields.get("epoch", 0))),
-            Kind.TOKENS: self._on_tokens, Kind.PREFILLED: self._on_prefilled, Kind.ENDED: self._on_ended,
-            Kind.FREED: self._on_freed, Kind.MICROBATCH_FAILED: self._on_microbatch_failed,
-            Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.STATS: self.fleet.stats_arrived, Kind.FAILED: self._on_failed,
-            Kind.NOT_ENTERED: self._on_not_entered}
+        #: What the head's receiver does with each message a worker sends it; the stages' answers to a recovery's
+        #: steps go to the recovery thread.
+        self.handlers: dict[type[Message], Callable[[Any], None]] = {
+            Join: self.fleet.pool_spare, Rejoin: self.fleet.turn_away, Warm: self.fleet.warm,
+            Heartbeat: self._on_heartbeat, Stats: self.fleet.stats_arrived, Failed: self._on_failed,
+            LinkLost: self._on_link_lost, Tokens: self._on_tokens, RoundReport: self._on_round,
+            Prefilled: self._on_prefilled, Ended: self._on_ended, Freed: self._on_freed,
+            MicrobatchFailed: self._on_microbatch_failed, NotEntered: self._on_not_entered,
+            **dict.fromkeys((Paused, Relinked, Sent, Rewound, Ready), self.replies.put)}
 
     @property
     def most_in_flight(self) -> int:
@@ -378,8 +399,9 @@ class Pipeline:
         """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
         which decides where what was admitted goes on from."""
         for stage, message in self.ledger.admit():
-            if message.kind in (Kind.PREFILL, Kind.ENTER):
-                self._report_admitted(int(message.fields["microbatch"]), message.fields.get("members"))
+            if isinstance(message, (Prefill, Enter)):
+                self._report_admitted(message.microbatch,
+                                      message.group.members if isinstance(message, Enter) else None)
             try:
                 self._send(stage, message)
             except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
@@ -408,8 +430,8 @@ class Pipeline:
             log.exception("the pipeline's on_admitted or on_entered callback failed")
 
     def _send(self, index: int, message: Message) -> None:
-        """Send a step's message, stamped with the epoch it was decided in (else with the current one)."""
-        self.fleet.send(index, Message(message.kind, {"epoch": self.fleet.epoch, **message.fields}, message.tensors))
+        """Send a step's message (it carries the epoch it was decided in)."""
+        self.fleet.send(index, message)
 
     def _carry_out(self, outcome: Outcome) -> None:
         """Stream the outcome's tokens, answer its futures, and send its messages (a stage that does not take
@@ -445,75 +467,73 @@ class Pipeline:
                            TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
 
     def _handle(self, message: Message) -> None:
-        if (message.kind in STEP_REPORTS and int(message.fields.get("epoch", 0)) < self.fleet.epoch
-                and "round" not in message.fields):  # a slot's round counts until a recovery plans (`on_round`)
+        """Do what a worker's message asks (its class's handler in `handlers`)."""
+        if isinstance(message, EpochMessage) and type(message) in STEP_REPORTS and message.epoch < self.fleet.epoch:
             return  # sent before a recovery, which decided where its microbatch goes on from
-        if message.kind in RECOVERY_REPLIES:
-            self.replies.put(message)
-        elif message.kind in self._handlers:
-            self._handlers[message.kind](message)
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            log.warning("the head dropped a message of unexpected kind %r", message.kind)
         else:
-            log.warning("the head dropped a message of unknown kind %r", message.kind)
+            handler(message)
 
-    def _on_tokens(self, message: Message) -> None:
-        states = message.tensors[1] if len(message.tensors) > 1 else None  # sampling with recovery
-        number, tokens = int(message.fields["microbatch"]), message.tensors[0].tolist()
-        if "round" in message.fields:  # a slot's round: rows may have left, and room for others be free
-            self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
-            self._admit()
-            return
-        self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {}), message.fields))
+    def _on_tokens(self, message: Tokens) -> None:
+        self._carry_out(self.ledger.on_tokens(message.microbatch, message.tokens.tolist(), message.states,
+                                              message.failed, message.scores))
 
-    def _on_heartbeat(self, message: Message) -> None:
+    def _on_round(self, message: RoundReport) -> None:
+        """A slot's round: rows may have left, and room for others be free."""
+        self._carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
+                                             message.states, message.epoch, message.scores))
+        self._admit()
+
+    def _on_heartbeat(self, message: Heartbeat) -> None:
         """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
-        stage, epoch, url = str(message.fields["stage"]), int(message.fields.get("epoch", 0)), message.fields.get("url")
-        if isinstance(url, str) and not self.fleet.serves(stage, url, epoch):
-            self.fleet.fence_stale(url, stage, epoch)
+        if message.url is not None and not self.fleet.serves(message.stage, message.url, message.epoch):
+            self.fleet.fence_stale(message.url, message.stage, message.epoch)
         else:
-            work = message.fields.get("work")
-            self.fleet.beat(stage, epoch, work if isinstance(work, int) else None)
+            self.fleet.beat(message.stage, message.epoch, message.work)
 
-    def _on_not_entered(self, message: Message) -> None:
-        self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))
+    def _on_link_lost(self, message: LinkLost) -> None:
+        self._recoveries.start(set(), f"{message.stage} lost a link: {message.error}", message.epoch)
+
+    def _on_not_entered(self, message: NotEntered) -> None:
+        self.ledger.on_not_entered(message.microbatch, list(message.members))
         self._admit()
 
-    def _on_prefilled(self, message: Message) -> None:
-        number, failures = int(message.fields["microbatch"]), message.fields.get("failed", {})
+    def _on_prefilled(self, message: Prefilled) -> None:
         if self.ledger.continuous:  # a group's first tokens: it goes to its slot
-            self._carry_out(self.ledger.on_group_prefilled(number, message.tensors, failures, message.fields))
+            self._carry_out(self.ledger.on_group_prefilled(message))
         else:
-            self._carry_out(self.ledger.on_prefilled(number, message.tensors, failures, self.recovery is not None,
-                                                     message.fields))
+            self._carry_out(self.ledger.on_prefilled(message, self.recovery is not None))
         self._admit()
 
-    def _on_ended(self, message: Message) -> None:
-        self._carry_out(self.ledger.on_ended(int(message.fields["microbatch"]), bool(message.fields.get("freed"))))
+    def _on_ended(self, message: Ended) -> None:
+        self._carry_out(self.ledger.on_ended(message.microbatch, message.freed))
         self._admit()
 
-    def _on_freed(self, message: Message) -> None:
-        self.ledger.on_freed(int(message.fields["microbatch"]))
+    def _on_freed(self, message: Freed) -> None:
+        self.ledger.on_freed(message.microbatch)
         self._admit()
 
-    def _on_microbatch_failed(self, message: Message) -> None:
-        self._carry_out(self.ledger.on_microbatch_failed(int(message.fields["microbatch"]),
-                                                         str(message.fields["error"])))
+    def _on_microbatch_failed(self, message: MicrobatchFailed) -> None:
+        self._carry_out(self.ledger.on_microbatch_failed(message.microbatch, message.error))
         self._admit()
 
-    def _on_failed(self, message: Message) -> None:
-        failure = f"stage {message.fields['stage']} failed: {message.fields['error']}"
+    def _on_failed(self, message: Failed) -> None:
+        failure = f"stage {message.stage} failed: {message.error}"
         try:
-            index = self.layout.index_of(message.fields["stage"])
+            index = self.layout.index_of(message.stage)
         except ConfigError:
             log.warning("%s", failure)  # not a stage's worker: a spare that could not load, say
             return
-        if self.fleet.replaced_since(self.layout.stages[index].name, int(message.fields.get("epoch", 0))):
+        if self.fleet.replaced_since(self.layout.stages[index].name, message.epoch):
             return  # a worker replaced since (one started elsewhere cannot be stopped from here)
         if self.recovery is None:
             self._fail(TransportError(failure))
         elif self._recoveries.running:
             self.replies.put(message)
         else:
-            self._recoveries.start({index}, failure, int(message.fields.get("epoch", 0)))
+            self._recoveries.start({index}, failure, message.epoch)
 
     def _watch(self) -> None:
         """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
