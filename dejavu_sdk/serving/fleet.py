@@ -1,9 +1,8 @@
-"""The pipeline's worker processes: launching them, their joining, stage assignment, heartbeats, fencing by
-epoch, and the pool of spare workers that replace dead stages.
+"""The pipeline's worker processes: launching them, their joining, stage assignment, heartbeats, and fencing by
+epoch; the pool of spare workers that replace dead stages is `spares.SparePool`'s.
 
 A worker joins with its inbox's address, its pid and the id its launcher gave it (`worker`; None for a worker
-started by hand). Spares (launched for a recovery, or kept warm as `standby`) are known by that id: pids collide
-across machines. Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
+started by hand). Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
 still sends (a heartbeat, a failure) is ignored; a replaced process the pipeline launched is killed, and one
 started elsewhere is told to exit when its heartbeat comes again (`fence_stale`).
 """
@@ -19,11 +18,9 @@ from typing import Any
 
 import attrs
 
-from ..backends import open_transport
 from ..errors import ConfigError, TransportError
 from ..transports.base import CLIENT_TIMEOUT, Server, Transport
 from .launchers import JoinedWorker, WorkerHandle
-from .link_tls import link_options, worker_environment
 from .messages import (
     AskRejoin,
     AskStats,
@@ -37,13 +34,13 @@ from .messages import (
     Ready,
     Rejoin,
     Shutdown,
-    Standby,
     Stats,
     Warm,
     pack,
     unpack,
 )
 from .options import PipelineOptions
+from .spares import Spare, SparePool
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +50,12 @@ START_TIMEOUT = 300.0
 FENCE_EVERY = 1.0
 
 
-@attrs.frozen
-class Spare:
-    """A worker that joined while no stage needed it: its inbox, its launcher-given id (`pid N` for one started
-    by hand) and its process id."""
-
-    url: str
-    worker: str
-    pid: int
-
-
-class Fleet:
-    """The stage workers of one pipeline (`options`), reached through the head's inbox at `url()`."""
+class Fleet(SparePool):
+    """The stage workers of one pipeline (`options`), reached through the head's inbox at `url()`, and its spares
+    (`SparePool`)."""
 
     def __init__(self, options: PipelineOptions, url: Callable[[], str]) -> None:
-        self.options, self.layout, self.url = options, options.layout, url
-        self.lock = threading.Lock()
+        super().__init__(options, url)
         self.epoch = 0  # raised by each recovery: messages of older epochs are dropped
         self.processes: list[WorkerHandle] = []  # each stage's process (a worker that joined on its own: its id)
         self.links: list[Transport] = []  # to each stage's inbox
@@ -78,10 +65,6 @@ class Fleet:
         #: When a heartbeat last said that a stage had run layers since the one before (-inf: never).
         self.worked_at = float("-inf")
         self.assigned: dict[str, int] = {}  # per stage name: the epoch its worker was assigned in
-        self.spares: dict[str, WorkerHandle] = {}  # launched workers not serving a stage, by launcher-given id
-        self.pool: list[Spare] = []  # spares with the model loaded, oldest first
-        self.warming: dict[str, Spare] = {}  # spares loading the model, by inbox
-        self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self.rejoined: list[str] = []  # stages whose worker (a former head's) took them back at the start
         #: Whether the head takes over what rejoined workers hold (`Pipeline.take_over`): else they drop it.
@@ -89,10 +72,6 @@ class Fleet:
         self._asked: set[str] = set()  # inboxes of former heads' workers asked to rejoin
         self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
-
-    @property
-    def launch(self) -> bool:
-        return self.options.launcher is not None
 
     # ---- starting ---------------------------------------------------------------------------------------
     def start(self, inbox: Server, eos: list[int], pad: int, recovery: bool, rejoin_wait: float = 0.0) -> None:
@@ -346,75 +325,6 @@ class Fleet:
 
         threading.Thread(target=tell, name="dejavu-fence", daemon=True).start()
 
-    # ---- spares ----------------------------------------------------------------------------------------
-    def _launch(self) -> WorkerHandle:
-        """A worker that joins this head, started by the launcher."""
-        assert self.options.launcher is not None  # only launched pipelines start workers
-        return self.options.launcher.start(self.url(), self.options.token, worker_environment(self.options.link_tls))
-
-    def _link(self, url: str) -> Transport:
-        """A link to a worker's inbox, with the pipeline's token (and TLS)."""
-        return open_transport(url, token=self.options.token, **link_options(self.options.link_tls))
-
-    def _launch_spare(self) -> None:
-        spare = self._launch()
-        with self.lock:
-            self.spares[spare.id] = spare
-
-    def pool_spare(self, join: Join) -> None:
-        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `Warm`.
-        One that cannot be reached is left out (a launched one is dropped with the next pruning)."""
-        url = join.url
-        try:
-            with self._link(url) as link:
-                link.send_tensor(pack(Standby(model=self.options.model, threads=self.options.threads)))
-        except TransportError as error:
-            log.warning("a spare worker at %s is unreachable: %s", url, error)
-            return
-        with self.lock:
-            self.warming[url] = Spare(url, join.worker or f"pid {join.pid}", join.pid)
-
-    def warm(self, warm: Warm) -> None:
-        """A spare has loaded the model: it may replace a stage from now on."""
-        with self.lock:
-            if warm.url in self.warming:
-                self.pool.append(self.warming.pop(warm.url))
-
-    def prune_spares(self) -> None:
-        """Forget spares whose launched process has ended (they would be counted, or taken, in vain)."""
-        with self.lock:
-            gone = {worker for worker, spare in self.spares.items() if not spare.alive()}
-            for worker in gone:
-                del self.spares[worker]
-            self.pool = [spare for spare in self.pool if spare.worker not in gone]
-            self.warming = {url: spare for url, spare in self.warming.items() if spare.worker not in gone}
-
-    def launch_replacements(self, stages: list[int]) -> None:
-        """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched
-        pipelines); otherwise workers started elsewhere must join (`dejavu worker --join URL`)."""
-        self.prune_spares()
-        if self.launch:
-            while len(self.spares) < len(stages):  # every spare is joined already, or on its way
-                self._launch_spare()
-            return
-        with self.lock:
-            missing = len(stages) - len(self.pool)
-        if missing > 0:
-            log.warning("%s gone: start %d worker(s) with `dejavu worker --join %s` to replace them",
-                        ", ".join(self.layout.stages[index].name for index in stages), missing, self.url())
-
-    def take_spare(self) -> Spare | None:
-        """A spare worker that joined and loaded the model, now taken off the pool; None when none has."""
-        self.prune_spares()
-        with self.lock:
-            return self.pool.pop(0) if self.pool else None
-
-    def top_up(self) -> None:
-        """Launch spare workers until `standby` of them are joined or on their way."""
-        self.prune_spares()
-        while self.launch and len(self.spares) < self.options.standby and not self.closed:
-            self._launch_spare()
-
     def place(self, index: int, spare: Spare) -> None:
         """The `spare` will be stage `index`: its links and process are now the stage's (its assignment follows,
         once every replacement is placed)."""
@@ -459,11 +369,6 @@ class Fleet:
         with self._stats_arrived:
             self._stats[stats.stage] = dict(stats.figures)
             self._stats_arrived.notify_all()
-
-    def spare_pids(self) -> list[int]:
-        """The processes of the spares ready to take a stage."""
-        with self.lock:
-            return [spare.pid for spare in self.pool]
 
     # ---- stopping ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -26,7 +26,7 @@ from ..errors import TransportError
 from ..generation.batching import Microbatch, Request, SlotBatch
 from ..generation.decoding import RowFailure
 from ..generation.logprobs import Scores
-from .ledger_slots import SlotDecisions
+from .ledger_slot_resumes import SlotResumes
 from .ledger_state import POISON, Answer, Flight, Outcome, Phase, _fail_rows
 from .messages import Cancel, Decode, Drop, Message, Prefill, Prefilled, Start
 
@@ -37,10 +37,10 @@ log = logging.getLogger(__name__)
 RNG_STEPS_KEPT = 64
 
 
-class Ledger(SlotDecisions):
+class Ledger(SlotResumes):
     """The decisions over every request the pipeline holds (its state is `LedgerState`'s: built with the layout,
     `microbatch`, `token_slots`, `eos`, `pad`, the `admission` rule and the `epoch`); continuous batching's
-    are `SlotDecisions`'."""
+    are `SlotDecisions`', and `SlotResumes`' across a recovery."""
 
     def in_flight(self) -> list[tuple[int, Microbatch, str]]:
         """Each microbatch not yet ended, with its phase's name."""

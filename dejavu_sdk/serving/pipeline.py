@@ -67,7 +67,8 @@ from .messages import (
     unpack,
 )
 from .options import PipelineOptions
-from .recovery import Recoveries, Recovery, RecoveryReport
+from .recoveries import Recoveries
+from .recovery import Recovery, RecoveryReport
 from .replication import delete_replicas, remove_replicas
 from .takeover import Takeover, TakeoverReport
 
