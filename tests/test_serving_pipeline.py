@@ -241,7 +241,7 @@ def _packed(header: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_garbage_on_a_stage_link_costs_that_message_and_no_recovery() -> None:
+def test_garbage_on_a_stage_link_or_at_the_head_costs_that_message_and_no_recovery(caplog) -> None:
     prompts = expectations.prompts(2, seed=8)
     with Pipeline("tiny_models:llama", stages=2, timeout=60, recovery="replicas") as pipe:
         before = pipe.generate(prompts[:1], max_new_tokens=4)[0]
@@ -249,10 +249,14 @@ def test_garbage_on_a_stage_link_costs_that_message_and_no_recovery() -> None:
             link.send_tensor(torch.randint(0, 256, (64,), dtype=torch.uint8))  # no message at all
             link.send_tensor(_packed({"kind": "no-such-kind", "fields": {"microbatch": 0}, "tensors": []}))
             link.send_tensor(_packed({"kind": "decode", "fields": {"microbatch": 0}, "tensors": []}))  # fields short
+        with dv.open_transport(pipe.url, token=pipe.options.token, timeout=5) as head:  # a report without its tokens
+            head.send_tensor(_packed({"kind": "tokens", "fields": {"microbatch": 0}, "tensors": []}))
         after = pipe.generate(prompts, max_new_tokens=4)
         assert pipe.recoveries == []
         assert pipe.status()["epoch"] == 0
+        assert pipe.status()["failure"] is None
     assert torch.equal(after[0], before)
+    assert "the head dropped what it received" in caplog.text
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..errors import ConfigError, StoreError, TransportError
 from ..generation.batching import SlotBatch
 from ..transports.base import Server
@@ -144,9 +146,10 @@ class HeadReceiver:
         watched = time.monotonic()
         while not self._closed:
             try:
-                message: Message | None = unpack(self._inbox.recv_tensor(timeout=WATCH_PERIOD))
-            except TransportError:
-                message = None
+                packed = self._inbox.recv_tensor(timeout=WATCH_PERIOD)
+            except TransportError:  # a quiet inbox
+                packed = None
+            message = None if packed is None else _readable(packed)
             try:
                 if message is not None:
                     self._handle(message)
@@ -247,3 +250,12 @@ class HeadReceiver:
         if self.recovery is None:
             raise TransportError(reasons[0])
         self._recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
+
+
+def _readable(packed: torch.Tensor) -> Message | None:
+    """The message in `packed`, or None (with a warning) when it is none a pipeline sends: it costs that message."""
+    try:
+        return unpack(packed)
+    except TransportError as error:
+        log.warning("the head dropped what it received: %s", error)
+        return None

@@ -112,5 +112,5 @@ def _states(pickers: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor | No
 
 
 def _by_member(members: list[int], by_row: dict[int, Any]) -> dict[str, Any]:
-    """Entries by row of a pick over `members`, keyed by member (as message fields)."""
+    """Entries by row of a pick over `members`, keyed by member as a string (`Scores`)."""
     return {str(members[row]): entry for row, entry in by_row.items()}

@@ -283,7 +283,7 @@ class WorkerState:
                       keys: list[int] | None = None) -> Callable[[torch.Tensor], None] | None:
         """The last stage's `on_hidden` for the prompt columns [start, ...) of rows left-padded to `width`: it
         puts the prompt log-probabilities of these columns (wire form) of the rows that ask (`decodings[row]`: a
-        `prompt` and its `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a message field's key; None
+        `prompt` and its `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a string key (`Scores`); None
         when none asks."""
         asks = {row: (fields["prompt"], int(fields["prompt_logprobs"])) for row, fields in enumerate(decodings)
                 if fields.get("prompt") is not None}
