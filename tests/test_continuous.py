@@ -408,11 +408,3 @@ def test_replay_refuses_a_schedule_the_slot_cannot_have_run_and_replays_a_consis
     rules = RoundRobin(model).rules
     want = expectations.expected(model, [[0, 1]], prompts, [4, 4], rules.pad, rules.eos)
     assert [got[0].tolist(), got[1].tolist()] == [tokens.tolist() for tokens in want]
-
-
-def test_rounds_round_trip_through_their_fields() -> None:
-    step = Round(left=(1,), joined=(4, 5), decoded=(2, 4, 5), prefill=((6, 7), 2, 5))
-    assert Round.of(step.fields()) == step
-    as_lists = {"left": [1], "joined": [4, 5], "decoded": [2, 4, 5], "prefill": [[6, 7], 2, 5]}
-    assert Round.of(as_lists) == step
-    assert Round.of({}) == Round()

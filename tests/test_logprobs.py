@@ -15,7 +15,7 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation import logprobs
 from dejavu_sdk.generation.batching import Microbatch, Request, SlotBatch
 from dejavu_sdk.generation.decoding import Decoding
-from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, prompt_scores
+from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, Scores, prompt_scores
 from dejavu_sdk.serving import Pipeline
 
 pytestmark = pytest.mark.usefixtures("module_workers_import_tiny_models")
@@ -165,17 +165,17 @@ def test_rows_of_one_prompt_in_a_microbatch_have_it_scored_once_and_share_its_en
     choices = [Request(PROMPTS[1], 3, decoding) for decoding in (echo, echo, Decoding.of(), fewer, echo)]
     other = Request(PROMPTS[2], 3, echo)
     batch = Microbatch.of(0, [*choices, other], pad=0)
-    asking = ["prompt" in fields for fields in batch.fields()["decoding"]]
+    asking = ["prompt" in fields for fields in batch.row_specs().decoding]
     assert asking == [True, False, False, True, False, True]  # the third asks for none, the fourth fewer
     entries = [[-1.5, [9, 4], [-0.5, -1.0]], [-2.0, [7, 3], [-0.25, -2.0]], [-0.75, [4, 1], [-0.5, -0.75]]]
     top_one = [[value, ids[:1], values[:1]] for value, ids, values in entries]
-    batch.add_step([1] * 6, {"prompt_logprobs": {"0": [1, entries], "3": [1, top_one]}})
+    batch.add_step([1] * 6, Scores(prompt_logprobs={"0": [1, entries], "3": [1, top_one]}))
     assert batch.prompt_entries(4) == batch.prompt_entries(1) == batch.prompt_entries(0)
     assert batch.prompt_entries(0) is not None
     assert len(batch.prompt_entries(0)[1].top) == 2
     assert batch.prompt_entries(5) is None  # its own prompt's are not in yet
     slot = SlotBatch.open(1, pad=0)
     slot.enter(choices[:1])
-    fields, _, _ = slot.enter([choices[1], choices[4]])  # a later group scores its prompt itself
-    assert ["prompt" in decoding for decoding in fields["decoding"]] == [True, False]
+    group, _, _ = slot.enter([choices[1], choices[4]])  # a later group scores its prompt itself
+    assert ["prompt" in decoding for decoding in group.specs.decoding] == [True, False]
     assert slot.prompt_sources == {2: 1}

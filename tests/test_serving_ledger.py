@@ -8,10 +8,11 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
-from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.decoding import Decoding, RowFailure
+from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.ledger import Ledger, Phase
-from dejavu_sdk.serving.messages import Kind, Message
+from dejavu_sdk.serving.messages import Cancel, Decode, Drop, End, Enter, OpenSlot, Prefill, Prefilled, RoundDone, Start
 
 EOS = [2]
 MIXED = Layout([[(0, 1), (1, 3)]])
@@ -30,19 +31,19 @@ def test_a_mixed_pipeline_admits_one_microbatch_per_stage_and_the_next_when_one_
     ledger = _ledger()
     ledger.queue(_requests(3, 3, 3, 3, 3))
     sends = ledger.admit()
-    assert [(stage, message.kind) for stage, message in sends] == [(0, Kind.PREFILL), (0, Kind.PREFILL)]
+    assert [(stage, type(message)) for stage, message in sends] == [(0, Prefill), (0, Prefill)]
     assert ledger.admit() == []  # both stages hold a microbatch
     ledger.on_ended(0, freed=False)
     assert ledger.admit() == []  # ended, but a stage still holds its cache
     ledger.on_freed(0)
-    assert [message.fields["microbatch"] for _, message in ledger.admit()] == [2]
+    assert [message.microbatch for _, message in ledger.admit()] == [2]
 
 
 def test_a_budget_admits_only_what_fits() -> None:
     ledger = _ledger(budget=2 * 5)  # one row of 3 prompt + 3 new positions - 1, twice
     ledger.queue(_requests(3, 3, 3))
     (first,) = ledger.admit()
-    assert first[1].tensors[0].shape[0] == 2  # two rows fit together, the third waits
+    assert first[1].inputs.shape[0] == 2  # two rows fit together, the third waits
     assert ledger.admit() == []
 
 
@@ -54,7 +55,7 @@ def test_a_row_is_answered_at_its_own_end_and_a_failed_row_alone_fails() -> None
     ledger.queue(requests)
     ledger.admit()
     ledger.on_tokens(0, [7, 8, 9], None, {})
-    outcome = ledger.on_tokens(0, [4, 8, 0], None, {"2": {"reason": "its logits are not finite", "input_error": False}})
+    outcome = ledger.on_tokens(0, [4, 8, 0], None, {2: RowFailure("its logits are not finite")})
     assert [token for _, token in outcome.calls] == []  # the failed row's padding is no token of its own
     answered = {requests.index(next(r for r in requests if r.future is future)): result
                 for future, result in outcome.answers}
@@ -74,7 +75,7 @@ def test_a_cancelled_waiting_request_leaves_the_queue_and_a_running_row_is_ended
     assert ledger.cancel(requests[2]) == []
     assert len(ledger.waiting) == 0
     ((stage, message),) = ledger.cancel(requests[0])
-    assert (stage, message.kind, message.fields) == (0, Kind.CANCEL, {"microbatch": 0, "rows": [0], "epoch": 0})
+    assert (stage, message) == (0, Cancel(microbatch=0, rows=[0], epoch=0))
 
 
 def test_a_cancel_during_a_recovery_sends_nothing_and_the_resumed_microbatch_carries_it() -> None:
@@ -86,8 +87,8 @@ def test_a_cancel_during_a_recovery_sends_nothing_and_the_resumed_microbatch_car
     ledger.held = True  # a recovery is under way: its stages may be replacements not yet assigned
     assert ledger.cancel(requests[1]) == []
     sends = ledger.resume({0: 1}, [], [], []).sends
-    assert [(message.kind, message.fields.get("rows")) for _, message in sends] == [(Kind.DECODE, None),
-                                                                                   (Kind.CANCEL, [1])]
+    assert [type(message) for _, message in sends] == [Decode, Cancel]
+    assert sends[1][1].rows == [1]
     ledger.seen_by_recovery(0)
     assert ledger.flights[0].batch.seen_by_recovery == 1
 
@@ -97,14 +98,13 @@ def test_a_staged_microbatch_starts_on_a_free_token_stage_carrying_rows_cancelle
     requests = _requests(4, 4)
     ledger.queue(requests)
     assert [stage for stage, _ in ledger.admit()] == [0]
-    tensors = (torch.tensor([[7], [8]]), torch.ones(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.uint8),
-               torch.empty(0, dtype=torch.uint8))
-    ledger.on_prefilled(0, tensors, {}, keep_states=False)
+    ledger.on_prefilled(_prefilled(0, torch.tensor([[7], [8]]), torch.ones(2, 3, dtype=torch.long)),
+                        keep_states=False)
     assert ledger.flights[0].phase is Phase.STAGED
     assert ledger.cancel(requests[1]) == []  # not decoding yet: its start will carry it
     ((stage, start),) = ledger.admit()
-    assert (stage, start.kind) == (1, Kind.START)  # the first token stage
-    assert start.tensors[2].tolist() == [0, 1]
+    assert (stage, type(start)) == (1, Start)  # the first token stage
+    assert start.ended.tolist() == [0, 1]
 
 
 def test_a_failed_microbatch_is_dropped_everywhere_and_its_room_comes_back() -> None:
@@ -113,12 +113,11 @@ def test_a_failed_microbatch_is_dropped_everywhere_and_its_room_comes_back() -> 
     ledger.queue(requests)
     ledger.admit()
     outcome = ledger.on_microbatch_failed(0, "stage 1 failed on it: RuntimeError: boom")
-    assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DROP), (1, Kind.DROP)]
-    assert all(message.fields["failed"] for _, message in outcome.sends)
+    assert outcome.sends == [(0, Drop(microbatches=[0], failed=True)), (1, Drop(microbatches=[0], failed=True))]
     ((future, error),) = outcome.answers
     assert future is requests[0].future
     assert isinstance(error, dv.RequestFailed)
-    assert [message.fields["microbatch"] for _, message in ledger.admit()] == [2]  # its room went to the next
+    assert [message.microbatch for _, message in ledger.admit()] == [2]  # its room went to the next
 
 
 def test_a_failed_pipeline_fails_everything_and_refuses_more() -> None:
@@ -141,13 +140,14 @@ def test_resuming_feeds_resumed_microbatches_their_step_restarts_the_others_and_
         ledger.on_tokens(0, tokens, None, {})
     ledger.held = True
     outcome = ledger.resume({0: 2}, [1], [], [])
-    assert [(stage, message.kind) for stage, message in outcome.sends] == [(0, Kind.DECODE), (0, Kind.PREFILL)]
-    assert outcome.sends[0][1].tensors[0].tolist() == [[5]]  # the token of step 2, fed again
-    assert outcome.sends[1][1].fields["ended"] == []
+    decode, prefill = (message for _, message in outcome.sends)
+    assert [(stage, type(message)) for stage, message in outcome.sends] == [(0, Decode), (0, Prefill)]
+    assert decode.inputs.tolist() == [[5]]  # the token of step 2, fed again
+    assert prefill.ended == []
     assert not ledger.held
     ledger.cancel(requests[1])  # a row cancelled before its microbatch starts over is not computed again
     ledger.held = True
-    assert ledger.resume({}, [1], [], []).sends[0][1].fields["ended"] == [0]
+    assert ledger.resume({}, [1], [], []).sends[0][1].ended == [0]
     ledger.held = True
     failed = ledger.resume({}, [], [], [0])
     assert isinstance(failed.answers[0][1], dv.RequestFailed)
@@ -159,9 +159,16 @@ def _slots(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 
     return Ledger(layout, microbatch, 2, EOS, 0, Admission(budget, False, bytes_per_token=1), continuous=True)
 
 
-def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=(), idle=False) -> dict:
-    return {"members": list(members), "failed": {}, "complete": list(complete), "idle": idle,
-            "round": {"left": list(left), "joined": list(joined), "decoded": list(decoded), "prefill": prefill}}
+def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=(), idle=False) -> RoundDone:
+    columns = None if prefill is None else (tuple(prefill[0]), prefill[1], prefill[2])
+    return RoundDone(Round(tuple(left), tuple(joined), tuple(decoded), columns), list(members), list(complete), idle,
+                     ([], None), {})
+
+
+def _prefilled(number: int, tokens: torch.Tensor, mask: torch.Tensor, ended: torch.Tensor | None = None) -> Prefilled:
+    """The prompt pipeline's report of microbatch (or group) `number`'s first tokens."""
+    ended = torch.zeros(len(tokens), dtype=torch.uint8) if ended is None else ended
+    return Prefilled(microbatch=number, tokens=tokens, mask=mask, ended=ended, rng=torch.empty(0, dtype=torch.uint8))
 
 
 def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
@@ -169,10 +176,10 @@ def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
     requests = _requests(1, 4, 3, 3)
     ledger.queue(requests)
     sends = ledger.admit()  # two slots (one per stage), two rows each
-    assert [(stage, message.kind, message.fields["members"]) for stage, message in sends] == [
-        (0, Kind.PREFILL, [requests[0].number, requests[1].number]),
-        (0, Kind.PREFILL, [requests[2].number, requests[3].number])]
-    slot = sends[0][1].fields["microbatch"]
+    assert [(stage, type(message), message.group.members) for stage, message in sends] == [
+        (0, OpenSlot, [requests[0].number, requests[1].number]),
+        (0, OpenSlot, [requests[2].number, requests[3].number])]
+    slot = sends[0][1].microbatch
     first, second = requests[0].number, requests[1].number
     more = _requests(3)
     ledger.queue(more)
@@ -182,7 +189,7 @@ def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
     assert ledger.admit() == []  # its row leaves only at the next round
     ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])
     (enter,) = ledger.admit()  # the round told that the first row never joined: room for one
-    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [more[0].number])
+    assert (type(enter[1]), enter[1].group.members) == (Enter, [more[0].number])
     assert ledger.status()["microbatches"][0] == {"microbatch": slot, "rows": 2, "steps": 2}
 
 
@@ -192,13 +199,13 @@ def test_an_idle_slot_takes_waiting_requests_waits_for_a_group_bound_for_it_and_
     first, second, third = (request.number for request in requests[:3])
     ledger.queue(requests[:1])
     (opened,) = ledger.admit()
-    slot = opened[1].fields["microbatch"]
+    slot = opened[1].microbatch
     ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
     ledger.queue(requests[1:2])
     assert ledger.admit() == []  # one group on its way in at a time
     answers = ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8]).answers  # its last
     (enter,) = ledger.admit()
-    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [second])
+    assert (type(enter[1]), enter[1].group.members) == (Enter, [second])
     ledger.on_round(slot, _round([], left=[first], idle=True), [])  # parked before the enter came
     assert ledger.admit() == []  # not ended: a group is bound for it, and wakes it
     ledger.on_round(slot, _round([second], prefill=[[second], 0, 3], complete=[second]), [7])
@@ -206,18 +213,18 @@ def test_an_idle_slot_takes_waiting_requests_waits_for_a_group_bound_for_it_and_
     ledger.queue(requests[2:3])
     ledger.on_round(slot, _round([], left=[second], idle=True), [])
     (enter,) = ledger.admit()  # an idle slot takes a waiting request rather than end
-    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [third])
+    assert (type(enter[1]), enter[1].group.members) == (Enter, [third])
     ledger.on_round(slot, _round([third], prefill=[[third], 0, 3], complete=[third]), [7])
     answers += ledger.on_round(slot, _round([third], joined=[third], decoded=[third]), [8]).answers
     ledger.on_round(slot, _round([], left=[third], idle=True), [])
     ((stage, end),) = ledger.admit()  # idle, nothing bound for it: it ends
-    assert (stage, end.kind, end.fields["microbatch"]) == (0, Kind.END, slot)
+    assert (stage, end) == (0, End(microbatch=slot))
     assert ledger.status()["microbatches"] == []
     ledger.queue(requests[3:])
     assert ledger.admit() == []  # its room is free once every stage let its cache go
     ledger.on_freed(slot)
     (opened,) = ledger.admit()
-    assert (opened[1].kind, opened[1].fields["members"]) == (Kind.PREFILL, [requests[3].number])
+    assert (type(opened[1]), opened[1].group.members) == (OpenSlot, [requests[3].number])
     assert [(future, result.tokens.tolist()) for future, result in answers] == [
         (request.future, [7, 8]) for request in requests[:3]]
 
@@ -228,19 +235,19 @@ def test_a_member_taken_out_of_its_queued_group_is_no_longer_on_its_way_in() -> 
     first, second, third = (request.number for request in requests)
     ledger.queue(requests[:1])
     (opened,) = ledger.admit()
-    slot = opened[1].fields["microbatch"]
+    slot = opened[1].microbatch
     ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
     ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8])
     ledger.queue(requests[1:2])
     (enter,) = ledger.admit()
     requests[1].future.cancel()
     ((stage, cancel),) = ledger.cancel(requests[1])
-    assert (stage, cancel.kind, cancel.fields["rows"]) == (0, Kind.CANCEL, [second])
+    assert (stage, cancel) == (0, Cancel(microbatch=slot, rows=[second]))
     ledger.queue(requests[2:])
     assert ledger.admit() == []  # the cancelled row may still be joining
     ledger.on_not_entered(slot, [second])  # the first stage took it out of the queued group
     (enter,) = ledger.admit()
-    assert (enter[1].kind, enter[1].fields["members"]) == (Kind.ENTER, [third])
+    assert (type(enter[1]), enter[1].group.members) == (Enter, [third])
     assert ledger.cancel(requests[1]) == []  # settled: nothing more to send
 
 
@@ -250,7 +257,7 @@ def test_slot_admission_counts_rows_within_the_budget() -> None:
     requests = _requests(3, 3, 3)
     ledger.queue(requests)
     (opened,) = ledger.admit()
-    assert opened[1].fields["members"] == [requests[0].number, requests[1].number]  # two rows fit, not three
+    assert opened[1].group.members == [requests[0].number, requests[1].number]  # two rows fit, not three
     assert ledger.admit() == []
 
 
@@ -261,8 +268,8 @@ def test_a_cancelled_member_of_a_slot_is_ended_by_the_first_stage() -> None:
     (opened,) = ledger.admit()
     requests[1].future.cancel()
     ((stage, cancel),) = ledger.cancel(requests[1])
-    assert (stage, cancel.kind, cancel.fields["rows"]) == (0, Kind.CANCEL, [requests[1].number])
-    outcome = ledger.on_round(opened[1].fields["microbatch"],
+    assert (stage, cancel) == (0, Cancel(microbatch=opened[1].microbatch, rows=[requests[1].number]))
+    outcome = ledger.on_round(opened[1].microbatch,
                               _round([r.number for r in requests], prefill=[[r.number for r in requests], 0, 3]),
                               [7, 8])
     assert [token for _, token in outcome.calls] == []  # no callbacks; the cancelled row is answered by nobody
@@ -274,20 +281,19 @@ def test_disaggregated_a_group_goes_to_the_prompt_pipeline_then_to_its_slot_with
     requests = _requests(1, 4)
     ledger.queue(requests)
     ((stage, prefill),) = ledger.admit()  # one group: the prompt pipeline has one stage
-    assert (stage, prefill.kind) == (0, Kind.PREFILL)
-    group = prefill.fields["microbatch"]
-    tokens = torch.tensor([[2], [9]])  # the first ends at an end-of-sequence token
-    outcome = ledger.on_group_prefilled(group, (tokens, prefill.tensors[1], torch.tensor([1, 0], dtype=torch.uint8),
-                                                torch.empty(0, dtype=torch.uint8)), {})
+    assert (stage, type(prefill)) == (0, Prefill)
+    group = prefill.microbatch
+    tokens, ended = torch.tensor([[2], [9]]), torch.tensor([1, 0], dtype=torch.uint8)  # the first ends at an eos
+    outcome = ledger.on_group_prefilled(_prefilled(group, tokens, prefill.mask, ended))
     ((index, start),) = outcome.sends
-    assert (index, start.kind) == (DISAGGREGATED.prompt_depth, Kind.PREFILL)  # it opens its slot
-    assert (start.fields["staged"], start.fields["first"], start.fields["ended"]) == (group, [2, 9],
-                                                                                       [requests[0].number])
+    assert (index, type(start)) == (DISAGGREGATED.prompt_depth, OpenSlot)  # it opens its slot
+    assert start.staged is not None
+    assert (start.staged.number, start.staged.first, start.staged.ended) == (group, [2, 9], [requests[0].number])
     (answered,) = outcome.answers
     assert answered[0] is requests[0].future
     requests[1].future.cancel()
     ((stage, cancel),) = ledger.cancel(requests[1])  # to the first token stage, which holds the slot
-    assert (stage, cancel.kind) == (DISAGGREGATED.prompt_depth, Kind.CANCEL)
+    assert (stage, type(cancel)) == (DISAGGREGATED.prompt_depth, Cancel)
     assert [r.prefill for r in answered[1].schedule] == [((requests[0].number, requests[1].number), 0, 3)]
 
 
@@ -297,26 +303,26 @@ def test_disaggregated_a_failed_slot_has_the_token_stages_drop_the_group_bound_f
     requests = _requests(4, 4)
     first, second = (request.number for request in requests)
 
-    def prefilled(prefill) -> Message:
-        ended = torch.zeros(len(prefill.tensors[1]), dtype=torch.uint8)
-        ((_, start),) = ledger.on_group_prefilled(prefill.fields["microbatch"], (
-            torch.full((len(ended), 1), 9), prefill.tensors[1], ended, torch.empty(0, dtype=torch.uint8)), {}).sends
+    def prefilled(prefill: Prefill) -> Enter:
+        ((_, start),) = ledger.on_group_prefilled(_prefilled(prefill.microbatch, torch.full((len(prefill.mask), 1), 9),
+                                                             prefill.mask)).sends
+        assert isinstance(start, Enter)
         return start
 
     ledger.queue(requests[:1])
     ((_, prefill),) = ledger.admit()
-    slot = prefilled(prefill).fields["microbatch"]
+    slot = prefilled(prefill).microbatch
     ledger.on_round(slot, _round([], prefill=[[first], 0, 3], complete=[first]), [])  # the token stage took it
     ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [10])
     ledger.queue(requests[1:])
     ((_, prefill),) = ledger.admit()  # bound for the same slot
-    group = prefill.fields["microbatch"]
+    group = prefill.microbatch
     if where == "staged":  # its KV is staged on the token stages, and its enter on its way
         staged = prefilled(prefill)
-        assert (staged.kind, staged.fields["microbatch"], staged.fields["members"]) == (Kind.ENTER, slot, [second])
+        assert (type(staged), staged.microbatch, staged.group.members) == (Enter, slot, [second])
     failed = ledger.on_microbatch_failed(slot, "a token stage failed on it")
     assert [stage for stage, _ in failed.sends] == list(range(len(DISAGGREGATED.stages)))  # prompt stages too
-    assert {tuple(sorted(message.fields["microbatches"])) for _, message in failed.sends} == {(slot, group)}
+    assert {tuple(sorted(message.microbatches)) for _, message in failed.sends} == {(slot, group)}
     assert [future for future, _ in failed.answers] == [request.future for request in requests]
     assert all(isinstance(error, dv.RequestFailed) for _, error in failed.answers)
-    assert ledger.on_group_prefilled(group, prefill.tensors, {}).sends == []  # a late prefill is let go
+    assert ledger.on_group_prefilled(_prefilled(group, torch.full((1, 1), 9), prefill.mask)).sends == []  # let go

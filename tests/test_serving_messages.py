@@ -1,4 +1,6 @@
-"""Pipeline messages and microbatches: exact round trips, and a peer's malformed message is a TransportError."""
+"""Pipeline messages and microbatches: every message class round-trips exactly, a peer's malformed message (its
+bytes, its kind, or a field missing, unknown or of another type) is a TransportError, and every class the head or a
+stage worker receives has its handler there."""
 
 from __future__ import annotations
 
@@ -7,20 +9,159 @@ import struct
 from collections import deque
 
 import pytest
+import tiny_models
 import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.generation.batching import Microbatch, Request, check_prompt
-from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.decoding import Decoding, RowFailure
+from dejavu_sdk.generation.logprobs import Scores
+from dejavu_sdk.generation.row_specs import Group, RowSpecs
+from dejavu_sdk.generation.slots import Round
+from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.generation.turns import take_microbatch
-from dejavu_sdk.serving.messages import Message, pack, unpack
+from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.messages import (
+    KINDS,
+    TO_HEAD,
+    TO_STAGE,
+    TO_WORKER,
+    AskRejoin,
+    AskStats,
+    Assign,
+    Cancel,
+    Decode,
+    Drop,
+    End,
+    Ended,
+    Enter,
+    Failed,
+    Fenced,
+    Freed,
+    GroupAt,
+    GroupStart,
+    Heartbeat,
+    Join,
+    Kv,
+    LinkLost,
+    Links,
+    Message,
+    MicrobatchFailed,
+    NotEntered,
+    OpenSlot,
+    Pause,
+    Paused,
+    Prefill,
+    Prefilled,
+    Ready,
+    Rejoin,
+    Relink,
+    Relinked,
+    Restore,
+    Rewind,
+    RewindSlot,
+    Rewound,
+    RoundDone,
+    RoundReport,
+    SendReplica,
+    Sent,
+    Shutdown,
+    SlotRound,
+    Staged,
+    Standby,
+    Start,
+    Stats,
+    Tokens,
+    Warm,
+    pack,
+    unpack,
+)
+from dejavu_sdk.serving.slot_replicas import Piece
+from dejavu_sdk.serving.worker import Role, StageWorker
+
+SPECS = RowSpecs([4, 8], [{"do_sample": False}, {"do_sample": True, "seed": 7, "prompt": [5, 6]}])
+GROUP = Group([11, 12], SPECS)
+LINKS = Links((0, 3), "tcp://127.0.0.1:1", None, ["tcp://127.0.0.1:2"], [0, 3], None, "memory://", "p1-", 1.5)
+DONE = RoundDone(Round(left=(1,), joined=(4, 5), decoded=(2, 4, 5), prefill=((6, 7), 2, 5), chunk=3,
+                       resumed=((6, (9, 10)),)), [2, 4, 5], [6, 7], False, ([4], None), {5: RowFailure("nan", False)})
+SCORES = Scores({"2": [-0.5, [7], [-0.5]]}, {"6": [1, [[-1.0, [3], [-1.0]]]]})
 
 
-def test_a_message_round_trips_exactly() -> None:
-    tensors = (torch.randn(2, 3, 5), torch.arange(7), torch.zeros(0, 4), torch.randn(3).to(torch.bfloat16))
-    back = unpack(pack(Message("decode", {"microbatch": 3, "rows": [1, 2]}, tensors)))
-    assert (back.kind, back.fields) == ("decode", {"microbatch": 3, "rows": [1, 2]})
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back.tensors, tensors, strict=True))
+def _tensors(count: int) -> list[torch.Tensor]:
+    """`count` tensors of several dtypes and shapes, an empty one among them."""
+    kinds = [torch.randn(2, 3, 5), torch.arange(7), torch.zeros(0, 4), torch.randn(3).to(torch.bfloat16),
+             torch.tensor([1, 0], dtype=torch.uint8), torch.tensor([[True, False]])]
+    return [kinds[index % len(kinds)] for index in range(count)]
+
+
+def _samples() -> list[Message]:
+    """A message of every class, each attribute set (not only to its default)."""
+    one, two, three, four, five, six = _tensors(6)
+    return [
+        Join(url="tcp://a:1", pid=7, worker="w-1"), Join(url="tcp://a:1", pid=7, worker=None),
+        Rejoin(url="tcp://a:1", pid=7, worker=None, stage="stage 0", layers=[0, 3], model="smollm2", epoch=4),
+        AskRejoin(stage="stage 1"), Standby(model="smollm2", threads=2), Warm(url="tcp://a:2"),
+        Assign(model="smollm2", stage="stage 0", role="mixed", number=0, stages=2, links=LINKS, epoch=3, threads=2,
+               eos=[2, 3], pad=0, swapping=True, heartbeat=0.5, missed_beats=3, orphan_timeout=60.0, recovery=True,
+               take_over=False, batching="continuous", max_prefill_tokens=None),
+        Ready(stage="stage 0", epoch=3), Heartbeat(stage="stage 0", epoch=3, url="tcp://a:1", work=12),
+        Heartbeat(stage="standby"), Failed(stage="stage 1", epoch=2, error="RuntimeError: boom"),
+        Fenced(stage="stage 1", epoch=5, was=2), Shutdown(), AskStats(),
+        Stats(stage="stage 0", figures={"stage": "stage 0", "row_steps": 4, "swap_wait_seconds": 0.5}),
+        Prefill(microbatch=3, epoch=1, specs=SPECS, ended=[1], columns=(0, 256), inputs=one, mask=two),
+        OpenSlot(microbatch=4, epoch=1, group=GROUP, ids=one, mask=two),
+        Enter(microbatch=4, epoch=1, group=GROUP, staged=Staged(9, [5, 6], [12], 64), mask=one, rng=two),
+        SlotRound(microbatch=4, epoch=2, left=[1], joined=[11, 12], applied=True, prefill=((11, 12), 0, 4),
+                  starting=GroupStart(SPECS, Staged(9, [5, 6], [], 0)), inputs=one, prefill_inputs=two,
+                  group_mask=three, rng=four),
+        SlotRound(microbatch=4, left=[], joined=None, inputs=one),
+        Decode(microbatch=3, epoch=1, inputs=one),
+        Start(microbatch=3, epoch=1, specs=SPECS, first=[5, 6], inputs=one, mask=two, ended=three, rng=four),
+        Kv(microbatch=3, epoch=1, layers=(2, 4), last=False, piece=one),
+        Cancel(microbatch=3, epoch=1, rows=[0, 1]), NotEntered(microbatch=4, epoch=1, members=[12]),
+        End(microbatch=3, epoch=1),
+        Tokens(microbatch=3, epoch=1, failed={1: RowFailure("refused", True)}, scores=SCORES, tokens=one, states=two),
+        Tokens(microbatch=3, tokens=one),
+        RoundReport(microbatch=4, epoch=2, done=DONE, scores=SCORES, tokens=one, states=two),
+        Prefilled(microbatch=3, epoch=1, failed={0: RowFailure("nan")}, chunk=256, scores=SCORES, tokens=one,
+                  mask=two, ended=three, rng=four),
+        Ended(microbatch=3, epoch=1, freed=True), Freed(microbatch=3, epoch=1),
+        MicrobatchFailed(microbatch=3, epoch=1, stage="stage 1", error="IndexError"),
+        LinkLost(stage="stage 0", epoch=1, error="refused"),
+        Pause(epoch=2, microbatches=[3, 4], replica_of=1, replica_layers=3, takeover=True),
+        Paused(stage="stage 0", epoch=2, caches={3: 9}, holds={3: 8}, slots={4: 17}, steps={3: (2, [[5, 6], [7, 8]])},
+               reports={4: [(DONE, [7, 8, 9])]}),
+        Relink(epoch=2, links=LINKS), Relinked(stage="stage 0", epoch=2),
+        SendReplica(microbatch=3, epoch=2, owner=1, layers=3, positions=9, to="tcp://a:3", part="group2",
+                    item="3/group2"),
+        Sent(microbatch=3, epoch=2, stage="stage 0", item="3/group2", error="short", unreachable=True),
+        Restore(microbatch=3, epoch=2, part=None, block=one),
+        Drop(epoch=2, microbatches=[3], failed=True, all_but=[4]),
+        Rewind(microbatch=3, epoch=2, specs=SPECS, positions=9, steps=3, replicated=8, generated=[[5, 6], [7, 8]],
+               keep=True, mask=one, ended=two, rng=three),
+        RewindSlot(microbatch=4, epoch=2, round=17, parked=False, left=[1], joined=None, members=[2, 4],
+                   pieces=[Piece("segment3", 2, 4), Piece("group2", 2, 6)], decodings=SPECS.decoding,
+                   counts={2: 5, 4: 1}, limits={2: 8, 4: 8}, cancelled=[4], finals={2: 14, 4: 14},
+                   joining=GroupAt(GROUP, 2, 15), mask=one, positions=two, index=three, group_mask=four,
+                   group_ids=five, states=six),
+        Rewound(microbatch=3, epoch=2, stage="stage 0", error=None),
+    ]
+
+
+def test_every_message_round_trips_exactly() -> None:
+    samples = _samples()
+    assert {type(message) for message in samples} == set(KINDS.values())
+    for message in samples:
+        back = unpack(pack(message))
+        assert type(back) is type(message)
+        assert back == message  # tensors by dtype, shape and values
+
+
+def test_a_messages_tensors_compare_by_value() -> None:
+    message = Decode(microbatch=1, inputs=torch.tensor([[1, 2]]))
+    assert message == Decode(microbatch=1, inputs=torch.tensor([[1, 2]]))
+    assert message != Decode(microbatch=1, inputs=torch.tensor([[1, 3]]))
+    assert message != Decode(microbatch=1, inputs=torch.tensor([[1.0, 2.0]]))
 
 
 def _raw(header: dict, payload: bytes = b"") -> torch.Tensor:
@@ -30,20 +171,92 @@ def _raw(header: dict, payload: bytes = b"") -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+DECODE = {"epoch": 0, "microbatch": 3}
+
+
+def _header(kind: str, fields: dict, tensors: list) -> dict:
+    return {"kind": kind, "fields": fields, "tensors": tensors}
+
+
+def _decode(fields: dict) -> torch.Tensor:
+    return _raw(_header("decode", fields, [["int64", [1]]]), bytes(8))
+
+
+def _pause(**changed: object) -> torch.Tensor:
+    fields = {"epoch": 1, "microbatches": [3], "replica_of": None, "replica_layers": 0, "takeover": False}
+    return _raw(_header("pause", {**fields, **changed}, []))
+
+
+def _paused(**changed: object) -> torch.Tensor:
+    fields = {"epoch": 1, "stage": "stage 0", "caches": {"3": 9}, "holds": {}, "slots": {}, "steps": {},
+              "reports": {}}
+    return _raw(_header("paused", {**fields, **changed}, []))
+
+
+def _report(round_fields: dict) -> torch.Tensor:
+    done = {"round": round_fields, "members": [], "complete": [], "idle": True, "next": [[], None], "failed": {}}
+    fields = {**DECODE, "done": done, "scores": {"logprobs": {}, "prompt_logprobs": {}}}
+    return _raw(_header("round_report", fields, [["int64", [0]], None]))
+
+
+ROUND = {"left": [], "joined": [], "decoded": [], "prefill": None, "chunk": 0, "resumed": [], "lost": False}
+
+
 @pytest.mark.parametrize("packed", [
-    _raw({"kind": "x", "fields": {}, "tensors": [["float32", [-1]]]}),
-    _raw({"kind": "x", "fields": {}, "tensors": [["int64", [-1]], ["int64", [1]]]}, bytes(8)),
-    _raw({"kind": "x", "fields": {}, "tensors": [["float32", [4]]]}, bytes(8)),  # shorter than its header says
-    _raw({"kind": "x", "fields": {}, "tensors": [["complex-ish", [1]]]}, bytes(8)),
-    _raw({"kind": "x"}),
+    _raw(_header("decode", DECODE, [["float32", [-1]]])),
+    _raw(_header("decode", DECODE, [["int64", [-1]], ["int64", [1]]]), bytes(8)),
+    _raw(_header("decode", DECODE, [["float32", [4]]]), bytes(8)),  # shorter than its header says
+    _raw(_header("decode", DECODE, [["complex-ish", [1]]]), bytes(8)),
+    _raw({"kind": "decode", "fields": DECODE}),
     torch.frombuffer(bytearray(struct.pack("<I", 1 << 30) + b"{}"), dtype=torch.uint8),
     torch.zeros(3, dtype=torch.uint8),
     torch.zeros(4, 4, dtype=torch.uint8),
+    _raw(_header("no-such-kind", DECODE, [])),
+    _raw(_header(["decode"], DECODE, [])),
+    _raw(["decode", DECODE, []]),
+    _decode({"epoch": 0}),
+    _decode({**DECODE, "rows": [1]}),
+    _decode({**DECODE, "microbatch": "3"}),
+    _decode({**DECODE, "microbatch": True}),
+    _decode({**DECODE, "microbatch": 3.0}),
+    _decode({**DECODE, "epoch": None}),
+    _raw(_header("decode", DECODE, []), bytes(8)),
+    _raw(_header("decode", DECODE, [["int64", [1]], ["int64", [1]]]), bytes(16)),
+    _raw(_header("decode", DECODE, [None])),
+    _pause(takeover=1),
+    _pause(microbatches=[3, "4"]),
+    _pause(microbatches={"3": 3}),
+    _paused(caches={"three": 9}),
+    _paused(caches={"03": 9}),
+    _paused(caches=[[3, 9]]),
+    _paused(steps={"3": [2]}),
+    _report({key: value for key, value in ROUND.items() if key != "lost"}),
+    _report({**ROUND, "prefill": [[6, 7], 2]}),
+    _report({**ROUND, "decoded": [1, None]}),
 ], ids=["negative dimension", "overlapping tensors", "truncated", "unknown dtype", "no tensor list",
-        "header longer than the message", "too short", "not 1-D"])
+        "header longer than the message", "too short", "not 1-D", "unknown kind", "kind not a string",
+        "header not an object", "missing field", "unknown field", "string for an int", "bool for an int",
+        "float for an int", "null for an int", "a tensor too few", "a tensor too many", "null for a tensor",
+        "int for a bool", "string in a list of ints", "object for a list", "key not a number",
+        "key not as a number is written", "list for a map", "pair too short", "nested: missing field",
+        "nested: triple too short", "nested: null in a tuple of ints"])
 def test_a_malformed_message_is_a_transport_error(packed) -> None:
     with pytest.raises(dv.TransportError, match="not a pipeline message"):
         unpack(packed)
+
+
+def test_every_message_class_has_one_handler_in_each_receiver_that_takes_it() -> None:
+    """The head's receiver and a stage worker's loop each dispatch through one table, a handler per class they
+    take; together with a waiting worker's (its stage, to wait as a spare, or to stop) they take every class."""
+    assert set(KINDS.values()) == TO_HEAD | TO_STAGE | TO_WORKER
+    assert not TO_HEAD & (TO_STAGE | TO_WORKER)
+    pipe = Pipeline("tiny_models:llama", stages=1)
+    assert set(pipe.handlers) == TO_HEAD
+    for role in (Role("mixed", 0, 1, "stage 0"), Role("prompt", 0, 1, "prompt stage 0"),
+                 Role("token", 0, 1, "token stage 0")):
+        worker = StageWorker(Stage(tiny_models.llama(), (0, 3)), role, None, None, None, None,  # type: ignore[arg-type]
+                             eos=[], pad=0)
+        assert set(worker.handlers) == TO_STAGE
 
 
 def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -16,7 +18,6 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.messages import Message, pack
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
@@ -232,18 +233,30 @@ def test_a_worker_without_the_token_is_not_let_in(monkeypatch) -> None:
         assert pipe.generate([expectations.prompts(1)[0]], max_new_tokens=2)[0].numel() == 2
 
 
+def _packed(header: dict) -> torch.Tensor:
+    """A message's bytes with this header (and no tensors): what a peer that speaks the format might send."""
+    encoded = json.dumps(header).encode()
+    data = struct.pack("<I", len(encoded)) + encoded
+    return torch.frombuffer(bytearray(data + bytes(-len(data) % 8)), dtype=torch.uint8)
+
+
 @pytest.mark.slow
-def test_garbage_on_a_stage_link_costs_that_message_and_no_recovery() -> None:
+def test_garbage_on_a_stage_link_or_at_the_head_costs_that_message_and_no_recovery(caplog) -> None:
     prompts = expectations.prompts(2, seed=8)
     with Pipeline("tiny_models:llama", stages=2, timeout=60, recovery="replicas") as pipe:
         before = pipe.generate(prompts[:1], max_new_tokens=4)[0]
         with dv.open_transport(pipe.fleet.url_of(1), token=pipe.options.token, timeout=5) as link:
             link.send_tensor(torch.randint(0, 256, (64,), dtype=torch.uint8))  # no message at all
-            link.send_tensor(pack(Message("no-such-kind", {"microbatch": 0})))
+            link.send_tensor(_packed({"kind": "no-such-kind", "fields": {"microbatch": 0}, "tensors": []}))
+            link.send_tensor(_packed({"kind": "decode", "fields": {"microbatch": 0}, "tensors": []}))  # fields short
+        with dv.open_transport(pipe.url, token=pipe.options.token, timeout=5) as head:  # a report without its tokens
+            head.send_tensor(_packed({"kind": "tokens", "fields": {"microbatch": 0}, "tensors": []}))
         after = pipe.generate(prompts, max_new_tokens=4)
         assert pipe.recoveries == []
         assert pipe.status()["epoch"] == 0
+        assert pipe.status()["failure"] is None
     assert torch.equal(after[0], before)
+    assert "the head dropped what it received" in caplog.text
 
 
 @pytest.mark.slow

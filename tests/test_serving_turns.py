@@ -13,10 +13,11 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.turns import take_microbatch
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.ledger import Ledger
-from dejavu_sdk.serving.messages import Kind
+from dejavu_sdk.serving.messages import Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Start
 from dejavu_sdk.swapping import positions_needed
 
 ONE_STAGE = Layout([[(0, 3)]])
@@ -34,13 +35,20 @@ def _one() -> Request:
     return Request(torch.tensor([9]), 4, Decoding())
 
 
-def _opened(sends) -> list[tuple[Kind, list[int]]]:
-    return [(message.kind, message.fields["members"]) for _, message in sends]
+def _opened(sends) -> list[tuple[type, list[int]]]:
+    return [(type(message), message.group.members) for _, message in sends]
 
 
-def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=()) -> dict:
-    return {"members": list(members), "failed": {}, "complete": list(complete), "idle": False,
-            "round": {"left": list(left), "joined": list(joined), "decoded": list(decoded), "prefill": prefill}}
+def _limits(message: Message) -> list[int]:
+    """The rows' `max_new_tokens` of a static microbatch's `Prefill`, or of a group entering a slot."""
+    assert isinstance(message, (Prefill, Enter))
+    return message.specs.max_new_tokens if isinstance(message, Prefill) else message.group.specs.max_new_tokens
+
+
+def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=()) -> RoundDone:
+    columns = None if prefill is None else (tuple(prefill[0]), prefill[1], prefill[2])
+    return RoundDone(Round(tuple(left), tuple(joined), tuple(decoded), columns), list(members), list(complete), False,
+                     ([], None), {})
 
 
 def test_turns_go_first_to_the_submission_with_the_fewest_rows_in_flight() -> None:
@@ -61,11 +69,11 @@ def test_a_request_held_back_by_a_large_one_gets_a_microbatch_beside_it_that_the
     large, late = _large(12), _one()
     ledger.queue(large)
     (opened,) = ledger.admit()
-    assert opened[1].fields["max_new_tokens"] == [16] * 4  # the stage's one microbatch, full of the large one's
+    assert _limits(opened[1]) == [16] * 4  # the stage's one microbatch, full of the large one's
     assert ledger.admit() == []
     ledger.queue([late])
     (beside,) = ledger.admit()  # not after the large one's sixteen steps: at once, beside it, alone
-    assert (beside[1].kind, beside[1].fields["max_new_tokens"]) == (Kind.PREFILL, [4])
+    assert (type(beside[1]), _limits(beside[1])) == (OpenSlot if continuous else Prefill, [4])
     assert ledger.admit() == []  # the large one takes no row of it, nor a third microbatch
     assert [flight.beside for flight in ledger.flights.values()] == [False, True]
 
@@ -76,13 +84,13 @@ def test_disaggregated_a_microbatch_beside_a_large_one_is_prompted_and_decodes_b
     ledger.queue(large)
     for number, rows in ((0, 4), (1, 1)):
         (prefill,) = ledger.admit()  # to the prompt stage
-        assert (prefill[0], prefill[1].kind, len(prefill[1].fields["max_new_tokens"])) == (0, Kind.PREFILL, rows)
-        first_tokens = torch.full((rows, 1), 7)
-        ledger.on_prefilled(number, (first_tokens, torch.ones(rows, 3, dtype=torch.long),
-                                     torch.zeros(rows, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)),
-                            {}, keep_states=False)
+        assert (prefill[0], type(prefill[1]), len(_limits(prefill[1]))) == (0, Prefill, rows)
+        ledger.on_prefilled(Prefilled(microbatch=number, tokens=torch.full((rows, 1), 7),
+                                      mask=torch.ones(rows, 3, dtype=torch.long),
+                                      ended=torch.zeros(rows, dtype=torch.uint8),
+                                      rng=torch.empty(0, dtype=torch.uint8)), keep_states=False)
         (start,) = ledger.admit()  # the token stage takes it: the late one's beside the large one's
-        assert (start[0], start[1].kind, start[1].fields["microbatch"]) == (1, Kind.START, number)
+        assert (start[0], type(start[1]), start[1].microbatch) == (1, Start, number)
         ledger.queue([late])
     assert ledger.admit() == []
 
@@ -93,7 +101,7 @@ def test_requests_of_their_own_share_the_layouts_microbatches_as_before(continuo
     ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=continuous)
     ledger.queue([_one() for _ in range(7)])
     (opened,) = ledger.admit()
-    assert len(opened[1].fields["max_new_tokens"]) == 4
+    assert len(_limits(opened[1])) == 4
     assert ledger.admit() == []
 
 
@@ -104,15 +112,15 @@ def test_a_row_that_leaves_a_slot_goes_to_the_submission_holding_fewest_rows() -
     first, second = large[0].number, large[1].number
     ledger.queue(large)
     (opened,) = ledger.admit()
-    slot = opened[1].fields["microbatch"]
+    slot = opened[1].microbatch
     held_back, later = _one(), _one()
     ledger.queue([held_back])
-    assert _opened(ledger.admit()) == [(Kind.PREFILL, [held_back.number])]  # beside it
+    assert _opened(ledger.admit()) == [(OpenSlot, [held_back.number])]  # beside it
     ledger.queue([later])  # the slot beside is taking its first group in, and no third slot opens
     assert ledger.admit() == []
     ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3], complete=[first, second]), [7, 8])
     ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])  # the first row has left
-    assert _opened(ledger.admit()) == [(Kind.ENTER, [later.number])]  # not the large one's third, older choice
+    assert _opened(ledger.admit()) == [(Enter, [later.number])]  # not the large one's third, older choice
 
 
 @pytest.mark.parametrize(("continuous", "swapping", "alone"), [

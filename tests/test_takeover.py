@@ -13,15 +13,15 @@ from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.ledger import Ledger
+from dejavu_sdk.serving.messages import RoundDone
 from dejavu_sdk.serving.takeover import Takeover
 
 GROUPS = {7: [([11, 12], [["cmpl-a", 0], ["cmpl-b", 0]])]}
 
 
 def _report(members: list[int], step: Round, tokens: list[int], complete: list[int] = (),
-            joined: list[int] | None = None) -> tuple[dict, list[int]]:
-    return ({"members": members, "round": step.fields(), "complete": list(complete), "idle": False,
-             "next": {"left": [], "joined": joined}}, tokens)
+            joined: list[int] | None = None) -> tuple[RoundDone, list[int]]:
+    return RoundDone(step, members, list(complete), False, ([], joined), {}), tokens
 
 
 REPORTS = [_report([11, 12], Round((), (), (), ((11, 12), 0, 2)), [20, 21], complete=[11, 12], joined=[11, 12]),

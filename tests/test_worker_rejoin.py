@@ -16,28 +16,27 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.messages import Kind, Message, pack, unpack
+from dejavu_sdk.serving.messages import AskRejoin, Fenced, Heartbeat, Rejoin, Shutdown, pack, unpack
 
 TOKEN = "rejoin-token"
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
 
-def _next_kind(inbox, timeout: float = 30) -> str:
-    return unpack(inbox.recv_tensor(timeout=timeout)).kind
+def _next_kind(inbox, timeout: float = 30) -> type:
+    return type(unpack(inbox.recv_tensor(timeout=timeout)))
 
 
-def _rejoin(url: str, stage: str, layers: list[int], model: str = "tiny_models:llama") -> Message:
-    return Message(Kind.REJOIN, {"url": url, "pid": 1, "worker": "former", "stage": stage, "layers": layers,
-                                 "model": model, "epoch": 3})
+def _rejoin(url: str, stage: str, layers: list[int], model: str = "tiny_models:llama") -> Rejoin:
+    return Rejoin(url=url, pid=1, worker="former", stage=stage, layers=layers, model=model, epoch=3)
 
 
 def test_a_former_heads_worker_is_fenced_and_late_rejoins_are_turned_away() -> None:
     with Pipeline("tiny_models:llama", token=TOKEN) as pipe, \
             dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
-        head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "stage 0", "epoch": 0, "url": former.url})))
-        assert _next_kind(former) == Kind.FENCED  # same stage name and epoch, but not the inbox the head assigned
+        head.send_tensor(pack(Heartbeat(stage="stage 0", epoch=0, url=former.url)))
+        assert _next_kind(former) is Fenced  # same stage name and epoch, but not the inbox the head assigned
         head.send_tensor(pack(_rejoin(former.url, "stage 0", list(pipe.stage_table[0].layers))))
-        assert _next_kind(former) == Kind.SHUTDOWN  # the stage has its worker
+        assert _next_kind(former) is Shutdown  # the stage has its worker
         ids = torch.tensor([[5, 6, 7]])
         assert len(pipe.generate(ids, max_new_tokens=4)[0]) == 4  # the real worker still serves
 
@@ -49,7 +48,7 @@ def test_a_rejoin_for_other_layers_is_turned_away_and_the_stage_gets_a_new_worke
         with dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
             head.send_tensor(pack(_rejoin(former.url, "stage 0", [0, 1])))  # a layout this pipeline does not have
             pipe.start(rejoin_wait=1.0)
-            assert _next_kind(former) == Kind.SHUTDOWN
+            assert _next_kind(former) is Shutdown
         assert pipe.fleet.rejoined == []
         assert len(pipe.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)[0]) == 2
     finally:
@@ -110,9 +109,9 @@ def test_a_former_heads_worker_that_beats_at_a_starting_head_is_asked_to_rejoin(
         pipe.listen()
         with dv.serve("tcp://127.0.0.1:0", token=TOKEN) as former, dv.open_transport(pipe.url, token=TOKEN) as head:
             for _ in range(2):
-                head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "stage 0", "epoch": 4, "url": former.url})))
+                head.send_tensor(pack(Heartbeat(stage="stage 0", epoch=4, url=former.url)))
             pipe.start(rejoin_wait=1.0)
-            assert _next_kind(former) == Kind.REJOIN
+            assert _next_kind(former) is AskRejoin
             with pytest.raises(dv.TransportError):
                 former.recv_tensor(timeout=0.5)  # asked once
         assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2

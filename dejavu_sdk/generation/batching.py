@@ -21,7 +21,8 @@ import torch
 from ..errors import ConfigError, quoted
 from ..swapping import positions_needed
 from .decoding import Decoding
-from .logprobs import PromptLogprobs, TokenLogprobs
+from .logprobs import PromptLogprobs, Scores, TokenLogprobs
+from .row_specs import Group, RowSpecs
 from .shared_prompts import prompt_sources
 from .slots import Round
 
@@ -233,23 +234,23 @@ class Microbatch:
         self.rng_states = {step: state for step, state in self.rng_states.items() if step <= steps}
         self.logprobs = {key: entry for key, entry in self.logprobs.items() if key[1] < steps}
 
-    def add_step(self, tokens: Sequence[int], scores: dict[str, Any] | None = None) -> None:
-        """One step's tokens, a row each, as they reach the head, with the step report's log-probability
-        fields (`scores`: by row)."""
+    def add_step(self, tokens: Sequence[int], scores: Scores | None = None) -> None:
+        """One step's tokens, a row each, as they reach the head, with the step report's log-probabilities
+        (`scores`: by row)."""
         self.arrived.append(time.monotonic())
         self.steps_received += 1
         for row, token in zip(self.generated, tokens, strict=True):
             row.append(token)
         self.add_scores(scores, int)
 
-    def add_scores(self, scores: dict[str, Any] | None, row_of: Callable[[str], int]) -> None:
-        """A step report's log-probability fields, keyed as `row_of` maps them to rows, after its tokens."""
-        if not scores:
+    def add_scores(self, scores: Scores | None, row_of: Callable[[str], int]) -> None:
+        """A step report's log-probabilities, keyed as `row_of` maps them to rows, after its tokens."""
+        if scores is None:
             return
-        for key, entry in (scores.get("logprobs") or {}).items():
+        for key, entry in scores.logprobs.items():
             row = row_of(key)
             self.logprobs[row, len(self.generated[row]) - 1] = TokenLogprobs.of_wire(entry)
-        for key, (first, entries) in (scores.get("prompt_logprobs") or {}).items():
+        for key, (first, entries) in scores.prompt_logprobs.items():
             row = row_of(key)
             for index, entry in enumerate(entries, start=int(first)):
                 self.prompt_logprobs[row, index] = TokenLogprobs.of_wire(entry)
@@ -298,11 +299,10 @@ class Microbatch:
     def sampled(self) -> bool:
         return any(request.decoding.do_sample for request in self.requests)
 
-    def fields(self) -> dict[str, Any]:
-        """What the stages need to know of it, as message fields (each row's limit and decoding)."""
-        return {"microbatch": self.number, "max_new_tokens": self.max_new_tokens,
-                "decoding": [row_fields(request, row not in self.prompt_sources)
-                             for row, request in enumerate(self.requests)]}
+    def row_specs(self) -> RowSpecs:
+        """What the stages need to know of its rows: each one's limit and decoding."""
+        return RowSpecs(self.max_new_tokens, [row_fields(request, row not in self.prompt_sources)
+                                              for row, request in enumerate(self.requests)])
 
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
@@ -366,18 +366,6 @@ def kept_tokens(tokens: list[int], max_new_tokens: int, ends: Collection[int]) -
     return kept if end is None else kept[:end + 1]
 
 
-def group_rows(fields: dict[str, Any], ids: torch.Tensor, mask: torch.Tensor,
-               rows: list[int]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-    """A group's fields (its members, limits and decodings), prompts and mask with only `rows`, left-padded to
-    the longest of them."""
-    ids, mask = ids[rows], mask[rows]
-    trim = int((mask == 0).all(0).long().cumprod(0).sum())
-    kept = dict(fields)
-    for name in ("members", "max_new_tokens", "decoding"):
-        kept[name] = [fields[name][row] for row in rows]
-    return kept, ids[:, trim:], mask[:, trim:]
-
-
 @attrs.define(eq=False)
 class SlotBatch(Microbatch):
     """A slot of a continuous pipeline, as the head keeps it: every request that entered it (a row each, in the
@@ -401,7 +389,7 @@ class SlotBatch(Microbatch):
     prefilled: Round | None = None
     #: Every group sent into the slot, in order: its fields, prompts and mask (a recovery sends again those whose
     #: prefill had not begun).
-    groups: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+    groups: list[tuple[Group, torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
     #: The row change the slot's next round opens with (rows that left, the group that joined), as the last stage
     #: reported it with the slot's latest round.
     next_change: tuple[list[int], list[int] | None] = ([], None)
@@ -419,9 +407,9 @@ class SlotBatch(Microbatch):
         empty = torch.zeros((0, 0), dtype=torch.long)
         return cls(number, [], empty, empty, pad)
 
-    def enter(self, requests: Sequence[Request]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-        """Take `requests` in as new rows: what the stages need of them (fields, and their prompts left-padded to
-        each other with their mask)."""
+    def enter(self, requests: Sequence[Request]) -> tuple[Group, torch.Tensor, torch.Tensor]:
+        """Take `requests` in as new rows: what the stages need of them (the group, and their prompts left-padded
+        to each other with their mask)."""
         first = len(self.requests)
         sources = prompt_sources(requests, first)
         self.prompt_sources.update(sources)
@@ -432,10 +420,9 @@ class SlotBatch(Microbatch):
             self.rows_of[request.number] = row
             self.entering.add(row)
         ids, mask = left_pad([request.ids for request in requests], self.pad)
-        return ({"members": [request.number for request in requests],
-                 "max_new_tokens": [request.max_new_tokens for request in requests],
-                 "decoding": [row_fields(request, row not in sources) for row, request in enumerate(requests, first)]},
-                ids, mask)
+        specs = RowSpecs([request.max_new_tokens for request in requests],
+                         [row_fields(request, row not in sources) for row, request in enumerate(requests, first)])
+        return Group([request.number for request in requests], specs), ids, mask
 
     def leave_unentered(self, members: Sequence[int]) -> list[Request]:
         """The requests of `members` that did not get in (taken out of their group on the first stage, or their
@@ -451,7 +438,7 @@ class SlotBatch(Microbatch):
         return back
 
     def add_round(self, step: Round, members: Sequence[int], tokens: Sequence[int], complete: Sequence[int] = (),
-                  scores: dict[str, Any] | None = None) -> None:
+                  scores: Scores | None = None) -> None:
         """A round as the last stage reports it: rows left, a group joined, a group's prompt columns ran (and
         whether that was its last: `complete`, its members), each member's new token and log-probabilities."""
         self.rounds.append(self.with_resumed(step))
@@ -464,9 +451,9 @@ class SlotBatch(Microbatch):
             self.staged = {number: group for number, group in self.staged.items() if set(group) - set(complete)}
         self.add_tokens(members, tokens, scores)
 
-    def add_tokens(self, members: Sequence[int], tokens: Sequence[int], scores: dict[str, Any] | None = None) -> None:
+    def add_tokens(self, members: Sequence[int], tokens: Sequence[int], scores: Scores | None = None) -> None:
         """New tokens of some members (a round's, or a group's first ones from the prompt pipeline), and the
-        report's log-probability fields (by member)."""
+        report's log-probabilities (by member)."""
         now = time.monotonic()
         for member, token in zip(members, tokens, strict=True):
             row = self.rows_of[member]

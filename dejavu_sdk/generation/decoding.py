@@ -114,7 +114,7 @@ class Decoding:
         return cls(True, tuple(sorted(given.items())), seed, ends, logprobs, prompt_logprobs)
 
     def fields(self) -> dict[str, Any]:
-        """As message fields, for the last stage."""
+        """As the last stage takes it (`TokenPicker`), in a message's JSON."""
         return {"do_sample": self.do_sample, "settings": dict(self.settings), "seed": self.seed,
                 "ends": attrs.asdict(self.ends), "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
                 "drawn": self.drawn}
@@ -190,9 +190,6 @@ class RowFailure:
 
     reason: str
     input_error: bool = False
-
-    def fields(self) -> dict[str, Any]:
-        return {"reason": self.reason, "input_error": self.input_error}
 
 
 def next_tokens(picker: TokenPicker, logits: torch.Tensor, ended: torch.Tensor, steps: int | Sequence[int],

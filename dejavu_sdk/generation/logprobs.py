@@ -55,6 +55,15 @@ class PromptLogprobs:
     entries: tuple[TokenLogprobs | None, ...] | None
 
 
+@attrs.frozen
+class Scores:
+    """A step report's log-probabilities on the wire, of the rows that ask: of each picked token (`logprobs`) and of
+    the prompt's tokens (`prompt_logprobs`), keyed by row (in a slot, by member) as a string."""
+
+    logprobs: dict[str, Any] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)
+
+
 def scored(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprobs]:
     """Each position's entry: logits `[N, vocab]`, the token `[N]` taken at each position, the count of top tokens."""
     values = torch.log_softmax(logits.float(), dim=-1)

@@ -168,7 +168,7 @@ class RoundRobin:
         cache = caches.new_cache(batch.number)
         logits = self._stage.forward(batch.ids.to(self.device), mask, positions, cache)
         caches.add(batch.number, positions_needed(batch.ids.shape[1], max(batch.max_new_tokens)))
-        picker = TokenPicker(self.model.generation_config, batch.fields()["decoding"])
+        picker = TokenPicker(self.model.generation_config, batch.row_specs().decoding)
         ended = torch.zeros(len(batch.requests), dtype=torch.bool, device=self.device)
         tokens, ended, failures = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos,
                                               self.rules.pad)

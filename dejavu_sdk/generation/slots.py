@@ -54,18 +54,6 @@ class Round:
     resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()
     lost: bool = False
 
-    def fields(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False)
-
-    @classmethod
-    def of(cls, fields: dict[str, Any]) -> Round:
-        prefill = fields.get("prefill")
-        return cls(tuple(fields.get("left", ())), tuple(fields.get("joined", ())), tuple(fields.get("decoded", ())),
-                   None if prefill is None else (tuple(prefill[0]), int(prefill[1]), int(prefill[2])),
-                   int(fields.get("chunk") or 0),
-                   tuple((int(member), tuple(tokens)) for member, tokens in fields.get("resumed", ())),
-                   bool(fields.get("lost")))
-
     def prefill_steps(self) -> list[tuple[int, int]]:
         """The columns [start, stop) of `prefill` that ran in a step each."""
         if self.prefill is None:

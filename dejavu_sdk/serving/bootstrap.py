@@ -2,15 +2,15 @@
 beat, run it, and close.
 
 Launchers start `python -m dejavu_sdk.serving.bootstrap --join URL --worker-id ID` (`main`); `dejavu worker
---join URL` on any machine calls `run_worker` too. The worker sends its id in `join` (`worker`: the
+--join URL` on any machine calls `run_worker` too. The worker sends its id in `Join` (`worker`: the
 launcher's, which the head keys spares by, or None for a worker started by hand) with its process id (`pid`).
-The head then sends `assign` (the stage: `StageWorker` runs it until `shutdown`), `standby` (load the model
-now, answer `warm`, and wait for an `assign`) or `shutdown`. The token of the head's servers comes from
+The head then sends `Assign` (the stage: `StageWorker` runs it until `Shutdown`), `Standby` (load the model
+now, answer `Warm`, and wait for an `Assign`) or `Shutdown`. The token of the head's servers comes from
 `DEJAVU_TOKEN`.
 
 A worker whose head is gone (its heartbeats unanswered, or a message to it not sent: `HeadGone`) is an orphan: it
-keeps its stage loaded and sends `rejoin` to the head's address every REJOIN_EVERY seconds, for the orphan
-timeout; a successor there answers with an assignment (the same stage, in a later epoch) or `shutdown`.
+keeps its stage loaded and sends `Rejoin` to the head's address every REJOIN_EVERY seconds, for the orphan
+timeout; a successor there answers with an assignment (the same stage, in a later epoch) or `Shutdown`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -35,7 +34,8 @@ from ..models import load_model
 from ..transports.access import TOKEN_VARIABLE
 from ..transports.base import Server, Transport
 from .link_tls import LinkTls, inbox_options, link_options
-from .messages import Kind, Message, pack, unpack
+from .messages import Assign, Fenced, Join, Message, Ready, Rejoin, Shutdown, Standby, Warm, pack, unpack
+from .messages import Heartbeat as Beat
 from .worker import QUIET, StageWorker, failure_message
 from .worker_state import HeadGone, Holdings, Role, open_links
 
@@ -89,8 +89,7 @@ class Heartbeat:
     def _beat(self) -> BaseException | None:
         """Send one heartbeat; what kept the head from answering it (None: it answered)."""
         try:
-            self.head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": self.stage, "epoch": self.epoch(),
-                                                                 "url": self.url, "work": self.work()})))
+            self.head.send_tensor(pack(Beat(stage=self.stage, epoch=self.epoch(), url=self.url, work=self.work())))
         except ServerBusy:  # a full inbox: the head is there, and behind
             return None
         except Exception as error:
@@ -119,78 +118,76 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
     tls = LinkTls.from_environment()
     with serve(f"{scheme}://{host}:0", token=token, **inbox_options(tls)) as inbox, \
             open_transport(join, **link_options(tls)) as head:
-        _join(head, Message(Kind.JOIN, {"url": inbox.url, "pid": os.getpid(), "worker": worker_id}))
-        assign = unpack(inbox.recv_tensor(timeout=ASSIGN_TIMEOUT))
+        _join(head, Join(url=inbox.url, pid=os.getpid(), worker=worker_id))
+        answer = unpack(inbox.recv_tensor(timeout=ASSIGN_TIMEOUT))
         model = None
-        if assign.kind == Kind.STANDBY:  # load the model now, and wait (beating) until a stage needs this worker
-            torch.set_num_threads(threads if threads is not None else assign.fields["threads"])
-            model = load_model(assign.fields["model"])
-            head.send_tensor(pack(Message(Kind.WARM, {"url": inbox.url})))
-            assign = _wait_for_assignment(inbox, head)
+        if isinstance(answer, Standby):  # load the model now, and wait (beating) until a stage needs this worker
+            torch.set_num_threads(threads if threads is not None else answer.threads)
+            model = load_model(answer.model)
+            head.send_tensor(pack(Warm(url=inbox.url)))
+            answer = _wait_for_assignment(inbox, head)
         stage: Stage | None = None
         held: Holdings | None = None  # an orphan's microbatches, for the head that takes it back
-        while assign.kind != Kind.SHUTDOWN:
-            if assign.kind != "assign":
-                raise TransportError(f"the head sent {assign.kind!r} where an assignment was due")
-            fields = assign.fields
-            torch.set_num_threads(threads if threads is not None else fields["threads"])  # the worker's own first
-            if stage is None or stage.layers != tuple(fields["layers"]):  # a rejoined worker keeps its stage loaded
+        while not isinstance(answer, Shutdown):
+            if not isinstance(answer, Assign):
+                raise TransportError(f"the head sent {answer.kind!r} where an assignment was due")
+            assign = answer
+            torch.set_num_threads(threads if threads is not None else assign.threads)  # the worker's own first
+            layers = assign.links.layers
+            if stage is None or stage.layers != layers:  # a rejoined worker keeps its stage loaded
                 try:
-                    stage = Stage(model if model is not None else load_model(fields["model"]), tuple(fields["layers"]))
+                    stage = Stage(model if model is not None else load_model(assign.model), layers)
                 except Exception as error:  # whatever stops the stage from loading, the head must hear of it
-                    head.send_tensor(failure_message(fields["stage"], error, int(fields.get("epoch", 0))))
+                    head.send_tensor(failure_message(assign.stage, error, assign.epoch))
                     raise
                 model = None  # the stage took it over
             try:
-                _serve_stage(stage, fields, inbox, join, held)
+                _serve_stage(stage, assign, inbox, join, held)
                 return
             except HeadGone as gone:
                 held = gone.held
-                timeout = orphan_timeout if orphan_timeout is not None else float(fields.get("orphan_timeout", 0))
+                timeout = orphan_timeout if orphan_timeout is not None else assign.orphan_timeout
                 if scheme not in REJOINABLE or timeout <= 0:
-                    log.warning("%s: %s: stopping", fields["stage"], gone)
+                    log.warning("%s: %s: stopping", assign.stage, gone)
                     return
-                log.warning("%s: %s; asking the head at %s to take the stage back for up to %.0f s", fields["stage"],
+                log.warning("%s: %s; asking the head at %s to take the stage back for up to %.0f s", assign.stage,
                             gone, join, timeout)
-                answer = _rejoin(head, inbox, Message(Kind.REJOIN, {
-                    "url": inbox.url, "pid": os.getpid(), "worker": worker_id, "stage": fields["stage"],
-                    "layers": list(stage.layers), "model": fields["model"], "epoch": gone.epoch}), timeout)
-                if answer is None:
-                    log.warning("%s: no head took the stage back within %.0f s: stopping", fields["stage"], timeout)
+                rejoin = Rejoin(url=inbox.url, pid=os.getpid(), worker=worker_id, stage=assign.stage,
+                                layers=list(stage.layers), model=assign.model, epoch=gone.epoch)
+                taken = _rejoin(head, inbox, rejoin, timeout)
+                if taken is None:
+                    log.warning("%s: no head took the stage back within %.0f s: stopping", assign.stage, timeout)
                     return
-                assign = answer  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
+                answer = taken  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
 
 
-def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
-                 held: Holdings | None = None) -> None:
-    """Be the stage the assignment `fields` describe until the head at `join` says `shutdown` (HeadGone: the
-    head is gone, with what the worker keeps for a successor), on links of its own (what was posted on a former
-    head's is lost with it); `held`: the microbatches it kept under a former head, for this one to take over if it
-    says so (`take_over`; else they are dropped, with the replicas held here for a neighbour)."""
-    role = Role(fields["role"], fields["number"], fields["stages"], fields["stage"])
+def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: Holdings | None = None) -> None:
+    """Be the stage `assign` describes until the head at `join` says `Shutdown` (HeadGone: the head is gone, with
+    what the worker keeps for a successor), on links of its own (what was posted on a former head's is lost with
+    it); `held`: the microbatches it kept under a former head, for this one to take over if it says so
+    (`take_over`; else they are dropped, with the replicas held here for a neighbour)."""
+    role = Role(assign.role, assign.number, assign.stages, assign.stage)
     head = open_transport(join, **link_options(LinkTls.from_environment()))
     worker: StageWorker | None = None
     heartbeat: Heartbeat | None = None
     try:
-        following, first, sender, replicator = open_links(fields, role)
-        worker = StageWorker(stage, role, inbox, head, following, first, fields["eos"], fields["pad"], sender,
-                             bool(fields.get("swapping")), None, replicator, bool(fields.get("recovery")),
-                             int(fields.get("epoch", 0)), fields.get("replica_prefix", ""),
-                             fields.get("batching", "static"), fields.get("max_prefill_tokens"))
-        if held is not None and fields.get("take_over") and not fields.get("swapping"):  # else dropped with it
+        following, first, sender, replicator = open_links(assign.links, role)
+        worker = StageWorker(stage, role, inbox, head, following, first, assign.eos, assign.pad, sender,
+                             assign.swapping, None, replicator, assign.recovery, assign.epoch,
+                             assign.links.replica_prefix, assign.batching, assign.max_prefill_tokens)
+        if held is not None and assign.take_over and not assign.swapping:  # else dropped with it
             worker.microbatches, worker.slots, worker.caches = held.microbatches, held.slots, held.caches
-        elif not fields.get("take_over"):  # a head that takes nothing over: what was replicated here for a neighbour
+        elif not assign.take_over:  # a head that takes nothing over: what was replicated here for a neighbour
             for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
                 inbox.store.delete(stream)
         serving = worker
-        serving.tell_head(pack(Message(Kind.READY, {"stage": fields["stage"], "epoch": serving.epoch})))
-        interval = float(fields["heartbeat"])
-        serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval,
-                                                  interval * int(fields.get("missed_beats", 3)),
-                                                  lambda: serving.epoch, inbox.url, lambda: stage.layers_run)
+        serving.tell_head(pack(Ready(stage=assign.stage, epoch=serving.epoch)))
+        interval = assign.heartbeat
+        serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval, interval * assign.missed_beats,
+                                              lambda: serving.epoch, inbox.url, lambda: stage.layers_run)
         serving.run()
     except HeadGone as gone:
-        gone.epoch = worker.epoch if worker is not None else int(fields.get("epoch", 0))  # raised by recoveries
+        gone.epoch = worker.epoch if worker is not None else assign.epoch  # raised by recoveries
         if worker is not None and not worker.caches.swapping:
             gone.held = Holdings(worker.microbatches, worker.slots, worker.caches)
         raise
@@ -206,7 +203,7 @@ def _serve_stage(stage: Stage, fields: dict[str, Any], inbox: Server, join: str,
             head.close()
 
 
-def _rejoin(head: Transport, inbox: Server, rejoin: Message, timeout: float) -> Message | None:
+def _rejoin(head: Transport, inbox: Server, rejoin: Rejoin, timeout: float) -> Assign | Shutdown | None:
     """An orphan's wait: send `rejoin` to the head's address every REJOIN_EVERY seconds until a head takes it
     (then wait for its answer: an assignment, or shutdown) or `timeout` seconds pass (None). What the inbox
     gets meanwhile from the old pipeline (steps its neighbours sent before they noticed) is dropped."""
@@ -215,7 +212,7 @@ def _rejoin(head: Transport, inbox: Server, rejoin: Message, timeout: float) -> 
         return _rejoin_through(link, inbox, rejoin, deadline)
 
 
-def _rejoin_through(link: Transport, inbox: Server, rejoin: Message, deadline: float) -> Message | None:
+def _rejoin_through(link: Transport, inbox: Server, rejoin: Rejoin, deadline: float) -> Assign | Shutdown | None:
     while True:
         try:
             link.send_tensor(pack(rejoin))
@@ -227,15 +224,15 @@ def _rejoin_through(link: Transport, inbox: Server, rejoin: Message, deadline: f
                 message = unpack(inbox.recv_tensor(timeout=remaining))
             except TransportError:  # a quiet inbox
                 continue
-            if message.kind in (Kind.ASSIGN, Kind.SHUTDOWN):
+            if isinstance(message, (Assign, Shutdown)):
                 return message
-            if message.kind == Kind.FENCED:
+            if isinstance(message, Fenced):
                 return None
         if time.monotonic() >= deadline:
             return None
 
 
-def _join(head: Transport, join: Message) -> None:
+def _join(head: Transport, join: Join) -> None:
     """Send `join`, retrying while the head is not listening yet (workers may start before it)."""
     deadline = time.monotonic() + JOIN_TIMEOUT
     while True:
@@ -254,7 +251,7 @@ def _wait_for_assignment(inbox: Server, head: Transport) -> Message:
         try:
             return unpack(inbox.recv_tensor(timeout=QUIET))
         except TransportError:  # noqa: PERF203 - a quiet inbox: is the head still there?
-            head.send_tensor(pack(Message(Kind.HEARTBEAT, {"stage": "standby"})))
+            head.send_tensor(pack(Beat(stage="standby")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

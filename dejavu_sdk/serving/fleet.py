@@ -1,9 +1,8 @@
-"""The pipeline's worker processes: launching them, their joining, stage assignment, heartbeats, fencing by
-epoch, and the pool of spare workers that replace dead stages.
+"""The pipeline's worker processes: launching them, their joining, stage assignment, heartbeats, and fencing by
+epoch; the pool of spare workers that replace dead stages is `spares.SparePool`'s.
 
 A worker joins with its inbox's address, its pid and the id its launcher gave it (`worker`; None for a worker
-started by hand). Spares (launched for a recovery, or kept warm as `standby`) are known by that id: pids collide
-across machines. Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
+started by hand). Each stage remembers the epoch its worker was assigned in, so that whatever a replaced worker
 still sends (a heartbeat, a failure) is ignored; a replaced process the pipeline launched is killed, and one
 started elsewhere is told to exit when its heartbeat comes again (`fence_stale`).
 """
@@ -19,13 +18,29 @@ from typing import Any
 
 import attrs
 
-from ..backends import open_transport
 from ..errors import ConfigError, TransportError
 from ..transports.base import CLIENT_TIMEOUT, Server, Transport
 from .launchers import JoinedWorker, WorkerHandle
-from .link_tls import link_options, worker_environment
-from .messages import Kind, Message, pack, unpack
+from .messages import (
+    AskRejoin,
+    AskStats,
+    Assign,
+    Failed,
+    Fenced,
+    Heartbeat,
+    Join,
+    Links,
+    Message,
+    Ready,
+    Rejoin,
+    Shutdown,
+    Stats,
+    Warm,
+    pack,
+    unpack,
+)
 from .options import PipelineOptions
+from .spares import Spare, SparePool
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +50,12 @@ START_TIMEOUT = 300.0
 FENCE_EVERY = 1.0
 
 
-@attrs.frozen
-class Spare:
-    """A worker that joined while no stage needed it: its inbox, its launcher-given id (`pid N` for one started
-    by hand) and its process id."""
-
-    url: str
-    worker: str
-    pid: int
-
-
-class Fleet:
-    """The stage workers of one pipeline (`options`), reached through the head's inbox at `url()`."""
+class Fleet(SparePool):
+    """The stage workers of one pipeline (`options`), reached through the head's inbox at `url()`, and its spares
+    (`SparePool`)."""
 
     def __init__(self, options: PipelineOptions, url: Callable[[], str]) -> None:
-        self.options, self.layout, self.url = options, options.layout, url
-        self.lock = threading.Lock()
+        super().__init__(options, url)
         self.epoch = 0  # raised by each recovery: messages of older epochs are dropped
         self.processes: list[WorkerHandle] = []  # each stage's process (a worker that joined on its own: its id)
         self.links: list[Transport] = []  # to each stage's inbox
@@ -60,10 +65,6 @@ class Fleet:
         #: When a heartbeat last said that a stage had run layers since the one before (-inf: never).
         self.worked_at = float("-inf")
         self.assigned: dict[str, int] = {}  # per stage name: the epoch its worker was assigned in
-        self.spares: dict[str, WorkerHandle] = {}  # launched workers not serving a stage, by launcher-given id
-        self.pool: list[Spare] = []  # spares with the model loaded, oldest first
-        self.warming: dict[str, Spare] = {}  # spares loading the model, by inbox
-        self.closed = False
         self._stats: dict[str, dict[str, Any]] = {}  # per stage: what its caches held, as it last said
         self.rejoined: list[str] = []  # stages whose worker (a former head's) took them back at the start
         #: Whether the head takes over what rejoined workers hold (`Pipeline.take_over`): else they drop it.
@@ -71,10 +72,6 @@ class Fleet:
         self._asked: set[str] = set()  # inboxes of former heads' workers asked to rejoin
         self._fenced: dict[str, float] = {}  # inboxes of replaced workers told to exit, and when last
         self._stats_arrived = threading.Condition()
-
-    @property
-    def launch(self) -> bool:
-        return self.options.launcher is not None
 
     # ---- starting ---------------------------------------------------------------------------------------
     def start(self, inbox: Server, eos: list[int], pad: int, recovery: bool, rejoin_wait: float = 0.0) -> None:
@@ -99,34 +96,46 @@ class Fleet:
                 return unpack(inbox.recv_tensor(timeout=min(1.0, remaining)))
             return None
 
-        def take(message: Message | None) -> None:
-            if message is None:
-                return
-            fields = message.fields
-            if message.kind == Kind.JOIN and fields.get("worker") in self.spares:
-                self.pool_spare(message)
-            elif message.kind == Kind.WARM:
-                self.warmed(str(fields["url"]))
-            elif message.kind == Kind.JOIN:
-                members[min(set(range(stages)) - set(members))] = (fields["url"], fields.get("worker"),
-                                                                   int(fields["pid"]))
-            elif message.kind == Kind.HEARTBEAT and isinstance(fields.get("url"), str) \
-                    and all(fields["url"] != member[0] for member in members.values()):
-                self.ask_to_rejoin(fields["url"], str(fields.get("stage")))  # its link found this head by itself
-            elif message.kind == Kind.REJOIN and any(fields["url"] == member[0] for member in members.values()):
-                return  # asked again: the answer to its first ask is on its way
-            elif message.kind == Kind.REJOIN:
-                index = self._stage_taken_back(message, set(members))
-                if index is None:
-                    self.turn_away(message)
-                else:
-                    members[index] = (fields["url"], fields.get("worker"), int(fields["pid"]))
-                    epochs.append(int(fields.get("epoch", 0)))
-                    self.rejoined.append(self.layout.stages[index].name)
+        def on_join(join: Join) -> None:
+            if join.worker in self.spares:
+                self.pool_spare(join)
+            else:
+                members[min(set(range(stages)) - set(members))] = (join.url, join.worker, join.pid)
 
+        def on_heartbeat(heartbeat: Heartbeat) -> None:
+            if heartbeat.url is not None and all(heartbeat.url != member[0] for member in members.values()):
+                self.ask_to_rejoin(heartbeat.url, heartbeat.stage)  # its link found this head by itself
+
+        def on_rejoin(rejoin: Rejoin) -> None:
+            if any(rejoin.url == member[0] for member in members.values()):
+                return  # asked again: the answer to its first ask is on its way
+            index = self._stage_taken_back(rejoin, set(members))
+            if index is None:
+                self.turn_away(rejoin)
+            else:
+                members[index] = (rejoin.url, rejoin.worker, rejoin.pid)
+                epochs.append(rejoin.epoch)
+                self.rejoined.append(self.layout.stages[index].name)
+
+        def on_failure(failed: Failed) -> None:
+            raise ConfigError(f"stage {failed.stage} could not start: {failed.error}")
+
+        # what the head does with each message while workers join, and while they load their stages
+        joining: dict[type[Message], Callable[[Any], None]] = {
+            Join: on_join, Warm: self.warm, Heartbeat: on_heartbeat, Rejoin: on_rejoin}
+        loading: dict[type[Message], Callable[[Any], None]] = {
+            Failed: on_failure, Ready: lambda message: ready.add(message.stage), Join: self.pool_spare,
+            Warm: self.warm, Rejoin: self.turn_away}
+
+        def take(message: Message | None, handlers: dict[type[Message], Callable[[Any], None]]) -> None:
+            handler = None if message is None else handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+
+        ready: set[str] = set()
         until = time.monotonic() + rejoin_wait
         while len(members) < stages and time.monotonic() < until:
-            take(next_message(until, "rejoining workers"))
+            take(next_message(until, "rejoining workers"), joining)
         launched: list[WorkerHandle] = []
         if self.launch:
             launched = [self._launch() for _ in range(stages - len(members))]
@@ -134,7 +143,7 @@ class Fleet:
                 self._launch_spare()
         while True:
             while len(members) < stages:
-                take(next_message(deadline, "every stage worker to join"))
+                take(next_message(deadline, "every stage worker to join"), joining)
             # a rejoined worker may have gone since it asked: its stage needs another
             gone = [index for index in members if self.layout.stages[index].name in self.rejoined
                     and not self._reachable(members[index][0])]
@@ -158,32 +167,17 @@ class Fleet:
         self.urls = [url for url, _, _ in joined]
         self.links = [self._link(url) for url in self.urls]
         for index in range(stages):
-            self.send(index, Message(Kind.ASSIGN, self.assignment(index, eos, pad, recovery)))
-        ready: set[int] = set()
-        while len(ready) < stages:
-            message = next_message(deadline, "every stage worker to load its stage")
-            if message is None:
-                continue
-            if message.kind == Kind.FAILED:
-                raise ConfigError(f"stage {message.fields['stage']} could not start: {message.fields['error']}")
-            if message.kind == Kind.READY:
-                ready.add(message.fields["stage"])
-            elif message.kind == Kind.JOIN:  # a standby that joined after the stage workers
-                self.pool_spare(message)
-            elif message.kind == Kind.WARM:
-                self.warmed(str(message.fields["url"]))
-            elif message.kind == Kind.REJOIN:  # every stage has its worker
-                self.turn_away(message)
+            self.send(index, self.assignment(index, eos, pad, recovery))
+        while len(ready) < stages:  # a standby may join meanwhile; a rejoin is turned away: every stage has a worker
+            take(next_message(deadline, "every stage worker to load its stage"), loading)
         self.beats = {stage.name: time.monotonic() for stage in self.layout.stages}
 
-    def _stage_taken_back(self, rejoin: Message, taken: set[int]) -> int | None:
+    def _stage_taken_back(self, rejoin: Rejoin, taken: set[int]) -> int | None:
         """The stage a rejoining worker takes back: the one of its name, when it holds that stage's layers of this
         model and no other worker has it; else None."""
-        fields = rejoin.fields
         for index, stage in enumerate(self.layout.stages):
-            if stage.name == fields.get("stage"):
-                if index in taken or list(stage.layers) != list(fields.get("layers", ())) \
-                        or fields.get("model") != self.options.model:
+            if stage.name == rejoin.stage:
+                if index in taken or list(stage.layers) != list(rejoin.layers) or rejoin.model != self.options.model:
                     return None
                 return index
         return None
@@ -192,7 +186,7 @@ class Fleet:
         """Whether a worker's inbox takes a message now (`stats`, which a worker waiting to rejoin ignores)."""
         try:
             with self._link(url) as link:
-                link.send_tensor(pack(Message(Kind.STATS)))
+                link.send_tensor(pack(AskStats()))
         except TransportError:
             return False
         return True
@@ -208,43 +202,41 @@ class Fleet:
         def tell() -> None:
             try:
                 with self._link(url) as link:
-                    link.send_tensor(pack(Message(Kind.REJOIN, {"stage": stage})))
+                    link.send_tensor(pack(AskRejoin(stage=stage)))
             except TransportError as error:
                 log.info("could not ask the former %s worker at %s to rejoin: %s", stage, url, error)
 
         threading.Thread(target=tell, name="dejavu-ask-rejoin", daemon=True).start()
 
-    def turn_away(self, rejoin: Message) -> None:
+    def turn_away(self, rejoin: Rejoin) -> None:
         """Tell a worker that asks to rejoin while no stage needs it to stop (from a thread: the head's receiver
         never waits on a worker)."""
-        url, stage = str(rejoin.fields["url"]), rejoin.fields.get("stage")
+        url, stage = rejoin.url, rejoin.stage
 
         def tell() -> None:
             try:
                 with self._link(url) as link:
-                    link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+                    link.send_tensor(pack(Shutdown()))
                 log.info("a worker of a former head asked to rejoin as %s: no stage needs it, told to stop", stage)
             except TransportError as error:
                 log.info("could not tell the former %s worker at %s to stop: %s", stage, url, error)
 
         threading.Thread(target=tell, name="dejavu-turn-away", daemon=True).start()
 
-    def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> dict[str, Any]:
+    def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> Assign:
         """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
         stage, options = self.layout.stages[index], self.options
-        return {"model": options.model, "stage": stage.name, "threads": options.threads, "eos": eos, "pad": pad,
-                "swapping": options.swapping, "heartbeat": options.heartbeat, "missed_beats": options.missed_beats,
-                "orphan_timeout": options.orphan_timeout, "recovery": recovery, "take_over": self.taking_over,
-                "batching": options.batching, "max_prefill_tokens": options.max_prefill_tokens,
-                "epoch": self.epoch, "role": stage.role, "number": stage.number,
-                "stages": self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
-                **self.links_of(index)}
+        return Assign(model=options.model, stage=stage.name, role=stage.role, number=stage.number,
+                      stages=self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
+                      links=self.links_of(index), epoch=self.epoch, threads=options.threads, eos=eos, pad=pad,
+                      swapping=options.swapping, heartbeat=options.heartbeat, missed_beats=options.missed_beats,
+                      orphan_timeout=options.orphan_timeout, recovery=recovery, take_over=self.taking_over,
+                      batching=options.batching, max_prefill_tokens=options.max_prefill_tokens)
 
-    def links_of(self, index: int) -> dict[str, Any]:
+    def links_of(self, index: int) -> Links:
         store = self.options.replica_store
-        return {**self.layout.links(index, self.urls, None if store is None else store.url,
-                                    self.options.replica_prefix),
-                "link_timeout": min(self.options.timeout, CLIENT_TIMEOUT)}  # never longer than a link's default
+        links = self.layout.links(index, self.urls, None if store is None else store.url, self.options.replica_prefix)
+        return attrs.evolve(links, link_timeout=min(self.options.timeout, CLIENT_TIMEOUT))  # never above a link's
 
     # ---- talking to the stages -------------------------------------------------------------------------
     def send(self, index: int, message: Message) -> None:
@@ -326,82 +318,12 @@ class Fleet:
         def tell() -> None:
             try:
                 with self._link(url) as link:
-                    link.send_tensor(pack(Message(Kind.FENCED, {"stage": stage, "epoch": current, "was": epoch})))
+                    link.send_tensor(pack(Fenced(stage=stage, epoch=current, was=epoch)))
                 log.warning("%s's worker of epoch %d at %s spoke again: told to exit", stage, epoch, url)
             except TransportError as error:
                 log.info("could not tell %s's replaced worker at %s to exit: %s", stage, url, error)
 
         threading.Thread(target=tell, name="dejavu-fence", daemon=True).start()
-
-    # ---- spares ----------------------------------------------------------------------------------------
-    def _launch(self) -> WorkerHandle:
-        """A worker that joins this head, started by the launcher."""
-        assert self.options.launcher is not None  # only launched pipelines start workers
-        return self.options.launcher.start(self.url(), self.options.token, worker_environment(self.options.link_tls))
-
-    def _link(self, url: str) -> Transport:
-        """A link to a worker's inbox, with the pipeline's token (and TLS)."""
-        return open_transport(url, token=self.options.token, **link_options(self.options.link_tls))
-
-    def _launch_spare(self) -> None:
-        spare = self._launch()
-        with self.lock:
-            self.spares[spare.id] = spare
-
-    def pool_spare(self, join: Message) -> None:
-        """A worker joined while no stage needs it: it loads the model, and waits as a standby once `warm`.
-        One that cannot be reached is left out (a launched one is dropped with the next pruning)."""
-        url = join.fields["url"]
-        try:
-            with self._link(url) as link:
-                link.send_tensor(pack(Message(Kind.STANDBY, {"model": self.options.model,
-                                                             "threads": self.options.threads})))
-        except TransportError as error:
-            log.warning("a spare worker at %s is unreachable: %s", url, error)
-            return
-        with self.lock:
-            self.warming[url] = Spare(url, join.fields.get("worker") or f"pid {join.fields['pid']}",
-                                      int(join.fields["pid"]))
-
-    def warmed(self, url: str) -> None:
-        with self.lock:
-            if url in self.warming:
-                self.pool.append(self.warming.pop(url))
-
-    def prune_spares(self) -> None:
-        """Forget spares whose launched process has ended (they would be counted, or taken, in vain)."""
-        with self.lock:
-            gone = {worker for worker, spare in self.spares.items() if not spare.alive()}
-            for worker in gone:
-                del self.spares[worker]
-            self.pool = [spare for spare in self.pool if spare.worker not in gone]
-            self.warming = {url: spare for url, spare in self.warming.items() if spare.worker not in gone}
-
-    def launch_replacements(self, stages: list[int]) -> None:
-        """Make sure workers will be there to replace `stages`: standbys, or processes launched now (launched
-        pipelines); otherwise workers started elsewhere must join (`dejavu worker --join URL`)."""
-        self.prune_spares()
-        if self.launch:
-            while len(self.spares) < len(stages):  # every spare is joined already, or on its way
-                self._launch_spare()
-            return
-        with self.lock:
-            missing = len(stages) - len(self.pool)
-        if missing > 0:
-            log.warning("%s gone: start %d worker(s) with `dejavu worker --join %s` to replace them",
-                        ", ".join(self.layout.stages[index].name for index in stages), missing, self.url())
-
-    def take_spare(self) -> Spare | None:
-        """A spare worker that joined and loaded the model, now taken off the pool; None when none has."""
-        self.prune_spares()
-        with self.lock:
-            return self.pool.pop(0) if self.pool else None
-
-    def top_up(self) -> None:
-        """Launch spare workers until `standby` of them are joined or on their way."""
-        self.prune_spares()
-        while self.launch and len(self.spares) < self.options.standby and not self.closed:
-            self._launch_spare()
 
     def place(self, index: int, spare: Spare) -> None:
         """The `spare` will be stage `index`: its links and process are now the stage's (its assignment follows,
@@ -433,7 +355,7 @@ class Fleet:
         with self._stats_arrived:
             self._stats.clear()
         for index in range(len(self.layout.stages)):
-            self.send(index, Message(Kind.STATS))
+            self.send(index, AskStats())
         deadline = time.monotonic() + timeout
         with self._stats_arrived:
             while len(self._stats) < len(self.layout.stages):
@@ -443,15 +365,10 @@ class Fleet:
                 self._stats_arrived.wait(remaining)
             return dict(self._stats)
 
-    def stats_arrived(self, message: Message) -> None:
+    def stats_arrived(self, stats: Stats) -> None:
         with self._stats_arrived:
-            self._stats[str(message.fields["stage"])] = dict(message.fields)
+            self._stats[stats.stage] = dict(stats.figures)
             self._stats_arrived.notify_all()
-
-    def spare_pids(self) -> list[int]:
-        """The processes of the spares ready to take a stage."""
-        with self.lock:
-            return [spare.pid for spare in self.pool]
 
     # ---- stopping ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -459,14 +376,14 @@ class Fleet:
         self.closed = True
         for link in self.links:
             with contextlib.suppress(TransportError):  # a worker already gone needs no shutdown
-                link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+                link.send_tensor(pack(Shutdown()))
             link.close()
         with self.lock:
             joined = {spare.worker: spare.url for spare in [*self.pool, *self.warming.values()]}
             stages, spares = list(self.processes), dict(self.spares)
         for url in joined.values():
             with contextlib.suppress(TransportError), self._link(url) as link:
-                link.send_tensor(pack(Message(Kind.SHUTDOWN)))
+                link.send_tensor(pack(Shutdown()))
         for worker, process in spares.items():
             if worker not in joined:
                 process.kill()  # launched, not joined yet: nothing to tell it

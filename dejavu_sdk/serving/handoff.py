@@ -23,7 +23,7 @@ from ..blocks import BlockKey
 from ..errors import TransportError
 from ..stream import LayerPartition, stream_out
 from ..transports.base import Transport
-from .messages import Kind, Message, pack
+from .messages import Kv, SlotRound, Start, pack
 
 
 class _OneBlock:
@@ -84,8 +84,8 @@ class LayerSender:
         key = BlockKey(f"microbatch-{microbatch}", layers=(layer, layer + 1), tokens=(0, positions))
         block = torch.stack((keys, values)).unsqueeze(0)
         for stage, piece_key, piece in stream_out(_OneBlock(key, block), [key], self.destination):
-            self.links[stage].post_tensor(pack(Message(Kind.KV, {"microbatch": microbatch, "epoch": epoch, "last": last,
-                                                            "layers": list(piece_key.layers)}, (piece,))))
+            kv = Kv(microbatch=microbatch, epoch=epoch, last=last, layers=piece_key.layers, piece=piece)
+            self.links[stage].post_tensor(pack(kv))
 
 
 @attrs.define
@@ -96,7 +96,7 @@ class StagedKV:
     layers: int
     pieces: dict[int, list[torch.Tensor]] = attrs.field(factory=dict)
     finished: set[int] = attrs.field(factory=set)
-    start: Message | None = None  # the head's `start`, when it came before the last piece
+    start: Start | SlotRound | None = None  # the step that came before the last piece (`Start`, or a slot's round)
 
     def add(self, first_layer: int, layers: tuple[int, int], piece: torch.Tensor, last: bool = True) -> None:
         for offset, layer in enumerate(range(*layers)):

@@ -17,6 +17,7 @@ import attrs
 from ..errors import ConfigError
 from ..generation.stage import check_layers
 from ..stream import LayerPartition
+from .messages import Links
 
 
 @attrs.frozen
@@ -99,24 +100,22 @@ class Layout:
                 return index
         raise ConfigError(f"no stage {stage!r} in this layout")
 
-    def links(self, index: int, urls: Sequence[str], replica_store: str | None, replica_prefix: str) -> dict[str, Any]:
+    def links(self, index: int, urls: Sequence[str], replica_store: str | None, replica_prefix: str) -> Links:
         """Stage `index`'s links, given every stage's inbox (`urls`): the next stage of its pipeline, its pipeline's
         first stage, a prompt stage's token stages, and a decoding stage's replica holder or replica store."""
         stage = self.stages[index]
         pipeline = [other for other, info in enumerate(self.stages) if info.decodes == stage.decodes]
         following = pipeline[stage.number + 1] if stage.number + 1 < len(pipeline) else None
-        fields: dict[str, Any] = {"layers": list(stage.layers), "first": urls[pipeline[0]],
-                                  "next": None if following is None else urls[following]}
+        token_stages: list[str] = []
+        token_boundaries: list[int] = []
         if stage.role == "prompt":
             token_layout = self.pipelines[1]
-            fields["token_stages"] = [urls[other] for other in self.decoding_stages()]
-            fields["token_boundaries"] = [token_layout[0][0]] + [stop for _, stop in token_layout]
+            token_stages = [urls[other] for other in self.decoding_stages()]
+            token_boundaries = [token_layout[0][0]] + [stop for _, stop in token_layout]
         holder = self.replica_holder(index)
-        fields["holder"] = None if holder is None else urls[holder]
-        if replica_store is not None and stage.decodes:
-            fields["replica_store"] = replica_store
-        fields["replica_prefix"] = replica_prefix
-        return fields
+        return Links(stage.layers, urls[pipeline[0]], None if following is None else urls[following],
+                     token_stages, token_boundaries, None if holder is None else urls[holder],
+                     replica_store if stage.decodes else None, replica_prefix)
 
 
 def pipelines_for(stages: int | None, layers: Sequence[tuple[int, int]] | None, prompt_stages: int | None,

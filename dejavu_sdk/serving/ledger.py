@@ -19,13 +19,16 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import InvalidStateError
 from typing import Any
 
+import attrs
 import torch
 
 from ..errors import TransportError
 from ..generation.batching import Microbatch, Request, SlotBatch
-from .ledger_slots import SlotDecisions
+from ..generation.decoding import RowFailure
+from ..generation.logprobs import Scores
+from .ledger_slot_resumes import SlotResumes
 from .ledger_state import POISON, Answer, Flight, Outcome, Phase, _fail_rows
-from .messages import Kind, Message
+from .messages import Cancel, Decode, Drop, Message, Prefill, Prefilled, Start
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,10 @@ log = logging.getLogger(__name__)
 RNG_STEPS_KEPT = 64
 
 
-class Ledger(SlotDecisions):
+class Ledger(SlotResumes):
     """The decisions over every request the pipeline holds (its state is `LedgerState`'s: built with the layout,
     `microbatch`, `token_slots`, `eos`, `pad`, the `admission` rule and the `epoch`); continuous batching's
-    are `SlotDecisions`'."""
+    are `SlotDecisions`', and `SlotResumes`' across a recovery."""
 
     def in_flight(self) -> list[tuple[int, Microbatch, str]]:
         """Each microbatch not yet ended, with its phase's name."""
@@ -88,8 +91,8 @@ class Ledger(SlotDecisions):
                     flight = staged[0]
                     flight.phase, flight.progress = Phase.DECODING, time.monotonic()
                     assert flight.start is not None  # kept from its `prefilled`
-                    sends.append((self.layout.prompt_depth, _stamped(_with_ended(flight.start, flight.batch.dropped),
-                                                                     epoch)))
+                    sends.append((self.layout.prompt_depth,
+                                  attrs.evolve(_with_ended(flight.start, flight.batch.dropped), epoch=epoch)))
                     flight.start = None
                 elif self.waiting and self._room_for_a_prefill(beside=False):
                     if not self._start(epoch, sends, beside=False):  # the budget is full: wait for one to end
@@ -116,7 +119,8 @@ class Ledger(SlotDecisions):
         self.flights[batch.number] = Flight(batch, phase, self.admission.reserve(taken), time.monotonic(),
                                             beside=beside)
         self.most_in_flight = max(self.most_in_flight, len(self.holding()))
-        sends.append((0, Message(Kind.PREFILL, {**batch.fields(), "epoch": epoch}, (batch.ids, batch.mask))))
+        sends.append((0, Prefill(microbatch=batch.number, specs=batch.row_specs(), epoch=epoch, inputs=batch.ids,
+                                 mask=batch.mask)))
         return True
 
     def cancel(self, request: Request) -> list[tuple[int, Message]]:
@@ -142,14 +146,13 @@ class Ledger(SlotDecisions):
         return []
 
     def _cancel(self, number: int, rows: Collection[int]) -> tuple[int, Message]:
-        return self.layout.decoding_stages()[0], Message(Kind.CANCEL, {"microbatch": number, "rows": sorted(rows),
-                                                                       "epoch": self.epoch()})
+        return self.layout.decoding_stages()[0], Cancel(microbatch=number, rows=sorted(rows), epoch=self.epoch())
 
     # ---- reports from the stages -----------------------------------------------------------------------
     def on_tokens(self, number: int, tokens: list[int], states: torch.Tensor | None,
-                  failures: dict[str, Any], scores: dict[str, Any] | None = None) -> Outcome:
+                  failures: dict[int, RowFailure], scores: Scores | None = None) -> Outcome:
         """A step's tokens (a row each) from the last stage, with the generators' states after it (sampling
-        with recovery), the rows that failed, and the report's log-probability fields."""
+        with recovery), the rows that failed, and the report's log-probabilities."""
         outcome = Outcome()
         with self.lock:
             flight = self.flights.get(number)
@@ -167,25 +170,25 @@ class Ledger(SlotDecisions):
             outcome.answers += self._ended_rows(batch)
         return outcome
 
-    def on_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
-                     keep_states: bool, scores: dict[str, Any] | None = None) -> Outcome:
-        """Disaggregated: the prompt pipeline's first tokens; the microbatch waits for a token stage."""
+    def on_prefilled(self, report: Prefilled, keep_states: bool) -> Outcome:
+        """Disaggregated: the prompt pipeline's first tokens; the microbatch waits for a token stage (`keep_states`:
+        the generators' states after them, for a recovery)."""
         outcome = Outcome()
         with self.lock:
-            flight = self.flights.get(number)
+            flight = self.flights.get(report.microbatch)
             if flight is None or flight.phase is not Phase.PROMPTING:
                 return outcome
-            tokens, mask, ended, rng = tensors
-            flight.batch.add_step(tokens[:, 0].tolist(), scores)
+            tokens, mask, ended, rng = report.tokens, report.mask, report.ended, report.rng
+            flight.batch.add_step(tokens[:, 0].tolist(), report.scores)
             if rng.numel() and keep_states:
                 flight.batch.rng_states[1] = rng.clone()
-            outcome.answers = self._failed_rows(flight.batch, failures)
+            outcome.answers = self._failed_rows(flight.batch, report.failed)
             outcome.calls = flight.batch.unstreamed(self.eos)
             outcome.answers += self._ended_rows(flight.batch)
             self._staging += 1
             flight.phase, flight.progress, flight.staged_at = Phase.STAGED, None, self._staging
-            flight.start = Message(Kind.START, {**flight.batch.fields(), "first": tokens[:, 0].tolist()},
-                                   (tokens, mask, ended, rng))
+            flight.start = Start(microbatch=report.microbatch, specs=flight.batch.row_specs(),
+                                 first=tokens[:, 0].tolist(), inputs=tokens, mask=mask, ended=ended, rng=rng)
         return outcome
 
     def on_ended(self, number: int, freed: bool) -> Outcome:
@@ -231,7 +234,7 @@ class Ledger(SlotDecisions):
                     return outcome
                 outcome.answers = _fail_rows(flight.batch, error)
             dropped = [number, *(self._slot_groups(flight.batch) if flight is not None else ())]
-        outcome.sends = [(stage, Message(Kind.DROP, {"microbatches": dropped, "failed": True, "epoch": epoch}))
+        outcome.sends = [(stage, Drop(microbatches=dropped, failed=True, epoch=epoch))
                          for stage in range(len(self.layout.stages))]  # prompt stages too: chunks left to run
         return outcome
 
@@ -270,7 +273,7 @@ class Ledger(SlotDecisions):
                 flight.batch.rewind(step)
                 tokens = torch.tensor([[row[-1]] for row in flight.batch.generated], dtype=torch.long)
                 flight.phase, flight.progress, flight.start, flight.freed = Phase.DECODING, now, None, False
-                outcome.sends.append((first, Message(Kind.DECODE, {"microbatch": number, "epoch": epoch}, (tokens,))))
+                outcome.sends.append((first, Decode(microbatch=number, epoch=epoch, inputs=tokens)))
                 if flight.batch.dropped:  # rows cancelled during the recovery, maybe after their rewind was sent
                     outcome.sends.append(self._cancel(number, flight.batch.dropped))
             for number in recomputed:
@@ -279,8 +282,9 @@ class Ledger(SlotDecisions):
                 flight.phase = Phase.PROMPTING if self.layout.disaggregated else Phase.DECODING
                 flight.progress, flight.start, flight.freed = now, None, False
                 flight.reserved = self.admission.reserve(flight.batch.requests)  # freed, taken again
-                fields = {**flight.batch.fields(), "ended": sorted(flight.batch.dropped), "epoch": epoch}  # cancelled
-                outcome.sends.append((0, Message(Kind.PREFILL, fields, (flight.batch.ids, flight.batch.mask))))
+                outcome.sends.append((0, Prefill(microbatch=number, specs=flight.batch.row_specs(), epoch=epoch,
+                                                 ended=sorted(flight.batch.dropped),  # cancelled
+                                                 inputs=flight.batch.ids, mask=flight.batch.mask)))
             self.held = False
         return outcome
 
@@ -343,16 +347,11 @@ def _status(number: int, batch: Microbatch) -> dict[str, Any]:
     return {"microbatch": number, "rows": len(batch.requests), "steps": len(batch.arrived)}
 
 
-def _stamped(message: Message, epoch: int) -> Message:
-    return Message(message.kind, {**message.fields, "epoch": epoch}, message.tensors)
-
-
-def _with_ended(start: Message, rows: set[int]) -> Message:
-    """A `start` message whose `ended` rows include `rows` (failed or cancelled since it was made)."""
+def _with_ended(start: Start, rows: set[int]) -> Start:
+    """A `Start` whose `ended` rows include `rows` (failed or cancelled since it was made)."""
     if not rows:
         return start
-    tokens, mask, ended, rng = start.tensors
-    ended = ended.clone()
+    ended = start.ended.clone()
     ended[sorted(rows)] = 1
-    return Message(start.kind, start.fields, (tokens, mask, ended, rng))
+    return attrs.evolve(start, ended=ended)
 

@@ -1,13 +1,13 @@
 """The head's decisions under continuous batching: which waiting requests enter which slot, and what a round's
 report means.
 
-A slot (`SlotBatch`) opens with a group of waiting requests (`prefill` to the first stage), and takes another
-group (`enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
+A slot (`SlotBatch`) opens with a group of waiting requests (`OpenSlot` to the first stage), and takes another
+group (`Enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
 its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
 longest row's final length (`admission.row_bytes`), and takes them in turns between submissions (`turns`); a
 submission held back by a larger one gets a slot beside the others (`LedgerState._held_back`). A slot whose
-round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`end`
-through every stage), and its room is free once every stage has let its cache go (`freed`). A slot stops taking
+round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`End`
+through every stage), and its room is free once every stage has let its cache go (`Freed`). A slot stops taking
 groups after `SLOT_ROUNDS` rounds (its schedule, which every result carries, stays bounded): it drains and ends,
 and waiting requests open new slots.
 """
@@ -15,17 +15,17 @@ and waiting requests open new slots.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
-from ..generation.batching import Microbatch, Request, SlotBatch, group_rows
+from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.logprobs import Scores
 from ..generation.slots import Round
-from .ledger_state import POISON, Answer, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
-from .messages import Kind, Message
+from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
+from .messages import Cancel, Drop, End, Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Staged
 
 #: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
 SLOT_ROUNDS = 1024
@@ -106,14 +106,13 @@ class SlotDecisions(LedgerState):
     def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
         """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
         (under the lock)."""
-        ends = []
+        ends: list[tuple[int, Message]] = []
         for flight in self.flights.values():
             batch = flight.batch
             if (isinstance(batch, SlotBatch) and flight.phase is Phase.DECODING and batch.idle
                     and not batch.entering):
                 flight.phase, flight.progress = Phase.ENDED, time.monotonic()
-                ends.append((self.layout.decoding_stages()[0],
-                             Message(Kind.END, {"microbatch": batch.number, "epoch": epoch})))
+                ends.append((self.layout.decoding_stages()[0], End(microbatch=batch.number, epoch=epoch)))
         return ends
 
     def _prompt_room(self) -> bool:
@@ -124,27 +123,27 @@ class SlotDecisions(LedgerState):
                                                  and len(self.prompting) < 2 * depth)
 
     def _send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
-        """Send a group of requests into `flight`'s slot: to the first stage (`prefill` opens the slot there,
-        `enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
+        """Send a group of requests into `flight`'s slot: to the first stage (`OpenSlot` opens the slot there,
+        `Enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
         batch = flight.batch
         assert isinstance(batch, SlotBatch)
-        fields, ids, mask = batch.enter(taken)
-        batch.groups.append((fields, ids, mask))
+        group, ids, mask = batch.enter(taken)
+        batch.groups.append((group, ids, mask))
         self._reserve(flight)
         if self.layout.disaggregated:
             number = self._numbers
             self._numbers += 1
-            self.prompting[number] = PromptGroup(batch.number, fields, mask)
-            return 0, Message(Kind.PREFILL, {**fields, "microbatch": number, "epoch": epoch}, (ids, mask))
-        kind = Kind.ENTER if batch.opened else Kind.PREFILL
+            self.prompting[number] = PromptGroup(batch.number, group, mask)
+            return 0, Prefill(microbatch=number, specs=group.specs, epoch=epoch, inputs=ids, mask=mask)
+        entering = Enter if batch.opened else OpenSlot
         batch.opened, batch.idle = True, False
-        return 0, Message(kind, {"microbatch": batch.number, **fields, "epoch": epoch}, (ids, mask))
+        return 0, entering(microbatch=batch.number, group=group, epoch=epoch, ids=ids, mask=mask)
 
-    def on_group_prefilled(self, number: int, tensors: Sequence[torch.Tensor], failures: dict[str, Any],
-                           scores: dict[str, Any] | None = None) -> Outcome:
-        """Disaggregated: the prompt pipeline's first tokens of group `number`; the group goes to its slot on the
-        token pipeline, its KV staged there already (or on its way)."""
+    def on_group_prefilled(self, report: Prefilled) -> Outcome:
+        """Disaggregated: the prompt pipeline's first tokens of a group; the group goes to its slot on the token
+        pipeline, its KV staged there already (or on its way)."""
         outcome = Outcome()
+        number = report.microbatch
         with self.lock:
             group = self.prompting.pop(number, None)
             flight = self.flights.get(group.slot) if group is not None else None
@@ -152,30 +151,30 @@ class SlotDecisions(LedgerState):
                 return outcome
             batch = flight.batch
             assert isinstance(batch, SlotBatch)
-            tokens, _, ended, rng = tensors
-            members = group.fields["members"]
+            tokens, ended, rng = report.tokens, report.ended, report.rng
+            members = group.group.members
             new = [row for row, member in enumerate(members) if not batch.generated[batch.rows_of[member]]]
             batch.add_tokens([members[row] for row in new], tokens[new, 0].tolist(),  # again after a recovery: kept
-                             _by_member(scores, members, new))
+                             _by_member(report.scores, members, new))
             if rng.numel():
                 batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
             flight.progress = time.monotonic()
             batch.steps_received += 1  # progress, for the poison bound
-            outcome.answers = self._failed_rows(batch, {str(batch.rows_of[members[int(row)]]): failure
-                                                        for row, failure in failures.items()})
+            outcome.answers = self._failed_rows(batch, {batch.rows_of[members[row]]: failure
+                                                        for row, failure in report.failed.items()})
             outcome.calls = batch.unstreamed(self.eos)
             batch.prefilled = batch.with_resumed(Round(prefill=(tuple(members), 0, group.mask.shape[1])))
             outcome.answers += self._ended_rows(batch)
             batch.prefilled = None
             gone = [member for index, member in enumerate(members)
                     if bool(ended[index]) or batch.rows_of[member] in batch.dropped]
-            kind = Kind.ENTER if batch.opened else Kind.PREFILL
+            entering = Enter if batch.opened else OpenSlot
             batch.opened, batch.idle = True, False
             batch.staged[number] = tuple(members)
-            outcome.sends.append((self.layout.prompt_depth, Message(kind, {
-                "microbatch": batch.number, **group.fields, "staged": number, "first": tokens[:, 0].tolist(),
-                "ended": gone, "chunk": int((scores or {}).get("chunk") or 0), "epoch": self.epoch()},
-                (group.mask, rng))))
+            staged = Staged(number, tokens[:, 0].tolist(), gone, report.chunk)
+            outcome.sends.append((self.layout.prompt_depth, entering(
+                microbatch=batch.number, group=group.group, staged=staged, epoch=self.epoch(), mask=group.mask,
+                rng=rng)))
         return outcome
 
     def _group_failed(self, number: int, error: str) -> list[Answer]:
@@ -186,7 +185,7 @@ class SlotDecisions(LedgerState):
         if flight is None or not isinstance(flight.batch, SlotBatch):
             return []
         batch = flight.batch
-        rows = [batch.rows_of[member] for member in group.fields["members"]]
+        rows = [batch.rows_of[member] for member in group.group.members]
         answers = [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number))
                    for row in rows if row not in batch.settled]
         batch.settled.update(rows)
@@ -227,12 +226,13 @@ class SlotDecisions(LedgerState):
         entering = [batch.requests[row] for row in sorted(batch.entering)]
         return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
 
-    def on_round(self, number: int, fields: dict[str, Any], tokens: list[int],
-                 states: torch.Tensor | None = None) -> Outcome:
-        """A slot's round from the last stage: its schedule grows, its members' tokens stream, ended rows are
-        answered and failed ones fail; an idle round leaves the slot waiting for a group (or to be ended). A
-        round from before a recovery counts until that recovery plans where the slot goes on (it was computed,
-        and streamed to the replicas, before the failure); `states` are the generators' states of its picks."""
+    def on_round(self, number: int, done: RoundDone, tokens: list[int], states: torch.Tensor | None = None,
+                 epoch: int = 0, scores: Scores | None = None) -> Outcome:
+        """A slot's round from the last stage (`done`, sent in `epoch`): its schedule grows, its members' tokens
+        stream with their log-probabilities (`scores`), ended rows are answered and failed ones fail; an idle round
+        leaves the slot waiting for a group (or to be ended). A round from before a recovery counts until that
+        recovery plans where the slot goes on (it was computed, and streamed to the replicas, before the failure);
+        `states` are the generators' states of its picks."""
         outcome = Outcome()
         with self.lock:
             flight = self.flights.get(number)
@@ -240,18 +240,16 @@ class SlotDecisions(LedgerState):
                 return outcome
             batch = flight.batch
             assert isinstance(batch, SlotBatch)
-            if int(fields.get("epoch", 0)) < batch.plan_epoch:
+            if epoch < batch.plan_epoch:
                 return outcome
             flight.progress = time.monotonic()
-            batch.add_round(Round.of(fields["round"]), fields["members"], tokens, fields.get("complete", ()), fields)
-            batch.idle = bool(fields.get("idle"))
-            change = fields.get("next") or {}
-            batch.next_change = (list(change.get("left", [])), change.get("joined"))
+            batch.add_round(done.round, done.members, tokens, done.complete, scores)
+            batch.idle = done.idle
+            left, joined = done.next
+            batch.next_change = (list(left), joined)
             if states is not None:
-                batch.states.update((int(member), state.clone())
-                                    for member, state in zip(fields["members"], states, strict=True))
-            failures = {str(batch.rows_of[int(member)]): failure
-                        for member, failure in fields.get("failed", {}).items()}
+                batch.states.update((member, state.clone()) for member, state in zip(done.members, states, strict=True))
+            failures = {batch.rows_of[member]: failure for member, failure in done.failed.items()}
             outcome.answers = self._failed_rows(batch, failures)
             outcome.calls = batch.unstreamed(self.eos)
             outcome.answers += self._ended_rows(batch)
@@ -279,8 +277,8 @@ class SlotDecisions(LedgerState):
         dropped = self._drop_cancelled_group(flight, request.number)
         if dropped:
             return dropped
-        return [(self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
-            "microbatch": batch.number, "rows": [request.number], "epoch": self.epoch()}))]
+        return [(self.layout.decoding_stages()[0], Cancel(microbatch=batch.number, rows=[request.number],
+                                                          epoch=self.epoch()))]
 
     def _drop_cancelled_group(self, flight: Flight, member: int) -> list[tuple[int, Message]]:
         """Disaggregated: the group in the prompt pipeline that `member` (just cancelled) belongs to, once every
@@ -290,7 +288,7 @@ class SlotDecisions(LedgerState):
         batch = flight.batch
         assert isinstance(batch, SlotBatch)
         for number, group in self.prompting.items():
-            members = group.fields["members"]
+            members = group.group.members
             if group.slot != batch.number or member not in members:
                 continue
             if not all(batch.rows_of[other] in batch.dropped for other in members):
@@ -300,111 +298,9 @@ class SlotDecisions(LedgerState):
             self._reserve(flight)
             if not batch.opened:  # the slot's first group: nothing else is on its way to it
                 del self.flights[batch.number]
-            return [(stage, Message(Kind.DROP, {"microbatches": [number], "failed": True, "epoch": self.epoch()}))
+            return [(stage, Drop(microbatches=[number], failed=True, epoch=self.epoch()))
                     for stage in range(len(self.layout.stages))]
         return []
-
-
-    # ---- recoveries --------------------------------------------------------------------------------------
-    def slots_to_recover(self, epoch: int) -> list[tuple[int, SlotBatch]]:
-        """The slots in flight, whose rounds reported before the recovery of `epoch` count, and no later ones
-        from before it (the recovery plans from these)."""
-        with self.lock:
-            slots = [(number, flight.batch) for number, flight in sorted(self.flights.items())
-                     if isinstance(flight.batch, SlotBatch) and flight.phase is Phase.DECODING]
-            for _, batch in slots:
-                batch.plan_epoch = epoch
-            return slots
-
-    def resume_slots(self, rounds: dict[int, int], lost: dict[int, str]) -> Outcome:
-        """After a recovery: each slot in `rounds` goes on from its round there, as the stages now hold it
-        (`SlotBatch.resuming`; a disaggregated slot not opened yet, from its start): the groups whose prefill had
-        not begun are sent again (disaggregated: to the prompt pipeline, whose first tokens are the same ones),
-        and its next round starts unless it was parked; the slots `lost` requeue or fail their requests."""
-        outcome = Outcome()
-        now = time.monotonic()
-        with self.lock:
-            epoch = self.epoch()
-            for number, reason in lost.items():
-                flight = self.flights.pop(number, None)
-                if flight is not None:
-                    outcome.answers += self._lose_slot(flight.batch, reason)
-            for number in rounds:
-                flight = self.flights[number]
-                batch = flight.batch
-                assert isinstance(batch, SlotBatch)
-                flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
-                if not batch.opened:  # its first group had not reached the token stages: it goes again
-                    outcome.sends += self._send_again(batch, set(), epoch)
-                    continue
-                assert batch.resuming is not None  # set as its rewind succeeded
-                found, batch.resuming = batch.resuming, None
-                outcome.sends += self._send_again(batch, found.started, epoch)
-                if not batch.idle:
-                    left, joined = batch.next_change
-                    last = [batch.generated[batch.rows_of[member]][-1] for member in found.rows.members]
-                    tokens = torch.tensor(last, dtype=torch.long).reshape(-1, 1)
-                    outcome.sends.append((self.layout.decoding_stages()[0], Message(Kind.DECODE, {
-                        "microbatch": number, "left": left, "joined": joined, "applied": True, "epoch": epoch},
-                        (tokens,))))
-                cancelled = [batch.requests[row].number for row in sorted(batch.dropped & batch.present)]
-                if cancelled:  # cancelled during the recovery, maybe after the rewind that named the others
-                    outcome.sends.append((self.layout.decoding_stages()[0], Message(Kind.CANCEL, {
-                        "microbatch": number, "rows": cancelled, "epoch": epoch})))
-        return outcome
-
-    def _lose_slot(self, batch: Microbatch, reason: str) -> list[Answer]:
-        """A slot that cannot go on from where it was: its requests wait again, first in the queue, those without
-        a token as they came, the others from their prompts followed by the tokens they have (`going_on`: the
-        tokens streamed stay theirs, and what they have left is computed again), unless the slot is poison (one
-        of them may be what kills the stages): then they fail with `reason` (under the lock)."""
-        self._slot_groups(batch)
-        assert isinstance(batch, SlotBatch)
-        again = [] if reason == POISON else [row for row in range(len(batch.requests)) if row not in batch.settled
-                                             and not batch.requests[row].future.done()]
-        ended = [row for row in again if batch.row_ended(row, self.eos)]  # its last token came with the loss
-        answers = [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
-        had = {row: len(batch.generated[row]) + len(getattr(batch.requests[row].earlier, "tokens", ()))
-               for row in again}
-        poison = [row for row in again if row not in ended and batch.requests[row].lost_with == had[row]]
-        answers += _fail_rows(batch, POISON, poison)  # lost twice in a row without a token between
-        again = [row for row in again if row not in ended and row not in poison]
-        batch.settled.update([*ended, *again])
-        requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
-        for row, request in zip(again, requeued, strict=True):
-            request.lost_with = had[row]
-        self.waiting.extendleft(reversed(requeued))
-        return answers + _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
-
-    def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:
-        """The groups of `batch` whose prefill had not begun (none of their members in a `started` group), sent
-        again in their order, less their members no longer on their way in (under the lock)."""
-        begun = {member for group in started for member in group}
-        for number in [number for number, group in self.prompting.items() if group.slot == batch.number]:
-            del self.prompting[number]
-        batch.staged.clear()
-        sends: list[tuple[int, Message]] = []
-        for fields, ids, mask in batch.groups:
-            members = fields["members"]
-            if begun & set(members):
-                continue
-            rows = [row for row, member in enumerate(members) if batch.rows_of[member] in batch.entering
-                    and batch.rows_of[member] not in batch.dropped]
-            batch.leave_unentered([member for row, member in enumerate(members) if row not in rows
-                                   and batch.rows_of[member] in batch.entering])
-            if not rows:
-                continue
-            again, group_ids, group_mask = group_rows(fields, ids, mask, rows)
-            if self.layout.disaggregated:
-                number = self._numbers
-                self._numbers += 1
-                self.prompting[number] = PromptGroup(batch.number, again, group_mask)
-                sends.append((0, Message(Kind.PREFILL, {**again, "microbatch": number, "epoch": epoch},
-                                         (group_ids, group_mask))))
-            else:
-                sends.append((0, Message(Kind.ENTER, {"microbatch": batch.number, **again, "epoch": epoch},
-                                         (group_ids, group_mask))))
-        return sends
 
 
 def _prefill_left(batch: SlotBatch) -> int:
@@ -412,16 +308,18 @@ def _prefill_left(batch: SlotBatch) -> int:
     rounds reported so far say (0: none on its way, or its prompts are in)."""
     if not batch.groups or not batch.entering - batch.completed:
         return 0
-    fields, _, mask = batch.groups[-1]
-    members = set(fields["members"])
+    group, _, mask = batch.groups[-1]
+    members = set(group.members)
     done = next((step.prefill[2] for step in reversed(batch.rounds)
                  if step.prefill is not None and step.prefill[0] and step.prefill[0][0] in members), 0)
     return (mask.shape[1] - done) * len(members)
 
 
-def _by_member(scores: dict[str, Any] | None, members: list[int], rows: list[int]) -> dict[str, Any]:
-    """A group's log-probability fields (by its row in the prompt pipeline's microbatch) for `rows` only, by
-    member."""
+def _by_member(scores: Scores, members: list[int], rows: list[int]) -> Scores:
+    """A group's log-probabilities (by its row in the prompt pipeline's microbatch) for `rows` only, by member."""
     kept = {str(row) for row in rows}
-    return {name: {str(members[int(row)]): entry for row, entry in (scores or {}).get(name, {}).items() if row in kept}
-            for name in ("logprobs", "prompt_logprobs")}
+
+    def by_member(entries: dict[str, Any]) -> dict[str, Any]:
+        return {str(members[int(row)]): entry for row, entry in entries.items() if row in kept}
+
+    return Scores(by_member(scores.logprobs), by_member(scores.prompt_logprobs))

@@ -17,9 +17,11 @@ import torch
 from ..errors import RequestFailed, TransportError
 from ..generation.admission import Admission
 from ..generation.batching import Microbatch, Request, Result, SlotBatch
+from ..generation.decoding import RowFailure
+from ..generation.row_specs import Group
 from ..generation.turns import shares_of
 from .layout import Layout
-from .messages import Message
+from .messages import Message, Start
 
 #: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
 #: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
@@ -47,7 +49,7 @@ class Flight:
     phase: Phase
     reserved: int
     progress: float | None
-    start: Message | None = None
+    start: Start | None = None
     staged_at: int = 0
     freed: bool = False
     beside: bool = False
@@ -69,10 +71,10 @@ class Outcome:
 @attrs.frozen
 class PromptGroup:
     """Disaggregated: a group of requests in the prompt pipeline, bound for slot `slot`: what its slot's first
-    token stage needs of it (`fields`: members, limits, decodings) and its prompts' mask."""
+    token stage needs of it (`group`: its members, limits and decodings) and its prompts' mask."""
 
     slot: int
-    fields: dict[str, Any]
+    group: Group
     mask: torch.Tensor
 
 
@@ -148,16 +150,15 @@ class LedgerState:
         return set(self._shares(besides=flight)) if flight is not None and flight.beside else set()
 
     @staticmethod
-    def _failed_rows(batch: Microbatch, failures: dict[str, Any]) -> list[Answer]:
+    def _failed_rows(batch: Microbatch, failures: dict[int, RowFailure]) -> list[Answer]:
         """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
         count as answered, and dropped, from now on."""
         answers: list[Answer] = []
-        for key, failure in failures.items():
-            row = int(key)
+        for row, failure in failures.items():
             if row not in batch.settled:
                 batch.settled.add(row)
                 batch.dropped.add(row)
-                error = RequestFailed(failure["reason"], batch.requests[row].number, bool(failure["input_error"]))
+                error = RequestFailed(failure.reason, batch.requests[row].number, failure.input_error)
                 answers.append((batch.requests[row].future, error))
         return answers
 

@@ -8,15 +8,14 @@
 
 The pipeline is the head, a thin facade over its parts: `options` (every option checked once), `layout` (the
 stages and their links), `fleet` (the worker processes), `ledger` (every request and microbatch in flight, and
-the decisions) and `recovery` (replacing a dead stage). Its receiver thread takes the workers' messages, asks
-the ledger what each means, and carries out the outcome: messages to send, futures to answer, tokens to
-stream. It watches the stages between messages (processes, heartbeats, progress) and starts a recovery, or
-fails what is in flight, when one dies or hangs.
+the decisions) and `recovery` (replacing a dead stage). Its receiver thread (`head_receiver.HeadReceiver`) takes
+the workers' messages, asks the ledger what each means, and carries out the outcome: messages to send, futures
+to answer, tokens to stream. It watches the stages between messages (processes, heartbeats, progress) and starts
+a recovery, or fails what is in flight, when one dies or hangs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import queue
@@ -31,33 +30,29 @@ import attrs
 import torch
 
 from ..backends import serve
-from ..errors import ConfigError, StoreError, TransportError
+from ..errors import ConfigError, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Request, Result, SlotBatch, check_new_tokens, check_prompt
+from ..generation.batching import Request, Result, check_new_tokens, check_prompt
 from ..generation.decoding import Decoding
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..transports.base import Server
 from .fleet import Fleet
-from .ledger import Ledger, Outcome, answer, stream
+from .head_receiver import HeadReceiver
+from .ledger import Ledger, Outcome
 from .link_tls import inbox_options
-from .messages import Kind, Message, unpack
+from .messages import (
+    Message,
+)
 from .options import PipelineOptions
-from .recovery import Recoveries, Recovery, RecoveryReport
+from .recoveries import Recoveries
+from .recovery import Recovery, RecoveryReport
 from .replication import delete_replicas, remove_replicas
 from .takeover import Takeover, TakeoverReport
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the head's checks of its stages' processes, heartbeats and progress.
-WATCH_PERIOD = 0.1
-#: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped.
-STEP_REPORTS = (Kind.TOKENS, Kind.PREFILLED, Kind.ENDED, Kind.FREED, Kind.LINK_LOST, Kind.MICROBATCH_FAILED,
-                Kind.NOT_ENTERED)
-#: The stages' answers to a recovery's steps, handed to the recovery thread.
-RECOVERY_REPLIES = (Kind.PAUSED, Kind.RELINKED, Kind.SENT, Kind.REWOUND, Kind.READY)
 
-
-class Pipeline:
+class Pipeline(HeadReceiver):
     """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) in stage processes,
     `microbatch` requests at a time, laid out as one of:
 
@@ -126,17 +121,6 @@ class Pipeline:
         self._running = threading.Event()
         self._closed = False
         self._requests: weakref.WeakKeyDictionary[Future[Result], Request] = weakref.WeakKeyDictionary()
-        self._handlers: dict[str, Callable[[Message], None]] = {
-            Kind.JOIN: self.fleet.pool_spare, Kind.REJOIN: self.fleet.turn_away,
-            Kind.WARM: lambda message: self.fleet.warmed(message.fields["url"]),
-            Kind.LINK_LOST: lambda message: self._recoveries.start(
-                set(), f"{message.fields['stage']} lost a link: {message.fields['error']}",
-                int(message.fields.get("epoch", 0))),
-            Kind.TOKENS: self._on_tokens, Kind.PREFILLED: self._on_prefilled, Kind.ENDED: self._on_ended,
-            Kind.FREED: self._on_freed, Kind.MICROBATCH_FAILED: self._on_microbatch_failed,
-            Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.STATS: self.fleet.stats_arrived, Kind.FAILED: self._on_failed,
-            Kind.NOT_ENTERED: self._on_not_entered}
 
     @property
     def most_in_flight(self) -> int:
@@ -384,170 +368,6 @@ class Pipeline:
         its row."""
         if future.cancelled():
             self._carry_out(Outcome(sends=self.ledger.cancel(request)))
-
-    # ---- carrying out the ledger's decisions -------------------------------------------------------------
-    def _admit(self) -> None:
-        """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
-        which decides where what was admitted goes on from."""
-        for stage, message in self.ledger.admit():
-            if message.kind in (Kind.PREFILL, Kind.ENTER):
-                self._report_admitted(int(message.fields["microbatch"]), message.fields.get("members"))
-            try:
-                self._send(stage, message)
-            except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
-                failure = f"{self.layout.stages[stage].name} is unreachable: {error}"
-                if self.recovery is None or self._closed:
-                    self._fail(TransportError(failure))
-                else:
-                    self._recoveries.start(set(), failure)
-                return
-
-    def _report_admitted(self, number: int, members: list[int] | None) -> None:
-        """Tell `on_admitted` of static microbatch `number`'s rows, or `on_entered` of a group of `members` sent
-        into slot `number` (mixed: a disaggregated group goes to the prompt pipeline under a number of its own),
-        before the message goes out."""
-        flight = self.ledger.flights.get(number)
-        try:
-            if flight is None:  # disaggregated, a group for the prompt pipeline (numbered apart from its slot)
-                return
-            batch = flight.batch
-            if not isinstance(batch, SlotBatch) and self.on_admitted is not None:
-                self.on_admitted(number, [request.tag for request in batch.requests])
-            elif isinstance(batch, SlotBatch) and members is not None and self.on_entered is not None:
-                self.on_entered(number, list(members),
-                                [batch.requests[batch.rows_of[member]].tag for member in members])
-        except Exception:
-            log.exception("the pipeline's on_admitted or on_entered callback failed")
-
-    def _send(self, index: int, message: Message) -> None:
-        """Send a step's message, stamped with the epoch it was decided in (else with the current one)."""
-        self.fleet.send(index, Message(message.kind, {"epoch": self.fleet.epoch, **message.fields}, message.tensors))
-
-    def _carry_out(self, outcome: Outcome) -> None:
-        """Stream the outcome's tokens, answer its futures, and send its messages (a stage that does not take
-        one is the watchdog's to find)."""
-        stream(outcome.calls)
-        answer(outcome.answers)
-        for index, message in outcome.sends:
-            with contextlib.suppress(TransportError, StoreError):
-                self._send(index, message)
-
-    def _fail(self, error: TransportError) -> None:
-        """Fail every request in flight or waiting with `error`; later submissions raise it too."""
-        answer(self.ledger.fail_all(error))
-
-    # ---- what the stages say ---------------------------------------------------------------------------
-    def _receive(self) -> None:
-        """The head's receiver thread: takes the workers' messages, and watches them between messages."""
-        assert self._inbox is not None
-        watched = time.monotonic()
-        while not self._closed:
-            try:
-                message: Message | None = unpack(self._inbox.recv_tensor(timeout=WATCH_PERIOD))
-            except TransportError:
-                message = None
-            try:
-                if message is not None:
-                    self._handle(message)
-                if time.monotonic() - watched >= WATCH_PERIOD:
-                    watched = time.monotonic()
-                    self._watch()
-            except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
-                self._fail(error if isinstance(error, TransportError) else
-                           TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
-
-    def _handle(self, message: Message) -> None:
-        if (message.kind in STEP_REPORTS and int(message.fields.get("epoch", 0)) < self.fleet.epoch
-                and "round" not in message.fields):  # a slot's round counts until a recovery plans (`on_round`)
-            return  # sent before a recovery, which decided where its microbatch goes on from
-        if message.kind in RECOVERY_REPLIES:
-            self.replies.put(message)
-        elif message.kind in self._handlers:
-            self._handlers[message.kind](message)
-        else:
-            log.warning("the head dropped a message of unknown kind %r", message.kind)
-
-    def _on_tokens(self, message: Message) -> None:
-        states = message.tensors[1] if len(message.tensors) > 1 else None  # sampling with recovery
-        number, tokens = int(message.fields["microbatch"]), message.tensors[0].tolist()
-        if "round" in message.fields:  # a slot's round: rows may have left, and room for others be free
-            self._carry_out(self.ledger.on_round(number, message.fields, tokens, states))
-            self._admit()
-            return
-        self._carry_out(self.ledger.on_tokens(number, tokens, states, message.fields.get("failed", {}), message.fields))
-
-    def _on_heartbeat(self, message: Message) -> None:
-        """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
-        stage, epoch, url = str(message.fields["stage"]), int(message.fields.get("epoch", 0)), message.fields.get("url")
-        if isinstance(url, str) and not self.fleet.serves(stage, url, epoch):
-            self.fleet.fence_stale(url, stage, epoch)
-        else:
-            work = message.fields.get("work")
-            self.fleet.beat(stage, epoch, work if isinstance(work, int) else None)
-
-    def _on_not_entered(self, message: Message) -> None:
-        self.ledger.on_not_entered(int(message.fields["microbatch"]), list(message.fields["members"]))
-        self._admit()
-
-    def _on_prefilled(self, message: Message) -> None:
-        number, failures = int(message.fields["microbatch"]), message.fields.get("failed", {})
-        if self.ledger.continuous:  # a group's first tokens: it goes to its slot
-            self._carry_out(self.ledger.on_group_prefilled(number, message.tensors, failures, message.fields))
-        else:
-            self._carry_out(self.ledger.on_prefilled(number, message.tensors, failures, self.recovery is not None,
-                                                     message.fields))
-        self._admit()
-
-    def _on_ended(self, message: Message) -> None:
-        self._carry_out(self.ledger.on_ended(int(message.fields["microbatch"]), bool(message.fields.get("freed"))))
-        self._admit()
-
-    def _on_freed(self, message: Message) -> None:
-        self.ledger.on_freed(int(message.fields["microbatch"]))
-        self._admit()
-
-    def _on_microbatch_failed(self, message: Message) -> None:
-        self._carry_out(self.ledger.on_microbatch_failed(int(message.fields["microbatch"]),
-                                                         str(message.fields["error"])))
-        self._admit()
-
-    def _on_failed(self, message: Message) -> None:
-        failure = f"stage {message.fields['stage']} failed: {message.fields['error']}"
-        try:
-            index = self.layout.index_of(message.fields["stage"])
-        except ConfigError:
-            log.warning("%s", failure)  # not a stage's worker: a spare that could not load, say
-            return
-        if self.fleet.replaced_since(self.layout.stages[index].name, int(message.fields.get("epoch", 0))):
-            return  # a worker replaced since (one started elsewhere cannot be stopped from here)
-        if self.recovery is None:
-            self._fail(TransportError(failure))
-        elif self._recoveries.running:
-            self.replies.put(message)
-        else:
-            self._recoveries.start({index}, failure, int(message.fields.get("epoch", 0)))
-
-    def _watch(self) -> None:
-        """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
-        heartbeats, or a microbatch without progress (no new tokens) for `progress_timeout` seconds while no
-        stage's heartbeats said it ran a layer. Recover from them, or, without recovery, fail the requests in
-        flight."""
-        if self._recoveries.running:
-            return  # the recovery watches its own steps
-        now = time.monotonic()
-        exited, silent, stalled = self.fleet.exited(), self.fleet.silent(now), self.ledger.stalled_since()
-        reasons = [f"the process of {self.layout.stages[index].name} exited" for index in exited]
-        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.missed_beats} missed): its "
-                    "process is dead or hung" for last, name in silent]
-        limit = self.options.progress_timeout
-        if stalled is not None and now - stalled > limit and now - self.fleet.worked_at > limit:
-            reasons.append(f"a microbatch made no progress for {limit:.0f} s and no stage computed meanwhile: a stage "
-                           "worker is stuck (progress_timeout)")
-        if not reasons:
-            return
-        if self.recovery is None:
-            raise TransportError(reasons[0])
-        self._recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
 
     # ---- for operators ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """A prompt stage's side of disaggregation: each microbatch (or group) of prompts prefilled a chunk of columns at
 a time, the microbatches taking turns, so that a long prompt never holds the prompt pipeline for long.
 
-The first prompt stage keeps each `prefill` it receives (`PromptRun`: its prompts' `Joining`, with its own
+The first prompt stage keeps each `Prefill` it receives (`PromptRun`: its prompts' `Joining`, with its own
 cache) and its number in a queue of turns; whenever its inbox has nothing waiting, and after each message it
 handles, it runs the next columns of the microbatch whose turn it is (`max_prefill_tokens` positions, as a
 round of continuous batching runs a joining group's) and puts the microbatch back at the end of the queue until
-its prompts are in. Each chunk goes on to the next prompt stage (`prefill`, with its `columns`), which runs it
+its prompts are in. Each chunk goes on to the next prompt stage (`Prefill`, with its `columns`), which runs it
 on its own part of the microbatch's cache; every stage streams each layer's new KV to the token stages as the
 layer finishes. The last prompt stage scores the prompts' columns as they come and, after the last chunk, picks
-the first tokens and reports them (`prefilled`, with the `chunk`: the columns a step ran, which a slot's
+the first tokens and reports them (`Prefilled`, with the `chunk`: the columns a step ran, which a slot's
 schedule records so that `replay` runs the same steps).
 
 Without a budget (`max_prefill_tokens` None, and under static batching, whose microbatches equal
@@ -21,28 +21,28 @@ from typing import Any
 
 import torch
 
+from ..generation.logprobs import Scores
 from ..generation.slots import Joining
-from .messages import Kind, Message
-from .worker_state import PromptRun, WorkerState, score_fields
+from .messages import Prefill, Prefilled
+from .worker_state import PromptRun, WorkerState
 
 
 class PromptSteps(WorkerState):
-    """A prompt stage's handling of `prefill`; `StageWorker` inherits it."""
+    """A prompt stage's handling of `Prefill`; `StageWorker` inherits it."""
 
-    def _prompt_prefill(self, number: int, message: Message) -> None:
-        """A `prefill` on a prompt stage: the first keeps it for its turns; another runs the columns it carries."""
-        inputs, mask = message.tensors
+    def _prompt_prefill(self, message: Prefill) -> None:
+        """A `Prefill` on a prompt stage: the first keeps it for its turns; another runs the columns it carries."""
+        number, inputs, mask = message.microbatch, message.inputs, message.mask
         if self.stage.first:
             cache = self.stage.new_cache()
-            self.prompt_runs[number] = PromptRun(dict(message.fields), Joining(list(range(len(mask))), mask.clone(),
-                                                                               cache, inputs.clone()))
+            self.prompt_runs[number] = PromptRun(message.specs, list(message.ended),
+                                                 Joining(list(range(len(mask))), mask.clone(), cache, inputs.clone()))
             self.prompt_turns.append(number)
             return
-        start, stop = message.fields.get("columns") or (0, mask.shape[1])
+        start, stop = message.columns or (0, mask.shape[1])
         if start == 0:
-            fields = {name: value for name, value in message.fields.items() if name != "columns"}
-            self.prompt_runs[number] = PromptRun(fields, Joining(list(range(len(mask))), mask.clone(),
-                                                                 self.stage.new_cache()))
+            self.prompt_runs[number] = PromptRun(message.specs, list(message.ended),
+                                                 Joining(list(range(len(mask))), mask.clone(), self.stage.new_cache()))
         run = self.prompt_runs.get(number)
         if run is None:  # its first columns failed here, or a recovery dropped it
             return
@@ -81,7 +81,7 @@ class PromptSteps(WorkerState):
                               self.epoch, last)
 
         scores: dict[str, Any] = {}
-        on_hidden = (self.prompt_scorer(run.fields["decoding"], start, joining.mask.shape[1], scores)
+        on_hidden = (self.prompt_scorer(run.specs.decoding, start, joining.mask.shape[1], scores)
                      if self.stage.last else None)
 
         def forward(hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -91,8 +91,8 @@ class PromptSteps(WorkerState):
         if last:
             del self.prompt_runs[number]
         if not self.stage.last:
-            self._send(self.following, Message(Kind.PREFILL, {**run.fields, "columns": [start, stop]},
-                                               (output, joining.mask)))
+            self._send(self.following, Prefill(microbatch=number, specs=run.specs, ended=run.ended,
+                                               columns=(start, stop), inputs=output, mask=joining.mask))
             return
         _extend(run.prompt_logprobs, scores)
         if last:
@@ -101,14 +101,14 @@ class PromptSteps(WorkerState):
     def _first_tokens(self, number: int, run: PromptRun, logits: torch.Tensor) -> None:
         """The last prompt stage, its prompts in: pick the first tokens and report them; the token stages go on."""
         mask = run.joining.mask
-        state = self._prefilled_state(number, run.fields, mask)
+        state = self._prefilled_state(number, run.specs, run.ended, mask)
         tokens, ended, failures, logprobs = self._pick(state, logits)
         assert state.picker is not None  # made on the last stage
         states = state.picker.states()
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Message(Kind.PREFILLED, {"microbatch": number, "failed": failures, "chunk": run.chunk,
-                                                       **score_fields(logprobs, run.prompt_logprobs)},
-                                      (tokens[:, None], mask, ended.to(torch.uint8), rng)))
+        self._send(self.head, Prefilled(microbatch=number, failed=failures, chunk=run.chunk,
+                                        scores=Scores(logprobs, run.prompt_logprobs), tokens=tokens[:, None], mask=mask,
+                                        ended=ended.to(torch.uint8), rng=rng))
 
 
 def _extend(scores: dict[str, Any], chunk: dict[str, Any]) -> None:

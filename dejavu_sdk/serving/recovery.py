@@ -1,20 +1,21 @@
 """Recovery of a pipeline whose stage died or hung: the head replaces it and the microbatches go on.
 
-The head runs one recovery at a time on a thread of its own, in the paper's four steps and a few of ours:
+The head runs one recovery at a time on a thread of its own (`recoveries.Recoveries`), in the paper's four steps and
+a few of ours:
 
 0. a new epoch: from now on, the head and the stages drop what was sent before it (steps in flight, tokens,
    prompt KV); a dead stage's process, when the pipeline launched it, is killed (a stopped or hung one
    included), and whatever a replaced worker started elsewhere still sends is dropped by its epoch;
-1. every surviving stage pauses (`pause`): it finishes streaming its replicas and reports the caches it
+1. every surviving stage pauses (`Pause`): it finishes streaming its replicas and reports the caches it
    holds and how far the replicas it holds for the previous decoding stage reach; a survivor that does not
    answer is dead too;
 2. each dead stage is replaced (a new process, which joins and loads its stage), and every survivor
-   reconnects to it (`relink`); survivors keep their processes and memory;
+   reconnects to it (`Relink`); survivors keep their processes and memory;
 3. per microbatch in flight, the head picks the step it resumes from (`resume_point`): the last position
    every stage can have again, the dead stage's from the replica its next decoding stage holds; the holder
-   sends that replica back to the replacement (`send_replica` -> `restore`), and the previous stage streams
+   sends that replica back to the replacement (`SendReplica` -> `Restore`), and the previous stage streams
    its own cache to the replacement, which now holds its replica;
-4. every decoding stage rewinds the microbatch to that position (`rewind`), and the head feeds it the token
+4. every decoding stage rewinds the microbatch to that position (`Rewind`), and the head feeds it the token
    of that step: the microbatch goes on exactly as it would have.
 
 A microbatch that cannot resume (still in the prompt pipeline, its replica lost with two adjacent stages,
@@ -31,10 +32,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -42,8 +42,24 @@ import torch
 from ..errors import DejaVuError, TransportError
 from ..generation.batching import SlotBatch
 from .fleet import Fleet
-from .ledger import POISON, Ledger, answer
-from .messages import Kind, Message
+from .ledger import POISON, Ledger
+from .messages import (
+    Assign,
+    Drop,
+    EpochMessage,
+    Failed,
+    Message,
+    Pause,
+    Paused,
+    Ready,
+    Relink,
+    Relinked,
+    Restore,
+    Rewind,
+    Rewound,
+    SendReplica,
+    Sent,
+)
 from .recovery_slots import SlotRecovery
 from .replication import assemble, held_positions, replica_stream
 from .resume import ResumePlan, ended_rows, plan_resume
@@ -54,6 +70,13 @@ STEP_TIMEOUT = 120.0
 #: Attempts at one recovery (another stage dying or not answering meanwhile adds it to those replaced)
 #: before the pipeline gives up and fails its requests.
 ATTEMPTS = 3
+
+Reply = TypeVar("Reply", bound=EpochMessage)
+
+
+def by_stage(reply: Any) -> str:
+    """The stage that sent a recovery step's answer (`Paused`, `Relinked`, `Ready`, `Sent`, `Rewound`)."""
+    return str(reply.stage)
 
 
 @attrs.frozen
@@ -102,7 +125,7 @@ class Recovery:
     the pipeline was closed meanwhile."""
 
     def __init__(self, ledger: Ledger, fleet: Fleet, replies: queue.SimpleQueue[Message], dead: set[int],
-                 reason: str, detected: float, assignment: Callable[[int], dict[str, Any]],
+                 reason: str, detected: float, assignment: Callable[[int], Assign],
                  closed: Callable[[], bool]) -> None:
         self.ledger, self.fleet, self.layout, self.replies = ledger, fleet, fleet.layout, replies
         self.options = fleet.options
@@ -112,11 +135,21 @@ class Recovery:
         self.replaced: set[int] = set()  # dead stages whose replacement process has started
 
     # ---- messages from the stages, routed here by the head's receiver -----------------------------------
-    def _await(self, kind: Kind, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
-        """The replies of `kind` from every one of `senders` (by the field `key`), within STEP_TIMEOUT; a stage
-        that fails or does not answer is dead (RecoveryRetry names it: the sender, or `blame` when the senders
-        are not stages)."""
-        replies: dict[Any, Message] = {}
+    def _await(self, kind: type[Reply], senders: set[Any], key: Callable[[Reply], Any] = by_stage,
+               blame: Any = None) -> dict[Any, Reply]:
+        """The replies of class `kind` in this epoch from every one of `senders` (as `key` names a reply's
+        sender), within STEP_TIMEOUT; a stage that fails or does not answer is dead (RecoveryRetry names it: the
+        sender, or `blame` when the senders are not stages). Other messages are of no use to this step."""
+        replies: dict[Any, Reply] = {}
+
+        def answered(reply: Reply) -> None:
+            if reply.epoch == self.epoch:
+                replies[key(reply)] = reply
+
+        def failed(message: Failed) -> None:
+            raise RecoveryRetry([message.stage], f"stage {message.stage} failed: {message.error}")
+
+        handlers: dict[type[Message], Callable[[Any], None]] = {Failed: failed, kind: answered}
         deadline = time.monotonic() + STEP_TIMEOUT
         while len(replies) < len(senders):
             self._check_open()
@@ -127,17 +160,15 @@ class Recovery:
             if remaining <= 0:
                 missing = sorted(senders - replies.keys(), key=str)
                 stages = missing if blame is None else [blame]
-                raise RecoveryRetry(stages, f"no {kind} from {', '.join(map(str, stages))} within "
+                raise RecoveryRetry(stages, f"no {kind.kind} from {', '.join(map(str, stages))} within "
                                     f"{STEP_TIMEOUT:.0f} s")
             try:
                 message = self.replies.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
-            if message.kind == Kind.FAILED:
-                raise RecoveryRetry([message.fields["stage"]], f"stage {message.fields['stage']} failed: "
-                                    f"{message.fields['error']}")
-            if message.kind == kind and int(message.fields.get("epoch", self.epoch)) == self.epoch:
-                replies[message.fields[key]] = message
+            handler = handlers.get(type(message))
+            if handler is not None:
+                handler(message)
         return replies
 
     # ---- the steps ------------------------------------------------------------------------------------
@@ -158,8 +189,8 @@ class Recovery:
         started = time.monotonic()
         self._replace(sorted(self.dead))
         for index in survivors:
-            self._send(index, Message(Kind.RELINK, {"epoch": self.epoch, **fleet.links_of(index)}))
-        self._await(Kind.RELINKED, {stages[index].name for index in survivors})
+            self._send(index, Relink(epoch=self.epoch, links=fleet.links_of(index)))
+        self._await(Relinked, {stages[index].name for index in survivors})
         replacing = time.monotonic() - started
         started = time.monotonic()
         plan = self._plan(paused)
@@ -173,13 +204,13 @@ class Recovery:
         gone = [number for number in self.ledger.holding_numbers()
                 if number not in plan.resumed and number not in slots.resumed and number not in slots.unopened]
         for index in decoding:
-            self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": gone}))
+            self._send(index, Drop(epoch=self.epoch, microbatches=gone))
         self._rewind(plan.resumed, decoding)
         slots.rewind(decoding)
         failed_rewinds = [number for number in slots.lost if number not in gone]
         if failed_rewinds:
             for index in decoding:
-                self._send(index, Message(Kind.DROP, {"epoch": self.epoch, "microbatches": failed_rewinds}))
+                self._send(index, Drop(epoch=self.epoch, microbatches=failed_rewinds))
         transferring = time.monotonic() - started
         report = RecoveryReport(self.epoch, [stages[index].name for index in sorted(self.dead)], self.reason,
                                 plan.resumed, plan.recomputed, plan.finished, pausing, replacing, transferring,
@@ -205,38 +236,35 @@ class Recovery:
                 time.sleep(0.01)
             fleet.place(index, spare)
         for index in dead:
-            self._send(index, Message(Kind.ASSIGN, self.assignment(index)))
-        self._await(Kind.READY, {self.layout.stages[index].name for index in dead})
+            self._send(index, self.assignment(index))
+        self._await(Ready, {self.layout.stages[index].name for index in dead})
         for index in dead:
             fleet.heard_from(index)
 
     def pause(self, survivors: list[int], numbers: list[int] | None = None,
-              takeover: bool = False) -> dict[str, Message]:
+              takeover: bool = False) -> dict[str, Paused]:
         """Pause the `survivors` in this epoch: each reports what it holds, and how far the replicas it holds of
         `numbers` (default: the ledger's microbatches) for the previous decoding stage reach; for a `takeover`,
         the last stage also what a successor head goes on from (steps, tokens, rounds)."""
         numbers = self.ledger.holding_numbers() if numbers is None else numbers
         for index in survivors:
             previous = self.layout.replica_owner(index)
-            fields: dict[str, Any] = {"epoch": self.epoch, "microbatches": numbers, "replica_of": None,
-                                      "takeover": takeover}
-            if previous is not None:
-                fields.update(replica_of=self.layout.stages[previous].number,
-                              replica_layers=self.layout.stages[previous].layer_count)
-            self._send(index, Message(Kind.PAUSE, fields))
-        return self._await(Kind.PAUSED, {self.layout.stages[index].name for index in survivors})
+            owner = None if previous is None else self.layout.stages[previous]
+            self._send(index, Pause(epoch=self.epoch, microbatches=numbers, takeover=takeover,
+                                    replica_of=None if owner is None else owner.number,
+                                    replica_layers=0 if owner is None else owner.layer_count))
+        return self._await(Paused, {self.layout.stages[index].name for index in survivors})
 
-    def _plan(self, paused: dict[str, Message]) -> ResumePlan:
+    def _plan(self, paused: dict[str, Paused]) -> ResumePlan:
         """`plan_resume` over what the survivors reported."""
         survivors = [index for index in self.layout.decoding_stages() if index not in self.dead]
         static = [flight for flight in self.ledger.in_flight() if not isinstance(flight[1], SlotBatch)]
         return plan_resume(
             static, self.dead, self.layout, self.options.recovery, self.ledger.eos,
-            lambda number: all(str(number) in paused[self.layout.stages[index].name].fields["caches"]
-                               for index in survivors),
+            lambda number: all(number in paused[self.layout.stages[index].name].caches for index in survivors),
             lambda index, number: self._replica_reach(index, number, paused))
 
-    def _replica_reach(self, index: int, number: int, paused: dict[str, Message]) -> int:
+    def _replica_reach(self, index: int, number: int, paused: dict[str, Paused]) -> int:
         """How far dead stage `index`'s replica of microbatch `number` reaches: in the replica store, or as its
         holder reported it (-1: gone with its holder)."""
         stage, store = self.layout.stages[index], self.options.replica_store
@@ -246,7 +274,7 @@ class Recovery:
         holder = self._holder(index)
         if holder in self.dead:
             return -1
-        return int(paused[self.layout.stages[holder].name].fields["holds"].get(str(number), -1))
+        return paused[self.layout.stages[holder].name].holds.get(number, -1)
 
     def _transfer(self, resumed: dict[int, int], recomputed: list[int]) -> None:
         """Each replacement's caches, from the replicas its next decoding stage holds (or the replica store). A
@@ -261,16 +289,16 @@ class Recovery:
             holder, stage = self._holder(index), self.layout.stages[index]
             for number, step in resumed.items():
                 prompt = self.ledger.batch(number).mask.shape[1]
-                self._send(holder, Message(Kind.SEND_REPLICA, {
-                    "epoch": self.epoch, "microbatch": number, "owner": stage.number, "layers": stage.layer_count,
-                    "positions": prompt + step - 1, "to": self.fleet.url_of(index)}))
-            sent = self._await(Kind.SENT, set(resumed), key="microbatch", blame=holder)
+                self._send(holder, SendReplica(epoch=self.epoch, microbatch=number, owner=stage.number,
+                                               layers=stage.layer_count, positions=prompt + step - 1,
+                                               to=self.fleet.url_of(index)))
+            sent = self._await(Sent, set(resumed), key=lambda reply: reply.microbatch, blame=holder)
             for number, reply in sent.items():
-                if reply.fields.get("unreachable"):
-                    raise RecoveryRetry([index], f"{stage.name}'s replacement is unreachable: {reply.fields['error']}")
-                if reply.fields.get("error"):
+                if reply.unreachable:
+                    raise RecoveryRetry([index], f"{stage.name}'s replacement is unreachable: {reply.error}")
+                if reply.error:
                     log.warning("the replica of microbatch %d could not be read back (%s): it starts over", number,
-                                reply.fields["error"])
+                                reply.error)
                     del resumed[number]
                     recomputed.append(number)
 
@@ -287,14 +315,15 @@ class Recovery:
                 del resumed[number]
                 recomputed.append(number)
                 continue
-            self._send(index, Message(Kind.RESTORE, {"microbatch": number, "epoch": self.epoch}, (block,)))
+            self._send(index, Restore(microbatch=number, epoch=self.epoch, block=block))
 
     def send(self, index: int, message: Message) -> None:
         """Send stage `index` a recovery message (`_send`)."""
         self._send(index, message)
 
-    def wait(self, kind: Kind, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]:
-        """The replies of `kind` from every one of `senders` (`_await`)."""
+    def wait(self, kind: type[Reply], senders: set[Any], key: Callable[[Reply], Any] = by_stage,
+             blame: Any = None) -> dict[Any, Reply]:
+        """The replies of class `kind` from every one of `senders` (`_await`)."""
         return self._await(kind, senders, key, blame)
 
     def dead_too(self, index: int, reason: str) -> None:
@@ -326,11 +355,11 @@ class Recovery:
                 holder = self.layout.replica_holder(index)
                 kept = self.options.replica_store is not None or (holder is not None and holder not in self.dead)
                 replicated = batch.mask.shape[1] + step - 1 if kept else 0  # else streamed anew from 0
-                self._send(index, Message(Kind.REWIND, {
-                    **batch.fields(), "epoch": self.epoch, "positions": batch.mask.shape[1] + step - 1,
-                    "steps": step, "replicated": replicated, "generated": [row[:step] for row in batch.generated]},
-                    (batch.mask, ended, rng)))
-            self._await(Kind.REWOUND, {self.layout.stages[index].name for index in decoding})
+                self._send(index, Rewind(microbatch=number, specs=batch.row_specs(), epoch=self.epoch,
+                                         positions=batch.mask.shape[1] + step - 1, steps=step, replicated=replicated,
+                                         generated=[row[:step] for row in batch.generated], mask=batch.mask,
+                                         ended=ended, rng=rng))
+            self._await(Rewound, {self.layout.stages[index].name for index in decoding})
 
 
 class RecoveryRetry(TransportError):
@@ -340,119 +369,3 @@ class RecoveryRetry(TransportError):
     def __init__(self, stages: list[Any], text: str) -> None:
         super().__init__(text)
         self.stages = stages
-
-
-class Recoveries:
-    """Runs the pipeline's recoveries, one at a time, each on a thread of its own (the head's receiver keeps
-    taking the stages' answers meanwhile, and hands them over as `replies`), and keeps their `reports`.
-
-    A recovery holds the ledger (nothing new starts), replaces the dead stages (up to ATTEMPTS times, as more
-    die meanwhile), and resumes the ledger's microbatches; or fails every request (`fail`), never staying held.
-    A failure reported while one runs is looked at again once it ends. `send(index, message)` sends a step's
-    message, `admit()` lets new work in, `closed()` says whether the pipeline was closed; `notify_failure` and
-    `notify_recovery` pass each failure's description and each report to the user's callbacks."""
-
-    def __init__(self, ledger: Ledger, fleet: Fleet, replies: queue.SimpleQueue[Message],
-                 fail: Callable[[TransportError], None], send: Callable[[int, Message], None],
-                 admit: Callable[[], None], closed: Callable[[], bool], notify_failure: Callable[[str], None],
-                 notify_recovery: Callable[[RecoveryReport], None], eos: list[int], pad: int) -> None:
-        self.ledger, self.fleet, self.replies = ledger, fleet, replies
-        self.fail, self.send, self.admit, self.closed = fail, send, admit, closed
-        self.notify_failure, self.notify_recovery = notify_failure, notify_recovery
-        self.assignment = lambda index: fleet.assignment(index, eos, pad, True)
-        self.reports: list[RecoveryReport] = []
-        self.thread: threading.Thread | None = None
-        #: A successor head is taking over its predecessor's stages (`Pipeline.take_over`): a failure waits for it,
-        #: as for a recovery under way.
-        self.taking_over = False
-        #: A failure reported during a recovery (or a takeover), with the epoch it was seen in, to look at after it.
-        self._meanwhile: tuple[str, int | None] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.thread is not None or self.taking_over
-
-    def end_takeover(self, failure: str | None) -> None:
-        """The takeover ended (`failure`: what stopped it, if anything): what was reported meanwhile, or that
-        failure, starts a recovery now."""
-        with self.ledger.lock:
-            self.taking_over = False
-            pending, self._meanwhile = self._meanwhile, None
-        reason = failure if failure is not None else None if pending is None else pending[0]
-        if reason is not None:
-            self.start(set(), reason)
-
-    def start(self, dead: set[int], reason: str, epoch: int | None = None) -> None:
-        """Recover from the `dead` stages (and whatever else is found dead) for `reason`, which a stage reported in
-        `epoch` (None: the head found it now)."""
-        with self.ledger.lock:
-            if self.thread is not None or self.taking_over:
-                self._meanwhile = self._meanwhile or (reason, epoch)
-                return
-            if self.ledger.failure is not None or self.closed():
-                return
-            self.ledger.held = True
-            self.thread = threading.Thread(target=self._run, args=(dead, reason), name="dejavu-pipeline-recovery",
-                                           daemon=True)
-            self.thread.start()  # started as it is set: whoever sees it may join it
-        log.warning("recovering: %s", reason)
-        self.notify_failure(reason)
-
-    def join(self, timeout: float) -> None:
-        thread = self.thread
-        if thread is not None:  # it sees the pipeline closed (its waits are bounded), so no spare is left
-            thread.join(timeout=timeout)
-
-    def _run(self, dead: set[int], reason: str) -> None:
-        again: str | None = None
-        recovered = -1  # the epoch of the recovery that succeeded: failures seen before it are mended
-        try:
-            report = self._attempts(dead, reason)
-            if report is None:
-                return
-            recovered = report.epoch
-            slots = self.ledger.resume_slots(report.slots, report.lost)
-            outcome = self.ledger.resume(report.resumed, report.recomputed, report.finished, report.failed)
-            outcome.sends[:0], outcome.answers[:0] = slots.sends, slots.answers
-            answer(outcome.answers)
-            try:
-                for index, message in outcome.sends:
-                    # the poison bound counts a microbatch resumed once its message is on its way: a stage it kills
-                    # on arrival may break the send itself
-                    self.ledger.seen_by_recovery(int(message.fields["microbatch"]))
-                    self.send(index, message)
-            except TransportError as lost:  # a stage died as the pipeline went on: recover again
-                again = f"resuming after a recovery failed: {lost}"
-            self.notify_recovery(report)
-            if not self.closed():
-                self.fleet.top_up()
-        except Exception as error:  # whatever else stops a recovery fails the requests, rather than hang them
-            self.fail(TransportError(f"recovery failed: {type(error).__name__}: {error}"))
-        finally:
-            with self.ledger.lock:
-                self.thread = None
-                if again is None and self._meanwhile is not None:
-                    reported, epoch = self._meanwhile
-                    again = None if epoch is not None and epoch < recovered else reported
-                self._meanwhile = None
-        if again is not None:
-            self.start(set(), again)
-        self.admit()
-
-    def _attempts(self, dead: set[int], reason: str) -> RecoveryReport | None:
-        error: Exception | None = None
-        detected = time.monotonic()
-        for _ in range(ATTEMPTS):
-            while not self.replies.empty():  # answers to an earlier attempt are of no use to this one
-                self.replies.get_nowait()
-            try:
-                report = Recovery(self.ledger, self.fleet, self.replies, dead, reason, detected, self.assignment,
-                                  self.closed).run()
-            except RecoveryRetry as retry:  # another stage died meanwhile: replace it too
-                dead |= {self.fleet.layout.index_of(name) for name in retry.stages}
-                reason, error = f"{reason}; then {retry}", retry
-                continue
-            self.reports.append(report)
-            return report
-        self.fail(TransportError(f"recovery failed after {ATTEMPTS} attempts: {error}"))
-        return None

@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from ..errors import DejaVuError
 from ..generation.batching import SlotBatch, left_pad, row_fields
+from ..generation.row_specs import Group, RowSpecs
 from ..swapping import positions_needed
 from .fleet import Fleet
 from .layout import Layout
 from .ledger import Ledger
-from .messages import Kind, Message
+from .messages import EpochMessage, GroupAt, Message, Paused, Restore, RewindSlot, Rewound, SendReplica, Sent
 from .options import PipelineOptions
 from .replication import assemble
 from .slot_replicas import SlotBase, SlotTrace, piece_stream, trace
 
 log = logging.getLogger(__name__)
+
+Reply = TypeVar("Reply", bound=EpochMessage)
 
 
 class RecoverySteps(Protocol):
@@ -48,7 +51,8 @@ class RecoverySteps(Protocol):
 
     def send(self, index: int, message: Message) -> None: ...
 
-    def wait(self, kind: Kind, senders: set[Any], key: str = "stage", blame: Any = None) -> dict[Any, Message]: ...
+    def wait(self, kind: type[Reply], senders: set[Any], key: Callable[[Reply], Any] = ...,
+             blame: Any = None) -> dict[Any, Reply]: ...
 
     def dead_too(self, index: int, reason: str) -> None: ...
 
@@ -66,7 +70,7 @@ class SlotRecovery:
         #: sent again.
         self.unopened: list[int] = []
 
-    def plan(self, paused: dict[str, Message], poison: str) -> None:
+    def plan(self, paused: dict[str, Paused], poison: str) -> None:
         recovery = self.recovery
         layout, ledger = recovery.layout, recovery.ledger
         survivors = [index for index in layout.decoding_stages() if index not in recovery.dead]
@@ -81,8 +85,8 @@ class SlotRecovery:
             if recovery.options.recovery != "replicas" and recovery.dead & set(layout.decoding_stages()):
                 self.lost[number] = "recovery='recompute' keeps no replica of what the dead stages held"
                 continue
-            ran = {layout.stages[index].name: int(paused[layout.stages[index].name].fields.get("slots", {})
-                                                  .get(str(number), 0)) for index in survivors}
+            ran = {layout.stages[index].name: paused[layout.stages[index].name].slots.get(number, 0)
+                   for index in survivors}
             ahead = {name: rounds for name, rounds in ran.items() if rounds not in (heard, heard + 1)}
             if ahead:
                 self.lost[number] = (f"the head heard of {heard} rounds of slot {number}; {ahead} ran another "
@@ -118,18 +122,17 @@ class SlotRecovery:
                     item = f"{number}/{piece.name}"
                     asked[item] = number
                     assert holder is not None
-                    recovery.send(holder, Message(Kind.SEND_REPLICA, {
-                        "epoch": recovery.epoch, "microbatch": number, "owner": stage.number,
-                        "layers": stage.layer_count, "positions": piece.columns, "part": piece.name, "item": item,
-                        "to": recovery.fleet.url_of(index)}))
+                    recovery.send(holder, SendReplica(
+                        epoch=recovery.epoch, microbatch=number, owner=stage.number, layers=stage.layer_count,
+                        positions=piece.columns, part=piece.name, item=item, to=recovery.fleet.url_of(index)))
             if not asked:
                 continue
-            for item, reply in recovery.wait(Kind.SENT, set(asked), "item", holder).items():
-                if reply.fields.get("unreachable"):
-                    recovery.dead_too(index, f"{stage.name}'s replacement is unreachable: {reply.fields['error']}")
-                if reply.fields.get("error"):
+            for item, reply in recovery.wait(Sent, set(asked), lambda reply: reply.item, holder).items():
+                if reply.unreachable:
+                    recovery.dead_too(index, f"{stage.name}'s replacement is unreachable: {reply.error}")
+                if reply.error:
                     self._lose(asked[item], f"a piece of slot {asked[item]}'s replica could not be read back: "
-                                            f"{reply.fields['error']}")
+                                            f"{reply.error}")
 
     def _restore_from_store(self, index: int, number: int, name: str, columns: int) -> None:
         recovery = self.recovery
@@ -141,8 +144,7 @@ class SlotRecovery:
         except DejaVuError as error:
             self._lose(number, f"a piece of slot {number}'s replica could not be read back: {error}")
             return
-        recovery.send(index, Message(Kind.RESTORE, {"microbatch": number, "part": name, "epoch": recovery.epoch},
-                                     (block,)))
+        recovery.send(index, Restore(microbatch=number, part=name, epoch=recovery.epoch, block=block))
 
     def rewind(self, decoding: list[int]) -> None:
         """Every decoding stage rewinds each slot going on; a slot that a stage cannot rewind is lost."""
@@ -152,8 +154,7 @@ class SlotRecovery:
             message = _rewind_message(batch, found, recovery.epoch, recovery.ledger.pad)
             for index in decoding:
                 recovery.send(index, message)
-            errors = [reply.fields["error"] for reply in recovery.wait(Kind.REWOUND, names).values()
-                      if reply.fields.get("error")]
+            errors = [reply.error for reply in recovery.wait(Rewound, names).values() if reply.error]
             if errors:
                 self._lose(number, "; ".join(errors))
             else:  # its replica starts over from here on every stage: a retry of this recovery traces from it
@@ -177,8 +178,8 @@ def _request(batch: SlotBatch, member: int) -> Any:
     return batch.requests[batch.rows_of[member]]
 
 
-def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) -> Message:
-    """The `rewind` of a slot: where it goes on from, its rows and their pieces, the group joining, and what the
+def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) -> RewindSlot:
+    """The `RewindSlot` of a slot: where it goes on from, its rows and their pieces, the group joining, and what the
     last stage needs of each row (decoding, generator state, tokens so far, limit, whether cancelled)."""
     rows, joining = found.rows, found.joining
     members = list(rows.members)
@@ -187,21 +188,21 @@ def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) ->
     known = [batch.states[member] for member in members if member in batch.states]
     states = (torch.stack([batch.states.get(member, torch.zeros_like(known[0])) for member in members]) if known
               else torch.empty(0, dtype=torch.uint8))
-    fields: dict[str, Any] = {
-        "microbatch": batch.number, "epoch": epoch, "round": len(batch.rounds), "parked": batch.idle,
-        "left": batch.next_change[0], "joined": batch.next_change[1], "members": members,
-        "pieces": [[piece.name, piece.rows, piece.columns] for piece in found.pieces],
-        "decodings": [requests[member].decoding.fields() for member in members],
-        "counts": {str(member): len(batch.generated[batch.rows_of[member]]) for member in members},
-        "limits": {str(member): requests[member].max_new_tokens for member in everyone},
-        "cancelled": [member for member in everyone if batch.rows_of[member] in batch.dropped],
-        "finals": {str(member): positions_needed(requests[member].ids.numel(), requests[member].max_new_tokens)
-                   for member in everyone},
-        "joining": None}
     group_ids = group_mask = torch.zeros((0, 0), dtype=torch.long)
+    joining_at = None
     if joining is not None:
         group_ids, group_mask = left_pad([requests[member].ids for member in joining.members], pad)
-        fields["joining"] = {"members": list(joining.members), "done": joining.done, "started": joining.started,
-                             "decoding": [row_fields(requests[member]) for member in joining.members],
-                             "max_new_tokens": [requests[member].max_new_tokens for member in joining.members]}
-    return Message(Kind.REWIND, fields, (rows.mask, rows.positions, found.index, group_mask, group_ids, states))
+        specs = RowSpecs([requests[member].max_new_tokens for member in joining.members],
+                         [row_fields(requests[member]) for member in joining.members])
+        joining_at = GroupAt(Group(list(joining.members), specs), joining.done, joining.started)
+    return RewindSlot(
+        microbatch=batch.number, epoch=epoch, round=len(batch.rounds), parked=batch.idle, left=batch.next_change[0],
+        joined=batch.next_change[1], members=members, pieces=list(found.pieces),
+        decodings=[requests[member].decoding.fields() for member in members],
+        counts={member: len(batch.generated[batch.rows_of[member]]) for member in members},
+        limits={member: requests[member].max_new_tokens for member in everyone},
+        cancelled=[member for member in everyone if batch.rows_of[member] in batch.dropped],
+        finals={member: positions_needed(requests[member].ids.numel(), requests[member].max_new_tokens)
+                for member in everyone},
+        joining=joining_at, mask=rows.mask, positions=rows.positions, index=found.index, group_mask=group_mask,
+        group_ids=group_ids, states=states)

@@ -12,7 +12,7 @@ adopted requests wait in its ledger under the same names (`Request.tag`). `take_
 2. a static microbatch goes on when every decoding stage holds it up to the last stage's step and a row of it
    still runs: it is rebuilt with its former number, its rows the waiting requests of its rows' names (a row
    whose choice ended stands in, dropped), its tokens the last stage's; every decoding stage rewinds it to that
-   step (`rewind` with `keep`: the last stage goes on with its own picker, so sampled rows go on from their
+   step (`Rewind` with `keep`: the last stage goes on with its own picker, so sampled rows go on from their
    generators' states as they were);
 3. a slot is rebuilt as its predecessor built it: its groups entered in order (its requests under their former
    numbers), then every round the last stage reported taken in as the ledger takes a round; it then goes on as
@@ -43,10 +43,9 @@ import torch
 
 from ..errors import TransportError
 from ..generation.batching import Microbatch, Request, SlotBatch, new_request_number, number_requests_from
-from ..generation.slots import Round
 from .ledger import POISON, Ledger
 from .ledger_state import Flight, Outcome, Phase
-from .messages import Kind, Message
+from .messages import Drop, Message, Paused, Rewind, Rewound, RoundDone
 from .recovery import Recovery
 from .recovery_slots import SlotRecovery
 
@@ -98,8 +97,8 @@ class Takeover:
         held: set[int] = set()
         try:
             paused = self.steps.pause(list(range(len(layout.stages))), sorted({*self.rows, *self.groups}), True)
-            held = {int(number) for reply in paused.values() for number in reply.fields["caches"]}
-            held |= {int(number) for reply in paused.values() for number in reply.fields.get("slots", {})}
+            held = {number for reply in paused.values() for number in reply.caches}
+            held |= {number for reply in paused.values() for number in reply.slots}
             for number in sorted(self.rows):
                 batch = self._rebuild(number, paused)
                 if isinstance(batch, str):
@@ -120,8 +119,7 @@ class Takeover:
             ledger.renumber_from(max([*held, *self.rows, *self.groups, -1]) + 1)
         kept = sorted({*self.report.resumed, *self.report.slots})
         for index in layout.decoding_stages():  # all else they hold goes, even what they did not report
-            self._send_quietly(index, Message(Kind.DROP, {"epoch": self.steps.epoch, "microbatches": gone,
-                                                          "all_but": kept}))
+            self._send_quietly(index, Drop(epoch=self.steps.epoch, microbatches=gone, all_but=kept))
         return self.report
 
     def _renumber_requests(self) -> None:
@@ -137,16 +135,16 @@ class Takeover:
                     request.number = new_request_number()
 
 
-    def _rebuild(self, number: int, paused: dict[str, Message]) -> Microbatch | str:
+    def _rebuild(self, number: int, paused: dict[str, Paused]) -> Microbatch | str:
         """Microbatch `number` as its predecessor had it, from the waiting requests of its rows' names and the
         last stage's tokens; or why it cannot go on exactly."""
         decoding = [self.layout.stages[index].name for index in self.layout.decoding_stages()]
         if self.steps.dead & set(self.layout.decoding_stages()):
             return "a stage that held it died with the head"
-        reported = paused[decoding[-1]].fields.get("steps", {}).get(str(number))
+        reported = paused[decoding[-1]].steps.get(number)
         if reported is None:
             return "the last stage does not hold it"
-        step, history = int(reported[0]), reported[1]
+        step, history = reported
         requests: list[Request] = []
         live: list[Request] = []
         with self.ledger.lock:
@@ -163,7 +161,7 @@ class Takeover:
             return f"the last stage's tokens do not fit its {len(requests)} rows"
         batch = Microbatch.of(number, requests, self.ledger.pad)
         positions = batch.mask.shape[1] + step - 1
-        short = [name for name in decoding if int(paused[name].fields["caches"].get(str(number), -1)) < positions]
+        short = [name for name in decoding if paused[name].caches.get(number, -1) < positions]
         if short:
             return f"{', '.join(short)} hold less than its {positions} positions"
         batch.generated = [list(row) for row in zip(*history, strict=True)]
@@ -176,15 +174,15 @@ class Takeover:
     def _rewind(self, batch: Microbatch) -> bool:
         """Every decoding stage goes on with `batch` from the last stage's step; whether all can."""
         step = len(batch.arrived)
-        fields = {**batch.fields(), "epoch": self.steps.epoch, "positions": batch.mask.shape[1] + step - 1,
-                  "steps": step, "replicated": 0, "keep": True}
-        message = Message(Kind.REWIND, fields, (batch.mask, torch.zeros(len(batch.requests), dtype=torch.uint8),
-                                                torch.empty(0, dtype=torch.uint8)))
+        message = Rewind(microbatch=batch.number, specs=batch.row_specs(), epoch=self.steps.epoch,
+                         positions=batch.mask.shape[1] + step - 1, steps=step, replicated=0, keep=True,
+                         mask=batch.mask, ended=torch.zeros(len(batch.requests), dtype=torch.uint8),
+                         rng=torch.empty(0, dtype=torch.uint8))
         decoding = self.layout.decoding_stages()
         for index in decoding:
             self.steps.send(index, message)
-        replies = self.steps.wait(Kind.REWOUND, {self.layout.stages[index].name for index in decoding})
-        errors = [str(reply.fields["error"]) for reply in replies.values() if reply.fields.get("error")]
+        replies = self.steps.wait(Rewound, {self.layout.stages[index].name for index in decoding})
+        errors = [reply.error for reply in replies.values() if reply.error]
         if errors:
             self._cannot(batch.number, "; ".join(errors))
             return False
@@ -219,16 +217,16 @@ class Takeover:
         return request if request is not None else f"its row {tag} is not in the journal"
 
     # ---- continuous batching's slots ---------------------------------------------------------------------
-    def _take_slots(self, paused: dict[str, Message]) -> None:
+    def _take_slots(self, paused: dict[str, Paused]) -> None:
         """Rebuild each slot from the groups sent into it and the last stage's reports of its rounds (the ledger
         takes them in as it took them from the stages), then go on as a recovery with no stage lost does: from
         right after the last round, every stage rewinding there (`recovery_slots`)."""
         if not self.groups:
             return
         last = self.layout.stages[self.layout.decoding_stages()[-1]].name
-        reports = paused[last].fields.get("reports", {})
+        reports = paused[last].reports
         for number in sorted(self.groups):
-            why = self._rebuild_slot(number, reports.get(str(number)))
+            why = self._rebuild_slot(number, reports.get(number))
             if why is not None:
                 self._cannot(number, why)
         if not self._replays:
@@ -250,7 +248,7 @@ class Takeover:
             self.report.tags.extend(request.tag for row, request in enumerate(batch.requests)
                                     if row not in batch.dropped)
 
-    def _rebuild_slot(self, number: int, reports: list[Any] | None) -> str | None:
+    def _rebuild_slot(self, number: int, reports: list[tuple[RoundDone, list[int]]] | None) -> str | None:
         """Slot `number` in the ledger, its groups entered as its predecessor sent them and its rounds taken in
         from the last stage's reports (what they give the requests kept for later); or why it cannot be."""
         if not reports:
@@ -285,8 +283,8 @@ class Takeover:
             self.ledger.waiting = deque(request for request in self.ledger.waiting if id(request) not in ours)
             self.ledger.flights[number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
         replay = self._replays[number] = Outcome()
-        for fields, tokens in reports:
-            taken = self.ledger.on_round(number, fields, list(tokens))
+        for done, tokens in reports:
+            taken = self.ledger.on_round(number, done, list(tokens))
             replay.calls.extend(taken.calls)
             replay.answers.extend(taken.answers)
         return None
@@ -326,15 +324,14 @@ def _cancelled_meanwhile(batch: Microbatch, waiting: deque[Request]) -> None:
             batch.dropped.add(row)
 
 
-def _named(reports: list[Any]) -> set[int]:
+def _named(reports: list[tuple[RoundDone, list[int]]]) -> set[int]:
     """Every request number a slot's round reports name."""
     named: set[int] = set()
-    for fields, _ in reports:
-        step = Round.of(fields["round"])
-        change = fields.get("next") or {}
-        named.update(fields["members"], fields.get("complete", ()), step.left, step.joined, step.decoded,
-                     change.get("left", ()), change.get("joined") or (), step.prefill[0] if step.prefill else ())
-    return {int(member) for member in named}
+    for done, _ in reports:
+        step, (left, joined) = done.round, done.next
+        named.update(done.members, done.complete, step.left, step.joined, step.decoded, left, joined or (),
+                     step.prefill[0] if step.prefill else ())
+    return named
 
 
 def _why_not(live: list[Request]) -> str | None:

@@ -1,7 +1,7 @@
 """A stage worker's side of a slot's recovery: the `rewind` of a continuous pipeline's slot.
 
 A recovery goes on with a slot from right after the last round the head heard of, with the row change that its
-next round opens with (which rows left, which group joined) already made: the head's `rewind` says which round
+next round opens with (which rows left, which group joined) already made: the head's `RewindSlot` says which round
 that is, the slot's rows then, and what the last stage needs of them. A stage gets there from what it holds:
 - a stage that ran exactly those rounds makes the row change (as that next round would have);
 - a stage that ran the next round too (its output went no further than the stage that died) takes back what
@@ -10,7 +10,7 @@ that is, the slot's rows then, and what the last stage needs of them. A stage ge
 - a replacement rebuilds the slot from its replica's pieces, restored to it (`slot_replicas.gather`), its last
   stage taking each row's generator state from the head.
 Each checks that it reached the rows the head expects, then writes its replica anew from there (`rebase`), and
-answers `rewound` (with the error, when it cannot: that slot then fails, and the pipeline goes on).
+answers `Rewound` (with the error, when it cannot: that slot then fails, and the pipeline goes on).
 """
 
 from __future__ import annotations
@@ -23,58 +23,56 @@ import torch
 from ..errors import DejaVuError
 from ..generation.decoding import TokenPicker
 from ..generation.slots import Joining, SlotRows, kv_layers
-from .messages import Kind, Message, pack
+from .messages import GroupAt, RewindSlot, Rewound, pack
 from .replication import cache_from
-from .slot_replicas import Piece, gather
+from .slot_replicas import gather
 from .worker_slots import SlotHandlers
 from .worker_state import SlotState
 
 
 class SlotRecoveryHandlers(SlotHandlers):
-    """The `rewind` of a slot; `RecoveryHandlers` dispatches it here under continuous batching."""
+    """The `RewindSlot` handler, under continuous batching; `StageWorker` inherits it."""
 
-    def _rewind_slot(self, message: Message) -> None:
-        fields = message.fields
-        number, target = int(fields["microbatch"]), int(fields["round"])
-        answer: dict[str, Any] = {"stage": self.role.name, "microbatch": number, "epoch": self.epoch}
+    def _rewind_slot(self, message: RewindSlot) -> None:
+        if not self.continuous:
+            self._unexpected(message)
+        number, error = message.microbatch, None
         try:
-            self._rewind_slot_to(number, target, fields, message.tensors)
-        except (DejaVuError, ValueError, RuntimeError, KeyError) as error:  # that slot fails, not the stage
+            self._rewind_slot_to(message)
+        except (DejaVuError, ValueError, RuntimeError, KeyError) as failure:  # that slot fails, not the stage
             self._forget(number)
-            answer["error"] = f"{self.role.name} could not rewind slot {number}: {type(error).__name__}: {error}"
-        self.head.send_tensor(pack(Message(Kind.REWOUND, answer)))
+            error = f"{self.role.name} could not rewind slot {number}: {type(failure).__name__}: {failure}"
+        self.head.send_tensor(pack(Rewound(stage=self.role.name, microbatch=number, epoch=self.epoch, error=error)))
 
-    def _rewind_slot_to(self, number: int, target: int, fields: dict[str, Any],
-                        tensors: tuple[torch.Tensor, ...]) -> None:
-        mask, positions, index, group_mask, group_ids, states = tensors
-        rows = SlotRows([int(member) for member in fields["members"]], mask.clone(), positions.clone())
-        joining_fields = fields.get("joining")
+    def _rewind_slot_to(self, message: RewindSlot) -> None:
+        number, target = message.microbatch, message.round
+        rows = SlotRows(list(message.members), message.mask.clone(), message.positions.clone())
         state = self.slots.get(number)
         pieces = self.restored_pieces.pop(number, None)
         rebuilt = pieces is not None or state is None
         if rebuilt:
-            state, cache = self._rebuild_slot(number, rows, index, fields, pieces or {}, group_mask)
+            state, cache = self._rebuild_slot(rows, message, pieces or {})
         else:
             assert state is not None
             cache = self.caches.acquire(number) if number in self.caches else None
             if state.round == target + 1:
                 cache = _take_back(state, cache)
             elif state.round == target:
-                cache, _ = self._change_rows(number, state, cache, fields["left"], fields["joined"])
+                cache, _ = self._change_rows(number, state, cache, message.left, message.joined)
             else:
                 raise DejaVuError(f"it ran {state.round} rounds of the slot; the recovery goes on after {target}")
             if state.rows.members != rows.members or not torch.equal(state.rows.mask, rows.mask):
                 raise DejaVuError(f"its rows {state.rows.members} are not the {rows.members} the head expects")
-        if joining_fields is not None and state.joining is not None and self.stage.first:
-            state.joining.ids = group_ids.clone()  # the first stage runs the rest of its prompts
+        if message.joining is not None and state.joining is not None and self.stage.first:
+            state.joining.ids = message.group_ids.clone()  # the first stage runs the rest of its prompts
         state.round, state.last, state.queued = target, None, deque()  # the head sends the groups again
         state.reports = None if rebuilt or state.reports is None else state.reports[:target]
-        state.parked = bool(fields["parked"]) and self.stage.first
-        state.finals = {int(member): int(final) for member, final in fields["finals"].items()}
+        state.parked = message.parked and self.stage.first
+        state.finals = dict(message.finals)
         if rebuilt and self.stage.last:
-            self._rebuild_choices(state, fields, states)
+            self._rebuild_choices(state, message)
         elif self.stage.last:  # cancels lost on their way during the failure
-            state.cancelled.update(int(member) for member in fields["cancelled"])
+            state.cancelled.update(message.cancelled)
             state.ended |= torch.tensor([member in state.cancelled for member in state.rows.members], dtype=torch.bool)
         self.slots[number] = state
         self.caches.remove(number)
@@ -85,36 +83,35 @@ class SlotRecoveryHandlers(SlotHandlers):
         if self.replicator is not None:
             self._slot_replicas().rebase(number, state.pieces, target, cache, state.rows, state.joining, state.started)
 
-    def _rebuild_slot(self, number: int, rows: SlotRows, index: torch.Tensor, fields: dict[str, Any],
-                      pieces: dict[str, torch.Tensor], group_mask: torch.Tensor) -> tuple[SlotState, Any]:
+    def _rebuild_slot(self, rows: SlotRows, message: RewindSlot,
+                      pieces: dict[str, torch.Tensor]) -> tuple[SlotState, Any]:
         """A replacement's slot, from the pieces of its replica restored to it."""
         state = SlotState(rows=rows)
-        block = gather(index, [Piece(*piece) for piece in fields["pieces"]], pieces)
+        block = gather(message.index, message.pieces, pieces)
         cache = None if block is None else cache_from(block, self.stage.config)
-        joining = fields.get("joining")
+        joining: GroupAt | None = message.joining
         if joining is not None:
-            done, name = int(joining["done"]), f"group{int(joining['started'])}"
+            done, name = joining.done, f"group{joining.started}"
             group = cache_from(pieces[name][:, :, :, :, :done], self.stage.config) if done else self.stage.new_cache()
-            state.joining = Joining([int(member) for member in joining["members"]], group_mask.clone(), group,
-                                    done=done)
-            state.started = int(joining["started"])
+            state.joining = Joining(list(joining.group.members), message.group_mask.clone(), group, done=done)
+            state.started = joining.started
         return state, cache
 
-    def _rebuild_choices(self, state: SlotState, fields: dict[str, Any], states: torch.Tensor) -> None:
+    def _rebuild_choices(self, state: SlotState, message: RewindSlot) -> None:
         """A replaced last stage's choices of the rows' next tokens: their decodings and generators' states, their
         token counts and limits, and the requests cancelled."""
         config = self.stage.adapter.model.generation_config
-        state.picker = TokenPicker(config, fields["decodings"])
-        if states.numel():
-            state.picker.set_states(states)
-        state.cancelled = {int(member) for member in fields["cancelled"]}
+        state.picker = TokenPicker(config, message.decodings)
+        if message.states.numel():
+            state.picker.set_states(message.states)
+        state.cancelled = set(message.cancelled)
         state.ended = torch.tensor([member in state.cancelled for member in state.rows.members], dtype=torch.bool)
-        state.counts = {int(member): int(count) for member, count in fields["counts"].items()}
-        state.limits = {int(member): int(limit) for member, limit in fields["limits"].items()}
-        joining = fields.get("joining")
-        if joining is not None:
-            state.joining_picker = TokenPicker(config, joining["decoding"])
-            state.joining_decodings = list(joining["decoding"])  # its later chunks' prompt log-probabilities
+        state.counts = dict(message.counts)
+        state.limits = dict(message.limits)
+        if message.joining is not None:
+            decodings = message.joining.group.specs.decoding
+            state.joining_picker = TokenPicker(config, decodings)
+            state.joining_decodings = list(decodings)  # its later chunks' prompt log-probabilities
 
 
 def _take_back(state: SlotState, cache: Any) -> Any:

@@ -2,28 +2,28 @@
 
 Under `batching="continuous"` a microbatch is a slot (`generation.slots`), and every stage runs its rounds in
 the same order, so that each stage's part of the slot's cache changes as every other stage's does:
-- `prefill` from the head opens a slot on the first stage with its first group of requests; `enter` adds a
+- `OpenSlot` from the head opens a slot on the first stage with its first group of requests; `Enter` adds a
   group to a slot the first stage holds (queued until the group before it has joined);
-- a round's message (`decode`) carries what changes before it (`left`: requests whose rows ended, `joined`:
+- a round's message (`SlotRound`) carries what changes before it (`left`: requests whose rows ended, `joined`:
   the group prefilled at the round before, less its rows that ended with their first token), the slot's
   next tokens, and the part of a joining group's prompts that the first stage chose to run (`prefill`,
   `max_prefill_tokens` positions while rows decode beside it, with the group's mask and settings at its
   first columns). Each stage drops, stacks, decodes and prefills, and passes the outputs on;
 - the last stage picks each row's token and a finished group's first tokens, reports the round to the
-  head (`tokens`, with the round's `Round` fields: the schedule, and the members of a group whose prompts
+  head (`RoundReport`, with the round's `Round`: the schedule, and the members of a group whose prompts
   are now in: `complete`), and sends the next round to the first stage;
 - a round with nothing to run (no row decodes, no prompt to prefill) parks the slot on the first stage: it
   goes through the other stages (the rows that left are dropped there too) and the last stage reports it
   `idle` instead of starting another. The next group that enters the slot wakes it; the head, which alone
   knows whether a group is still on its way to the slot (from the waiting queue, or from the prompt
-  pipeline), ends an idle slot that none is bound for (`end` through every stage, the last answering
-  `freed`). So a slot never ends under a group sent to it, whose prompt KV may be staged already.
+  pipeline), ends an idle slot that none is bound for (`End` through every stage, the last answering
+  `Freed`). So a slot never ends under a group sent to it, whose prompt KV may be staged already.
 
 Disaggregated, the prompt pipeline prefills each group as a microbatch of its own (as under static batching)
-and its KV is staged on the token stages; the group's `enter` (or the `prefill` that opens a slot) carries its
-first tokens and generators' states, and the first token stage takes it in whole at the first round after
-its KV is all there (`_waits_for_kv`): every token stage builds its part of the group's cache from the staged
-KV instead of computing it, and the last stage takes the first tokens as given.
+and its KV is staged on the token stages; the group's `Enter` (or the `OpenSlot`) carries its first tokens and
+generators' states (`Staged`), and the first token stage takes it in whole at the first round after its KV is
+all there (`_waits_for_kv`): every token stage builds its part of the group's cache from the staged KV instead
+of computing it, and the last stage takes the first tokens as given.
 """
 
 from __future__ import annotations
@@ -33,52 +33,68 @@ import logging
 from collections import deque
 from typing import Any
 
+import attrs
 import torch
 
-from ..generation.batching import group_rows
-from ..generation.decoding import TokenPicker, next_tokens_scored
-from ..generation.slots import Joining, Round, SlotRows, leave, stack
+from ..generation.decoding import TokenPicker
+from ..generation.row_specs import RowSpecs, group_rows
+from ..generation.slots import Joining, SlotRows, leave, stack
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
-from .messages import Kind, Message
+from .messages import Cancel, Columns, End, Enter, Freed, GroupStart, NotEntered, OpenSlot, SlotRound
 from .slot_replicas import kv_block
-from .worker_state import SlotState, WorkerState, score_fields
+from .worker_slot_picks import SlotPicks
+from .worker_state import SlotState
 
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.zeros(0)
 
 
-class SlotHandlers(WorkerState):
+class SlotHandlers(SlotPicks):
     """The handlers of a continuous pipeline's step messages; `StageWorker` inherits them."""
 
-    def _open_slot(self, number: int, message: Message) -> None:
+    def _open_slot(self, message: OpenSlot) -> None:
         """The first stage: a new slot, its first group entering at once (a round with nothing else in it)."""
-        self.slots[number] = SlotState(parked=True)
-        self._enter(number, message)
+        if not self._first_of_slots():
+            self._unexpected(message)
+        self.slots[message.microbatch] = SlotState(parked=True)
+        self._enter(message)
 
-    def _enter(self, number: int, message: Message) -> None:
-        """The first stage: a group for slot `number`, run from its next round on (after any group before it); a
+    def _enter_group(self, message: Enter) -> None:
+        if not self._first_of_slots():
+            self._unexpected(message)
+        self._enter(message)
+
+    def _first_of_slots(self) -> bool:
+        """Whether this stage is a continuous pipeline's first decoding stage, where groups enter slots."""
+        return self.continuous and self.role.decodes and self.stage.first
+
+    def _enter(self, message: Enter) -> None:
+        """The first stage: a group for slot `microbatch`, run from its next round on (after any group before it); a
         parked slot starts that round now."""
+        number = message.microbatch
         state = self.slots.get(number)
         if state is None:  # the slot failed meanwhile (the head fails its requests): nothing to enter
             log.warning("%s dropped a group for slot %d, which it does not hold", self.role.name, number)
             return
-        state.queued.append(Message(message.kind, message.fields, tuple(tensor.clone() for tensor in message.tensors)))
+        state.queued.append(attrs.evolve(message, ids=message.ids.clone(), mask=message.mask.clone(),
+                                         rng=message.rng.clone()))
         if state.parked:
             state.parked = False
-            self._round(number, Message(Kind.DECODE, {"microbatch": number, "left": [], "joined": None}, (_EMPTY,)))
+            self._round(SlotRound(microbatch=number, left=[], joined=None, inputs=_EMPTY))
 
-    def _end_slot(self, number: int, message: Message) -> None:
+    def _end_slot(self, message: End) -> None:
         """The head ended the slot (idle, with no group bound for it): free it here and pass the word on; the
         last stage tells the head that every stage has."""
+        number = message.microbatch
         state = self.slots.pop(number, None)
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
         if state is not None and self.replicator is not None:
             self._slot_replicas().end(number, state.pieces)
         if self.stage.last:
-            self._send(self.head, Message(Kind.FREED, {"microbatch": number}))
+            self._send(self.head, Freed(microbatch=number))
         else:
             self._send(self.following, message)
 
@@ -93,7 +109,7 @@ class SlotHandlers(WorkerState):
         if not members:
             return
         if not self.stage.last:
-            self._send(self.following, Message(Kind.CANCEL, {"microbatch": number, "rows": members}))
+            self._send(self.following, Cancel(microbatch=number, rows=members))
             return
         if state is None:
             self.keep_cancel(number, members)
@@ -106,74 +122,76 @@ class SlotHandlers(WorkerState):
     def _unqueue(self, number: int, state: SlotState, cancelled: set[int]) -> list[int]:
         """Take the `cancelled` requests out of the queued groups whose prompts this stage would compute (a
         group the prompt pipeline prefilled keeps them: its KV is staged for all its rows, and the last stage
-        ends theirs as it joins); the head hears which left (`not_entered`). Those not taken out here."""
-        kept: deque[Message] = deque()
+        ends theirs as it joins); the head hears which left (`NotEntered`). Those not taken out here."""
+        kept: deque[Enter] = deque()
         taken: list[int] = []
-        for group in state.queued:
-            members = group.fields["members"]
+        for enter in state.queued:
+            members = enter.group.members
             rows = [row for row, member in enumerate(members) if member not in cancelled]
-            if group.fields.get("staged") is not None or len(rows) == len(members):
-                kept.append(group)
+            if enter.staged is not None or len(rows) == len(members):
+                kept.append(enter)
                 continue
             if rows:
-                kept.append(_group_rows(group, rows))
+                group, ids, mask = group_rows(enter.group, enter.ids, enter.mask, rows)
+                kept.append(attrs.evolve(enter, group=group, ids=ids, mask=mask))
             taken += [member for member in members if member in cancelled]
         state.queued = kept
         if taken:
-            self._send(self.head, Message(Kind.NOT_ENTERED, {"microbatch": number, "members": taken}))
+            self._send(self.head, NotEntered(microbatch=number, members=taken))
         return sorted(cancelled - set(taken))
 
     # ---- a round --------------------------------------------------------------------------------------------
-    def _round(self, number: int, message: Message) -> None:
-        """Run a round of slot `number` on this stage: rows leave, a group joins, the rows decode, a group's
+    def _round(self, message: SlotRound) -> None:
+        """Run a round of slot `microbatch` on this stage: rows leave, a group joins, the rows decode, a group's
         prompts run; then pass it on (or, on the last stage, pick the tokens and start the next)."""
+        number = message.microbatch
         state = self.slots.get(number)
-        if state is None and not self.stage.first and message.fields.get("group") is not None:
+        if state is None and not self.stage.first and message.starting is not None:
             state = self.slots[number] = SlotState()  # the slot's first round reaches this stage
         if state is None:
             return  # ended or dropped meanwhile
-        fields = dict(message.fields)
         if self._waits_for_kv(number, state, message):
             return
         index, state.round = state.round, state.round + 1
-        decode_in = message.tensors[0]
-        prefill_in, group_mask, rng = (message.tensors[1:4] if len(message.tensors) == 4
-                                       else (_EMPTY, _EMPTY, _EMPTY))
+        prefill, starting = message.prefill, message.starting
+        prefill_in, group_mask, rng = message.prefill_inputs, message.group_mask, message.rng
         cache = self.caches.acquire(number) if number in self.caches else None
-        if fields.get("applied"):  # a recovery made this round's row change already
+        if message.applied:  # a recovery made this round's row change already
             changed = False
         else:
-            cache, changed = self._change_rows(number, state, cache, fields["left"], fields["joined"])
+            cache, changed = self._change_rows(number, state, cache, message.left, message.joined)
         decoded = list(state.rows.members)
         if self.stage.first:
-            fields["prefill"], prefill_in, group_mask, rng = self._next_columns(state, fields)
-        decode_out = self._decode_rows(state, decode_in, cache) if decoded else _EMPTY
-        if self.stage.first and not decoded and fields.get("prefill") is None:
+            prefill, starting, prefill_in, group_mask, rng = self._next_columns(state)
+        decode_out = self._decode_rows(state, message.inputs, cache) if decoded else _EMPTY
+        if self.stage.first and not decoded and prefill is None:
             state.parked = True  # nothing to run: the next group to enter wakes it
-        if fields.get("prefill") is not None:
-            if fields.get("group") is not None:
+        if prefill is not None:
+            if starting is not None:
                 state.started = index
-            prefill_out = self._prefill_columns(state, fields, prefill_in, group_mask, rng)
+            prefill_out = self._prefill_columns(number, state, prefill, starting, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
             self.caches.pin(("group", number), None if group is None else group.cache if isinstance(group, Joining)
                             else group[0])  # on the device until it joins
         else:
             prefill_out = _EMPTY
-        state.last = (bool(decoded), fields.get("prefill"))
+        state.last = (bool(decoded), prefill)
         if cache is not None:
             self._put_slot_back(number, state, cache, changed)
         if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
-            self._replicate_round(number, state, index, fields, cache)
+            self._replicate_round(number, state, index, message, cache)
+        onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
+                              prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
         if not self.stage.last:
-            self._send(self.following, Message(Kind.DECODE, fields, (decode_out, prefill_out, group_mask, rng)))
+            self._send(self.following, onward)
             return
-        self._pick_round(number, state, fields, decoded, decode_out, prefill_out)
+        self._pick_round(number, state, onward, decoded, decode_out, prefill_out)
 
-    def _replicate_round(self, number: int, state: SlotState, index: int, fields: dict[str, Any], cache: Any) -> None:
+    def _replicate_round(self, number: int, state: SlotState, index: int, message: SlotRound, cache: Any) -> None:
         """Write what round `index` added to the slot's replica: a new segment when its rows changed, the decode
         column, the joining group's prompt columns; and delete the pieces no row reads any more."""
         writer, pieces = self._slot_replicas(), state.pieces
-        if fields["left"] or fields["joined"]:
+        if message.left or message.joined:
             writer.new_segment(pieces, index, state.rows.members)
         decoded, prefill = state.last or (False, None)
         if decoded:
@@ -184,26 +202,26 @@ class SlotHandlers(WorkerState):
             assert group is not None  # the group whose columns just ran
             assert state.started is not None
             writer.write(number, pieces, f"group{state.started}", members, kv_block(group, start, stop), start)
-        if fields["left"] or fields["joined"] is not None:  # rows left, or a group's rows ended with their first token
+        if message.left or message.joined is not None:  # rows left, or a group's rows ended with their first token
             present = {*state.rows.members, *(state.joining.members if state.joining is not None else ()),
                        *(state.ready[1].members if state.ready is not None else ())}
             writer.collect(number, pieces, present)
 
-    def _waits_for_kv(self, number: int, state: SlotState, message: Message) -> bool:
+    def _waits_for_kv(self, number: int, state: SlotState, message: SlotRound) -> bool:
         """Disaggregated: whether this round must wait for a group's prompt KV still on its way from the prompt
         pipeline (it is kept, and run when the last piece comes). The first token stage starts a group only once
         its KV is here, unless the slot has nothing else to do; the others wait for the group it started."""
         if self.stage.first:
             head = state.queued[0] if state.queued and state.joining is None else None
-            staged = head.fields.get("staged") if head is not None else None
-            staying = set(state.rows.members) - set(message.fields["left"]) or message.fields["joined"]
-            if staged is None or staying or self._staged(int(staged)).complete:
+            staged = head.staged if head is not None else None
+            staying = set(state.rows.members) - set(message.left) or message.joined
+            if staged is None or staying or self._staged(staged.number).complete:
                 return False
         else:
-            staged = (message.fields.get("group") or {}).get("staged")
-            if staged is None or self._staged(int(staged)).complete:
+            staged = message.starting.staged if message.starting is not None else None
+            if staged is None or self._staged(staged.number).complete:
                 return False
-        self._staged(int(staged)).start = message
+        self._staged(staged.number).start = message
         return True
 
     def _change_rows(self, number: int, state: SlotState, cache: Any, left: list[int],
@@ -248,44 +266,46 @@ class SlotHandlers(WorkerState):
             state.ready_picker, state.ready_tokens = None, None
         return cache, True
 
-    def _next_columns(self, state: SlotState, fields: dict[str, Any]
-                      ) -> tuple[list[Any] | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _next_columns(self, state: SlotState) -> tuple[Columns | None, GroupStart | None, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
         """The first stage: which columns of which group run this round (starting the next queued group when none
-        is joining), their ids, and at a group's start its mask (and, disaggregated, its generators' states)."""
+        is joining), what the stages need of a group that starts, its ids, and at a group's start its mask (and,
+        disaggregated, its generators' states)."""
         mask = rng = _EMPTY
+        starting = None
         if state.joining is None and state.queued:
-            group = state.queued[0]
-            staged = group.fields.get("staged")
-            if staged is not None and not self._staged(int(staged)).complete:
-                return None, _EMPTY, _EMPTY, _EMPTY  # its KV is on its way: a later round starts it
+            enter = state.queued[0]
+            staged = enter.staged
+            if staged is not None and not self._staged(staged.number).complete:
+                return None, None, _EMPTY, _EMPTY, _EMPTY  # its KV is on its way: a later round starts it
             state.queued.popleft()
-            fields["group"] = {name: group.fields[name] for name in ("max_new_tokens", "decoding", "staged", "first",
-                                                                     "ended", "chunk") if name in group.fields}
+            starting = GroupStart(enter.group.specs, staged)
+            members = tuple(enter.group.members)
             if staged is not None:  # prefilled by the prompt pipeline: all its columns at once, computing nothing
-                mask, rng = (tensor.clone() for tensor in group.tensors)
-                return [group.fields["members"], 0, mask.shape[1]], _EMPTY, mask, rng
-            ids, mask = (tensor.clone() for tensor in group.tensors)
-            state.joining = Joining(list(group.fields["members"]), mask, self.stage.new_cache(), ids)
+                mask, rng = enter.mask.clone(), enter.rng.clone()
+                return (members, 0, mask.shape[1]), starting, _EMPTY, mask, rng
+            ids, mask = enter.ids.clone(), enter.mask.clone()
+            state.joining = Joining(list(members), mask, self.stage.new_cache(), ids)
         if state.joining is None:
-            return None, _EMPTY, _EMPTY, _EMPTY
+            return None, None, _EMPTY, _EMPTY, _EMPTY
         start, stop = state.joining.columns(self.max_prefill_tokens)
         assert state.joining.ids is not None  # the first stage keeps them
-        return [state.joining.members, start, stop], state.joining.ids[:, start:stop], mask, rng
+        return (tuple(state.joining.members), start, stop), starting, state.joining.ids[:, start:stop], mask, rng
 
     def _decode_rows(self, state: SlotState, inputs: torch.Tensor, cache: Any) -> torch.Tensor:
         mask, positions = state.rows.next_step()
         return self.stage.forward(inputs, mask, positions, cache)
 
-    def _prefill_columns(self, state: SlotState, fields: dict[str, Any], inputs: torch.Tensor,
-                         group_mask: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
-        """Run the round's columns of the joining group's prompts (its first columns start it here; a group the
-        prompt pipeline prefilled takes the KV staged here instead), and keep the group ready once they are in."""
-        members, start, stop = fields["prefill"]
-        group = fields.get("group")
-        if group is not None:
-            self._start_group(int(fields["microbatch"]), state, list(members), group, group_mask, rng)
-            if group.get("staged") is not None:
-                staged = self.staged.pop(int(group["staged"]))
+    def _prefill_columns(self, number: int, state: SlotState, prefill: Columns, starting: GroupStart | None,
+                         inputs: torch.Tensor, group_mask: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+        """Run the round's `prefill` columns of the joining group's prompts (its first columns start it here, as
+        `starting` says; a group the prompt pipeline prefilled takes the KV staged here instead), and keep the
+        group ready once they are in."""
+        members, start, stop = prefill
+        if starting is not None:
+            self._start_group(number, state, list(members), starting.specs, group_mask, rng)
+            if starting.staged is not None:
+                staged = self.staged.pop(starting.staged.number)
                 rows = SlotRows(list(members), group_mask.clone(), position_ids(group_mask)[:, -1:])
                 state.ready = (staged.cache(self.stage.config, group_mask.shape[1]), rows)
                 return _EMPTY
@@ -304,18 +324,18 @@ class SlotHandlers(WorkerState):
             state.ready, state.joining = (joining.cache, joining.rows()), None
         return output
 
-    def _start_group(self, number: int, state: SlotState, members: list[int], group: dict[str, Any], mask: torch.Tensor,
+    def _start_group(self, number: int, state: SlotState, members: list[int], specs: RowSpecs, mask: torch.Tensor,
                      rng: torch.Tensor) -> None:
         """What a stage keeps of a group as it starts: each member's final cache length; the last stage also
         its limits and a picker (disaggregated: its generators as the prompt pipeline left them)."""
         prompts = mask.sum(1).tolist()
-        for member, prompt, limit in zip(members, prompts, group["max_new_tokens"], strict=True):
+        for member, prompt, limit in zip(members, prompts, specs.max_new_tokens, strict=True):
             state.finals[member] = positions_needed(int(prompt), limit)
         if self.stage.last:
-            state.limits.update(zip(members, group["max_new_tokens"], strict=True))
+            state.limits.update(zip(members, specs.max_new_tokens, strict=True))
             state.cancelled.update(self.kept_cancels(number))  # cancels that overtook the slot's opening
-            state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, group["decoding"])
-            state.joining_decodings, state.prompt_logprobs = list(group["decoding"]), {}
+            state.joining_picker = TokenPicker(self.stage.adapter.model.generation_config, specs.decoding)
+            state.joining_decodings, state.prompt_logprobs = list(specs.decoding), {}
             if rng.numel():
                 state.joining_picker.set_states(rng)
 
@@ -332,111 +352,3 @@ class SlotHandlers(WorkerState):
     @staticmethod
     def _slot_capacity(state: SlotState) -> int:
         return max((state.finals.get(member, 0) for member in state.rows.members), default=0)
-
-    # ---- the last stage ----------------------------------------------------------------------------------
-    def _pick_round(self, number: int, state: SlotState, fields: dict[str, Any], decoded: list[int],
-              logits: torch.Tensor, first_logits: torch.Tensor) -> None:
-        """Pick the round's tokens, report the round, and start the next one (or end the slot)."""
-        members: list[int] = []
-        tokens: list[torch.Tensor] = []
-        failed: dict[str, Any] = {}
-        logprobs: dict[str, Any] = {}  # by member
-        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, {}  # of the chunk this round ran
-        pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
-        if decoded:
-            assert state.picker is not None
-            counts = [state.counts[member] + 1 for member in decoded]
-            limits = [state.limits[member] for member in decoded]
-            self.row_steps += int((~state.ended).sum())
-            picked, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended, counts,
-                                                                       limits, self.eos, self.pad)
-            logprobs.update(_by_member(decoded, scores))
-            members += decoded
-            tokens.append(picked)
-            failed.update(_by_member(decoded, {row: failure.fields() for row, failure in failures.items()}))
-            for member in decoded:
-                state.counts[member] += 1
-            pickers.append((len(decoded), state.picker.states() if self.recovery else None))
-        joined: list[int] | None = None
-        complete: list[int] = []
-        if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
-            group_members = complete = state.ready[1].members
-            picker = state.joining_picker
-            assert picker is not None
-            cancelled = torch.tensor([member in state.cancelled for member in group_members])
-            given = (fields.get("group") or {}).get("first")
-            if given is not None:  # the prompt pipeline picked them, and the head has them
-                picked = torch.tensor(given, dtype=torch.long)
-                ended = cancelled | torch.tensor([member in fields["group"]["ended"] for member in group_members])
-            else:
-                limits = [state.limits[member] for member in group_members]
-                picked, ended, failures, scores = next_tokens_scored(picker, first_logits, cancelled, 1, limits,
-                                                                     self.eos, self.pad)
-                logprobs.update(_by_member(group_members, scores))
-                members += group_members
-                tokens.append(picked)
-                failed.update(_by_member(group_members, {row: failure.fields() for row, failure in failures.items()}))
-                pickers.append((len(group_members), picker.states() if self.recovery else None))
-            keep = [row for row, done in enumerate(ended.tolist()) if not done]
-            state.counts.update((group_members[row], 1) for row in keep)
-            picker.keep(keep)
-            state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
-            state.joining_decodings = []
-            joined = [group_members[row] for row in keep]
-            self._let_go(state, [member for member in group_members if member not in set(joined)])
-        state.last = None  # tokens were picked: a recovery cannot take this round back
-        step = Round(tuple(fields["left"]), tuple(fields["joined"] or ()), tuple(decoded),
-                     None if fields.get("prefill") is None else (tuple(fields["prefill"][0]), *fields["prefill"][1:]),
-                     int((fields.get("group") or {}).get("chunk") or 0))
-        idle = not decoded and fields.get("prefill") is None  # parked on the first stage
-        left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
-        report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
-        states = _states(pickers)
-        said = {"members": members, "failed": failed, "round": step.fields(), "complete": complete, "idle": idle,
-                "next": {"left": left, "joined": None if idle else joined}, **score_fields(logprobs, prompt_logprobs)}
-        if state.reports is not None:  # without log-probabilities: a successor computes those rows again
-            state.reports.append(({name: value for name, value in said.items()
-                                   if name not in ("logprobs", "prompt_logprobs")}, report.tolist()))
-        self._send(self.head, Message(Kind.TOKENS, {"microbatch": number, **said},
-                                      (report,) if states is None else (report, states)))
-        if idle:
-            return
-        self._let_go(state, left)
-        staying = [row for row, member in enumerate(decoded) if member not in set(left)]
-        following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
-                                           else None) if decode is not None and len(decode)]
-        if joined is not None and not joined:
-            state.ready, state.ready_picker, state.ready_tokens = None, None, None
-        next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
-        self._send(self.first, Message(Kind.DECODE, {"microbatch": number, "left": left, "joined": joined},
-                                       (next_tokens_in,)))
-
-    @staticmethod
-    def _let_go(state: SlotState, members: list[int]) -> None:
-        """The last stage: forget what it kept of members whose rows ended."""
-        for member in members:
-            state.counts.pop(member, None)
-            state.limits.pop(member, None)
-            state.cancelled.discard(member)
-
-
-def _states(pickers: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor | None:
-    """The generators' states of a round's picks, a row each in the report's order (zeros for greedy rows);
-    None when no row samples."""
-    size = next((states.shape[1] for _, states in pickers if states is not None), None)
-    if size is None:
-        return None
-    return torch.cat([torch.zeros((rows, size), dtype=torch.uint8) if states is None else states
-                      for rows, states in pickers])
-
-
-def _group_rows(group: Message, rows: list[int]) -> Message:
-    """A queued group's message with only `rows` (its others were cancelled)."""
-    ids, mask = group.tensors
-    fields, ids, mask = group_rows(group.fields, ids, mask, rows)
-    return Message(group.kind, fields, (ids, mask))
-
-
-def _by_member(members: list[int], by_row: dict[int, Any]) -> dict[str, Any]:
-    """Entries by row of a pick over `members`, keyed by member (as message fields)."""
-    return {str(members[row]): entry for row, entry in by_row.items()}

@@ -12,15 +12,16 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import torch
 
 from ..backends import open_store, open_transport
 from ..errors import TransportError
-from ..generation.decoding import TokenPicker, next_tokens_scored
+from ..generation.decoding import RowFailure, TokenPicker, next_tokens_scored
 from ..generation.logprobs import prompt_scores
+from ..generation.row_specs import RowSpecs
 from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage, position_ids
 from ..store import Store
@@ -29,13 +30,13 @@ from ..swapping import SwappedCaches, positions_needed
 from ..transports.base import Server, Transport
 from .handoff import LayerSender, StagedKV
 from .link_tls import LinkTls, link_options
-from .messages import Message, pack
+from .messages import Columns, Enter, EpochMessage, Links, Message, RoundDone, pack
 from .replication import Replicator
 from .slot_replicas import SlotPieces, SlotReplicas
 
-#: A stage's links: to the next stage, the last stage's back to the first, a prompt stage's to the token stages,
-#: and a decoding stage's to the holder of its replicas.
-Links = tuple[Transport | None, Transport | None, LayerSender | None, Replicator | None]
+#: A stage's open links: to the next stage, the last stage's back to the first, a prompt stage's to the token
+#: stages, and a decoding stage's to the holder of its replicas.
+OpenLinks = tuple[Transport | None, Transport | None, LayerSender | None, Replicator | None]
 
 
 class HeadGone(TransportError):
@@ -90,7 +91,7 @@ class MicrobatchState:
     capacity: int  # cache positions it reaches at its end
     mask: torch.Tensor
     positions: torch.Tensor
-    fields: dict[str, Any]
+    specs: RowSpecs  # each row's limit and decoding
     ended: torch.Tensor | None = None  # the last stage's: rows that ended
     picker: TokenPicker | None = None  # the last stage's: how the next tokens are chosen
     steps: int = 0
@@ -117,11 +118,11 @@ class SlotState:
     joining: Joining | None = None
     ready: tuple[Any, SlotRows] | None = None
     round: int = 0
-    last: tuple[bool, list[Any] | None] | None = None
+    last: tuple[bool, Columns | None] | None = None
     started: int | None = None
     pieces: SlotPieces = attrs.field(factory=SlotPieces)
     finals: dict[int, int] = attrs.field(factory=dict)
-    queued: deque[Message] = attrs.field(factory=deque)
+    queued: deque[Enter] = attrs.field(factory=deque)
     parked: bool = False
     # the last stage's
     picker: TokenPicker | None = None
@@ -134,26 +135,22 @@ class SlotState:
     prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # this round's chunk's, by member
     ready_picker: TokenPicker | None = None
     ready_tokens: torch.Tensor | None = None
-    #: The last stage's: every round's report to the head (its fields and tokens), so that a successor head can
-    #: take the slot over; None once a recovery rebuilt the slot here (its earlier rounds are not known).
-    reports: list[tuple[dict[str, Any], list[int]]] | None = attrs.field(factory=list)
+    #: The last stage's: every round's report to the head (what it did, and its tokens), so that a successor head
+    #: can take the slot over; None once a recovery rebuilt the slot here (its earlier rounds are not known).
+    reports: list[tuple[RoundDone, list[int]]] | None = attrs.field(factory=list)
 
 
 @attrs.define
 class PromptRun:
-    """A microbatch of prompts on a prompt stage while they are prefilled: the head's fields, the prompts'
-    `Joining` (ids on the first stage), the columns a step runs (`chunk`, once more than one step runs), and
-    on the last stage the prompt log-probabilities so far (by row)."""
+    """A microbatch of prompts on a prompt stage while they are prefilled: its rows' specs, the rows the head
+    ended already, the prompts' `Joining` (ids on the first stage), the columns a step runs (`chunk`, once more
+    than one step runs), and on the last stage the prompt log-probabilities so far (by row)."""
 
-    fields: dict[str, Any]
+    specs: RowSpecs
+    ended: list[int]
     joining: Joining
     chunk: int = 0
     prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)
-
-
-def score_fields(logprobs: dict[str, Any], prompt_logprobs: dict[str, Any]) -> dict[str, Any]:
-    """A step report's log-probability fields, those that hold any (by row, or by member in a slot)."""
-    return {name: value for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)) if value}
 
 
 def open_link(url: str, timeout: float | None = None) -> Transport:
@@ -164,22 +161,22 @@ def open_link(url: str, timeout: float | None = None) -> Transport:
     return open_transport(url, **options, **link_options(LinkTls.from_environment()))
 
 
-def open_links(fields: dict[str, Any], role: Role) -> Links:
-    """A stage's links, from its assignment (or a recovery's `relink`): to the next stage of its pipeline, the
-    last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
+def open_links(links: Links, role: Role) -> OpenLinks:
+    """A stage's links, as its assignment (or a recovery's `Relink`) gives them: to the next stage of its pipeline,
+    the last stage's back to the first, a prompt stage's to the token stages, and a decoding stage's to the holder
     of its replicas."""
-    timeout = fields.get("link_timeout")
-    following = open_link(fields["next"], timeout) if fields.get("next") else None
-    first = open_link(fields["first"], timeout) if role.decodes and role.last else None
-    token_links = [open_link(url, timeout) for url in fields.get("token_stages", [])]
-    sender = LayerSender(token_links, LayerPartition(fields["token_boundaries"])) if token_links else None
+    timeout = links.link_timeout
+    following = open_link(links.next, timeout) if links.next else None
+    first = open_link(links.first, timeout) if role.decodes and role.last else None
+    token_links = [open_link(url, timeout) for url in links.token_stages]
+    sender = LayerSender(token_links, LayerPartition(links.token_boundaries)) if token_links else None
     replicator = None
-    start, stop = fields["layers"]
-    prefix = fields.get("replica_prefix", "")
-    if fields.get("replica_store"):
-        replicator = Replicator(open_store(fields["replica_store"]), role.number, stop - start, prefix)
-    elif fields.get("holder"):
-        replicator = Replicator(Store(open_link(fields["holder"], timeout)), role.number, stop - start, prefix)
+    start, stop = links.layers
+    prefix = links.replica_prefix
+    if links.replica_store:
+        replicator = Replicator(open_store(links.replica_store), role.number, stop - start, prefix)
+    elif links.holder:
+        replicator = Replicator(Store(open_link(links.holder, timeout)), role.number, stop - start, prefix)
     return following, first, sender, replicator
 
 
@@ -219,6 +216,7 @@ class WorkerState:
         self.row_steps = 0  # the last stage's: rows given a token while live (ended and cancelled rows are not)
         self.failed: deque[int] = deque(maxlen=1024)  # microbatches that failed lately (numbers are never reused)
         self._cancels: dict[int, set[int]] = {}  # the last stage's: rows cancelled before their microbatch came
+        self.stopped = False  # the head said `Shutdown` (or `Fenced`): the worker's loop returns
 
     def keep_cancel(self, number: int, rows: list[int]) -> None:
         """Keep the rows of a microbatch not here yet (its start may be waiting for its prompt KV elsewhere);
@@ -232,29 +230,29 @@ class WorkerState:
         return sorted(self._cancels.pop(number, ()))
 
     def _pick(self, state: MicrobatchState,
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], dict[str, Any]]:
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure], dict[str, Any]]:
         """Each row's next token (padding once the row has ended), which rows have now ended, why each row
-        that failed now did, and the log-probabilities of the rows that ask (both by row, as message fields)."""
+        that failed now did (by row), and the log-probabilities of the rows that ask (by row, in wire form)."""
         if state.ended is None:
             state.ended = torch.zeros(len(logits), dtype=torch.bool)
         assert state.picker is not None  # made with the microbatch on the last stage
         state.steps += 1
         self.row_steps += int((~state.ended).sum())
         tokens, state.ended, failures, logprobs = next_tokens_scored(
-            state.picker, logits, state.ended, state.steps, state.fields["max_new_tokens"], self.eos, self.pad)
+            state.picker, logits, state.ended, state.steps, state.specs.max_new_tokens, self.eos, self.pad)
         state.history.append(tokens.tolist())
-        return (tokens, state.ended, {str(row): failure.fields() for row, failure in failures.items()},
-                {str(row): entry for row, entry in logprobs.items()})
+        return tokens, state.ended, dict(failures), {str(row): entry for row, entry in logprobs.items()}
 
-    def _prefilled_state(self, number: int, fields: dict[str, Any], mask: torch.Tensor) -> MicrobatchState:
-        """A microbatch's state as its prompts are prefilled (`fields`: the head's, `mask` its prompts'); on the
-        last stage with its picker and its rows ended so far (those the head ended, and those cancelled before)."""
-        state = MicrobatchState(positions_needed(mask.shape[1], max(fields["max_new_tokens"])), mask,
-                                position_ids(mask), fields)
+    def _prefilled_state(self, number: int, specs: RowSpecs, ended: list[int], mask: torch.Tensor) -> MicrobatchState:
+        """A microbatch's state as its prompts are prefilled (`specs`: its rows', `ended`: the rows the head ended,
+        `mask` its prompts'); on the last stage with its picker and its rows ended so far (those the head ended,
+        and those cancelled before)."""
+        state = MicrobatchState(positions_needed(mask.shape[1], max(specs.max_new_tokens)), mask, position_ids(mask),
+                                specs)
         if self.stage.last:
-            state.picker = TokenPicker(self.stage.adapter.model.generation_config, fields["decoding"])
+            state.picker = TokenPicker(self.stage.adapter.model.generation_config, specs.decoding)
             state.ended = torch.zeros(len(mask), dtype=torch.bool)
-            state.ended[[*fields.get("ended", []), *self.kept_cancels(number)]] = True
+            state.ended[[*ended, *self.kept_cancels(number)]] = True
         return state
 
     def _staged(self, number: int) -> StagedKV:
@@ -285,7 +283,7 @@ class WorkerState:
                       keys: list[int] | None = None) -> Callable[[torch.Tensor], None] | None:
         """The last stage's `on_hidden` for the prompt columns [start, ...) of rows left-padded to `width`: it
         puts the prompt log-probabilities of these columns (wire form) of the rows that ask (`decodings[row]`: a
-        `prompt` and its `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a message field's key; None
+        `prompt` and its `prompt_logprobs`) in `into`, by row (or by `keys[row]`) as a string key (`Scores`); None
         when none asks."""
         asks = {row: (fields["prompt"], int(fields["prompt_logprobs"])) for row, fields in enumerate(decodings)
                 if fields.get("prompt") is not None}
@@ -299,16 +297,20 @@ class WorkerState:
 
         return score
 
-    def _send(self, link: Transport | None, message: Message) -> None:
-        """Post a step's message: no round trip per hop. A lost one fails the next post on that link, or the
-        head's progress watchdog."""
+    def _send(self, link: Transport | None, message: EpochMessage) -> None:
+        """Post a step's message, stamped with the worker's epoch: no round trip per hop. A lost one fails the next
+        post on that link, or the head's progress watchdog."""
         assert link is not None  # set for every message this stage sends on
         try:
-            link.post_tensor(pack(Message(message.kind, {**message.fields, "epoch": self.epoch}, message.tensors)))
+            link.post_tensor(pack(attrs.evolve(message, epoch=self.epoch)))
         except TransportError as error:
             if link is self.head:  # the head is gone: no stage failure to report, to no one
                 raise HeadGone(f"the head lost what the stage posted to it: {error}") from error
             raise
+
+    def _unexpected(self, message: Message) -> NoReturn:
+        """A message this stage has no use for (its role's, or its batching's, is another)."""
+        raise TransportError(f"{self.role.name} got a message of unexpected kind {message.kind!r}")
 
     def close(self) -> None:
         self._close_links()
