@@ -36,13 +36,15 @@ class _Served:
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
-    """`dejavu serve`: one mixed stage, microbatches of three, every request generating its max_tokens."""
+    """`dejavu serve`: one mixed stage, static microbatches of three (a request waits while one runs), every
+    request generating its max_tokens."""
     token_file = tmp_path_factory.mktemp("serve") / "tokens"
     token_file.write_text("client-secret\n")
     tests = os.path.dirname(__file__)
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "serve", "--model", MODEL, "--microbatch", "3",
-                                "--listen", "127.0.0.1:0", "--token-file", str(token_file), "--ignore-eos"],
+                                "--batching", "static", "--listen", "127.0.0.1:0", "--token-file", str(token_file),
+                                "--ignore-eos"],
                                stdout=subprocess.PIPE, text=True, env=environment)
     try:
         assert process.stdout is not None
