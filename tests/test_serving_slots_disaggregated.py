@@ -113,7 +113,9 @@ def test_a_decoding_row_cancelled_leaves_its_slot_and_no_stage_keeps_kv_once_idl
     assert len(cancelled) == 1, "the cancelled row shared a slot with others"
     for result in results:
         rounds = [step for step in result.schedule if cancelled & set(step.decoded)]
-        assert len(rounds) < 10, f"the cancelled row decoded {len(rounds)} rounds beside request {result.request}"
+        # a cancel that never reached the slot would decode its 57 other rounds; a round of this model takes a
+        # millisecond or two, so on a busy machine the cancel may land some rounds after it was asked for
+        assert len(rounds) < 20, f"the cancelled row decoded {len(rounds)} rounds beside request {result.request}"
     tokens = [stage for name, stage in stats.items() if name.startswith("token")]
     assert len(tokens) == 2
     assert all(stage["held_kv_bytes"] == 0 and stage["staged_kv"] == 0 for stage in tokens), stats
