@@ -13,9 +13,10 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.generation import logprobs
-from dejavu_sdk.generation.batching import Microbatch, Request, SlotBatch
+from dejavu_sdk.generation.batching import Microbatch, Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, Scores, prompt_scores
+from dejavu_sdk.generation.slot_batch import SlotBatch
 from dejavu_sdk.serving import Pipeline
 
 pytestmark = pytest.mark.usefixtures("module_workers_import_tiny_models")

@@ -21,7 +21,7 @@ from ..errors import ConfigError, RequestFailed
 from ..swapping import SwappedCaches
 from .admission import Admission, Slot, row_bytes
 from .batching import Request, Result, left_pad
-from .decoding import TokenPicker, next_tokens
+from .picker import TokenPicker, next_tokens
 from .roundrobin import RoundRobin
 from .slots import Joining, Round, SlotRows, leave, stack
 

@@ -22,7 +22,8 @@ from transformers import DynamicCache
 
 from ..errors import ConfigError
 from .batching import Request, kept_tokens, left_pad
-from .decoding import TokenPicker, TokenRules
+from .decoding import TokenRules
+from .picker import TokenPicker
 from .slots import Joining, Round, SlotRows, leave, stack
 
 

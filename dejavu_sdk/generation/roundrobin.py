@@ -35,7 +35,8 @@ from ..timing import measure_times
 from .adapters import adapter_for
 from .admission import Admission
 from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt
-from .decoding import Decoding, RowFailure, TokenPicker, TokenRules, next_tokens
+from .decoding import Decoding, RowFailure, TokenRules
+from .picker import TokenPicker, next_tokens
 from .stage import Stage, position_ids
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, StoreError, TransportError
-from ..generation.batching import SlotBatch
+from ..generation.slot_batch import SlotBatch
 from ..transports.base import Server
 from .fleet import Fleet
 from .layout import Layout

@@ -23,9 +23,10 @@ import attrs
 import torch
 
 from ..errors import TransportError
-from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.batching import Microbatch, Request
 from ..generation.decoding import RowFailure
 from ..generation.logprobs import Scores
+from ..generation.slot_batch import SlotBatch
 from .ledger_slot_resumes import SlotResumes
 from .ledger_state import POISON, Answer, Flight, Outcome, Phase, _fail_rows
 from .messages import Cancel, Decode, Drop, Message, Prefill, Prefilled, Start

@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from ..generation.batching import Microbatch, SlotBatch
+from ..generation.batching import Microbatch
 from ..generation.row_specs import group_rows
+from ..generation.slot_batch import SlotBatch
 from .ledger_slots import SlotDecisions
 from .ledger_state import POISON, Answer, Outcome, Phase, PromptGroup, _fail_rows
 from .messages import Cancel, Enter, Message, Prefill, SlotRound

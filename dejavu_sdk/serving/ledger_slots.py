@@ -21,8 +21,9 @@ import torch
 
 from ..errors import RequestFailed
 from ..generation.admission import Slot, row_bytes
-from ..generation.batching import Microbatch, Request, SlotBatch
+from ..generation.batching import Microbatch, Request
 from ..generation.logprobs import Scores
+from ..generation.slot_batch import SlotBatch
 from ..generation.slots import Round
 from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
 from .messages import Cancel, Drop, End, Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Staged

@@ -16,9 +16,10 @@ import torch
 
 from ..errors import RequestFailed, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Microbatch, Request, Result, SlotBatch
+from ..generation.batching import Microbatch, Request, Result
 from ..generation.decoding import RowFailure
 from ..generation.row_specs import Group
+from ..generation.slot_batch import SlotBatch
 from ..generation.turns import shares_of
 from .layout import Layout
 from .messages import Message, Start

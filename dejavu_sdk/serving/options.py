@@ -212,7 +212,7 @@ class PipelineOptions:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         rules = TokenRules.of(reference)
-        chosen_batching = check_pipeline_batching(batching)
+        chosen_batching = check_batching("continuous" if batching is None else batching)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         store = open_replica_store(replica_store, recovery)
         return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
@@ -222,13 +222,6 @@ class PipelineOptions:
                    token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
                    [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls,
                    float(orphan_timeout), float(progress_timeout))
-
-
-def check_pipeline_batching(batching: Any) -> str:
-    """The pipeline's batching: continuous unless asked for static."""
-    if batching is not None:
-        check_batching(batching)
-    return "static" if batching == "static" else "continuous"
 
 
 def check_body_limit(max_body_bytes: Any) -> int:

@@ -40,7 +40,7 @@ import attrs
 import torch
 
 from ..errors import DejaVuError, TransportError
-from ..generation.batching import SlotBatch
+from ..generation.slot_batch import SlotBatch
 from .fleet import Fleet
 from .ledger import POISON, Ledger
 from .messages import (

@@ -23,8 +23,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ..errors import DejaVuError
-from ..generation.batching import SlotBatch, left_pad, row_fields
+from ..generation.batching import left_pad, row_fields
 from ..generation.row_specs import Group, RowSpecs
+from ..generation.slot_batch import SlotBatch
 from ..swapping import positions_needed
 from .fleet import Fleet
 from .layout import Layout
@@ -74,6 +75,8 @@ class SlotRecovery:
         recovery = self.recovery
         layout, ledger = recovery.layout, recovery.ledger
         survivors = [index for index in layout.decoding_stages() if index not in recovery.dead]
+        # recomputing keeps no replica: a slot that a dead decoding stage held cannot go on from its round
+        without_replicas = recovery.options.recovery != "replicas" and len(survivors) < len(layout.decoding_stages())
         for number, batch in ledger.slots_to_recover(recovery.epoch):
             heard = len(batch.rounds)
             if batch.seen_by_recovery == batch.steps_received:  # its group in the prompt pipeline too
@@ -82,7 +85,7 @@ class SlotRecovery:
             if not batch.opened:
                 self.unopened.append(number)
                 continue
-            if recovery.options.recovery != "replicas" and recovery.dead & set(layout.decoding_stages()):
+            if without_replicas:
                 self.lost[number] = "recovery='recompute' keeps no replica of what the dead stages held"
                 continue
             ran = {layout.stages[index].name: paused[layout.stages[index].name].slots.get(number, 0)

@@ -42,7 +42,8 @@ import attrs
 import torch
 
 from ..errors import TransportError
-from ..generation.batching import Microbatch, Request, SlotBatch, new_request_number, number_requests_from
+from ..generation.batching import Microbatch, Request, new_request_number, number_requests_from
+from ..generation.slot_batch import SlotBatch
 from .ledger import POISON, Ledger
 from .ledger_state import Flight, Outcome, Phase
 from .messages import Drop, Message, Paused, Rewind, Rewound, RoundDone

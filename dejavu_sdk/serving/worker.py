@@ -34,8 +34,8 @@ import attrs
 import torch
 
 from ..errors import ReplicationError, TransportError
-from ..generation.decoding import TokenPicker
 from ..generation.logprobs import Scores
+from ..generation.picker import TokenPicker
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import (

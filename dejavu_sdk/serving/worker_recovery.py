@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DejaVuError, TransportError
-from ..generation.decoding import TokenPicker
+from ..generation.picker import TokenPicker
 from ..generation.stage import position_ids
 from ..swapping import positions_needed
 from .messages import (

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from ..generation.decoding import RowFailure, next_tokens_scored
+from ..generation.decoding import RowFailure
 from ..generation.logprobs import Scores
+from ..generation.picker import next_tokens_scored
 from ..generation.slots import Round
 from .messages import RoundDone, RoundReport, SlotRound
 from .worker_state import SlotState, WorkerState

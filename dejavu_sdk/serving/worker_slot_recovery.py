@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import DejaVuError
-from ..generation.decoding import TokenPicker
+from ..generation.picker import TokenPicker
 from ..generation.slots import Joining, SlotRows, kv_layers
 from .messages import GroupAt, RewindSlot, Rewound, pack
 from .replication import cache_from

@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..generation.decoding import TokenPicker
+from ..generation.picker import TokenPicker
 from ..generation.row_specs import RowSpecs, group_rows
 from ..generation.slots import Joining, SlotRows, leave, stack
 from ..generation.stage import position_ids

@@ -19,8 +19,9 @@ import torch
 
 from ..backends import open_store, open_transport
 from ..errors import TransportError
-from ..generation.decoding import RowFailure, TokenPicker, next_tokens_scored
+from ..generation.decoding import RowFailure
 from ..generation.logprobs import prompt_scores
+from ..generation.picker import TokenPicker, next_tokens_scored
 from ..generation.row_specs import RowSpecs
 from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage, position_ids
