@@ -226,6 +226,14 @@ class SwappedCaches:
             self._pinned[key] = cache
         self._account()
 
+    def positions(self, number: int) -> int:
+        """The positions microbatch `number`'s cache holds, wherever it is (asking moves nothing)."""
+        if number in self._resident:
+            return int(self._resident[number].get_seq_length())
+        if number in self._host:
+            return self._host[number].length
+        raise ConfigError(f"microbatch {number} has no cache here")
+
     def numbers(self) -> set[int]:
         """The microbatches with a cache here (on the device, on the host, or new and not stepped yet)."""
         return {*self._recency, *self._resident}

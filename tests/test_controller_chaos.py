@@ -160,13 +160,13 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
 @pytest.mark.parametrize(("layout", "kills", "with_stage"), [
     ([], 1, None), (["--prompt-stages", "1", "--token-stages", "1", "--batching", "static"], 1, None),
     (["--stages", "2"], 1, None),
-    (["--stages", "2"], 2, None), (["--stages", "2"], 1, 0)])
+    (["--stages", "2", "--swapping", "on"], 2, None), (["--stages", "2"], 1, 0)])
 def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str], kills: int,
                                                                       with_stage: int | None) -> None:
     """The controller is SIGKILLed while a microbatch decodes (continuous batching's slots: one stage, with
     recovery by recomputing, and two stages, with replicas; static microbatches: disaggregated; its successor
-    killed in turn, `kills`; the first stage killed with it, `with_stage`): the stage workers rejoin the
-    successor with their caches, and it goes on from the step the last
+    killed in turn, `kills`, with the caches swapped to host memory; the first stage killed with it,
+    `with_stage`): the stage workers rejoin the successor with their caches, and it goes on from the step the last
     stage reached (greedy and seeded sampled rows alike; a dead stage's part from the replicas its neighbour
     holds), not from the prompts: the report lists the requests as taken over, none as computed again, and every
     client's tokens equal the failure-free run's."""

@@ -46,7 +46,6 @@ LAYOUTS = {"one stage": {"stages": 1}, "mixed": {"stages": 2}, "disaggregated": 
 #: combinations this code does not cover (docs/serving.md lists them as such), each to be closed.
 REFUSALS = {
     "two decoding stages": "a stage's replica is kept on the next decoding stage: one decoding stage has no next",
-    "recovery and swapping": "not covered: recovery with swapping",
     "sliding-window": "not covered: replicas of sliding-window layers",
 }
 LIMITS = [9, 4, 7, 3, 8, 6]

@@ -150,6 +150,10 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--batching", choices=["continuous", "static"], help="continuous: rows leave a microbatch "
                         "as they end and waiting requests join it between steps (the default); static: a "
                         "microbatch runs until its last row ends")
+    parser.add_argument("--swapping", choices=["auto", "on", "off"], default="auto", help="keep the decoding "
+                        "stages' KV caches in host memory with two on the device, brought in while the previous "
+                        "microbatch computes (on), or all on the device (off); auto: swap when the microbatches in "
+                        "flight would not fit the device otherwise and the copies keep up")
     parser.add_argument("--max-prefill-tokens", type=int, default=256, help="continuous batching: prompt positions "
                         "a joining group runs per step beside decoding rows (default 256)")
     parser.add_argument("--served-model-name", nargs="+", help="the names clients use for the model (default: "
@@ -299,6 +303,7 @@ def _serve(args: argparse.Namespace) -> int:
                     microbatch=args.microbatch, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
+                    swapping={"on": True, "off": False}.get(args.swapping, args.swapping),
                     max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,

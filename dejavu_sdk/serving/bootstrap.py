@@ -175,7 +175,7 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
         worker = StageWorker(stage, role, inbox, head, following, first, assign.eos, assign.pad, sender,
                              assign.swapping, None, replicator, assign.recovery, assign.epoch,
                              assign.links.replica_prefix, assign.batching, assign.max_prefill_tokens)
-        if held is not None and assign.take_over and not assign.swapping:  # else dropped with it
+        if held is not None and assign.take_over:  # else dropped with it
             worker.microbatches, worker.slots, worker.caches = held.microbatches, held.slots, held.caches
         elif not assign.take_over:  # a head that takes nothing over: what was replicated here for a neighbour
             for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
@@ -188,7 +188,7 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else assign.epoch  # raised by recoveries
-        if worker is not None and not worker.caches.swapping:
+        if worker is not None:
             gone.held = Holdings(worker.microbatches, worker.slots, worker.caches)
         raise
     finally:

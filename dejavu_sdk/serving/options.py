@@ -195,15 +195,13 @@ class PipelineOptions:
         widest = max(stop - start for start, stop in pipelines[-1])
         per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
         choice: SwapChoice | None = None
-        if swapping == "auto" and recovery is not None:  # recovery="auto" included: it never swaps
-            choice = SwapChoice(False, "recovery keeps every cache where its replica streams from")
-        elif swapping == "auto":
+        if swapping == "auto":
             limit = slots if len(pipelines) == 2 else len(pipelines[0])
             choice = _choose_swapping(weighted(), workload, microbatch, widest / total, budget, per_token, limit,
                                       threads)
             log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
         swaps = choice.swapping if choice is not None else bool(swapping)
-        recovery = check_recovery(recovery, transport, pipelines, swaps, reference, replica_store is not None)
+        recovery = check_recovery(recovery, transport, pipelines, reference, replica_store is not None)
         if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
             raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
         if standby and (recovery is None or not launch):
@@ -231,8 +229,8 @@ def check_body_limit(max_body_bytes: Any) -> int:
     return max_body_bytes
 
 
-def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]], swapping: bool,
-                   model: Any, replica_store: bool = False) -> str | None:
+def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]], model: Any,
+                   replica_store: bool = False) -> str | None:
     """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
     if recovery is None:
         if replica_store:
@@ -243,9 +241,7 @@ def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int
                           "the requests in flight when a stage dies")
     refusals = {"transport": None if transport in RECOVERABLE_TRANSPORTS else
                 f"recovery needs links that reconnect to a replacement ({', '.join(RECOVERABLE_TRANSPORTS)}); "
-                f"{transport} links do not yet",
-                "swapping": "recovery and swapping=True do not combine yet: recovery keeps every cache on the device"
-                if swapping else None}
+                f"{transport} links do not yet"}
     replicas = {"ring": None if len(pipelines[-1]) >= 2 or replica_store else
                 "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
                 "stages or more (or use recovery='recompute')",

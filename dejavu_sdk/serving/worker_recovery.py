@@ -56,8 +56,7 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         self.prompt_turns.clear()
         self.restored.clear()
         self.restored_pieces.clear()
-        caches = {number: self.caches.acquire(number).get_seq_length() for number in self.microbatches
-                  if number in self.caches}
+        caches = {number: self.caches.positions(number) for number in self.microbatches if number in self.caches}
         rounds = {number: state.round for number, state in self.slots.items()}  # continuous: rounds run
         steps: dict[int, tuple[int, list[list[int]]]] = {}
         reports: dict[int, list[tuple[RoundDone, list[int]]]] = {}
