@@ -232,6 +232,7 @@ def _one_kill(model: str, stages: int, prompts: list[list[int]], new_tokens: int
         adopted = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"},
                             timeout=60).json()["adopted"]
         resumed = min(client.resumed for client in clients if client.resumed is not None)
+        serving = min(serving, resumed)  # a client may get its token before its "serving" line is read here
         inside = adopted["lease_seconds"] + adopted["read_seconds"] + adopted["workers_seconds"] + \
             adopted["adopt_seconds"]
         return ControllerKill(detection=gone - killed, start=serving - servers[1].started - inside,
