@@ -271,6 +271,10 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    if not args.remote_workers:  # the workers' zygote imports while this process loads the model
+        from dejavu_sdk.serving.zygote import prestart
+
+        prestart()
     from dejavu_sdk.controller import Controller
     from dejavu_sdk.controller.controller import WORKER_TOKEN_VARIABLE
     from dejavu_sdk.errors import ConfigError

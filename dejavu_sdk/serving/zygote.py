@@ -2,14 +2,15 @@
 seconds its imports take.
 
 A worker's process spends seconds of CPU importing torch and transformers before it can join (`python -X importtime`
-shows where). The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch)
-imports them once, then forks a worker for each request: the child takes the head's environment and working
-directory of the moment, and runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote
-runs no torch operation and starts no thread of its own (numpy's BLAS may hold an idle pool, which is fork-aware),
-so forking it is safe: the CUDA runtime and torch's thread pools start in the child. Settings read at import
-(`OMP_NUM_THREADS`, Hugging Face's cache paths) keep the values the zygote started with: the worker sets its threads
-itself. It reaps its children and tells the head how each ended; it exits when the head's end of its pipe closes
-(the head is gone), leaving its workers to find their head gone as they would.
+shows where). The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch,
+or first thing by `dejavu serve`: `prestart`) imports them once, then forks a worker for each request: the child
+takes the head's environment and working directory of the moment, and runs `bootstrap.main` as `python -m
+dejavu_sdk.serving.bootstrap` would. The zygote runs no torch operation and starts no thread of its own (numpy's
+BLAS may hold an idle pool, which is fork-aware), so forking it is safe: the CUDA runtime and torch's thread pools
+start in the child. Settings read at import (`OMP_NUM_THREADS`, Hugging Face's cache paths) keep the values the
+zygote started with: the worker sets its threads itself. It reaps its children and tells the head how each ended; it
+exits when the head's end of its pipe closes (the head is gone), leaving its workers to find their head gone as they
+would.
 
 Head and zygote speak one JSON object per line over two pipes: the head asks `{"id", "join", "environment",
 "cwd"}` (a new worker) or `{"kill": id}`; the zygote answers `{"started": id, "pid"}` (or `{"failed": id,
@@ -166,12 +167,23 @@ _zygote_lock = threading.Lock()
 
 def fork_worker(id: str, join: str, environment: dict[str, str]) -> ForkedWorker:
     """A worker forked by this process's zygote (started on first use, and again if it died)."""
+    return _started().fork(id, join, environment)
+
+
+def prestart() -> None:
+    """Start this process's zygote now, where it will fork workers (Linux): its seconds of imports then run while
+    the head loads its own model and waits for rejoining workers, instead of after. A process that never forks a
+    worker keeps an idle zygote until it exits."""
+    if sys.platform.startswith("linux"):
+        _started()
+
+
+def _started() -> Zygote:
     global _zygote
     with _zygote_lock:
         if _zygote is None or not _zygote.alive():
             _zygote = Zygote()
-        zygote = _zygote
-    return zygote.fork(id, join, environment)
+        return _zygote
 
 
 def _running(pid: int) -> bool:
