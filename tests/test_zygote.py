@@ -36,3 +36,14 @@ def test_without_fork_workers_are_started_from_the_command_line(workers_import_t
     with dv.Pipeline("tiny_models:llama", stages=1, timeout=60, launch=LocalProcesses(fork=False)) as pipe:
         assert isinstance(pipe.fleet.processes[0], ProcessHandle)
         assert len(pipe.generate([torch.tensor([5, 6, 7])], 3)[0]) == 3
+
+
+def test_a_zygote_started_ahead_is_the_one_that_forks_the_workers(workers_import_tiny_models) -> None:
+    from dejavu_sdk.serving import zygote
+
+    zygote.prestart()  # as `dejavu serve` does first thing
+    ahead = zygote._zygote
+    assert ahead is not None and ahead.alive()
+    with dv.Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe:
+        (handle,) = pipe.fleet.processes
+        assert isinstance(handle, ForkedWorker) and handle.zygote is ahead
