@@ -3,14 +3,14 @@ seconds its imports take.
 
 A worker's process spends seconds of CPU importing torch and transformers before it can join (`python -X importtime`
 shows where). The zygote (`python -m dejavu_sdk.serving.zygote`, one per head process, started on the first launch,
-or first thing by `dejavu serve`: `prestart`) imports them once, then forks a worker for each request: the child
-takes the head's environment and working directory of the moment, and runs `bootstrap.main` as `python -m
-dejavu_sdk.serving.bootstrap` would. The zygote runs no torch operation and starts no thread of its own (numpy's
-BLAS may hold an idle pool, which is fork-aware), so forking it is safe: the CUDA runtime and torch's thread pools
-start in the child. Settings read at import (`OMP_NUM_THREADS`, Hugging Face's cache paths) keep the values the
-zygote started with: the worker sets its threads itself. It reaps its children and tells the head how each ended; it
-exits when the head's end of its pipe closes (the head is gone), leaving its workers to find their head gone as they
-would.
+or first thing by `dejavu serve`: `prestart`) imports them once (and what every model's modeling code imports), then
+forks a worker for each request: the child takes the head's environment and working directory of the moment, and
+runs `bootstrap.main` as `python -m dejavu_sdk.serving.bootstrap` would. The zygote runs no torch operation and
+starts no thread of its own (numpy's and scipy's BLAS may hold idle pools, which are fork-aware), so forking it is
+safe: the CUDA runtime and torch's thread pools start in the child. Settings read at import (`OMP_NUM_THREADS`,
+Hugging Face's cache paths) keep the values the zygote started with: the worker sets its threads itself. It reaps
+its children and tells the head how each ended; it exits when the head's end of its pipe closes (the head is gone),
+leaving its workers to find their head gone as they would.
 
 Head and zygote speak one JSON object per line over two pipes: the head asks `{"id", "join", "environment",
 "cwd"}` (a new worker) or `{"kill": id}`; the zygote answers `{"started": id, "pid"}` (or `{"failed": id,
@@ -205,6 +205,9 @@ def _described(status: int) -> str:
 def serve(requests: int, replies: int) -> None:
     """Fork a worker for each request on `requests` until it closes; report starts and ends on `replies`."""
     from . import bootstrap  # the imports every worker needs, once  # noqa: F401
+    from .bootstrap import import_model_machinery
+
+    import_model_machinery()
 
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of every process of the service, is the
         signal.signal(signum, signal.SIG_IGN)        # head's to handle: it ends when the head closes its pipe
