@@ -43,7 +43,9 @@ def test_a_zygote_started_ahead_is_the_one_that_forks_the_workers(workers_import
 
     zygote.prestart()  # as `dejavu serve` does first thing
     ahead = zygote._zygote
-    assert ahead is not None and ahead.alive()
+    assert ahead is not None
+    assert ahead.alive()
     with dv.Pipeline("tiny_models:llama", stages=1, timeout=60) as pipe:
         (handle,) = pipe.fleet.processes
-        assert isinstance(handle, ForkedWorker) and handle.zygote is ahead
+        assert isinstance(handle, ForkedWorker)
+        assert handle.zygote is ahead
