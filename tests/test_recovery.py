@@ -144,7 +144,6 @@ def test_held_positions_count_only_what_every_layer_has_without_a_gap() -> None:
 @pytest.mark.parametrize(("arguments", "match"), [
     ({"recovery": "magic"}, "recovery='magic'"),
     ({"recovery": "replicas", "transport": "nccl"}, r"links that reconnect to a replacement \(tcp, gloo, ucx\)"),
-    ({"recovery": "replicas", "swapping": True}, "swapping"),
     ({"recovery": "replicas", "stages": 1}, "two decoding stages"),
     ({"recovery": "replicas", "prompt_stages": 2, "token_stages": 1}, "two decoding stages"),
 ])
