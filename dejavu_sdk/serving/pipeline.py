@@ -20,7 +20,6 @@ import functools
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -32,8 +31,7 @@ import torch
 from ..backends import serve
 from ..errors import ConfigError, TransportError
 from ..generation.admission import Admission
-from ..generation.batching import Request, Result, check_new_tokens, check_prompt
-from ..generation.decoding import Decoding
+from ..generation.batching import Request, Result
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..transports.base import Server
 from .fleet import Fleet
@@ -45,9 +43,10 @@ from .messages import (
 )
 from .options import PipelineOptions
 from .recoveries import Recoveries
-from .recovery import Recovery, RecoveryReport
-from .replication import delete_replicas, remove_replicas
-from .takeover import Takeover, TakeoverReport
+from .recovery import RecoveryReport
+from .replication import delete_replicas
+from .submissions import submission
+from .takeover import TakeoverReport
 
 log = logging.getLogger(__name__)
 
@@ -171,26 +170,7 @@ class Pipeline(HeadReceiver):
         submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage can, and wait
         to be computed again otherwise; `stand_in(tag)` is a request like the one a row had whose request is not
         submitted here (it ended), or None. Then requests start."""
-        with self.ledger.lock:  # the numbers its predecessor gave are not given again
-            self.ledger.renumber_from(max([*rows, *groups, -1]) + 1)
-        report = TakeoverReport()
-        try:
-            if self.fleet.rejoined and self._recoveries.taking_over:
-                steps = Recovery(self.ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
-                                 self._recoveries.assignment, lambda: self._closed)
-                report = Takeover(self.ledger, steps, rows, groups, stand_in).run()
-            if self.options.replica_store is not None:  # the predecessor's replicas of what did not go on
-                kept = {*report.resumed, *report.slots}
-                remove_replicas(self.options.replica_store, lambda number: number not in kept,
-                                self.options.replica_prefix)
-            self._carry_out(report.outcome)
-            self._carry_out(self.ledger.resume_slots(report.slots, {}))
-            self._carry_out(self.ledger.resume(report.resumed, [], [], []))
-        finally:
-            self.fleet.taking_over = False
-            self._recoveries.end_takeover(report.failure)
-        self._admit()
-        return report
+        return self._recoveries.take_over(rows, groups, stand_in, self._carry_out)
 
     @property
     def closed(self) -> bool:
@@ -266,26 +246,9 @@ class Pipeline(HeadReceiver):
         row in flight while another holds more than its share of the layout's rows gets a microbatch (or slot)
         beside them, which only submissions without rows elsewhere join."""
         self._wait_until_running()
-        limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
-        for name, given in (("max_new_tokens", limits), ("seed", seed), ("tags", tags)):
-            if isinstance(given, Sequence) and len(given) != len(prompts):
-                raise ConfigError(f"{name}= names {len(given)} prompts, not the {len(prompts)} given")
-        if isinstance(seed, Sequence):
-            decodings = [Decoding.of(do_sample, each, **settings) for each in seed]
-        else:
-            decodings = [Decoding.of(do_sample, seed, **settings)] * len(prompts)
-        requests: list[Request] = []
-        for index, (ids, decoding) in enumerate(zip(prompts, decodings, strict=True)):  # all checked before any queued
-            prompt = check_prompt(ids, self.context, self.vocabulary)
-            limit = check_new_tokens(limits[index], prompt.numel(), self.context)
-            self._check_decoding(decoding, limit)
-            listener = None if on_token is None else functools.partial(on_token, index)
-            scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
-            request = Request(prompt, limit, decoding, on_token=listener, on_logprobs=scores,
-                              tag=None if tags is None else tags[index])
-            if requests:  # prompts submitted together are one submission: admission takes turns between them
-                request.group = requests[0].group
-            requests.append(request)
+        requests = submission(prompts, max_new_tokens, do_sample, seed, on_token, on_logprobs, tags, settings,
+                              self.options.rules)
+        for request in requests:  # all checked before any is queued
             self.ledger.admission.check_alone(request, self.ledger.continuous)  # else it would wait for ever
         self.ledger.queue(requests)
         for request in requests:
@@ -293,17 +256,6 @@ class Pipeline(HeadReceiver):
             request.future.add_done_callback(functools.partial(self._answered, request))
         self._admit()
         return [request.future for request in requests]
-
-    def _check_decoding(self, decoding: Decoding, max_new_tokens: int) -> None:
-        """ConfigError for a decoding this model cannot serve: sampling it refuses, stop ids outside its vocabulary,
-        more `min_tokens` than new tokens."""
-        if decoding.do_sample and self.options.rules.sampling_refused is not None:
-            raise self.options.rules.sampling_refused
-        outside = [token for token in decoding.ends.stop_token_ids if token >= self.vocabulary]
-        if outside:
-            raise ConfigError(f"stop_token_ids {outside} are outside the model's vocabulary of {self.vocabulary}")
-        if decoding.ends.min_tokens > max_new_tokens:
-            raise ConfigError(f"min_tokens ({decoding.ends.min_tokens}) is more than max_new_tokens ({max_new_tokens})")
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
                  seed: int | None = None, **settings: Any) -> list[torch.Tensor]:

@@ -9,13 +9,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ..errors import TransportError
+from ..generation.batching import Request
 from .fleet import Fleet
-from .ledger import Ledger, answer
+from .ledger import Ledger, Outcome, answer
 from .messages import Message, MicrobatchMessage
 from .recovery import ATTEMPTS, Recovery, RecoveryReport, RecoveryRetry
+from .replication import remove_replicas
+from .takeover import Takeover, TakeoverReport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,33 @@ class Recoveries:
     def running(self) -> bool:
         return self.thread is not None or self.taking_over
 
-    def end_takeover(self, failure: str | None) -> None:
+    def take_over(self, rows: Mapping[int, Sequence[Any]],
+                  groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
+                  stand_in: Callable[[Any], Request | None], carry_out: Callable[[Outcome], None]) -> TakeoverReport:
+        """`Pipeline.take_over`: go on with what the rejoined workers hold, then let requests start; `carry_out`
+        carries out the ledger's outcomes."""
+        ledger, options = self.ledger, self.fleet.options
+        with ledger.lock:  # the numbers its predecessor gave are not given again
+            ledger.renumber_from(max([*rows, *groups, -1]) + 1)
+        report = TakeoverReport()
+        try:
+            if self.fleet.rejoined and self.taking_over:
+                steps = Recovery(ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
+                                 self.assignment, self.closed)
+                report = Takeover(ledger, steps, rows, groups, stand_in).run()
+            if options.replica_store is not None:  # the predecessor's replicas of what did not go on
+                kept = {*report.resumed, *report.slots}
+                remove_replicas(options.replica_store, lambda number: number not in kept, options.replica_prefix)
+            carry_out(report.outcome)
+            carry_out(ledger.resume_slots(report.slots, {}))
+            carry_out(ledger.resume(report.resumed, [], [], []))
+        finally:
+            self.fleet.taking_over = False
+            self._end_takeover(report.failure)
+        self.admit()
+        return report
+
+    def _end_takeover(self, failure: str | None) -> None:
         """The takeover ended (`failure`: what stopped it, if anything): what was reported meanwhile, or that
         failure, starts a recovery now."""
         with self.ledger.lock:
