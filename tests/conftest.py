@@ -15,6 +15,11 @@ import pytest
 
 S3_ENDPOINT_VARIABLE = "DEJAVU_TEST_S3_ENDPOINT"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # tests run in parallel workers, which share the cores: one thread each
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -28,7 +28,7 @@ def test_a_skeleton_is_the_loaded_model_without_its_weights(tmp_path) -> None:
     torch.testing.assert_close(whole.lm_head.weight, source.lm_head.weight)
 
 
-def test_the_pipelines_checks_read_no_weights(tmp_path, monkeypatch) -> None:
+def test_the_pipelines_checks_read_no_weights_unless_a_kv_budget_leaves_a_choice(tmp_path, monkeypatch) -> None:
     llama().save_pretrained(tmp_path / "tiny")
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +36,9 @@ def test_the_pipelines_checks_read_no_weights(tmp_path, monkeypatch) -> None:
         raise AssertionError("the checks read the weights")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
-    options = PipelineOptions.check(str(tmp_path / "tiny"), 2, recovery="recompute")  # nothing measured here
-    assert options.kv_bytes_per_token > 0
-    with pytest.raises(AssertionError, match="read the weights"):  # measuring (swapping="auto") needs them
-        PipelineOptions.check(str(tmp_path / "tiny"), 2)
+    for recovery in ("recompute", None):  # swapping="auto" without a KV budget: nothing to measure
+        options = PipelineOptions.check(str(tmp_path / "tiny"), 2, recovery=recovery)
+        assert options.kv_bytes_per_token > 0
+    tight = options.kv_bytes_per_token * 1000  # two slots, not every microbatch: the device the weights load on
+    with pytest.raises(AssertionError, match="read the weights"):
+        PipelineOptions.check(str(tmp_path / "tiny"), 2, kv_budget_bytes=tight)

@@ -29,6 +29,8 @@ NEW = 40
 CHILD = """
     import json, sys, time
     sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads({threads})  # the test's own: it expects what "auto" settings choose with them
     import dejavu_sdk as dv
     from dejavu_sdk.engine import DejaVuEngine
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -61,7 +63,7 @@ def _kill_mid_decode(url: str, options: dict, decoding: dict | None = None, kill
                      device: str = "cpu", engine: dict | None = None) -> None:
     code = textwrap.dedent(CHILD.format(tests=str(TESTS), url=url, options=json.dumps(options), new=NEW,
                                         decoding=json.dumps(decoding or {}), device=device,
-                                        engine=json.dumps(engine or {})))
+                                        engine=json.dumps(engine or {}), threads=torch.get_num_threads()))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     deadline, step = time.monotonic() + 120, 0
     while step < kill_at and time.monotonic() < deadline:

@@ -14,10 +14,11 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import torch
 from transformers import DynamicCache
 
 from ..backends import open_store
@@ -197,7 +198,7 @@ class PipelineOptions:
         choice: SwapChoice | None = None
         if swapping == "auto":
             limit = slots if len(pipelines) == 2 else len(pipelines[0])
-            choice = _choose_swapping(weighted(), workload, microbatch, widest / total, budget, per_token, limit,
+            choice = _choose_swapping(weighted, workload, microbatch, widest / total, budget, per_token, limit,
                                       threads)
             log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
         swaps = choice.swapping if choice is not None else bool(swapping)
@@ -299,23 +300,27 @@ def check_workload(workload: Any) -> tuple[int, int]:
     return pair[0], pair[1]
 
 
-def _choose_swapping(reference: Any, workload: Any, microbatch: int, share: float, budget: int | None,
+def _choose_swapping(weighted: Callable[[], Any], workload: Any, microbatch: int, share: float, budget: int | None,
                      per_token: int, limit: int, threads: int) -> SwapChoice:
     """Swap when the `limit` in-flight microbatches of the workload would not fit in the budget, the stages'
-    device is not the host, and the copies keep up with a decoding stage's step (timed on the whole model here,
-    scaled to the stage's `share` of layers)."""
+    device is not the host, and the copies keep up with a decoding stage's step (timed on the whole model,
+    `weighted()`, here, scaled to the stage's `share` of layers). The weights are read only when the budget
+    leaves a choice."""
     prompt_tokens, new_tokens = check_workload(workload)
     alone = positions_needed(prompt_tokens, new_tokens) * per_token
-    device = next(reference.parameters()).device  # where stage processes load the model too
+    fits_without = budget is None or limit * microbatch * alone <= budget
+
+    def device() -> torch.device:
+        return next(weighted().parameters()).device  # where stage processes load the model too
 
     def measure() -> tuple[float, float]:
-        _, token_time = measure_times(reference, microbatch, prompt_tokens, threads=threads)
-        return token_time * share, measure_host_bandwidth(device, microbatch * alone)
+        _, token_time = measure_times(weighted(), microbatch, prompt_tokens, threads=threads)
+        return token_time * share, measure_host_bandwidth(device(), microbatch * alone)
 
-    return choose_swapping(fits_without=budget is None or limit * microbatch * alone <= budget, batch=microbatch,
-                           prompt_tokens=prompt_tokens, new_tokens=new_tokens, cache_bytes_per_token=per_token,
-                           device_is_host=device.type != "cuda", two_slots=budget is None or 2 * alone <= budget,
-                           measure=measure)
+    return choose_swapping(fits_without=fits_without, batch=microbatch, prompt_tokens=prompt_tokens,
+                           new_tokens=new_tokens, cache_bytes_per_token=per_token,
+                           device_is_host=fits_without or device().type != "cuda",
+                           two_slots=budget is None or 2 * alone <= budget, measure=measure)
 
 
 def _token_slots(token_slots: Any, pipelines: list[list[tuple[int, int]]]) -> int:
