@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("choosing by URL", ("registry", "backends")),
     ("streaming the KV", ("stream", "cache", "manifest", "replica")),
     ("models and planning", ("models", "timing", "planner", "profiles", "simulator", "sweep", "traces", "data",
-                             "report", "swapping")),
+                             "report", "swapping", "swapped_caches")),
     ("generation", ("generation",)),
     ("engine", ("engine",)),
     ("serving", ("serving",)),

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError, RequestFailed
-from ..swapping import SwappedCaches
+from ..swapped_caches import SwappedCaches
 from .admission import Admission, Slot, row_bytes
 from .batching import Request, Result, left_pad
 from .picker import TokenPicker, next_tokens

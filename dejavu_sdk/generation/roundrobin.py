@@ -2,7 +2,7 @@
 
 `RoundRobin` groups requests into microbatches as the pipelines do (arrival order, up to `microbatch` rows,
 left padded), prefills one as soon as its cache fits in the budget, and steps the microbatches in flight in
-turn until every row has ended. Their caches live in `swapping.SwappedCaches`: all on the device, or with
+turn until every row has ended. Their caches live in `swapped_caches.SwappedCaches`: all on the device, or with
 swapping in host memory with two on the device, so that about twice the microbatches fit in the same budget.
 Each microbatch's tokens equal `model.generate` on it (the model runs as one whole `Stage`).
 """
@@ -20,9 +20,9 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError, RequestFailed
+from ..swapped_caches import SwappedCaches
 from ..swapping import (
     SwapChoice,
-    SwappedCaches,
     check_budget,
     check_fits_alone,
     check_swapping,

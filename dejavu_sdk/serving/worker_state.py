@@ -27,7 +27,8 @@ from ..generation.slots import Joining, SlotRows
 from ..generation.stage import Stage, position_ids
 from ..store import Store
 from ..stream import LayerPartition
-from ..swapping import SwappedCaches, positions_needed
+from ..swapped_caches import SwappedCaches
+from ..swapping import positions_needed
 from ..transports.base import Server, Transport
 from .handoff import LayerSender, StagedKV
 from .link_tls import LinkTls, link_options
