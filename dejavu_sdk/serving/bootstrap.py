@@ -161,19 +161,6 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                 answer = taken  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
 
 
-def import_model_machinery() -> None:
-    """Import what every Hugging Face model's modeling code imports (modeling utilities, activations, generation,
-    kernels): seconds of CPU that a zygote spends once, and not each worker it forks as it loads its model."""
-    import transformers.activations
-    import transformers.generation
-    import transformers.integrations
-    import transformers.modeling_layers
-    import transformers.modeling_outputs
-    import transformers.modeling_rope_utils
-    import transformers.modeling_utils
-    import transformers.processing_utils  # noqa: F401
-
-
 def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: Holdings | None = None) -> None:
     """Be the stage `assign` describes until the head at `join` says `Shutdown` (HeadGone: the head is gone, with
     what the worker keeps for a successor), on links of its own (what was posted on a former head's is lost with

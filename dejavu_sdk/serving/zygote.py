@@ -204,10 +204,17 @@ def _described(status: int) -> str:
 # ---- the zygote's side ---------------------------------------------------------------------------------
 def serve(requests: int, replies: int) -> None:
     """Fork a worker for each request on `requests` until it closes; report starts and ends on `replies`."""
-    from . import bootstrap  # the imports every worker needs, once  # noqa: F401
-    from .bootstrap import import_model_machinery
+    # the imports every worker needs, and those every model's modeling code makes (seconds of CPU), once
+    import transformers.activations
+    import transformers.generation
+    import transformers.integrations
+    import transformers.modeling_layers
+    import transformers.modeling_outputs
+    import transformers.modeling_rope_utils
+    import transformers.modeling_utils
+    import transformers.processing_utils  # noqa: F401
 
-    import_model_machinery()
+    from . import bootstrap  # noqa: F401
 
     for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of every process of the service, is the
         signal.signal(signum, signal.SIG_IGN)        # head's to handle: it ends when the head closes its pipe
