@@ -327,8 +327,14 @@ def test_a_row_whose_logits_are_not_finite_fails_alone_and_its_slot_goes_on() ->
     settings: list[dict] = [{}, {}, {"do_sample": True, "seed": 6}, {}, {}, {}]
     with Pipeline("tiny_models:llama_poisoned", stages=1, microbatch=3, timeout=60, threads=THREADS) as pipe:
         assert pipe.batching == "continuous"
-        futures = [pipe.submit(prompt, max_new_tokens=limit, **decoding)
-                   for prompt, limit, decoding in zip(prompts, limits, settings, strict=True)]
+        decoding_rows = threading.Semaphore(0)  # released per token of the first request
+        futures = [pipe.submit(prompt, max_new_tokens=limit, **decoding,
+                               on_token=(lambda _token: decoding_rows.release()) if index == 0 else None)
+                   for index, (prompt, limit, decoding) in enumerate(zip(prompts[:4], limits, settings, strict=False))]
+        for _ in range(2):  # the later prompts come while rows decode, so the second poisoned one joins beside them
+            assert decoding_rows.acquire(timeout=60), "the first request streamed no tokens"
+        futures += [pipe.submit(prompt, max_new_tokens=limit, **decoding)
+                    for prompt, limit, decoding in zip(prompts[4:], limits[4:], settings[4:], strict=True)]
         for index in poisoned:
             with pytest.raises(dv.RequestFailed, match="not finite") as failure:
                 futures[index].result(timeout=60)
