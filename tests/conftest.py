@@ -21,6 +21,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # tests run in parallel workers, whic
     torch.set_num_threads(1)
 
 
+# The files whose tests take a minute or more each (notebooks, controller chaos, Ray, journal memory) run first:
+# parallel workers then end on short tests together, rather than one of them starting a long one when the other
+# has nothing left. The rest keep their order, each file's tests together (module fixtures are set up once).
+LONGEST_FIRST = ("test_notebooks.py", "test_controller_chaos.py", "test_cluster_ray.py", "test_journal_memory.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
