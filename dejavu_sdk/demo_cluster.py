@@ -55,7 +55,7 @@ def run_cluster_demo(new_tokens: int = 64, kill_after: int | None = None) -> boo
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                              tokenize=False) for question in QUESTIONS]
     live = _Live()
-    watched = [logging.getLogger("dejavu_sdk.serving.recovery"), logging.getLogger("dejavu_sdk.serving.pipeline")]
+    watched = [logging.getLogger("dejavu_sdk.serving.head.recovery"), logging.getLogger("dejavu_sdk.serving.pipeline")]
     print("starting the controller: 1 prompt stage, 2 token stages (a replication ring), 1 warm standby ...")
     with Controller("smollm2", prompt_stages=1, token_stages=2, microbatch=2, port=0, standby=1,
                     heartbeat=0.5, batching="static") as controller:

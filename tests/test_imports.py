@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dejavu_sdk"
-# The layers, from the bottom. Each name covers that module of the package and every module under it; "" is the
+# The layers, from the bottom. Each name covers that module of the package and every module under it that no longer
+# name covers ("serving" is the Pipeline facade: serving/'s own modules that no sub-package name covers); "" is the
 # package's own `__init__` alone. docs/architecture.md draws the same layers.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core data model", ("errors", "blocks", "urls", "codec", "tensors", "records", "store", "_version")),
@@ -46,7 +47,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                              "report", "swapping", "swapped_caches")),
     ("generation", ("generation",)),
     ("engine", ("engine",)),
-    ("serving", ("serving",)),
+    ("serving: KV replicas", ("serving.kv",)),
+    ("serving: wire", ("serving.wire",)),
+    ("serving: stage workers", ("serving.worker",)),
+    ("serving: worker processes", ("serving.processes",)),
+    ("serving: layout and options", ("serving.layout", "serving.options")),
+    ("serving: head", ("serving.head",)),
+    ("serving: Pipeline", ("serving",)),
     ("controller", ("controller",)),
     ("cluster", ("cluster",)),
     ("top", ("cli", "bench", "testing", "demo", "demo_cluster", "")),
@@ -236,14 +243,16 @@ def test_no_import_cycles() -> None:
 
 
 def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[int]:
-    """The indices of every layer that covers `module` (exactly one, for a module placed right)."""
-    found = []
+    """The indices of every layer whose name covers `module` most closely (exactly one, for a module placed right):
+    the longest names that are the module or a package above it."""
+    found: list[tuple[int, int]] = []  # (length of the name, layer)
     for index, (_, names) in enumerate(layers):
         for name in names:
             full = f"{PACKAGE}.{name}" if name else PACKAGE
             if module == full or (name and module.startswith(full + ".")):
-                found.append(index)
-    return found
+                found.append((len(full), index))
+    closest = max((length for length, _ in found), default=0)
+    return [index for length, index in found if length == closest]
 
 
 def layer_violations(modules: Collection[str], edges: list[Edge],
@@ -384,8 +393,9 @@ def test_the_walk_sees_lazy_imports(tmp_path: Path) -> None:
     assert representative_edges([*all_edges, *all_edges[::-1]])["dejavu_sdk.typed", "dejavu_sdk.a"].line == 5
 
 
-def test_the_layer_check_finds_upward_unplaced_and_doubly_placed_modules() -> None:
-    layers = [("low", ("a", "stores")), ("high", ("b", "")), ("stale", ("gone",)), ("again", ("stores.memory",))]
+def test_the_layer_check_finds_upward_unplaced_and_doubly_placed_modules_by_their_closest_name() -> None:
+    layers = [("low", ("a", "stores")), ("high", ("b", "")), ("stale", ("gone",)), ("again", ("stores.memory",)),
+              ("twice", ("stores.memory",))]
     modules = ["dejavu_sdk", "dejavu_sdk.a", "dejavu_sdk.b", "dejavu_sdk.new", "dejavu_sdk.stores",
                "dejavu_sdk.stores.memory"]
     path = ROOT / "x.py"  # where() names it relative to the repository
@@ -393,9 +403,11 @@ def test_the_layer_check_finds_upward_unplaced_and_doubly_placed_modules() -> No
              Edge("dejavu_sdk.a", "dejavu_sdk", path, 3)]
     assert layer_of("dejavu_sdk.b.x", layers) == [1]
     assert layer_of("dejavu_sdk.bx", layers) == []
+    assert layer_of("dejavu_sdk.stores.lmdb", layers) == [0]
+    assert layer_of("dejavu_sdk.stores.memory.x", layers) == [3, 4]  # the longest name places it, not "stores"
     report = layer_violations(modules, edges, layers)
     assert report[:3] == ["dejavu_sdk.new is in no layer of LAYERS: give it one",
-                          "dejavu_sdk.stores.memory is in several layers: low, again",
+                          "dejavu_sdk.stores.memory is in several layers: again, twice",
                           "LAYERS names 'dejavu_sdk.gone' (layer 'stale'), which is no module"]
     assert [line.split(": ", 1)[1] for line in report[3:]] == [
         "dejavu_sdk.a (low) imports dejavu_sdk.b (high), a layer above",

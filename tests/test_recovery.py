@@ -21,9 +21,9 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation.batching import Microbatch, Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.head.resume import ended_rows, plan_resume, resume_point
+from dejavu_sdk.serving.kv.replication import Replicator, assemble, held_positions, replica_stream
 from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.serving.replication import Replicator, assemble, held_positions, replica_stream
-from dejavu_sdk.serving.resume import ended_rows, plan_resume, resume_point
 from dejavu_sdk.store import Store
 from dejavu_sdk.stores.memory import MemoryStore
 

@@ -10,9 +10,20 @@ from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding, RowFailure
 from dejavu_sdk.generation.slots import Round
+from dejavu_sdk.serving.head.ledger import Ledger, Phase
 from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.serving.ledger import Ledger, Phase
-from dejavu_sdk.serving.messages import Cancel, Decode, Drop, End, Enter, OpenSlot, Prefill, Prefilled, RoundDone, Start
+from dejavu_sdk.serving.wire.messages import (
+    Cancel,
+    Decode,
+    Drop,
+    End,
+    Enter,
+    OpenSlot,
+    Prefill,
+    Prefilled,
+    RoundDone,
+    Start,
+)
 
 EOS = [2]
 MIXED = Layout([[(0, 1), (1, 3)]])

@@ -15,7 +15,7 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.cli import build_parser
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.link_tls import CA_VARIABLE, CERT_VARIABLE, KEY_VARIABLE, LinkTls
+from dejavu_sdk.serving.wire.link_tls import CA_VARIABLE, CERT_VARIABLE, KEY_VARIABLE, LinkTls
 from dejavu_sdk.testing import self_signed_certificate
 
 PROMPT = torch.tensor([5, 17, 33, 8, 61, 12])

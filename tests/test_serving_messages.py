@@ -21,7 +21,8 @@ from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.generation.turns import take_microbatch
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.messages import (
+from dejavu_sdk.serving.kv.slot_replicas import Piece
+from dejavu_sdk.serving.wire.messages import (
     KINDS,
     TO_HEAD,
     TO_STAGE,
@@ -76,8 +77,7 @@ from dejavu_sdk.serving.messages import (
     pack,
     unpack,
 )
-from dejavu_sdk.serving.slot_replicas import Piece
-from dejavu_sdk.serving.worker import Role, StageWorker
+from dejavu_sdk.serving.worker.stage import Role, StageWorker
 
 SPECS = RowSpecs([4, 8], [{"do_sample": False}, {"do_sample": True, "seed": 7, "prompt": [5, 6]}])
 GROUP = Group([11, 12], SPECS)

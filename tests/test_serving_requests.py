@@ -14,7 +14,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.ledger_state import POISON
+from dejavu_sdk.serving.head.ledger_state import POISON
 
 pytestmark = [pytest.mark.usefixtures("workers_import_tiny_models"), pytest.mark.slow]
 

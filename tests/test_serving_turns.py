@@ -15,9 +15,9 @@ from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.turns import take_microbatch
+from dejavu_sdk.serving.head.ledger import Ledger
 from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.serving.ledger import Ledger
-from dejavu_sdk.serving.messages import Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Start
+from dejavu_sdk.serving.wire.messages import Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Start
 from dejavu_sdk.swapping import positions_needed
 
 ONE_STAGE = Layout([[(0, 3)]])

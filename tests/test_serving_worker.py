@@ -14,7 +14,7 @@ from dejavu_sdk import open_store
 from dejavu_sdk.blocks import BlockKey
 from dejavu_sdk.generation.row_specs import RowSpecs
 from dejavu_sdk.generation.stage import Stage
-from dejavu_sdk.serving.messages import (
+from dejavu_sdk.serving.wire.messages import (
     Cancel,
     Decode,
     Drop,
@@ -32,7 +32,7 @@ from dejavu_sdk.serving.messages import (
     pack,
     unpack,
 )
-from dejavu_sdk.serving.worker import Role, StageWorker
+from dejavu_sdk.serving.worker.stage import Role, StageWorker
 
 GREEDY = {"do_sample": False}
 

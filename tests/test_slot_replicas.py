@@ -11,8 +11,8 @@ from transformers import DynamicCache
 import dejavu_sdk as dv
 from dejavu_sdk.generation.batching import left_pad
 from dejavu_sdk.generation.slots import Joining, SlotRows, leave, stack
-from dejavu_sdk.serving.replication import Replicator, assemble
-from dejavu_sdk.serving.slot_replicas import (
+from dejavu_sdk.serving.kv.replication import Replicator, assemble
+from dejavu_sdk.serving.kv.slot_replicas import (
     JoiningAt,
     SlotBase,
     SlotPieces,

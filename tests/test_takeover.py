@@ -11,10 +11,10 @@ import torch
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.slots import Round
+from dejavu_sdk.serving.head.ledger import Ledger
+from dejavu_sdk.serving.head.takeover import Takeover
 from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.serving.ledger import Ledger
-from dejavu_sdk.serving.messages import RoundDone
-from dejavu_sdk.serving.takeover import Takeover
+from dejavu_sdk.serving.wire.messages import RoundDone
 
 GROUPS = {7: [([11, 12], [["cmpl-a", 0], ["cmpl-b", 0]])]}
 

@@ -16,7 +16,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.messages import AskRejoin, Fenced, Heartbeat, Rejoin, Shutdown, pack, unpack
+from dejavu_sdk.serving.wire.messages import AskRejoin, Fenced, Heartbeat, Rejoin, Shutdown, pack, unpack
 
 TOKEN = "rejoin-token"
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
@@ -80,7 +80,7 @@ def test_a_worker_whose_head_is_gone_stops_after_its_own_orphan_timeout() -> Non
 
 
 def test_a_heartbeat_counts_a_busy_head_as_there_and_a_silent_one_as_gone() -> None:
-    from dejavu_sdk.serving.bootstrap import Heartbeat
+    from dejavu_sdk.serving.processes.bootstrap import Heartbeat
 
     head = dv.serve("tcp://127.0.0.1:0", token=TOKEN, inbox_size=1)
     os.environ["DEJAVU_TOKEN"] = TOKEN  # the heartbeat's link presents the worker's token, from its environment

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.serving.zygote import ForkedWorker
+from dejavu_sdk.serving.processes.zygote import ForkedWorker
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_forked_workers_serve_and_report_how_they_ended(workers_import_tiny_mode
 
 
 def test_without_fork_workers_are_started_from_the_command_line(workers_import_tiny_models) -> None:
-    from dejavu_sdk.serving.launchers import LocalProcesses, ProcessHandle
+    from dejavu_sdk.serving.processes.launchers import LocalProcesses, ProcessHandle
 
     with dv.Pipeline("tiny_models:llama", stages=1, timeout=60, launch=LocalProcesses(fork=False)) as pipe:
         assert isinstance(pipe.fleet.processes[0], ProcessHandle)

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from ..errors import ConfigError
 from ..report import markdown_table
+from ..serving.head.recovery import RecoveryReport
 from ..serving.pipeline import Pipeline
-from ..serving.recovery import RecoveryReport
 from .common import machine_description
 
 #: The paper's microbatch latency under one failure, relative to the failure-free run (OPT-66B, 4 stages).

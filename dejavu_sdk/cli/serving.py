@@ -272,7 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
     import threading
 
     if not args.remote_workers:  # the workers' zygote imports while this process loads the model
-        from dejavu_sdk.serving.zygote import prestart
+        from dejavu_sdk.serving.processes.zygote import prestart
 
         prestart()
     from dejavu_sdk.controller import Controller
@@ -337,8 +337,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     from ..controller.controller import WORKER_TOKEN_VARIABLE
     from ..controller.workers import ask_where_to_join
-    from ..serving.bootstrap import run_worker
-    from ..serving.link_tls import LinkTls
+    from ..serving.processes.bootstrap import run_worker
+    from ..serving.wire.link_tls import LinkTls
 
     if args.token:
         os.environ[TOKEN_VARIABLE] = args.token  # the links to the head and the neighbours present it too

@@ -48,7 +48,7 @@ class _StageWorkerActor:
         return os.getpid()
 
     def serve(self, join: str, token: str, host: str | None, worker_id: str, environment: dict[str, str]) -> None:
-        from ..serving.bootstrap import run_worker
+        from ..serving.processes.bootstrap import run_worker
 
         os.environ.update({**environment, TOKEN_VARIABLE: token})
         run_worker(join, host=host or ray.util.get_node_ip_address(), worker_id=worker_id)

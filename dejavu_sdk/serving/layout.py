@@ -17,7 +17,7 @@ import attrs
 from ..errors import ConfigError
 from ..generation.stage import check_layers
 from ..stream import LayerPartition
-from .messages import Links
+from .wire.messages import Links
 
 
 @attrs.frozen

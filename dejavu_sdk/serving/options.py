@@ -41,9 +41,9 @@ from ..swapping import (
 )
 from ..timing import measure_times
 from ..transports.access import TOKEN_VARIABLE
-from .launchers import Launcher, LocalProcesses
 from .layout import Layout, pipelines_for
-from .link_tls import LinkTls
+from .processes.launchers import Launcher, LocalProcesses
+from .wire.link_tls import LinkTls
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
 
 The pipeline is the head, a thin facade over its parts: `options` (every option checked once), `layout` (the
 stages and their links), `fleet` (the worker processes), `ledger` (every request and microbatch in flight, and
-the decisions) and `recovery` (replacing a dead stage). Its receiver thread (`head_receiver.HeadReceiver`) takes
+the decisions) and `recovery` (replacing a dead stage). Its receiver thread (`head.receiver.HeadReceiver`) takes
 the workers' messages, asks the ledger what each means, and carries out the outcome: messages to send, futures
 to answer, tokens to stream. It watches the stages between messages (processes, heartbeats, progress) and starts
 a recovery, or fails what is in flight, when one dies or hangs.
@@ -34,19 +34,19 @@ from ..generation.admission import Admission
 from ..generation.batching import Request, Result
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
 from ..transports.base import Server
-from .fleet import Fleet
-from .head_receiver import HeadReceiver
-from .ledger import Ledger, Outcome
-from .link_tls import inbox_options
-from .messages import (
+from .head.fleet import Fleet
+from .head.ledger import Ledger, Outcome
+from .head.receiver import HeadReceiver
+from .head.recoveries import Recoveries
+from .head.recovery import RecoveryReport
+from .head.submissions import submission
+from .head.takeover import TakeoverReport
+from .kv.replication import delete_replicas
+from .options import PipelineOptions
+from .wire.link_tls import inbox_options
+from .wire.messages import (
     Message,
 )
-from .options import PipelineOptions
-from .recoveries import Recoveries
-from .recovery import RecoveryReport
-from .replication import delete_replicas
-from .submissions import submission
-from .takeover import TakeoverReport
 
 log = logging.getLogger(__name__)
 

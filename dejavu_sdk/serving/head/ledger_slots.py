@@ -1,0 +1,326 @@
+"""The head's decisions under continuous batching: which waiting requests enter which slot, and what a round's
+report means.
+
+A slot (`SlotBatch`) opens with a group of waiting requests (`OpenSlot` to the first stage), and takes another
+group (`Enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
+its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
+longest row's final length (`admission.row_bytes`), and takes them in turns between submissions (`turns`); a
+submission held back by a larger one gets a slot beside the others (`LedgerState._held_back`). A slot whose
+round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`End`
+through every stage), and its room is free once every stage has let its cache go (`Freed`). A slot stops taking
+groups after `SLOT_ROUNDS` rounds (its schedule, which every result carries, stays bounded): it drains and ends,
+and waiting requests open new slots.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ...errors import RequestFailed
+from ...generation.admission import Slot, row_bytes
+from ...generation.batching import Microbatch, Request
+from ...generation.logprobs import Scores
+from ...generation.slot_batch import SlotBatch
+from ...generation.slots import Round
+from ..wire.messages import Cancel, Drop, End, Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Staged
+from .ledger_state import Answer, Flight, LedgerState, Outcome, Phase, PromptGroup
+
+#: Rounds after which a slot takes no new rows: it drains, and a new slot takes its place.
+SLOT_ROUNDS = 1024
+#: Rounds of prompt a joining group may have left before a slot opens beside its own for the requests that
+#: would wait for it to join (an 8,000-token prompt has 31 of 256 positions).
+LONG_PREFILL_ROUNDS = 16
+
+
+class SlotDecisions(LedgerState):
+    """The ledger's continuous-batching decisions (on `LedgerState`, under its lock); `Ledger` inherits them."""
+
+    def _slot_admissions(self, epoch: int) -> list[tuple[int, Message]]:
+        """Groups of waiting requests into slots with room, then new slots while the (token) stages have room for
+        one each, and beside them for submissions held back (`_held_back`); disaggregated, as many groups at once
+        as the prompt pipeline has stages (under the lock)."""
+        sends: list[tuple[int, Message]] = []
+        for flight in [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
+                       and flight.phase is Phase.DECODING]:
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS
+                    or not self._prompt_room()):
+                continue
+            held = batch.held()
+            taken = self._take(self.microbatch - len(held), held, flight)
+            if taken:
+                sends.append(self._send_group(flight, taken, epoch))
+        sends += self._end_idle_slots(epoch)
+        slots = self._layout_microbatches()
+        while self.waiting and self._shared_slots() - self._long_prefills() < slots \
+                and len(self.holding()) < 2 * slots and self._prompt_room():
+            if not self._open_slot(epoch, sends, beside=False):
+                break
+        while self.waiting and len(self.holding()) < 2 * slots and self._prompt_room() and self._held_back():
+            if not self._open_slot(epoch, sends, beside=True):
+                break
+        return sends
+
+    def _shared_slots(self) -> int:
+        """The slots whose rows any submission may take (all but those opened beside them)."""
+        return sum(1 for flight in self.holding() if not flight.beside)
+
+    def _open_slot(self, epoch: int, sends: list[tuple[int, Message]], beside: bool) -> bool:
+        """Open a slot with a group of waiting requests (`beside`: one beside the others for the submissions held
+        back, which only theirs join, so that a large request, which takes turns, does not keep them waiting for
+        its rows to end); whether one opened (under the lock)."""
+        flight = Flight(SlotBatch.open(self._numbers, self.pad), Phase.DECODING, 0, time.monotonic(), beside=beside)
+        taken = self._take(self.microbatch, [], flight)
+        if not taken:
+            return False
+        self._numbers += 1
+        self.flights[flight.batch.number] = flight
+        self.most_in_flight = max(self.most_in_flight, len(self.holding()))
+        sends.append(self._send_group(flight, taken, epoch))
+        return True
+
+    def _long_prefills(self) -> int:
+        """The slots whose joining group has more than `LONG_PREFILL_ROUNDS` rounds of prompt positions left to run
+        (disaggregated: whose group in the prompt pipeline is that long), under the lock. A waiting request can join
+        none of them before that group does, so each lets another slot open beside it, whose rounds (or prompt
+        chunks) take turns with its chunks: a short request is not held back by a long prompt."""
+        if self.prefill_tokens is None:
+            return 0
+        if self.layout.disaggregated:
+            return len({group.slot for group in self._long_groups()})
+        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
+        return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
+                   and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > long)
+
+    def _long_groups(self) -> list[PromptGroup]:
+        """Disaggregated: the groups in the prompt pipeline with more than `LONG_PREFILL_ROUNDS` rounds of prompt
+        positions (under the lock)."""
+        if self.prefill_tokens is None:
+            return []
+        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
+        return [group for group in self.prompting.values() if group.mask.numel() > long]
+
+    def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
+        """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
+        (under the lock)."""
+        ends: list[tuple[int, Message]] = []
+        for flight in self.flights.values():
+            batch = flight.batch
+            if (isinstance(batch, SlotBatch) and flight.phase is Phase.DECODING and batch.idle
+                    and not batch.entering):
+                flight.phase, flight.progress = Phase.ENDED, time.monotonic()
+                ends.append((self.layout.decoding_stages()[0], End(microbatch=batch.number, epoch=epoch)))
+        return ends
+
+    def _prompt_room(self) -> bool:
+        """Disaggregated: whether the prompt pipeline has a stage free for another group; a long group (its
+        chunks take turns with the others') leaves its stage's room to another, up to twice the stages."""
+        depth = self.layout.prompt_depth
+        return not self.layout.disaggregated or (len(self.prompting) - len(self._long_groups()) < depth
+                                                 and len(self.prompting) < 2 * depth)
+
+    def _send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
+        """Send a group of requests into `flight`'s slot: to the first stage (`OpenSlot` opens the slot there,
+        `Enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        group, ids, mask = batch.enter(taken)
+        batch.groups.append((group, ids, mask))
+        self._reserve(flight)
+        if self.layout.disaggregated:
+            number = self._numbers
+            self._numbers += 1
+            self.prompting[number] = PromptGroup(batch.number, group, mask)
+            return 0, Prefill(microbatch=number, specs=group.specs, epoch=epoch, inputs=ids, mask=mask)
+        entering = Enter if batch.opened else OpenSlot
+        batch.opened, batch.idle = True, False
+        return 0, entering(microbatch=batch.number, group=group, epoch=epoch, ids=ids, mask=mask)
+
+    def on_group_prefilled(self, report: Prefilled) -> Outcome:
+        """Disaggregated: the prompt pipeline's first tokens of a group; the group goes to its slot on the token
+        pipeline, its KV staged there already (or on its way)."""
+        outcome = Outcome()
+        number = report.microbatch
+        with self.lock:
+            group = self.prompting.pop(number, None)
+            flight = self.flights.get(group.slot) if group is not None else None
+            if group is None or flight is None or flight.phase is Phase.ENDED:
+                return outcome
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            tokens, ended, rng = report.tokens, report.ended, report.rng
+            members = group.group.members
+            new = [row for row, member in enumerate(members) if not batch.generated[batch.rows_of[member]]]
+            batch.add_tokens([members[row] for row in new], tokens[new, 0].tolist(),  # again after a recovery: kept
+                             _by_member(report.scores, members, new))
+            if rng.numel():
+                batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
+            flight.progress = time.monotonic()
+            batch.steps_received += 1  # progress, for the poison bound
+            outcome.answers = self._failed_rows(batch, {batch.rows_of[members[row]]: failure
+                                                        for row, failure in report.failed.items()})
+            outcome.calls = batch.unstreamed(self.eos)
+            batch.prefilled = batch.with_resumed(Round(prefill=(tuple(members), 0, group.mask.shape[1])))
+            outcome.answers += self._ended_rows(batch)
+            batch.prefilled = None
+            gone = [member for index, member in enumerate(members)
+                    if bool(ended[index]) or batch.rows_of[member] in batch.dropped]
+            entering = Enter if batch.opened else OpenSlot
+            batch.opened, batch.idle = True, False
+            batch.staged[number] = tuple(members)
+            staged = Staged(number, tokens[:, 0].tolist(), gone, report.chunk)
+            outcome.sends.append((self.layout.prompt_depth, entering(
+                microbatch=batch.number, group=group.group, staged=staged, epoch=self.epoch(), mask=group.mask,
+                rng=rng)))
+        return outcome
+
+    def _group_failed(self, number: int, error: str) -> list[Answer]:
+        """Disaggregated: the prompt pipeline failed on group `number`: its requests fail; a slot it was to open
+        is let go (under the lock)."""
+        group = self.prompting.pop(number)
+        flight = self.flights.get(group.slot)
+        if flight is None or not isinstance(flight.batch, SlotBatch):
+            return []
+        batch = flight.batch
+        rows = [batch.rows_of[member] for member in group.group.members]
+        answers = [(batch.requests[row].future, RequestFailed(error, batch.requests[row].number))
+                   for row in rows if row not in batch.settled]
+        batch.settled.update(rows)
+        batch.entering -= set(rows)
+        self._reserve(flight)
+        if not batch.opened:
+            del self.flights[group.slot]
+        return answers
+
+    def _slot_groups(self, batch: Microbatch) -> list[int]:
+        """A failed slot's groups that have not joined it (disaggregated): those the prompt pipeline still runs
+        are forgotten here, and the stages drop what they staged of any (under the lock)."""
+        if not isinstance(batch, SlotBatch):
+            return []
+        prompting = [number for number, group in self.prompting.items() if group.slot == batch.number]
+        for number in prompting:
+            del self.prompting[number]
+        return [*prompting, *batch.staged]
+
+    def _reserve(self, flight: Flight) -> None:
+        """Reserve what a slot's rows, in its cache or on their way in, take at their end (under the lock)."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+
+    def _take(self, room: int, held: list[Request], flight: Flight) -> list[Request]:
+        """Up to `room` waiting requests for `flight`'s slot that fit beside `held` (its rows) and every other
+        slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
+        back, only submissions that hold no row in another)."""
+        others = [self._admitted(other) for other in self.holding() if other is not flight]
+        return self.admission.take_rows(self.waiting, room, held, others, self._shares(), self._barred(flight))
+
+    def _admitted(self, flight: Flight) -> Slot:
+        """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""
+        batch = flight.batch
+        if not isinstance(batch, SlotBatch):
+            return Slot(flight.reserved)
+        entering = [batch.requests[row] for row in sorted(batch.entering)]
+        return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
+
+    def on_round(self, number: int, done: RoundDone, tokens: list[int], states: torch.Tensor | None = None,
+                 epoch: int = 0, scores: Scores | None = None) -> Outcome:
+        """A slot's round from the last stage (`done`, sent in `epoch`): its schedule grows, its members' tokens
+        stream with their log-probabilities (`scores`), ended rows are answered and failed ones fail; an idle round
+        leaves the slot waiting for a group (or to be ended). A round from before a recovery counts until that
+        recovery plans where the slot goes on (it was computed, and streamed to the replicas, before the failure);
+        `states` are the generators' states of its picks."""
+        outcome = Outcome()
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is None or flight.phase is Phase.ENDED:
+                return outcome
+            batch = flight.batch
+            assert isinstance(batch, SlotBatch)
+            if epoch < batch.plan_epoch:
+                return outcome
+            flight.progress = time.monotonic()
+            batch.add_round(done.round, done.members, tokens, done.complete, scores)
+            batch.idle = done.idle
+            left, joined = done.next
+            batch.next_change = (list(left), joined)
+            if states is not None:
+                batch.states.update((member, state.clone()) for member, state in zip(done.members, states, strict=True))
+            failures = {batch.rows_of[member]: failure for member, failure in done.failed.items()}
+            outcome.answers = self._failed_rows(batch, failures)
+            outcome.calls = batch.unstreamed(self.eos)
+            outcome.answers += self._ended_rows(batch)
+            self._reserve(flight)
+        return outcome
+
+    def on_not_entered(self, number: int, members: list[int]) -> None:
+        """The first stage took `members` out of a group queued for slot `number` (they were cancelled): no
+        longer on their way in; any still unanswered waits again, first in the queue."""
+        with self.lock:
+            flight = self.flights.get(number)
+            if flight is not None and isinstance(flight.batch, SlotBatch):
+                back = flight.batch.leave_unentered(members)
+                self.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
+                self._reserve(flight)
+
+    def _cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
+        """A request of a slot cancelled: the first decoding stage takes it out of a queued group, or the last
+        ends its row at the next round (a joining one's as it joins)."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        row = batch.rows_of[request.number]
+        batch.dropped.add(row)
+        batch.settled.add(row)
+        dropped = self._drop_cancelled_group(flight, request.number)
+        if dropped:
+            return dropped
+        return [(self.layout.decoding_stages()[0], Cancel(microbatch=batch.number, rows=[request.number],
+                                                          epoch=self.epoch()))]
+
+    def _drop_cancelled_group(self, flight: Flight, member: int) -> list[tuple[int, Message]]:
+        """Disaggregated: the group in the prompt pipeline that `member` (just cancelled) belongs to, once every
+        member of it is cancelled, stops there: every stage drops it (a prompt stage its chunks still to run, a
+        token stage the KV it staged, and any that comes later), and its slot no longer waits for it (under the
+        lock)."""
+        batch = flight.batch
+        assert isinstance(batch, SlotBatch)
+        for number, group in self.prompting.items():
+            members = group.group.members
+            if group.slot != batch.number or member not in members:
+                continue
+            if not all(batch.rows_of[other] in batch.dropped for other in members):
+                return []
+            del self.prompting[number]
+            batch.entering -= {batch.rows_of[other] for other in members}
+            self._reserve(flight)
+            if not batch.opened:  # the slot's first group: nothing else is on its way to it
+                del self.flights[batch.number]
+            return [(stage, Drop(microbatches=[number], failed=True, epoch=self.epoch()))
+                    for stage in range(len(self.layout.stages))]
+        return []
+
+
+def _prefill_left(batch: SlotBatch) -> int:
+    """The prompt positions (rows x columns) that the group on its way into `batch` has yet to run, as the
+    rounds reported so far say (0: none on its way, or its prompts are in)."""
+    if not batch.groups or not batch.entering - batch.completed:
+        return 0
+    group, _, mask = batch.groups[-1]
+    members = set(group.members)
+    done = next((step.prefill[2] for step in reversed(batch.rounds)
+                 if step.prefill is not None and step.prefill[0] and step.prefill[0][0] in members), 0)
+    return (mask.shape[1] - done) * len(members)
+
+
+def _by_member(scores: Scores, members: list[int], rows: list[int]) -> Scores:
+    """A group's log-probabilities (by its row in the prompt pipeline's microbatch) for `rows` only, by member."""
+    kept = {str(row) for row in rows}
+
+    def by_member(entries: dict[str, Any]) -> dict[str, Any]:
+        return {str(members[int(row)]): entry for row, entry in entries.items() if row in kept}
+
+    return Scores(by_member(scores.logprobs), by_member(scores.prompt_logprobs))

@@ -1,0 +1,261 @@
+"""The head's side of its stages (`HeadReceiver`, which `Pipeline` is built on): it carries out the ledger's
+decisions (messages to send, futures to answer, tokens to stream), and its receiver thread takes what the workers
+send, each class through its handler (`handlers`), and watches the stages between messages (processes,
+heartbeats, progress), starting a recovery, or failing what is in flight, when one dies or hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError, StoreError, TransportError
+from ...generation.slot_batch import SlotBatch
+from ...transports.base import Server
+from ..layout import Layout
+from ..options import PipelineOptions
+from ..wire.messages import (
+    Ended,
+    Enter,
+    EpochMessage,
+    Failed,
+    Freed,
+    Heartbeat,
+    Join,
+    LinkLost,
+    Message,
+    MicrobatchFailed,
+    NotEntered,
+    Paused,
+    Prefill,
+    Prefilled,
+    Ready,
+    Rejoin,
+    Relinked,
+    Rewound,
+    RoundReport,
+    Sent,
+    Stats,
+    Tokens,
+    Warm,
+    unpack,
+)
+from .fleet import Fleet
+from .ledger import Ledger, Outcome, answer, stream
+from .recoveries import Recoveries
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the head's checks of its stages' processes, heartbeats and progress.
+WATCH_PERIOD = 0.1
+#: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped (a slot's
+#: `RoundReport` counts until a recovery plans the slot: `Ledger.on_round`).
+STEP_REPORTS = frozenset({Tokens, Prefilled, Ended, Freed, LinkLost, MicrobatchFailed, NotEntered})
+
+
+class HeadReceiver:
+    """The head's dealings with its stages, over the pipeline's parts (set by `Pipeline`)."""
+
+    options: PipelineOptions
+    layout: Layout
+    fleet: Fleet
+    ledger: Ledger
+    recovery: str | None
+    replies: queue.SimpleQueue[Message]
+    on_admitted: Callable[[int, list[Any]], object] | None
+    on_entered: Callable[[int, list[int], list[Any]], object] | None
+    _recoveries: Recoveries
+    _inbox: Server | None
+    _closed: bool
+
+    @functools.cached_property
+    def handlers(self) -> dict[type[Message], Callable[[Any], None]]:
+        """What the head's receiver does with each message a worker sends it, one handler per class; the stages'
+        answers to a recovery's steps go to the recovery thread."""
+        return {
+            Join: self.fleet.pool_spare, Rejoin: self.fleet.turn_away, Warm: self.fleet.warm,
+            Heartbeat: self._on_heartbeat, Stats: self.fleet.stats_arrived, Failed: self._on_failed,
+            LinkLost: self._on_link_lost, Tokens: self._on_tokens, RoundReport: self._on_round,
+            Prefilled: self._on_prefilled, Ended: self._on_ended, Freed: self._on_freed,
+            MicrobatchFailed: self._on_microbatch_failed, NotEntered: self._on_not_entered,
+            **dict.fromkeys((Paused, Relinked, Sent, Rewound, Ready), self.replies.put)}
+
+    # ---- carrying out the ledger's decisions -------------------------------------------------------------
+    def _admit(self) -> None:
+        """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
+        which decides where what was admitted goes on from."""
+        for stage, message in self.ledger.admit():
+            if isinstance(message, (Prefill, Enter)):
+                self._report_admitted(message.microbatch,
+                                      message.group.members if isinstance(message, Enter) else None)
+            try:
+                self._send(stage, message)
+            except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
+                failure = f"{self.layout.stages[stage].name} is unreachable: {error}"
+                if self.recovery is None or self._closed:
+                    self._fail(TransportError(failure))
+                else:
+                    self._recoveries.start(set(), failure)
+                return
+
+    def _report_admitted(self, number: int, members: list[int] | None) -> None:
+        """Tell `on_admitted` of static microbatch `number`'s rows, or `on_entered` of a group of `members` sent
+        into slot `number` (mixed: a disaggregated group goes to the prompt pipeline under a number of its own),
+        before the message goes out."""
+        flight = self.ledger.flights.get(number)
+        try:
+            if flight is None:  # disaggregated, a group for the prompt pipeline (numbered apart from its slot)
+                return
+            batch = flight.batch
+            if not isinstance(batch, SlotBatch) and self.on_admitted is not None:
+                self.on_admitted(number, [request.tag for request in batch.requests])
+            elif isinstance(batch, SlotBatch) and members is not None and self.on_entered is not None:
+                self.on_entered(number, list(members),
+                                [batch.requests[batch.rows_of[member]].tag for member in members])
+        except Exception:
+            log.exception("the pipeline's on_admitted or on_entered callback failed")
+
+    def _send(self, index: int, message: Message) -> None:
+        """Send a step's message (it carries the epoch it was decided in)."""
+        self.fleet.send(index, message)
+
+    def _carry_out(self, outcome: Outcome) -> None:
+        """Stream the outcome's tokens, answer its futures, and send its messages (a stage that does not take
+        one is the watchdog's to find)."""
+        stream(outcome.calls)
+        answer(outcome.answers)
+        for index, message in outcome.sends:
+            with contextlib.suppress(TransportError, StoreError):
+                self._send(index, message)
+
+    def _fail(self, error: TransportError) -> None:
+        """Fail every request in flight or waiting with `error`; later submissions raise it too."""
+        answer(self.ledger.fail_all(error))
+
+    # ---- what the stages say ---------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """The head's receiver thread: takes the workers' messages, and watches them between messages."""
+        assert self._inbox is not None
+        watched = time.monotonic()
+        while not self._closed:
+            try:
+                packed = self._inbox.recv_tensor(timeout=WATCH_PERIOD)
+            except TransportError:  # a quiet inbox
+                packed = None
+            message = None if packed is None else _readable(packed)
+            try:
+                if message is not None:
+                    self._handle(message)
+                if time.monotonic() - watched >= WATCH_PERIOD:
+                    watched = time.monotonic()
+                    self._watch()
+            except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
+                self._fail(error if isinstance(error, TransportError) else
+                           TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
+
+    def _handle(self, message: Message) -> None:
+        """Do what a worker's message asks (its class's handler in `handlers`)."""
+        if isinstance(message, EpochMessage) and type(message) in STEP_REPORTS and message.epoch < self.fleet.epoch:
+            return  # sent before a recovery, which decided where its microbatch goes on from
+        handler = self.handlers.get(type(message))
+        if handler is None:
+            log.warning("the head dropped a message of unexpected kind %r", message.kind)
+        else:
+            handler(message)
+
+    def _on_tokens(self, message: Tokens) -> None:
+        self._carry_out(self.ledger.on_tokens(message.microbatch, message.tokens.tolist(), message.states,
+                                              message.failed, message.scores))
+
+    def _on_round(self, message: RoundReport) -> None:
+        """A slot's round: rows may have left, and room for others be free."""
+        self._carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
+                                             message.states, message.epoch, message.scores))
+        self._admit()
+
+    def _on_heartbeat(self, message: Heartbeat) -> None:
+        """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
+        if message.url is not None and not self.fleet.serves(message.stage, message.url, message.epoch):
+            self.fleet.fence_stale(message.url, message.stage, message.epoch)
+        else:
+            self.fleet.beat(message.stage, message.epoch, message.work)
+
+    def _on_link_lost(self, message: LinkLost) -> None:
+        self._recoveries.start(set(), f"{message.stage} lost a link: {message.error}", message.epoch)
+
+    def _on_not_entered(self, message: NotEntered) -> None:
+        self.ledger.on_not_entered(message.microbatch, list(message.members))
+        self._admit()
+
+    def _on_prefilled(self, message: Prefilled) -> None:
+        if self.ledger.continuous:  # a group's first tokens: it goes to its slot
+            self._carry_out(self.ledger.on_group_prefilled(message))
+        else:
+            self._carry_out(self.ledger.on_prefilled(message, self.recovery is not None))
+        self._admit()
+
+    def _on_ended(self, message: Ended) -> None:
+        self._carry_out(self.ledger.on_ended(message.microbatch, message.freed))
+        self._admit()
+
+    def _on_freed(self, message: Freed) -> None:
+        self.ledger.on_freed(message.microbatch)
+        self._admit()
+
+    def _on_microbatch_failed(self, message: MicrobatchFailed) -> None:
+        self._carry_out(self.ledger.on_microbatch_failed(message.microbatch, message.error))
+        self._admit()
+
+    def _on_failed(self, message: Failed) -> None:
+        failure = f"stage {message.stage} failed: {message.error}"
+        try:
+            index = self.layout.index_of(message.stage)
+        except ConfigError:
+            log.warning("%s", failure)  # not a stage's worker: a spare that could not load, say
+            return
+        if self.fleet.replaced_since(self.layout.stages[index].name, message.epoch):
+            return  # a worker replaced since (one started elsewhere cannot be stopped from here)
+        if self.recovery is None:
+            self._fail(TransportError(failure))
+        elif self._recoveries.running:
+            self.replies.put(message)
+        else:
+            self._recoveries.start({index}, failure, message.epoch)
+
+    def _watch(self) -> None:
+        """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
+        heartbeats, or a microbatch without progress (no new tokens) for `progress_timeout` seconds while no
+        stage's heartbeats said it ran a layer. Recover from them, or, without recovery, fail the requests in
+        flight."""
+        if self._recoveries.running:
+            return  # the recovery watches its own steps
+        now = time.monotonic()
+        exited, silent, stalled = self.fleet.exited(), self.fleet.silent(now), self.ledger.stalled_since()
+        reasons = [f"the process of {self.layout.stages[index].name} exited" for index in exited]
+        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.missed_beats} missed): its "
+                    "process is dead or hung" for last, name in silent]
+        limit = self.options.progress_timeout
+        if stalled is not None and now - stalled > limit and now - self.fleet.worked_at > limit:
+            reasons.append(f"a microbatch made no progress for {limit:.0f} s and no stage computed meanwhile: a stage "
+                           "worker is stuck (progress_timeout)")
+        if not reasons:
+            return
+        if self.recovery is None:
+            raise TransportError(reasons[0])
+        self._recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
+
+
+def _readable(packed: torch.Tensor) -> Message | None:
+    """The message in `packed`, or None (with a warning) when it is none a pipeline sends: it costs that message."""
+    try:
+        return unpack(packed)
+    except TransportError as error:
+        log.warning("the head dropped what it received: %s", error)
+        return None

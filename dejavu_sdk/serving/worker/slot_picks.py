@@ -1,0 +1,117 @@
+"""The last stage's part of a continuous pipeline's round (`worker.slots`): pick each decoding row's token and a
+finished group's first tokens (or take those the prompt pipeline picked), report the round to the head
+(`RoundReport`), and send the next round to the first stage (`SlotRound`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...generation.decoding import RowFailure
+from ...generation.logprobs import Scores
+from ...generation.picker import next_tokens_scored
+from ...generation.slots import Round
+from ..wire.messages import RoundDone, RoundReport, SlotRound
+from .state import SlotState, WorkerState
+
+
+class SlotPicks(WorkerState):
+    """The last stage's picks of a slot's round; `SlotHandlers` inherits them."""
+
+    def _pick_round(self, number: int, state: SlotState, message: SlotRound, decoded: list[int],
+                    logits: torch.Tensor, first_logits: torch.Tensor) -> None:
+        """Pick the round's tokens, report the round, and start the next one (or end the slot)."""
+        members: list[int] = []
+        tokens: list[torch.Tensor] = []
+        failed: dict[int, RowFailure] = {}
+        logprobs: dict[str, Any] = {}  # by member
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, {}  # of the chunk this round ran
+        pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
+        if decoded:
+            assert state.picker is not None
+            counts = [state.counts[member] + 1 for member in decoded]
+            limits = [state.limits[member] for member in decoded]
+            self.row_steps += int((~state.ended).sum())
+            picked, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended, counts,
+                                                                       limits, self.eos, self.pad)
+            logprobs.update(_by_member(decoded, scores))
+            members += decoded
+            tokens.append(picked)
+            failed.update((decoded[row], failure) for row, failure in failures.items())
+            for member in decoded:
+                state.counts[member] += 1
+            pickers.append((len(decoded), state.picker.states() if self.recovery else None))
+        joined: list[int] | None = None
+        complete: list[int] = []
+        if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
+            group_members = complete = state.ready[1].members
+            picker = state.joining_picker
+            assert picker is not None
+            cancelled = torch.tensor([member in state.cancelled for member in group_members])
+            staged = message.starting.staged if message.starting is not None else None
+            if staged is not None:  # the prompt pipeline picked them, and the head has them
+                picked = torch.tensor(staged.first, dtype=torch.long)
+                ended = cancelled | torch.tensor([member in staged.ended for member in group_members])
+            else:
+                limits = [state.limits[member] for member in group_members]
+                picked, ended, failures, scores = next_tokens_scored(picker, first_logits, cancelled, 1, limits,
+                                                                     self.eos, self.pad)
+                logprobs.update(_by_member(group_members, scores))
+                members += group_members
+                tokens.append(picked)
+                failed.update((group_members[row], failure) for row, failure in failures.items())
+                pickers.append((len(group_members), picker.states() if self.recovery else None))
+            keep = [row for row, done in enumerate(ended.tolist()) if not done]
+            state.counts.update((group_members[row], 1) for row in keep)
+            picker.keep(keep)
+            state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
+            state.joining_decodings = []
+            joined = [group_members[row] for row in keep]
+            self._let_go(state, [member for member in group_members if member not in set(joined)])
+        state.last = None  # tokens were picked: a recovery cannot take this round back
+        starting = message.starting
+        chunk = starting.staged.chunk if starting is not None and starting.staged is not None else 0
+        step = Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), message.prefill, chunk)
+        idle = not decoded and message.prefill is None  # parked on the first stage
+        left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
+        report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+        done = RoundDone(step, members, list(complete), idle, (left, None if idle else joined), failed)
+        if state.reports is not None:  # without log-probabilities: a successor computes those rows again
+            state.reports.append((done, report.tolist()))
+        self._send(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
+                                          tokens=report, states=_states(pickers)))
+        if idle:
+            return
+        self._let_go(state, left)
+        staying = [row for row, member in enumerate(decoded) if member not in set(left)]
+        following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
+                                           else None) if decode is not None and len(decode)]
+        if joined is not None and not joined:
+            state.ready, state.ready_picker, state.ready_tokens = None, None, None
+        next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
+        self._send(self.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
+
+    @staticmethod
+    def _let_go(state: SlotState, members: list[int]) -> None:
+        """The last stage: forget what it kept of members whose rows ended."""
+        for member in members:
+            state.counts.pop(member, None)
+            state.limits.pop(member, None)
+            state.cancelled.discard(member)
+
+
+def _states(pickers: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor | None:
+    """The generators' states of a round's picks, a row each in the report's order (zeros for greedy rows);
+    None when no row samples."""
+    size = next((states.shape[1] for _, states in pickers if states is not None), None)
+    if size is None:
+        return None
+    return torch.cat([torch.zeros((rows, size), dtype=torch.uint8) if states is None else states
+                      for rows, states in pickers])
+
+
+def _by_member(members: list[int], by_row: dict[int, Any]) -> dict[str, Any]:
+    """Entries by row of a pick over `members`, keyed by member as a string (`Scores`)."""
+    return {str(members[row]): entry for row, entry in by_row.items()}
