@@ -98,15 +98,14 @@ class PipelineOptions:
     `standby`: spare worker processes kept with the model loaded, so that a replacement starts at once (the
     pool is topped up after each recovery; 0: a replacement process starts when needed).
     `on_recovery(report)` is called after each recovery (on its thread).
-    `batching`: `"continuous"` (the default where the pipeline can) refills each microbatch, a slot of up to
-    `microbatch` rows, between steps: a row that ended leaves at the next step and a waiting request joins,
-    its prompt prefilled beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x
-    prompt columns) a step while rows decode (None: all at once); each `Result.schedule` records the slot's
-    rounds. `"static"` runs each microbatch until its last row ends, as `model.generate` runs a batch. Left
-    unset, `recovery="recompute"` and sliding-window models keep static microbatches (they do not take
-    continuous batching; asked for explicitly, that is a ConfigError). With `recovery="replicas"` a slot goes
+    `batching`: `"continuous"` (the default) refills each microbatch, a slot of up to `microbatch` rows,
+    between steps: a row that ended leaves at the next step and a waiting request joins, its prompt prefilled
+    beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x prompt columns) a step while
+    rows decode (None: all at once); each `Result.schedule` records the slot's rounds. `"static"` runs each
+    microbatch until its last row ends, as `model.generate` runs a batch. With `recovery="replicas"` a slot goes
     on from right after its last round the head heard of, as it stood then (each stage writes a round to its
-    replica before passing it on), and every row still equals the replay of its `Result.schedule`.
+    replica before passing it on); with `"recompute"` a lost slot's rows run again from their prompts and the
+    tokens already streamed; either way every row still equals the replay of its `Result.schedule`.
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
