@@ -151,15 +151,15 @@ class DejaVuEngine:
         each `Result.schedule` then records the slot's rounds, and `dejavu_sdk.generation.replay` on them gives
         the same tokens. Admission then counts rows: a slot reserves its rows at its longest row's final length.
         """
-        from .generation.continuous import runner_for
         from .generation.decoding import Decoding
+        from .generation.roundrobin import RoundRobin
 
         asked = sorted(name for name in ("logprobs", "prompt_logprobs") if settings.get(name) is not None)
         if asked:
             raise ConfigError(f"{', '.join(asked)}: a pipeline (dejavu_sdk.serving.Pipeline) reports them, "
                               "generate_many does not")
-        runner = runner_for(batching, self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes,
-                            swapping=swapping, max_prefill_tokens=max_prefill_tokens, progress=progress)
+        runner = RoundRobin(self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes, swapping=swapping,
+                            batching=batching, max_prefill_tokens=max_prefill_tokens, progress=progress)
         return runner.run(runner.requests(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings)))
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:

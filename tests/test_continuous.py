@@ -12,8 +12,7 @@ import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 import dejavu_sdk as dv
-from dejavu_sdk.generation.batching import Request
-from dejavu_sdk.generation.continuous import Continuous, check_batching, check_max_prefill_tokens, runner_for
+from dejavu_sdk.generation.batching import Request, check_batching, check_max_prefill_tokens
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.replay import replay
 from dejavu_sdk.generation.roundrobin import RoundRobin
@@ -133,10 +132,10 @@ def test_a_request_alone_equals_model_generate_greedy_and_sampled(family) -> Non
 
 
 # ---- 3. the KV budget ----------------------------------------------------------------------------------
-def _runner(model, swapping: bool, runner_class=Continuous, budget: int | None = None):
+def _runner(model, swapping: bool, runner_class=RoundRobin, budget: int | None = None):
     budget = budget or _budget(model)
     runner = runner_class(model, microbatch=MICROBATCH, kv_budget_bytes=budget, swapping=swapping,
-                          max_prefill_tokens=MAX_PREFILL)
+                          batching="continuous", max_prefill_tokens=MAX_PREFILL)
     return runner, runner.run(runner.requests(PROMPTS, LIMITS, Decoding()))
 
 
@@ -156,7 +155,8 @@ def test_the_slots_caches_stay_within_the_budget_and_still_equal_replay(swapping
     if not swapping:  # the budget holds three rows: fewer slots than the four that take every request at once
         assert runner.most_in_flight < 4
     # without a budget every request is admitted at once, in slots of three: other schedules, still replayed
-    roomy = Continuous(model, microbatch=MICROBATCH, swapping=swapping, max_prefill_tokens=MAX_PREFILL)
+    roomy = RoundRobin(model, microbatch=MICROBATCH, swapping=swapping, batching="continuous",
+                       max_prefill_tokens=MAX_PREFILL)
     served = roomy.run(roomy.requests(PROMPTS, LIMITS, Decoding()))
     assert roomy.most_in_flight == 4
     assert [result.microbatch for result in served] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
@@ -171,7 +171,7 @@ def _cache_bytes(cache) -> int:
                if isinstance(tensor, torch.Tensor) and tensor.numel())
 
 
-class _Counted(Continuous):
+class _Counted(RoundRobin):
     """Counts by itself, after every round, the device bytes of the slots' caches on the device and of the caches
     of the groups prefilling or prefilled for a slot (which stay on the device until they join)."""
 
@@ -217,9 +217,9 @@ def test_static_batching_is_unchanged() -> None:
     assert [r.tokens.tolist() for r in static] == [tokens.tolist() for tokens in want]
     assert all(result.schedule == () and result.request == -1 for result in static)
     assert [(r.microbatch, r.row, r.rows) for r in static] == [(r.microbatch, r.row, r.rows) for r in default]
-    runner = runner_for("static", model, microbatch=2)
-    assert type(runner) is RoundRobin
-    assert type(runner_for("continuous", model, microbatch=2, max_prefill_tokens=4)) is Continuous
+    assert RoundRobin(model, microbatch=2).batching == "static"  # generate_many's default too
+    assert RoundRobin(model, batching="continuous", max_prefill_tokens=4).max_prefill_tokens == 4
+    assert RoundRobin(model, batching="static", max_prefill_tokens=4).max_prefill_tokens is None  # one step
     # the same budget as the continuous tests: microbatches of whole requests, tokens as before
     budgeted = engine.generate_many(PROMPTS, LIMITS, microbatch=MICROBATCH, batching="static",
                                     kv_budget_bytes=_budget(model), swapping=False)

@@ -364,3 +364,21 @@ def kept_tokens(tokens: list[int], max_new_tokens: int, ends: Collection[int]) -
     kept = tokens[:max_new_tokens]
     end = next((index for index, token in enumerate(kept) if token in ends), None)
     return kept if end is None else kept[:end + 1]
+
+
+def check_max_prefill_tokens(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_prefill_tokens must be a positive integer or None, got {value!r}")
+    return value
+
+
+#: How microbatches are formed: drained before new requests come in, or refilled between steps.
+BATCHING = ("continuous", "static")
+
+
+def check_batching(batching: Any) -> str:
+    if batching not in BATCHING:
+        raise ConfigError(f"batching must be one of {', '.join(map(repr, BATCHING))}, got {batching!r}")
+    return str(batching)

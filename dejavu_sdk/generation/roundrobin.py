@@ -1,16 +1,22 @@
-"""One process, one model, several microbatches decoded round robin, within a device budget for their KV.
+"""One process, one model, one scheduler: requests served in slots of up to `microbatch` rows, the slots
+stepped in turn (round robin), their caches within a device budget for their KV, all on the device or swapped
+(`swapped_caches.SwappedCaches`: in host memory with two on the device, so that about twice as many fit).
 
-`RoundRobin` groups requests into microbatches as the pipelines do (arrival order, up to `microbatch` rows,
-left padded), prefills one as soon as its cache fits in the budget, and steps the microbatches in flight in
-turn until every row has ended. Their caches live in `swapped_caches.SwappedCaches`: all on the device, or with
-swapping in host memory with two on the device, so that about twice the microbatches fit in the same budget.
-Each microbatch's tokens equal `model.generate` on it (the model runs as one whole `Stage`).
+Each batching is a policy of the same slots:
+- `"static"`: a slot takes its rows in only while it is empty, all at once (arrival order, left padded, its
+  prompts prefilled in one step), and keeps the rows that ended as padding (fed the pad token) until its longest
+  row ends: each slot is `model.generate` on its rows, and its results are a microbatch's (row, padding);
+- `"continuous"`: a slot is never drained: a row that ended leaves at the next round and a waiting request joins
+  as soon as the slot has room (`slots`: its prompt prefilled beside the slot's decode steps,
+  `max_prefill_tokens` positions per round). Every result carries its slot's rounds (`Result.schedule`);
+  `replay.replay` gives the same tokens from them.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -29,45 +35,78 @@ from ..swapping import (
     choose_swapping,
     kv_bytes_per_token,
     measure_host_bandwidth,
-    positions_needed,
 )
 from ..timing import measure_times
 from .adapters import adapter_for
-from .admission import Admission
-from .batching import Microbatch, Request, Result, cache_bytes, check_new_tokens, check_prompt
-from .decoding import Decoding, RowFailure, TokenRules
+from .admission import Admission, Slot, row_bytes
+from .batching import (
+    Request,
+    Result,
+    cache_bytes,
+    check_batching,
+    check_max_prefill_tokens,
+    check_new_tokens,
+    check_prompt,
+    left_pad,
+)
+from .decoding import Decoding, TokenRules
 from .picker import TokenPicker, next_tokens
-from .stage import Stage, position_ids
+from .slots import Joining, Round, SlotRows, leave, stack
+from .stage import Stage
 
 log = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
-class _InFlight:
-    """A microbatch between steps: its mask, positions, last tokens and how its rows stand."""
+class _Slot:
+    """A slot between rounds: its rows, their next input tokens, which have ended (they leave at the next round),
+    a group prefilling (`joining`, with its picker) and a group prefilled that joins at the next round
+    (`ready`: its rows' cache and rows, picker, first tokens and which rows ended with them), and the rounds so
+    far."""
 
-    batch: Microbatch
-    reserved: int
-    mask: torch.Tensor
-    positions: torch.Tensor
-    tokens: torch.Tensor
-    ended: torch.Tensor
-    picker: TokenPicker
-    steps: int = 1
+    number: int
+    rows: SlotRows = attrs.field(factory=SlotRows)
+    picker: TokenPicker | None = None
+    tokens: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.long))
+    ended: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.bool))
+    joining: tuple[Joining, TokenPicker] | None = None
+    ready: tuple[Any, SlotRows, TokenPicker, torch.Tensor, torch.Tensor] | None = None
+    rounds: list[Round] = attrs.field(factory=list)
+
+    @property
+    def members(self) -> list[int]:
+        """Every request the slot holds or is taking in."""
+        joining = self.joining[0].members if self.joining is not None else []
+        ready = self.ready[1].members if self.ready is not None else []
+        return [*self.rows.members, *joining, *ready]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.members)
 
 
 class RoundRobin:
-    """Decodes requests in microbatches round robin on `model`, their caches within `kv_budget_bytes` of device
-    memory (None: no limit), swapped to host memory (`swapping=True`), not (`False`) or as `choose_swapping`
-    decides from the measured step time and host bandwidth (`"auto"`; `choice` then says what and why).
+    """Serves requests in slots stepped in turn on `model`, batched `batching` ("static" or "continuous", as the
+    module says; `max_prefill_tokens` bounds a continuous slot's joining prefill per round, None: all at once),
+    their caches within `kv_budget_bytes` of device memory (None: no limit), swapped to host memory
+    (`swapping=True`), not (`False`) or as `choose_swapping` decides from the measured step time and host
+    bandwidth (`"auto"`; `choice` then says what and why).
 
-    Admission keeps the caches' final sizes within the budget: without swapping all of the microbatches in
-    flight, with swapping the two largest (any two may be on the device at once). A budget that cannot hold a
+    Admission keeps the caches' final sizes within the budget: without swapping all of the slots in flight, with
+    swapping the two largest (any two may be on the device at once). A static slot reserves its microbatch's
+    cache (rows x (longest prompt + largest max_new_tokens - 1)); a continuous one each row at its longest row's
+    final length, and a group on its way in its own cache (`Admission.take_rows`). A budget that cannot hold a
     single request's cache (two with swapping) is a ConfigError before anything runs.
     """
 
     def __init__(self, model: Any, *, microbatch: int = 4, kv_budget_bytes: int | None = None,
-                 swapping: bool | str = "auto", progress: bool = False) -> None:
+                 swapping: bool | str = "auto", progress: bool = False, batching: str = "static",
+                 max_prefill_tokens: int | None = None) -> None:
+        #: "static" or "continuous": whether a slot refills between steps (see the module).
+        self.batching = check_batching(batching)
+        self.refill = self.batching == "continuous"
+        checked = check_max_prefill_tokens(max_prefill_tokens)
+        self.max_prefill_tokens = checked if self.refill else None  # static: a slot's prompts in one step
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         self.budget = check_budget(kv_budget_bytes)
@@ -80,6 +119,10 @@ class RoundRobin:
         self.caches: SwappedCaches | None = None
         self.most_in_flight = 0  # the most microbatches that were in flight at once
         self._stage = Stage(model, (0, _layer_count(model)))  # the whole model (ConfigError: no adapter)
+        self._requests: dict[int, Request] = {}
+        self._generated: dict[int, list[int]] = {}
+        self._arrived: dict[int, list[float]] = {}
+        self._placed: dict[int, tuple[int, int, int]] = {}  # a static slot's member: its row, the rows, its padding
 
     def requests(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int],
                  decoding: Decoding) -> list[Request]:
@@ -104,36 +147,34 @@ class RoundRobin:
         swapping = self._decide(requests)
         self.caches = caches = SwappedCaches(self.model.config, self.device, swapping)
         admission = Admission(self.budget, swapping, self.bytes_per_token)
-        waiting, flight, results = deque(requests), deque[_InFlight](), {}
-        numbers = iter(range(len(requests)))
-        with tqdm(total=sum(request.max_new_tokens for request in requests), desc="round robin", unit="token",
-                  disable=not self.progress) as bar:
-            while waiting or flight:
-                while waiting:
-                    taken = admission.take(waiting, self.microbatch, [state.reserved for state in flight])
-                    if not taken:
+        self._requests = {request.number: request for request in requests}
+        self._generated = {request.number: [] for request in requests}
+        self._arrived = {request.number: [] for request in requests}
+        waiting, slots, results = deque(requests), deque[_Slot](), {}
+        opened = 0  # slots opened so far: the next one's number
+        with tqdm(total=sum(request.max_new_tokens for request in requests),
+                  desc="continuous" if self.refill else "static", unit="token", disable=not self.progress) as bar:
+            while waiting or slots:
+                for slot in slots:  # a slot with room takes a group (one at a time); a static one never refills
+                    if waiting and self.refill and slot.joining is None and slot.ready is None:
+                        self._join(slot, waiting, admission, slots)
+                while waiting:  # new slots while the budget holds them
+                    slot = _Slot(opened)
+                    if not self._join(slot, waiting, admission, slots):
                         break
-                    batch = Microbatch.of(next(numbers), taken, self.rules.pad)
-                    state = self._prefill(batch, caches)
-                    bar.update(len(taken))
-                    if state is not None:
-                        flight.append(state)
-                        self.most_in_flight = max(self.most_in_flight, len(flight))
-                    else:  # every row ended with its first token
-                        results.update(_results(batch, self.rules.eos))
-                for _ in range(len(flight)):
-                    state = flight.popleft()
-                    active = int((~state.ended).sum())
-                    self._step(state, caches)
-                    bar.update(active)
-                    if bool(state.ended.all()):
-                        caches.remove(state.batch.number)
-                        results.update(_results(state.batch, self.rules.eos))
-                    else:
-                        flight.append(state)
+                    opened += 1
+                    slots.append(slot)
+                    self.most_in_flight = max(self.most_in_flight, len(slots))
+                for _ in range(len(slots)):
+                    slot = slots.popleft()
+                    done = self._round(slot, caches)
+                    bar.update(sum(len(self._generated[member]) for member in done))
+                    results.update({member: self._result(member, slot) for member in done})
+                    if slot.busy:
+                        slots.append(slot)
         return [results[request.number] for request in requests]
 
-    # ---- admission --------------------------------------------------------------------------------------
+    # ---- swapping --------------------------------------------------------------------------------------
     def _decide(self, requests: list[Request]) -> bool:
         """Swap or not; ConfigError when the budget cannot hold one request (two with `swapping=True`)."""
         alone = max(cache_bytes([request], self.bytes_per_token) for request in requests)
@@ -161,53 +202,192 @@ class RoundRobin:
                                device_is_host=self.device.type != "cuda",
                                two_slots=self.budget is None or 2 * alone <= self.budget, measure=measure)
 
-    # ---- steps ------------------------------------------------------------------------------------------
-    def _prefill(self, batch: Microbatch, caches: SwappedCaches) -> _InFlight | None:
-        """Run a new microbatch's prompt and pick its first tokens; None when every row ended with them."""
-        mask = batch.mask.to(self.device)
-        positions = position_ids(mask)
-        cache = caches.new_cache(batch.number)
-        logits = self._stage.forward(batch.ids.to(self.device), mask, positions, cache)
-        caches.add(batch.number, positions_needed(batch.ids.shape[1], max(batch.max_new_tokens)))
-        picker = TokenPicker(self.model.generation_config, batch.row_specs().decoding)
-        ended = torch.zeros(len(batch.requests), dtype=torch.bool, device=self.device)
-        tokens, ended, failures = next_tokens(picker, logits, ended, 1, batch.max_new_tokens, self._eos,
-                                              self.rules.pad)
-        _raise_first(batch, failures)
-        batch.add_step(tokens.tolist())
-        state = _InFlight(batch, cache_bytes(batch.requests, self.bytes_per_token), mask, positions[:, -1:], tokens,
-                          ended, picker)
-        if bool(ended.all()):
-            caches.remove(batch.number)
-            return None
-        return state
+    # ---- slots taking rows in --------------------------------------------------------------------------------------
+    def _join(self, slot: _Slot, waiting: deque[Request], admission: Admission, slots: Any) -> bool:
+        """Start prefilling a group of waiting requests in `slot`, as many as it has room for and the budget
+        holds beside every other slot's rows; whether any did."""
+        others = [self._admitted(other) for other in slots if other is not slot]
+        held = [self._requests[member] for member in slot.members]
+        taken = (admission.take_rows(waiting, self.microbatch - len(held), held, others) if self.refill else
+                 admission.take(waiting, self.microbatch, [other.reserved for other in others]))
+        if not taken:
+            return False
+        ids, mask = left_pad([request.ids for request in taken], self.rules.pad)
+        self._placed.update({request.number: (row, len(taken), int((mask[row] == 0).sum()))
+                             for row, request in enumerate(taken)})
+        assert self.caches is not None  # running
+        # a static slot's group is its rows for good: its cache is the slot's from the start
+        cache = self._stage.new_cache() if self.refill else self.caches.new_cache(slot.number)
+        group = Joining([request.number for request in taken], mask.to(self.device), cache, ids.to(self.device))
+        slot.joining = (group, TokenPicker(self.model.generation_config,
+                                           [request.decoding.fields() for request in taken]))
+        return True
 
-    def _step(self, state: _InFlight, caches: SwappedCaches) -> None:
-        number = state.batch.number
-        state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
-        state.positions = state.positions + 1
-        cache = caches.acquire(number)
-        logits = self._stage.forward(state.tokens[:, None], state.mask, state.positions, cache)
-        caches.release(number)
-        state.steps += 1
-        state.tokens, state.ended, failures = next_tokens(state.picker, logits, state.ended, state.steps,
-                                                          state.batch.max_new_tokens, self._eos, self.rules.pad)
-        _raise_first(state.batch, failures)
-        state.batch.add_step(state.tokens.tolist())
+    def _admitted(self, slot: _Slot) -> Slot:
+        """What `slot` holds, for admission: all its rows, and the group on its way in (a static slot: its
+        microbatch's cache at its end, padding included)."""
+        if not self.refill:
+            return Slot(cache_bytes([self._requests[member] for member in slot.members], self.bytes_per_token))
+        entering = [*(slot.joining[0].members if slot.joining is not None else []),
+                    *(slot.ready[1].members if slot.ready is not None else [])]
+        return Slot(row_bytes([self._requests[member] for member in slot.members], self.bytes_per_token),
+                    row_bytes([self._requests[member] for member in entering], self.bytes_per_token))
+
+    # ---- a round ----------------------------------------------------------------------------------------
+    def _round(self, slot: _Slot, caches: SwappedCaches) -> list[int]:
+        """One round of `slot`: rows that ended leave, a prefilled group joins, the rows decode, and the joining
+        group runs its next columns. The requests whose rows ended in it."""
+        left = [member for member, ended in zip(slot.rows.members, slot.ended.tolist(), strict=True)
+                if ended and self.refill]  # a static slot's ended rows stay, as padding
+        joined = list(slot.ready[1].members) if slot.ready is not None else []
+        cache = caches.acquire(slot.number) if slot.number in caches else None
+        if cache is not None:
+            self._leave(slot, cache, left)
+        if slot.ready is not None:
+            cache = cache if cache is not None else self._stage.new_cache()
+            self._stack(slot, cache)
+            caches.pin(("group", slot.number), None)
+        decoded = tuple(slot.rows.members)
+        done = self._decode(slot, cache) if decoded else []
+        if not self.refill and decoded and bool(slot.ended.all()):  # a static slot's rows leave together
+            self._leave(slot, cache, list(slot.rows.members))
+        prefill = None
+        if slot.joining is not None:
+            group, picker = slot.joining
+            start, stop = group.columns(self.max_prefill_tokens)
+            prefill = (tuple(group.members), start, stop)
+            assert group.ids is not None  # one process: the group keeps its ids
+            logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
+            if self.refill:
+                caches.pin(("group", slot.number), group.cache)  # on the device until it joins
+            if group.complete and not self.refill:
+                done += self._fill(slot, group, picker, logits, caches)
+            elif group.complete:
+                done += self._first_tokens(slot, group, picker, logits)
+                caches.pin(("group", slot.number), slot.ready[0] if slot.ready is not None else None)
+        slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill))
+        if cache is not None:
+            self._put_back(slot, caches, cache, changed=bool(left or joined))
+        return done
+
+    def _put_back(self, slot: _Slot, caches: SwappedCaches, cache: Any, changed: bool) -> None:
+        """Hand the slot's cache back after a round: gone with its last row; swapped as it is now when its rows
+        changed (a swapped cache's host copy has the shape it had)."""
+        if not slot.rows.members:
+            caches.remove(slot.number)
+        elif changed:
+            caches.remove(slot.number)
+            caches.new_cache(slot.number, cache)
+            caches.add(slot.number, self._capacity(slot))
+        else:
+            caches.release(slot.number)
+
+    def _leave(self, slot: _Slot, cache: Any, left: list[int]) -> None:
+        if not left:
+            return
+        keep = [row for row, member in enumerate(slot.rows.members) if member not in set(left)]
+        slot.rows = leave(cache, slot.rows, left)
+        assert slot.picker is not None  # rows decoded
+        slot.picker.keep(keep)
+        slot.tokens, slot.ended = slot.tokens[keep], slot.ended[keep]
+
+    def _stack(self, slot: _Slot, cache: Any) -> None:
+        if slot.ready is None:
+            return
+        group_cache, rows, picker, tokens, ended = slot.ready
+        slot.rows = stack(cache, slot.rows, group_cache, rows)
+        if slot.picker is None or not len(slot.tokens):
+            slot.picker = picker
+        else:
+            slot.picker.extend(picker)
+        slot.tokens = torch.cat([slot.tokens, tokens])
+        slot.ended = torch.cat([slot.ended, ended])
+        slot.ready = None
+
+    def _decode(self, slot: _Slot, cache: Any) -> list[int]:
+        mask, positions = slot.rows.next_step()
+        logits = self._stage.forward(slot.tokens[:, None], mask, positions, cache)
+        counts = [len(self._generated[member]) + 1 for member in slot.rows.members]
+        limits = [self._requests[member].max_new_tokens for member in slot.rows.members]
+        assert slot.picker is not None
+        tokens, ended, failures = next_tokens(slot.picker, logits, slot.ended, counts, limits, self._eos,
+                                              self.rules.pad)
+        self._raise_first(slot.rows.members, failures)
+        live = [row for row, was in enumerate(slot.ended.tolist()) if not was]  # a static slot's ended rows pad
+        self._add([slot.rows.members[row] for row in live], [int(tokens[row]) for row in live])
+        slot.tokens, slot.ended = tokens, ended
+        return [slot.rows.members[row] for row in live if bool(ended[row])]
+
+    def _first_tokens(self, slot: _Slot, group: Joining, picker: TokenPicker, logits: torch.Tensor) -> list[int]:
+        """The joining group's prompts are in: pick their first tokens. Rows that ended with them leave the group
+        at once (the requests returned); the others join at the next round."""
+        tokens, ended = self._pick_first(group, picker, logits)
+        done = [member for member, end in zip(group.members, ended.tolist(), strict=True) if end]
+        slot.joining = None
+        keep = [row for row, end in enumerate(ended.tolist()) if not end]
+        rows = leave(group.cache, group.rows(), done)
+        picker.keep(keep)
+        slot.ready = (group.cache, rows, picker, tokens[keep], ended[keep]) if keep else None
+        return done
+
+    def _fill(self, slot: _Slot, group: Joining, picker: TokenPicker, logits: torch.Tensor,
+              caches: SwappedCaches) -> list[int]:
+        """A static slot's prompts are in: its group becomes its rows at once, in its own cache (already the
+        slot's), ended or not; the requests that ended with their first tokens."""
+        tokens, ended = self._pick_first(group, picker, logits)
+        slot.joining = None
+        if bool(ended.all()):
+            caches.remove(slot.number)
+        else:
+            slot.rows, slot.picker, slot.tokens, slot.ended = group.rows(), picker, tokens, ended
+            caches.add(slot.number, self._capacity(slot))
+        return [member for member, end in zip(group.members, ended.tolist(), strict=True) if end]
+
+    def _pick_first(self, group: Joining, picker: TokenPicker, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A group's first tokens, and which rows ended with them."""
+        limits = [self._requests[member].max_new_tokens for member in group.members]
+        tokens, ended, failures = next_tokens(picker, logits, torch.zeros(len(limits), dtype=torch.bool), 1, limits,
+                                              self._eos, self.rules.pad)
+        self._raise_first(group.members, failures)
+        self._add(group.members, tokens.tolist())
+        return tokens, ended
+
+    def _add(self, members: list[int], tokens: list[int]) -> None:
+        now = time.monotonic()
+        for member, token in zip(members, tokens, strict=True):
+            self._generated[member].append(token)
+            self._arrived[member].append(now)
+
+    # ---- results ----------------------------------------------------------------------------------------
+    def _result(self, member: int, slot: _Slot) -> Result:
+        request, arrived = self._requests[member], self._arrived[member]
+        tokens = torch.tensor(self._generated[member], dtype=torch.long)
+        if not self.refill:  # a microbatch's row: where it sat and its padding, and no schedule
+            row, rows, padding = self._placed[member]
+            return Result(tokens, slot.number, row, rows, padding, request.decoding.seed, request.submitted,
+                          arrived[0], arrived[-1])
+        return Result(tokens, slot.number, 0, 0, 0, request.decoding.seed, request.submitted, arrived[0],
+                      arrived[-1], member, tuple(slot.rounds))
+
+    def _capacity(self, slot: _Slot) -> int:
+        """The positions the slot's cache may reach: its longest row at its end (static: its longest prompt and
+        its largest max_new_tokens, as its rows are padded)."""
+        requests = [self._requests[member] for member in slot.members]
+        if not requests:
+            return 0
+        if not self.refill:
+            return cache_bytes(requests, 1) // len(requests)
+        return max(row_bytes([request], 1) for request in requests)
+
+    @staticmethod
+    def _raise_first(members: list[int], failures: dict[int, Any]) -> None:
+        """One process serves one call: a row that could get no token fails the call, naming its request."""
+        for row, failure in failures.items():
+            raise RequestFailed(failure.reason, members[row], failure.input_error)
 
     @property
     def _eos(self) -> torch.Tensor:
         return torch.tensor(self.rules.eos, dtype=torch.long)
-
-
-def _results(batch: Microbatch, eos: list[int]) -> dict[int, Result]:
-    return {request.number: result for request, result in zip(batch.requests, batch.results(eos), strict=True)}
-
-
-def _raise_first(batch: Microbatch, failures: dict[int, RowFailure]) -> None:
-    """One process serves one call: a row that could get no token fails the call, naming its request."""
-    for row, failure in failures.items():
-        raise RequestFailed(failure.reason, batch.requests[row].number, failure.input_error)
 
 
 def _layer_count(model: Any) -> int:

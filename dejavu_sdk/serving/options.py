@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from ..backends import open_store
 from ..errors import ConfigError
 from ..generation.adapters import adapter_for
-from ..generation.continuous import check_batching, check_max_prefill_tokens
+from ..generation.batching import check_batching, check_max_prefill_tokens
 from ..generation.decoding import TokenRules
 from ..models import load_model
 from ..planner import Plan
