@@ -76,7 +76,9 @@ def test_logprobs_equal_generate_and_a_forward_pass_and_only_rows_that_ask_get_t
         leads = []
         for _ in range(2):  # a slot per stage, each decoding before the next request comes
             decoding = threading.Event()
-            leads.append(pipe.submit(PROMPTS[2], 4 * NEW, ignore_eos=True,
+            # long enough to outlast the next lead's start and the others' joining under load (a lead that ended
+            # would leave its slot empty, and the others would join it with nothing decoding beside them)
+            leads.append(pipe.submit(PROMPTS[2], 20 * NEW, ignore_eos=True,
                                      on_token=lambda _, event=decoding: event.set()))
             assert decoding.wait(60)
         # the others join a slot while it decodes: under continuous batching their prompts run in chunks there

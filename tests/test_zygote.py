@@ -39,7 +39,7 @@ def test_without_fork_workers_are_started_from_the_command_line(workers_import_t
 
 
 def test_a_zygote_started_ahead_is_the_one_that_forks_the_workers(workers_import_tiny_models) -> None:
-    from dejavu_sdk.serving import zygote
+    from dejavu_sdk.serving.processes import zygote
 
     zygote.prestart()  # as `dejavu serve` does first thing
     ahead = zygote._zygote
