@@ -236,7 +236,8 @@ class RoundRobin:
     # ---- a round ----------------------------------------------------------------------------------------
     def _round(self, slot: _Slot, caches: SwappedCaches) -> list[int]:
         """One round of `slot`: rows that ended leave, a prefilled group joins, the rows decode, and the joining
-        group runs its next columns. The requests whose rows ended in it."""
+        group runs its next columns (static: the rows leave together once the last ended, and a group becomes
+        the rows as its prompts are in). The requests whose rows ended in it."""
         left = [member for member, ended in zip(slot.rows.members, slot.ended.tolist(), strict=True)
                 if ended and self.refill]  # a static slot's ended rows stay, as padding
         joined = list(slot.ready[1].members) if slot.ready is not None else []
