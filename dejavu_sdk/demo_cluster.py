@@ -87,9 +87,9 @@ def run_cluster_demo(new_tokens: int = 64, kill_after: int | None = None) -> boo
               f"{report.pausing * 1e3:.0f} ms, replaced {', '.join(report.replaced)} in {report.replacing * 1e3:.0f} "
               f"ms, brought the caches back in {report.transferring * 1e3:.0f} ms")
         for number, step in sorted(report.resumed.items()):
-            print(f"  microbatch {number} went on from step {step}, from the replicas: nothing recomputed")
-        for number in report.recomputed:
-            print(f"  microbatch {number} started over from its prompt (it was not decoding yet)")
+            print(f"  microbatch {number} went on at round {step}, from the replicas: nothing recomputed")
+        for number, why in sorted(report.recomputed.items()):
+            print(f"  microbatch {number} was computed again ({why})")
     same = again == calm
     print(f"\n{'every answer equals the failure-free run, token for token' if same else 'ANSWERS DIFFER'} "
           f"({sum(map(len, again))} tokens, none lost, none twice)")

@@ -44,7 +44,8 @@ class StubModel:
             if not all(0 <= token < VOCABULARY for token in choice.prompt):
                 raise ConfigError(f"a prompt holds token ids outside the vocabulary of {VOCABULARY}")
         if self.journal is not None and tags is not None:
-            self.journal.microbatch(next(self._microbatches), list(tags))
+            number = next(self._microbatches)
+            self.journal.slot_group(number, list(range(len(tags))), list(tags))
         futures: list[Future] = [Future() for _ in choices]
         self._receiver.submit(self._generate, choices, on_token, futures)
         return futures

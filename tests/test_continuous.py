@@ -203,7 +203,7 @@ def test_the_caches_of_joining_groups_count_against_the_budget_too(swapping) -> 
     assert 0 < runner.device_peak <= runner.budget
 
 
-# ---- 4. static batching is unchanged ---------------------------------------------------------------------
+# ---- 4. static batching: `model.generate` on each microbatch ------------------------------------------
 def test_static_batching_is_unchanged() -> None:
     model = tiny_models.llama()
     engine = dv.DejaVuEngine(model)

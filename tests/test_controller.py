@@ -265,8 +265,8 @@ def test_a_stage_killed_mid_stream_is_recovered_and_the_stream_goes_on_unchanged
         assert re.search(r"^dejavu_recovery_seconds_count 1\.0", text, re.MULTILINE)
         (report,) = _raw(controller, "/v1/status")[1]["recoveries"]
         assert report["replaced"] == ["token stage 1"]
-        assert report["slots"]  # its slot went on from the replicas (continuous batching: the default)
-        assert not report["lost"]
+        assert report["resumed"]  # its slot went on from the replicas (continuous batching: the default)
+        assert not report["recomputed"]
 
 
 @pytest.mark.slow

@@ -134,8 +134,6 @@ def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requ
     first.token("cmpl-done", 0, 0, 3)
     first.answered("cmpl-done", "ok")
     first.admitted("cmpl-running", {"choices": [{"prompt": [2]}]})
-    first.microbatch(0, [["cmpl-done", 0]])  # the rows of each static microbatch, for a successor to take over
-    first.microbatch(1, [["cmpl-running", 0], None, ["cmpl-done", 0]])
     first.slot_group(5, [11, 12], [["cmpl-running", 0], ["cmpl-done", 0]])  # a slot's groups, with their members
     first.slot_group(6, [13], [["cmpl-done", 0]])
     for index in range(600):
@@ -155,7 +153,6 @@ def test_snapshots_bound_the_journal_and_a_successor_keeps_its_predecessors_requ
     assert list(held) == ["cmpl-running"]  # answered, and past keep_finished at the last snapshot
     assert held["cmpl-running"].tokens == {0: [index % 97 for index in range(600)]}
     second = Journal(url, interval=0.0, compact_bytes=2000)
-    assert second.found.microbatches == {1: [("cmpl-running", 0), None, ("cmpl-done", 0)]}  # 0: all answered
     assert second.found.slots == {5: [([11, 12], [("cmpl-running", 0), ("cmpl-done", 0)])]}
     assert second.found.head == first.held.head
     assert second.found.head.url == "tcp://127.0.0.1:5000"

@@ -64,7 +64,7 @@ def test_the_journal_keeps_at_most_keep_answered_requests_and_drops_their_prompt
         state.apply({"admitted": [[f"cmpl-{number}", {"choices": [{"prompt": prompt}], "prompts": [prompt],
                                                      "stop": []}]],
                      "token": [[f"cmpl-{number}", 0, 0, number]]})
-    state.apply({"microbatch": [[7, [["cmpl-8", 0], ["cmpl-9", 0]]]]})  # cmpl-9 runs on, beside cmpl-8
+    state.apply({"slot_group": [[7, [18, 19], [["cmpl-8", 0], ["cmpl-9", 0]]]]})  # cmpl-9 runs on, beside cmpl-8
     state.apply({"answered": [[f"cmpl-{number}", "ok", 100.0 + number] for number in range(9)]})
     state.prune()
     assert list(state.requests) == ["cmpl-6", "cmpl-7", "cmpl-8", "cmpl-9"]  # the last three answered, one running
@@ -74,7 +74,7 @@ def test_the_journal_keeps_at_most_keep_answered_requests_and_drops_their_prompt
     state.apply({"answered": [["cmpl-9", "ok", 200.0]]})  # stand it in for its row
     state.prune()
     assert list(state.requests) == ["cmpl-7", "cmpl-8", "cmpl-9"]
-    assert state.microbatches == {}
+    assert state.slots == {}
     assert all(request.admitted["prompts"] == [[]] for request in state.requests.values())
     again = JournalState.fold([json.loads(state.snapshot())], keep=3)  # a successor holds as much, as little
     assert {request_id: (request.prompt_count(), request.answered) for request_id, request in again.requests.items()} \

@@ -13,7 +13,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.generation import logprobs
-from dejavu_sdk.generation.batching import Microbatch, Request
+from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, Scores, prompt_scores
 from dejavu_sdk.generation.slot_batch import SlotBatch
@@ -167,12 +167,15 @@ def test_rows_of_one_prompt_in_a_microbatch_have_it_scored_once_and_share_its_en
     echo, fewer = Decoding.of(prompt_logprobs=2), Decoding.of(prompt_logprobs=1)
     choices = [Request(PROMPTS[1], 3, decoding) for decoding in (echo, echo, Decoding.of(), fewer, echo)]
     other = Request(PROMPTS[2], 3, echo)
-    batch = Microbatch.of(0, [*choices, other], pad=0)
-    asking = ["prompt" in fields for fields in batch.row_specs().decoding]
+    batch = SlotBatch.open(0, pad=0, refill=False)
+    everyone, _, _ = batch.enter([*choices, other])
+    asking = ["prompt" in fields for fields in everyone.specs.decoding]
     assert asking == [True, False, False, True, False, True]  # the third asks for none, the fourth fewer
     entries = [[-1.5, [9, 4], [-0.5, -1.0]], [-2.0, [7, 3], [-0.25, -2.0]], [-0.75, [4, 1], [-0.5, -0.75]]]
     top_one = [[value, ids[:1], values[:1]] for value, ids, values in entries]
-    batch.add_step([1] * 6, Scores(prompt_logprobs={"0": [1, entries], "3": [1, top_one]}))
+    members = everyone.members
+    batch.add_tokens(members, [1] * 6, Scores(prompt_logprobs={str(members[0]): [1, entries],
+                                                               str(members[3]): [1, top_one]}))
     assert batch.prompt_entries(4) == batch.prompt_entries(1) == batch.prompt_entries(0)
     assert batch.prompt_entries(0) is not None
     assert len(batch.prompt_entries(0)[1].top) == 2

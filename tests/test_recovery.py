@@ -18,14 +18,7 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.generation.batching import Microbatch, Request
-from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.serving import Pipeline
-from dejavu_sdk.serving.head.resume import ended_rows, plan_resume, resume_point
-from dejavu_sdk.serving.kv.replication import Replicator, assemble, held_positions, replica_stream
-from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.store import Store
-from dejavu_sdk.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
@@ -35,109 +28,6 @@ SAMPLING = {"do_sample": True, "seed": 5, "temperature": 0.8, "top_k": 20}
 #: Static microbatches of two, watched closely: each row equals `model.generate` on its microbatch (continuous
 #: batching's recovery is tests/test_serving_slots_recovery.py's).
 STATIC = {"microbatch": 2, "timeout": 60, "heartbeat": 0.5, "batching": "static"}
-
-
-# ---- the pieces --------------------------------------------------------------------------------------------
-def test_the_resume_point_is_the_last_position_every_stage_can_have_again() -> None:
-    assert resume_point(prompt=10, tokens=7, replicas=[14]) == 14  # a replica lagging two steps behind
-    assert resume_point(prompt=10, tokens=7, replicas=[30]) == 16  # never past what the head has tokens for
-    assert resume_point(prompt=10, tokens=7, replicas=[]) == 16  # nobody lost a cache: P + tokens - 1
-    assert resume_point(prompt=10, tokens=7, replicas=[9]) is None  # the replica lacks part of the prompt
-    assert resume_point(prompt=10, tokens=7, replicas=[-1]) is None  # the replica is gone with its holder
-    assert resume_point(prompt=10, tokens=0, replicas=[]) is None  # still in the prompt pipeline
-
-
-def test_rows_end_at_their_end_of_sequence_token_or_their_limit() -> None:
-    generated = [[5, 2, 0], [5, 6, 7], [5, 6, 7]]
-    assert ended_rows(generated, 1, [9, 9, 1], eos=[2]).tolist() == [0, 0, 1]
-    assert ended_rows(generated, 2, [9, 9, 1], eos=[2]).tolist() == [1, 0, 1]
-
-
-#: Two token stages after a prompt stage, replicating around a ring: token stage 1 (index 2) is the dead one.
-LAYOUT = Layout([[(0, 3)], [(0, 2), (2, 3)]], ring=True)
-
-
-def _plan(in_flight, survivor: dict):
-    """`plan_resume` with token stage 1 dead and token stage 0 reporting `survivor`'s caches and holds."""
-    return plan_resume(in_flight, {2}, LAYOUT, "replicas", (2,), lambda number: str(number) in survivor["caches"],
-                       lambda index, number: survivor["holds"].get(str(number), -1))
-
-
-def _batch(number: int, generated: list[list[int]], sampled: bool = False, rng_steps=()) -> Microbatch:
-    requests = [Request(torch.tensor([5, 6, 7]), 8, Decoding.of(sampled, 3 if sampled else None))
-                for _ in generated]
-    batch = Microbatch.of(number, requests, pad=0)
-    batch.generated = [list(row) for row in generated]
-    batch.rng_states = {step: torch.empty(0) for step in rng_steps}
-    return batch
-
-
-def test_the_plan_resumes_what_it_can_settles_what_ended_and_starts_the_rest_over() -> None:
-    ended = _batch(1, [[4, 2], [3, 2]])  # every row ended at an end-of-sequence token: nothing to redo
-    decoding = _batch(2, [[4, 5, 6, 7], [3, 3, 3, 3]])  # 4 tokens; the dead stage's replica reaches 5 positions
-    prompting = _batch(3, [[], []])
-    sampled = _batch(4, [[4, 5, 6, 7]], sampled=True, rng_steps=(4,))  # the state at step 3 is not kept
-    in_flight = [(1, ended, "decoding"), (2, decoding, "decoding"), (3, prompting, "prompting"),
-                 (4, sampled, "decoding")]
-    plan = _plan(in_flight, {"caches": {"1": 4, "2": 6, "4": 6}, "holds": {"2": 5, "4": 5}})
-    assert plan.resumed == {2: 3}  # 5 positions = 3 prompt + 2 steps: fed the token of step 3 again
-    assert plan.recomputed == [3, 4]
-    assert plan.finished == [1]
-    assert plan.failed == []
-
-
-def test_a_microbatch_at_two_recoveries_in_a_row_without_progress_fails_and_one_that_progressed_does_not() -> None:
-    moving, stuck, waiting = _batch(2, [[4, 5], [3, 3]]), _batch(3, [[], []]), _batch(5, [[], []])
-    in_flight = [(2, moving, "decoding"), (3, stuck, "prompting"), (5, waiting, "staged")]
-    survivor = {"caches": {}, "holds": {}}
-    assert _plan(in_flight, survivor).failed == []
-    for batch in (moving, stuck):  # seen by that recovery (a staged one is not judged: it computes nothing)
-        batch.seen_by_recovery = batch.steps_received
-    moving.add_step([6, 3])  # a new token between the two recoveries
-    assert _plan(in_flight, survivor).failed == [3]
-
-
-def _cache(positions: int, layers: int = 3, seed: int = 0) -> torch.Tensor:
-    return torch.randn((layers, 2, 2, 2, positions, 4), generator=torch.Generator().manual_seed(seed))
-
-
-def test_a_replica_streamed_step_by_step_comes_back_bit_for_bit() -> None:
-    from transformers import DynamicCache
-
-    full = _cache(9)
-    with dv.serve("tcp://127.0.0.1:0", MemoryStore()) as holder, dv.open_transport(holder.url) as link:
-        cache = DynamicCache()
-        for layer in range(3):
-            cache.update(full[layer, 0, :, :, :6], full[layer, 1, :, :, :6], layer)
-        replicator = Replicator(Store(link), stage=1, layers=3)
-        replicator.start(4, cache)  # the prompt, one block per layer
-        for position in range(6, 9):  # then one block per step over every layer
-            for layer in range(3):
-                cache.update(full[layer, 0, :, :, position:position + 1], full[layer, 1, :, :, position:position + 1],
-                             layer)
-            replicator.step(4, cache)
-        replicator.finish_all()
-        stream = replica_stream(1, 4)
-        assert held_positions(holder.store.keys(stream), 3) == 9
-        assert torch.equal(assemble(holder.store, stream, 3, 9), full)
-        assert torch.equal(assemble(holder.store, stream, 3, 7), full[:, :, :, :, :7])
-        with pytest.raises(dv.DejaVuError, match="holds 9 of the 10 positions"):
-            assemble(holder.store, stream, 3, 10)
-        replicator.end(4)
-        assert holder.store.keys(stream) == []
-
-
-def test_held_positions_count_only_what_every_layer_has_without_a_gap() -> None:
-    store = MemoryStore()
-    block = _cache(5, layers=1)
-    for layer in range(2):
-        store.flush(dv.BlockKey("s", (layer, layer + 1), (0, 5)), block)
-    store.flush(dv.BlockKey("s", (0, 2), (5, 6)), _cache(1, layers=2))
-    store.flush(dv.BlockKey("s", (0, 2), (7, 8)), _cache(1, layers=2))  # position 6 never arrived
-    assert held_positions(store.keys("s"), 2) == 6
-    assert held_positions(store.keys("s"), 3) == 0  # a layer with nothing
-    store.flush(dv.BlockKey("s", (0, 1), (0, 7)), _cache(7, layers=1))  # streamed again after a rewind: overlaps
-    assert held_positions(store.keys("s"), 2) == 6
 
 
 # ---- settings ---------------------------------------------------------------------------------------------
@@ -247,7 +137,7 @@ def test_three_failures_of_random_token_stages_lose_no_request(how, sampled) -> 
         pad, eos = pipe.pad, pipe.eos
         reports = list(pipe.recoveries)
     assert [report.replaced for report in reports] == [[victim] for victim in victims]
-    assert all(report.resumed for report in reports)  # the microbatches went on from their replicas...
+    assert all(report.resumed and not report.recomputed for report in reports)  # each went on from its replicas
     assert all(report.transferring < 5 for report in reports)
     expected = _expected(results, prompts, pad, eos, decoding)
     for index, (result, want) in enumerate(zip(results, expected, strict=True)):
@@ -353,7 +243,7 @@ def test_both_token_stages_lost_at_once_start_over_from_the_prompts_and_say_so(r
     assert sorted(name for report in reports for name in report.replaced) == ["token stage 0", "token stage 1"]
     assert not any(report.resumed for report in reports)
     assert any(report.recomputed for report in reports)
-    assert "recomputed [" in reports[-1].describe()
+    assert "recomputed microbatch" in reports[-1].describe()
     expected = _expected(results, prompts, pad, eos, {})
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
     # Before: a microbatch started over streamed its tokens a second time, from its first.
@@ -412,7 +302,7 @@ def test_recompute_replaces_the_stage_and_starts_the_microbatches_over() -> None
     assert report.replaced == ["stage 1"]
     assert report.recomputed
     assert not report.resumed
-    expected = _expected(results, prompts, pad, eos, SAMPLING)
+    expected = _expected(results, prompts, pad, eos, SAMPLING)  # each microbatch started over, exactly
     assert all(torch.equal(result.tokens, want) for result, want in zip(results, expected, strict=True))
 
 

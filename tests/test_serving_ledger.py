@@ -8,13 +8,12 @@ import torch
 import dejavu_sdk as dv
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
-from dejavu_sdk.generation.decoding import Decoding, RowFailure
+from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.slots import Round
-from dejavu_sdk.serving.head.ledger import Ledger, Phase
+from dejavu_sdk.serving.head.ledger import Ledger, stream
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.wire.messages import (
     Cancel,
-    Decode,
     Drop,
     End,
     Enter,
@@ -22,7 +21,6 @@ from dejavu_sdk.serving.wire.messages import (
     Prefill,
     Prefilled,
     RoundDone,
-    Start,
 )
 
 EOS = [2]
@@ -31,91 +29,73 @@ DISAGGREGATED = Layout([[(0, 3)], [(0, 2), (2, 3)]])
 
 
 def _ledger(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 2, slots: int = 2) -> Ledger:
-    return Ledger(layout, microbatch, slots, EOS, 0, Admission(budget, False, bytes_per_token=1))
+    """A ledger of static slots (`batching="static"`)."""
+    return Ledger(layout, microbatch, slots, EOS, 0, Admission(budget, False, bytes_per_token=1), refill=False)
 
 
 def _requests(*limits: int) -> list[Request]:
     return [Request(torch.tensor([5, 6, 7]), limit, Decoding()) for limit in limits]
 
 
-def test_a_mixed_pipeline_admits_one_microbatch_per_stage_and_the_next_when_one_is_freed() -> None:
+def test_a_static_slot_takes_one_microbatch_keeps_its_ended_rows_and_ends_when_they_all_left() -> None:
     ledger = _ledger()
-    ledger.queue(_requests(3, 3, 3, 3, 3))
-    sends = ledger.admit()
-    assert [(stage, type(message)) for stage, message in sends] == [(0, Prefill), (0, Prefill)]
-    assert ledger.admit() == []  # both stages hold a microbatch
-    ledger.on_ended(0, freed=False)
-    assert ledger.admit() == []  # ended, but a stage still holds its cache
-    ledger.on_freed(0)
-    assert [message.microbatch for _, message in ledger.admit()] == [2]
+    requests = _requests(1, 3, 3, 3, 3)
+    ledger.queue(requests)
+    sends = ledger.admit()  # a slot per stage, a microbatch each
+    assert [(stage, type(message), message.group.members) for stage, message in sends] == [
+        (0, OpenSlot, [requests[0].number, requests[1].number]),
+        (0, OpenSlot, [requests[2].number, requests[3].number])]
+    slot, (first, second) = sends[0][1].microbatch, sends[0][1].group.members
+    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
+                                           complete=[first, second]), [7, 8])
+    assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]  # its one token: answered
+    ledger.on_round(slot, _round([second], joined=[first, second], decoded=[first, second]), [9])
+    assert ledger.admit() == []  # a static slot takes no row beside the ended one, which stays as padding
+    outcome = ledger.on_round(slot, _round([second], decoded=[first, second]), [10])
+    (result,) = [result for _, result in outcome.answers]
+    assert (result.tokens.tolist(), result.microbatch, result.row, result.rows, result.padding) == (
+        [8, 9, 10], slot, 1, 2, 0)
+    assert result.schedule == ()  # `model.generate` on its microbatch: no schedule
+    assert result.request == -1
+    ledger.on_round(slot, _round([], left=[first, second], idle=True), [])
+    ((stage, end),) = ledger.admit()  # its rows left together, and the slot ends
+    assert (stage, end) == (0, End(microbatch=slot))
+    assert ledger.admit() == []  # its room is free once every stage let its cache go
+    ledger.on_freed(slot)
+    (opened,) = ledger.admit()
+    assert (type(opened[1]), opened[1].group.members) == (OpenSlot, [requests[4].number])
 
 
-def test_a_budget_admits_only_what_fits() -> None:
+def test_a_static_slot_reserves_its_padded_microbatch_within_the_budget() -> None:
     ledger = _ledger(budget=2 * 5)  # one row of 3 prompt + 3 new positions - 1, twice
     ledger.queue(_requests(3, 3, 3))
     (first,) = ledger.admit()
-    assert first[1].inputs.shape[0] == 2  # two rows fit together, the third waits
+    assert len(first[1].group.members) == 2  # two rows fit together, the third waits
     assert ledger.admit() == []
 
 
-def test_a_row_is_answered_at_its_own_end_and_a_failed_row_alone_fails() -> None:
-    ledger = _ledger(microbatch=3)
-    requests = _requests(2, 5, 5)
-    streamed: list[int] = []
-    requests[2].on_token = streamed.append
+def test_a_lost_static_slot_starts_its_microbatch_over_where_each_row_sat_and_streams_nothing_twice() -> None:
+    ledger = _ledger(microbatch=3, slots=1, layout=Layout([[(0, 3)]]))
+    streamed: list[list[int]] = [[], [], []]
+    requests = [Request(torch.tensor([5, 6, 7][:length]), limit, Decoding(),
+                        on_token=lambda token, row=row: streamed[row].append(token))
+                for row, (length, limit) in enumerate([(3, 1), (2, 4), (3, 4)])]
     ledger.queue(requests)
-    ledger.admit()
-    ledger.on_tokens(0, [7, 8, 9], None, {})
-    outcome = ledger.on_tokens(0, [4, 8, 0], None, {2: RowFailure("its logits are not finite")})
-    assert [token for _, token in outcome.calls] == []  # the failed row's padding is no token of its own
-    answered = {requests.index(next(r for r in requests if r.future is future)): result
-                for future, result in outcome.answers}
-    assert answered[0].tokens.tolist() == [7, 4]  # its own max_new_tokens
-    assert isinstance(answered[2], dv.RequestFailed)
-    assert not answered[2].input_error
-    assert 1 not in answered  # the long row goes on
-    ending = ledger.on_ended(0, freed=True)
-    assert [future for future, _ in ending.answers] == [requests[1].future]  # only the one not answered yet
-
-
-def test_a_cancelled_waiting_request_leaves_the_queue_and_a_running_row_is_ended_by_the_last_stage() -> None:
-    ledger = _ledger(microbatch=1)
-    requests = _requests(5, 5, 5)
-    ledger.queue(requests)
-    ledger.admit()
-    assert ledger.cancel(requests[2]) == []
-    assert len(ledger.waiting) == 0
-    ((stage, message),) = ledger.cancel(requests[0])
-    assert (stage, message) == (0, Cancel(microbatch=0, rows=[0], epoch=0))
-
-
-def test_a_cancel_during_a_recovery_sends_nothing_and_the_resumed_microbatch_carries_it() -> None:
-    ledger = _ledger(microbatch=2)
-    requests = _requests(5, 5)
-    ledger.queue(requests)
-    ledger.admit()
-    ledger.on_tokens(0, [4, 4], None, {})
-    ledger.held = True  # a recovery is under way: its stages may be replacements not yet assigned
-    assert ledger.cancel(requests[1]) == []
-    sends = ledger.resume({0: 1}, [], [], []).sends
-    assert [type(message) for _, message in sends] == [Decode, Cancel]
-    assert sends[1][1].rows == [1]
-    ledger.seen_by_recovery(0)
-    assert ledger.flights[0].batch.seen_by_recovery == 1
-
-
-def test_a_staged_microbatch_starts_on_a_free_token_stage_carrying_rows_cancelled_meanwhile() -> None:
-    ledger = _ledger(DISAGGREGATED, microbatch=2, slots=3)
-    requests = _requests(4, 4)
-    ledger.queue(requests)
-    assert [stage for stage, _ in ledger.admit()] == [0]
-    ledger.on_prefilled(_prefilled(0, torch.tensor([[7], [8]]), torch.ones(2, 3, dtype=torch.long)),
-                        keep_states=False)
-    assert ledger.flights[0].phase is Phase.STAGED
-    assert ledger.cancel(requests[1]) == []  # not decoding yet: its start will carry it
-    ((stage, start),) = ledger.admit()
-    assert (stage, type(start)) == (1, Start)  # the first token stage
-    assert start.ended.tolist() == [0, 1]
+    ((_, opened),) = ledger.admit()
+    members = opened.group.members
+    outcome = ledger.on_round(opened.microbatch, _round(members, prefill=[members, 0, 3], complete=members), [7, 8, 9])
+    stream(outcome.calls)
+    ledger.slots_to_recover(1)
+    restarted = ledger.resume_slots({}, {opened.microbatch: "recovery='recompute' keeps no replica"})
+    (_, again), (_, cancel) = restarted.sends
+    assert (type(again), again.group.members) == (OpenSlot, members)  # the same rows, in the same order
+    assert torch.equal(again.mask, opened.mask)  # each row's padding as it was
+    assert cancel == Cancel(microbatch=again.microbatch, rows=[members[0]])  # answered: padding now
+    assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]
+    stream(ledger.on_round(again.microbatch, _round(members[1:], prefill=[members, 0, 3], complete=members),
+                           [8, 9]).calls)
+    stream(ledger.on_round(again.microbatch, _round(members[1:], joined=members, decoded=members), [10, 11]).calls)
+    assert streamed == [[7], [8, 10], [9, 11]]  # the first tokens came once
 
 
 def test_a_failed_microbatch_is_dropped_everywhere_and_its_room_comes_back() -> None:
@@ -142,32 +122,9 @@ def test_a_failed_pipeline_fails_everything_and_refuses_more() -> None:
         ledger.queue(_requests(1))
 
 
-def test_resuming_feeds_resumed_microbatches_their_step_restarts_the_others_and_fails_poison() -> None:
-    ledger = _ledger(microbatch=1)
-    requests = _requests(9, 9, 9)
-    ledger.queue(requests)
-    ledger.admit()
-    for tokens in ([4], [5], [6]):
-        ledger.on_tokens(0, tokens, None, {})
-    ledger.held = True
-    outcome = ledger.resume({0: 2}, [1], [], [])
-    decode, prefill = (message for _, message in outcome.sends)
-    assert [(stage, type(message)) for stage, message in outcome.sends] == [(0, Decode), (0, Prefill)]
-    assert decode.inputs.tolist() == [[5]]  # the token of step 2, fed again
-    assert prefill.ended == []
-    assert not ledger.held
-    ledger.cancel(requests[1])  # a row cancelled before its microbatch starts over is not computed again
-    ledger.held = True
-    assert ledger.resume({}, [1], [], []).sends[0][1].ended == [0]
-    ledger.held = True
-    failed = ledger.resume({}, [], [], [0])
-    assert isinstance(failed.answers[0][1], dv.RequestFailed)
-    assert "two recoveries in a row" in str(failed.answers[0][1])
-
-
-# ---- continuous batching: slots ------------------------------------------------------------------------
+# ---- continuous batching: slots that refill -------------------------------------------------------------
 def _slots(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 3) -> Ledger:
-    return Ledger(layout, microbatch, 2, EOS, 0, Admission(budget, False, bytes_per_token=1), continuous=True)
+    return Ledger(layout, microbatch, 2, EOS, 0, Admission(budget, False, bytes_per_token=1))
 
 
 def _round(members, left=(), joined=(), decoded=(), prefill=None, complete=(), idle=False) -> RoundDone:

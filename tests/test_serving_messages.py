@@ -13,10 +13,11 @@ import tiny_models
 import torch
 
 import dejavu_sdk as dv
-from dejavu_sdk.generation.batching import Microbatch, Request, check_prompt
+from dejavu_sdk.generation.batching import Request, check_prompt
 from dejavu_sdk.generation.decoding import Decoding, RowFailure
 from dejavu_sdk.generation.logprobs import Scores
 from dejavu_sdk.generation.row_specs import Group, RowSpecs
+from dejavu_sdk.generation.slot_batch import SlotBatch
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.generation.turns import take_microbatch
@@ -31,10 +32,8 @@ from dejavu_sdk.serving.wire.messages import (
     AskStats,
     Assign,
     Cancel,
-    Decode,
     Drop,
     End,
-    Ended,
     Enter,
     Failed,
     Fenced,
@@ -59,7 +58,6 @@ from dejavu_sdk.serving.wire.messages import (
     Relink,
     Relinked,
     Restore,
-    Rewind,
     RewindSlot,
     Rewound,
     RoundDone,
@@ -70,9 +68,7 @@ from dejavu_sdk.serving.wire.messages import (
     SlotRound,
     Staged,
     Standby,
-    Start,
     Stats,
-    Tokens,
     Warm,
     pack,
     unpack,
@@ -115,30 +111,24 @@ def _samples() -> list[Message]:
                   starting=GroupStart(SPECS, Staged(9, [5, 6], [], 0)), inputs=one, prefill_inputs=two,
                   group_mask=three, rng=four),
         SlotRound(microbatch=4, left=[], joined=None, inputs=one),
-        Decode(microbatch=3, epoch=1, inputs=one),
-        Start(microbatch=3, epoch=1, specs=SPECS, first=[5, 6], inputs=one, mask=two, ended=three, rng=four),
         Kv(microbatch=3, epoch=1, layers=(2, 4), last=False, piece=one),
         Cancel(microbatch=3, epoch=1, rows=[0, 1]), NotEntered(microbatch=4, epoch=1, members=[12]),
         End(microbatch=3, epoch=1),
-        Tokens(microbatch=3, epoch=1, failed={1: RowFailure("refused", True)}, scores=SCORES, tokens=one, states=two),
-        Tokens(microbatch=3, tokens=one),
         RoundReport(microbatch=4, epoch=2, done=DONE, scores=SCORES, tokens=one, states=two),
         Prefilled(microbatch=3, epoch=1, failed={0: RowFailure("nan")}, chunk=256, scores=SCORES, tokens=one,
                   mask=two, ended=three, rng=four),
-        Ended(microbatch=3, epoch=1, freed=True), Freed(microbatch=3, epoch=1),
+        Freed(microbatch=3, epoch=1),
         MicrobatchFailed(microbatch=3, epoch=1, stage="stage 1", error="IndexError"),
         LinkLost(stage="stage 0", epoch=1, error="refused"),
-        Pause(epoch=2, microbatches=[3, 4], replica_of=1, replica_layers=3, takeover=True),
-        Paused(stage="stage 0", epoch=2, caches={3: 9}, holds={3: 8}, slots={4: 17}, steps={3: (2, [[5, 6], [7, 8]])},
+        Pause(epoch=2, takeover=True),
+        Paused(stage="stage 0", epoch=2, slots={4: 17},
                reports={4: [(DONE, [7, 8, 9])]}),
         Relink(epoch=2, links=LINKS), Relinked(stage="stage 0", epoch=2),
         SendReplica(microbatch=3, epoch=2, owner=1, layers=3, positions=9, to="tcp://a:3", part="group2",
                     item="3/group2"),
         Sent(microbatch=3, epoch=2, stage="stage 0", item="3/group2", error="short", unreachable=True),
-        Restore(microbatch=3, epoch=2, part=None, block=one),
+        Restore(microbatch=3, epoch=2, part="segment3", block=one),
         Drop(epoch=2, microbatches=[3], failed=True, all_but=[4]),
-        Rewind(microbatch=3, epoch=2, specs=SPECS, positions=9, steps=3, replicated=8, generated=[[5, 6], [7, 8]],
-               keep=True, mask=one, ended=two, rng=three),
         RewindSlot(microbatch=4, epoch=2, round=17, parked=False, left=[1], joined=None, members=[2, 4],
                    pieces=[Piece("segment3", 2, 4), Piece("group2", 2, 6)], decodings=SPECS.decoding,
                    counts={2: 5, 4: 1}, limits={2: 8, 4: 8}, cancelled=[4], finals={2: 14, 4: 14},
@@ -158,10 +148,10 @@ def test_every_message_round_trips_exactly() -> None:
 
 
 def test_a_messages_tensors_compare_by_value() -> None:
-    message = Decode(microbatch=1, inputs=torch.tensor([[1, 2]]))
-    assert message == Decode(microbatch=1, inputs=torch.tensor([[1, 2]]))
-    assert message != Decode(microbatch=1, inputs=torch.tensor([[1, 3]]))
-    assert message != Decode(microbatch=1, inputs=torch.tensor([[1.0, 2.0]]))
+    message = Restore(microbatch=1, part="segment0", block=torch.tensor([[1, 2]]))
+    assert message == Restore(microbatch=1, part="segment0", block=torch.tensor([[1, 2]]))
+    assert message != Restore(microbatch=1, part="segment0", block=torch.tensor([[1, 3]]))
+    assert message != Restore(microbatch=1, part="segment0", block=torch.tensor([[1.0, 2.0]]))
 
 
 def _raw(header: dict, payload: bytes = b"") -> torch.Tensor:
@@ -171,31 +161,36 @@ def _raw(header: dict, payload: bytes = b"") -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-DECODE = {"epoch": 0, "microbatch": 3}
+MICROBATCH = {"epoch": 0, "microbatch": 3}
+RESTORE = {**MICROBATCH, "part": "segment0"}
+DONE_FIELDS = {"round": {"left": [], "joined": [], "decoded": [], "prefill": None, "chunk": 0, "resumed": [],
+                         "lost": False}, "members": [], "complete": [], "idle": True, "next": [[], None], "failed": {}}
 
 
 def _header(kind: str, fields: dict, tensors: list) -> dict:
     return {"kind": kind, "fields": fields, "tensors": tensors}
 
 
-def _decode(fields: dict) -> torch.Tensor:
-    return _raw(_header("decode", fields, [["int64", [1]]]), bytes(8))
+def _restore(fields: dict) -> torch.Tensor:
+    return _raw(_header("restore", fields, [["int64", [1]]]), bytes(8))
 
 
 def _pause(**changed: object) -> torch.Tensor:
-    fields = {"epoch": 1, "microbatches": [3], "replica_of": None, "replica_layers": 0, "takeover": False}
-    return _raw(_header("pause", {**fields, **changed}, []))
+    return _raw(_header("pause", {"epoch": 1, "takeover": False, **changed}, []))
+
+
+def _drop(**changed: object) -> torch.Tensor:
+    return _raw(_header("drop", {"epoch": 1, "microbatches": [3], "failed": False, "all_but": None, **changed}, []))
 
 
 def _paused(**changed: object) -> torch.Tensor:
-    fields = {"epoch": 1, "stage": "stage 0", "caches": {"3": 9}, "holds": {}, "slots": {}, "steps": {},
-              "reports": {}}
+    fields = {"epoch": 1, "stage": "stage 0", "slots": {"3": 9}, "reports": {}}
     return _raw(_header("paused", {**fields, **changed}, []))
 
 
 def _report(round_fields: dict) -> torch.Tensor:
     done = {"round": round_fields, "members": [], "complete": [], "idle": True, "next": [[], None], "failed": {}}
-    fields = {**DECODE, "done": done, "scores": {"logprobs": {}, "prompt_logprobs": {}}}
+    fields = {**MICROBATCH, "done": done, "scores": {"logprobs": {}, "prompt_logprobs": {}}}
     return _raw(_header("round_report", fields, [["int64", [0]], None]))
 
 
@@ -203,33 +198,33 @@ ROUND = {"left": [], "joined": [], "decoded": [], "prefill": None, "chunk": 0, "
 
 
 @pytest.mark.parametrize("packed", [
-    _raw(_header("decode", DECODE, [["float32", [-1]]])),
-    _raw(_header("decode", DECODE, [["int64", [-1]], ["int64", [1]]]), bytes(8)),
-    _raw(_header("decode", DECODE, [["float32", [4]]]), bytes(8)),  # shorter than its header says
-    _raw(_header("decode", DECODE, [["complex-ish", [1]]]), bytes(8)),
-    _raw({"kind": "decode", "fields": DECODE}),
+    _raw(_header("restore", RESTORE, [["float32", [-1]]])),
+    _raw(_header("restore", RESTORE, [["int64", [-1]], ["int64", [1]]]), bytes(8)),
+    _raw(_header("restore", RESTORE, [["float32", [4]]]), bytes(8)),  # shorter than its header says
+    _raw(_header("restore", RESTORE, [["complex-ish", [1]]]), bytes(8)),
+    _raw({"kind": "restore", "fields": RESTORE}),
     torch.frombuffer(bytearray(struct.pack("<I", 1 << 30) + b"{}"), dtype=torch.uint8),
     torch.zeros(3, dtype=torch.uint8),
     torch.zeros(4, 4, dtype=torch.uint8),
-    _raw(_header("no-such-kind", DECODE, [])),
-    _raw(_header(["decode"], DECODE, [])),
-    _raw(["decode", DECODE, []]),
-    _decode({"epoch": 0}),
-    _decode({**DECODE, "rows": [1]}),
-    _decode({**DECODE, "microbatch": "3"}),
-    _decode({**DECODE, "microbatch": True}),
-    _decode({**DECODE, "microbatch": 3.0}),
-    _decode({**DECODE, "epoch": None}),
-    _raw(_header("decode", DECODE, []), bytes(8)),
-    _raw(_header("decode", DECODE, [["int64", [1]], ["int64", [1]]]), bytes(16)),
-    _raw(_header("decode", DECODE, [None])),
+    _raw(_header("no-such-kind", RESTORE, [])),
+    _raw(_header(["restore"], RESTORE, [])),
+    _raw(["restore", RESTORE, []]),
+    _restore({"epoch": 0, "part": "segment0"}),
+    _restore({**RESTORE, "rows": [1]}),
+    _restore({**RESTORE, "microbatch": "3"}),
+    _restore({**RESTORE, "microbatch": True}),
+    _restore({**RESTORE, "microbatch": 3.0}),
+    _restore({**RESTORE, "epoch": None}),
+    _raw(_header("restore", RESTORE, []), bytes(8)),
+    _raw(_header("restore", RESTORE, [["int64", [1]], ["int64", [1]]]), bytes(16)),
+    _raw(_header("restore", RESTORE, [None])),
     _pause(takeover=1),
-    _pause(microbatches=[3, "4"]),
-    _pause(microbatches={"3": 3}),
-    _paused(caches={"three": 9}),
-    _paused(caches={"03": 9}),
-    _paused(caches=[[3, 9]]),
-    _paused(steps={"3": [2]}),
+    _drop(microbatches=[3, "4"]),
+    _drop(microbatches={"3": 3}),
+    _paused(slots={"three": 9}),
+    _paused(slots={"03": 9}),
+    _paused(slots=[[3, 9]]),
+    _paused(reports={"3": [[DONE_FIELDS]]}),
     _report({key: value for key, value in ROUND.items() if key != "lost"}),
     _report({**ROUND, "prefill": [[6, 7], 2]}),
     _report({**ROUND, "decoded": [1, None]}),
@@ -261,16 +256,19 @@ def test_every_message_class_has_one_handler_in_each_receiver_that_takes_it() ->
 
 def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:
     requests = [Request(torch.tensor([5, 6]), 4), Request(torch.tensor([7]), 2), Request(torch.tensor([8]), 4)]
-    batch = Microbatch.of(0, requests, pad=0)
-    assert batch.ids.tolist() == [[5, 6], [0, 7], [0, 8]]
-    for step in ([9, 9, 3], [2, 9, 9], [0, 9, 9], [0, 9, 0]):  # one token per row, step by step
-        batch.add_step(step)
-    results = batch.results(eos=[2, 3])
+    batch = SlotBatch.open(0, pad=0, refill=False)  # a static microbatch
+    group, ids, mask = batch.enter(requests)
+    batch.groups.append((group, ids, mask))
+    assert ids.tolist() == [[5, 6], [0, 7], [0, 8]]
+    batch.add_tokens(group.members, [9, 9, 3])  # each live row's token, round by round
+    batch.add_tokens(group.members[:2], [2, 9])
+    batch.add_tokens(group.members[:1], [0])  # past its end: not its result's
+    results = [batch.result(row, eos=[2, 3]) for row in range(3)]
     assert [result.tokens.tolist() for result in results] == [[9, 2], [9, 9], [3]]
-    arrived = batch.arrived
-    assert [(result.first_token, result.finished) for result in results] == [(arrived[0], arrived[1]),
-                                                                            (arrived[0], arrived[1]),
-                                                                            (arrived[0], arrived[0])]
+    stamps = batch.stamps
+    assert [(result.first_token, result.finished) for result in results] == [(stamps[0][0], stamps[0][1]),
+                                                                            (stamps[1][0], stamps[1][1]),
+                                                                            (stamps[2][0], stamps[2][0])]
     assert all(result.submitted <= result.first_token for result in results)
     assert [(result.row, result.rows, result.padding) for result in results] == [(0, 3, 0), (1, 3, 1), (2, 3, 1)]
 

@@ -97,14 +97,13 @@ def test_a_stage_killed_while_rows_join_and_leave_resumes_every_slot_exactly(lay
     outcomes, streamed, reports, prompts = _serve_and_kill([victim], **layout)
     assert [report.replaced for report in reports] == [[victim]]
     report = reports[0]
-    assert report.slots, report.describe()  # slots went on from their replicas...
-    assert not report.lost, report.describe()  # ...every one of them
-    assert not report.recomputed
+    assert report.resumed, report.describe()  # slots went on from their replicas...
+    assert not report.recomputed, report.describe()  # ...every one of them
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     _check_replayed(outcomes, streamed, prompts)
     # the slots that went on were changing rows around the recovery: rows joined and left before and after it
-    longest = max((result.schedule for result in outcomes if result.microbatch in report.slots), key=len)
-    at = report.slots[next(result.microbatch for result in outcomes if result.schedule is longest)]
+    longest = max((result.schedule for result in outcomes if result.microbatch in report.resumed), key=len)
+    at = report.resumed[next(result.microbatch for result in outcomes if result.schedule is longest)]
     assert any(step.joined or step.left for step in longest[:at])
     assert any(step.joined or step.left for step in longest[at:]), "no row joined or left after the recovery"
 
@@ -118,7 +117,7 @@ def test_a_replica_store_lets_every_slot_go_on_even_when_neighbours_die_together
     outcomes, streamed, reports, prompts = _serve_and_kill(victims, replica_store=f"file://{tmp_path}/replicas",
                                                            **layout)
     assert sorted(name for report in reports for name in report.replaced) == victims
-    assert all(report.slots and not report.lost for report in reports), [r.describe() for r in reports]
+    assert all(report.resumed and not report.recomputed for report in reports), [r.describe() for r in reports]
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     _check_replayed(outcomes, streamed, prompts)
     assert dv.open_store(f"file://{tmp_path}/replicas").keys() == []  # each slot's replica went with it
@@ -138,7 +137,7 @@ def test_slots_whose_replicas_died_with_them_go_on_from_the_tokens_their_rows_ha
     of its schedule, which runs through the lost slot, and streamed each token once."""
     outcomes, streamed, reports, prompts = _serve_and_kill(["token stage 0", "token stage 1"], rounds=10,
                                                            prompt_stages=1, token_stages=2)
-    assert any(report.lost for report in reports)
+    assert any(report.recomputed for report in reports)
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert _went_on(outcomes), "no row went on from its tokens"
     assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
@@ -155,8 +154,8 @@ def test_continuous_recompute_goes_on_with_every_row_of_a_lost_slot_exactly(layo
     and streamed each token once."""
     outcomes, streamed, reports, prompts = _serve_and_kill([victim], recovery="recompute", **layout)
     assert [report.replaced for report in reports] == [[victim]]
-    assert reports[0].lost, reports[0].describe()
-    assert not reports[0].slots, reports[0].describe()
+    assert reports[0].recomputed, reports[0].describe()
+    assert not reports[0].resumed, reports[0].describe()
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert any(index % 3 == 1 for index in _went_on(outcomes)), "no sampled row went on from its tokens"
     _check_replayed(outcomes, streamed, prompts)
@@ -169,8 +168,8 @@ def test_continuous_recompute_keeps_the_slots_of_living_token_stages_when_a_prom
     outcomes, streamed, reports, prompts = _serve_and_kill(["prompt stage 0"], recovery="recompute", prompt_stages=1,
                                                            token_stages=1)
     assert [report.replaced for report in reports] == [["prompt stage 0"]]
-    assert reports[0].slots, reports[0].describe()
-    assert not reports[0].lost, reports[0].describe()
+    assert reports[0].resumed, reports[0].describe()
+    assert not reports[0].recomputed, reports[0].describe()
     assert not [outcome for outcome in outcomes if isinstance(outcome, Exception)]
     assert not _went_on(outcomes)
     _check_replayed(outcomes, streamed, prompts)

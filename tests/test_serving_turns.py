@@ -17,7 +17,7 @@ from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.turns import take_microbatch
 from dejavu_sdk.serving.head.ledger import Ledger
 from dejavu_sdk.serving.layout import Layout
-from dejavu_sdk.serving.wire.messages import Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone, Start
+from dejavu_sdk.serving.wire.messages import Enter, Message, OpenSlot, Prefill, Prefilled, RoundDone
 from dejavu_sdk.swapping import positions_needed
 
 ONE_STAGE = Layout([[(0, 3)]])
@@ -65,7 +65,7 @@ def test_turns_go_first_to_the_submission_with_the_fewest_rows_in_flight() -> No
 @pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
 def test_a_request_held_back_by_a_large_one_gets_a_microbatch_beside_it_that_the_large_one_does_not_take(
         continuous) -> None:
-    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=continuous)
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), refill=continuous)
     large, late = _large(12), _one()
     ledger.queue(large)
     (opened,) = ledger.admit()
@@ -73,7 +73,7 @@ def test_a_request_held_back_by_a_large_one_gets_a_microbatch_beside_it_that_the
     assert ledger.admit() == []
     ledger.queue([late])
     (beside,) = ledger.admit()  # not after the large one's sixteen steps: at once, beside it, alone
-    assert (type(beside[1]), _limits(beside[1])) == (OpenSlot if continuous else Prefill, [4])
+    assert (type(beside[1]), _limits(beside[1])) == (OpenSlot, [4])
     assert ledger.admit() == []  # the large one takes no row of it, nor a third microbatch
     assert [flight.beside for flight in ledger.flights.values()] == [False, True]
 
@@ -82,23 +82,24 @@ def test_disaggregated_a_microbatch_beside_a_large_one_is_prompted_and_decodes_b
     ledger = Ledger(Layout([[(0, 3)], [(0, 3)]]), 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1))
     large, late = _large(12), _one()
     ledger.queue(large)
-    for number, rows in ((0, 4), (1, 1)):
-        (prefill,) = ledger.admit()  # to the prompt stage
-        assert (prefill[0], type(prefill[1]), len(_limits(prefill[1]))) == (0, Prefill, rows)
-        ledger.on_prefilled(Prefilled(microbatch=number, tokens=torch.full((rows, 1), 7),
-                                      mask=torch.ones(rows, 3, dtype=torch.long),
-                                      ended=torch.zeros(rows, dtype=torch.uint8),
-                                      rng=torch.empty(0, dtype=torch.uint8)), keep_states=False)
-        (start,) = ledger.admit()  # the token stage takes it: the late one's beside the large one's
-        assert (start[0], type(start[1]), start[1].microbatch) == (1, Start, number)
-        ledger.queue([late])
+    (prefill,) = ledger.admit()  # to the prompt stage
+    assert (prefill[0], type(prefill[1]), len(_limits(prefill[1]))) == (0, Prefill, 4)
+    ledger.queue([late])
+    assert ledger.admit() == []  # the prompt stage runs the large one's group
+    prefilled = ledger.on_group_prefilled(Prefilled(
+        microbatch=prefill[1].microbatch, tokens=torch.full((4, 1), 7), mask=torch.ones(4, 3, dtype=torch.long),
+        ended=torch.zeros(4, dtype=torch.uint8), rng=torch.empty(0, dtype=torch.uint8)))
+    assert [(stage, type(message)) for stage, message in prefilled.sends] == [(1, OpenSlot)]  # to its slot
+    (beside,) = ledger.admit()  # the late one's group, prompted for a slot beside the large one's
+    assert (beside[0], type(beside[1]), _limits(beside[1])) == (0, Prefill, [4])
+    assert [flight.beside for flight in ledger.flights.values()] == [False, True]
     assert ledger.admit() == []
 
 
 @pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
 def test_requests_of_their_own_share_the_layouts_microbatches_as_before(continuous) -> None:
     """One row each is every submission's share: none is held back, and nothing opens beside."""
-    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=continuous)
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), refill=continuous)
     ledger.queue([_one() for _ in range(7)])
     (opened,) = ledger.admit()
     assert len(_limits(opened[1])) == 4
@@ -106,7 +107,7 @@ def test_requests_of_their_own_share_the_layouts_microbatches_as_before(continuo
 
 
 def test_a_row_that_leaves_a_slot_goes_to_the_submission_holding_fewest_rows() -> None:
-    ledger = Ledger(ONE_STAGE, 2, 1, EOS, 0, Admission(None, False, bytes_per_token=1), continuous=True)
+    ledger = Ledger(ONE_STAGE, 2, 1, EOS, 0, Admission(None, False, bytes_per_token=1))
     large = _large(6)
     large[0].max_new_tokens = 1  # its first choice ends at its first token
     first, second = large[0].number, large[1].number

@@ -29,12 +29,11 @@ REPORTS = [_report([11, 12], Round((), (), (), ((11, 12), 0, 2)), [20, 21], comp
 
 
 def _takeover() -> tuple[Ledger, Takeover, list[Request]]:
-    ledger = Ledger(Layout([[(0, 1), (1, 3)]]), 2, 2, [99], 0, Admission(None, False, bytes_per_token=1),
-                    continuous=True)
+    ledger = Ledger(Layout([[(0, 1), (1, 3)]]), 2, 2, [99], 0, Admission(None, False, bytes_per_token=1))
     requests = [Request(torch.tensor([3, 4]), 5, tag=["cmpl-a", 0]), Request(torch.tensor([5]), 5, tag=["cmpl-b", 0])]
     ledger.queue(requests)
     steps = types.SimpleNamespace(layout=ledger.layout)
-    return ledger, Takeover(ledger, steps, {}, GROUPS, lambda tag: None), requests  # type: ignore[arg-type]
+    return ledger, Takeover(ledger, steps, GROUPS, lambda tag: None), requests  # type: ignore[arg-type]
 
 
 def test_a_slot_is_rebuilt_from_the_journals_groups_and_the_last_stages_rounds() -> None:

@@ -49,7 +49,7 @@ class KillTiming:
     replacing: float
     transferring: float
     serving_again: float
-    resumed_at: int | None  # the step the microbatch went on from (None: it started over)
+    resumed_at: int | None  # the round the microbatch went on with (None: it started over)
 
 
 @attrs.frozen
@@ -93,7 +93,7 @@ class RecoveryBenchReport:
             "every variant back to back in each.", "",
             markdown_table(["recovery", "failure-free latency", "with a failure", "failure / failure-free (range)",
                             "paper", "kill -> detected / replaced / caches back", "kill -> next new token",
-                            "went on from step"], rows), "",
+                            "went on at round"], rows), "",
             f"Replicating costs {statistics.median(overheads):.2f}x ({min(overheads):.2f}-{max(overheads):.2f}) "
             "the failure-free latency of the pipeline that does not replicate."])
 

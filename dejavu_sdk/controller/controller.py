@@ -153,7 +153,6 @@ class Controller:
         self.pipeline.on_recovery = self._recovered
         if self.journal is not None:
             self.metrics.watch_journal(self.journal)
-            self.pipeline.on_admitted = self.journal.microbatch
             self.pipeline.on_entered = self.journal.slot_group
         self.host, self.port = host, port
         self._tokens = [self.token, *tokens]
@@ -318,7 +317,7 @@ class Controller:
         going = [run for run in runs if not run.state.ended]
         running = {run.id: [index for index, state in enumerate(run.states) if state.finish is None] for run in going}
         found = JournalState() if self.journal is None else self.journal.found
-        report = self.pipeline.take_over(found.microbatches, found.slots, functools.partial(stand_in, found))
+        report = self.pipeline.take_over(found.slots, functools.partial(stand_in, found))
         taken = {(str(tag[0]), int(tag[1])) for tag in report.tags}
         over = {run.id: [index for index in running[run.id] if (run.id, index) in taken] for run in going}
         again = {run.id: [index for index in running[run.id] if (run.id, index) not in taken] for run in going}

@@ -164,13 +164,8 @@ class Journal:
     def answered(self, request_id: str, outcome: str) -> int:
         return self._put("answered", [request_id, outcome, time.time()])
 
-    def microbatch(self, number: int, rows: list[Any]) -> int:
-        """The rows of the pipeline's static microbatch `number`, in order: each a [request id, choice], or None
-        (a row of no request of this journal's)."""
-        return self._put("microbatch", [number, rows])
-
     def slot_group(self, slot: int, members: list[int], rows: list[Any]) -> int:
-        """A group of requests sent into continuous batching's slot `slot`: the pipeline's numbers for them
+        """A group of requests sent into the pipeline's slot `slot`: the pipeline's numbers for them
         (`members`), and each one's [request id, choice] (or None)."""
         return self._put("slot_group", [slot, members, rows])
 

@@ -81,16 +81,14 @@ class JournaledHead:
 @attrs.define
 class JournalState:
     """What a journal's records say: its requests, by id in the order admitted, its head (`headed`: whether a
-    record said where it is, as the first record of every controller does, and every snapshot), and the rows of
-    the static microbatches that hold a request not answered (`microbatches`: number -> [request id, choice] or
-    None per row), and the groups of the slots that do (`slots`). `keep`: answered requests kept at most (None:
-    all of them, as they were admitted)."""
+    record said where it is, as the first record of every controller does, and every snapshot), and the groups of
+    the microbatches (slots) that hold a request not answered (`slots`). `keep`: answered requests kept at most
+    (None: all of them, as they were admitted)."""
 
     requests: dict[str, JournaledRequest] = attrs.field(factory=dict)
     head: JournaledHead | None = None
     headed: bool = False
-    microbatches: dict[int, list[tuple[str, int] | None]] = attrs.field(factory=dict)
-    #: Continuous batching: each slot's groups, in the order sent, as (members, [request id, choice] or None each).
+    #: Each slot's groups, in the order sent, as (members, [request id, choice] or None each).
     slots: dict[int, list[tuple[list[int], list[tuple[str, int] | None]]]] = attrs.field(factory=dict)
     keep: int | None = None
     #: Ids of the answered requests held, the first answered first; those of them whose prompts are not dropped.
@@ -111,8 +109,6 @@ class JournalState:
         requests = self.requests
         if "snapshot" in record:
             self._restart(record["snapshot"])
-        for number, rows in [*record.get("microbatches", []), *record.get("microbatch", [])]:
-            self.microbatches[int(number)] = _rows(rows)
         for slot, groups in record.get("slots", []):
             self.slots[int(slot)] = [(list(members), _rows(rows)) for members, rows in groups]
         for slot, members, rows in record.get("slot_group", []):
@@ -140,7 +136,6 @@ class JournalState:
     def _restart(self, snapshot: list[list[Any]]) -> None:
         """Replace what is held by what a snapshot says."""
         self.requests.clear()
-        self.microbatches.clear()
         self.slots.clear()
         self._answered.clear()
         self._whole.clear()
@@ -169,20 +164,18 @@ class JournalState:
             request_id, _ = self._answered.popitem(last=False)
             self.requests.pop(request_id, None)
             self._whole.discard(request_id)
-        if len(self.microbatches) + len(self.slots) + len(self._whole) > self._prune_at:
+        if len(self.slots) + len(self._whole) > self._prune_at:
             self.prune()
 
     def prune(self) -> None:
         """Drop the batches with no running row, and the prompts of answered requests no batch left names."""
-        self.microbatches = {number: rows for number, rows in self.microbatches.items() if self._running(rows)}
         self.slots = {slot: groups for slot, groups in self.slots.items()
                       if any(self._running(rows) for _, rows in groups)}
-        named = {row[0] for rows in self.microbatches.values() for row in rows if row is not None}
-        named |= {row[0] for groups in self.slots.values() for _, rows in groups for row in rows if row is not None}
+        named = {row[0] for groups in self.slots.values() for _, rows in groups for row in rows if row is not None}
         for request_id in [request_id for request_id in self._whole if request_id not in named]:
             self.requests[request_id].shrink()
             self._whole.discard(request_id)
-        self._prune_at = max(PRUNE_AT, 2 * (len(self.microbatches) + len(self.slots) + len(self._whole)))
+        self._prune_at = max(PRUNE_AT, 2 * (len(self.slots) + len(self._whole)))
 
     def forget_answered(self, before: float) -> None:
         """Drop the requests answered before `before` (seconds since the epoch), looking from the first answered
@@ -215,8 +208,7 @@ class JournalState:
             rest = [request.tokens, request.finish, request.answered, request.answered_at,
                     *([] if request.prompt_tokens is None else [request.prompt_tokens])]
             out.write(b"," + json.dumps(rest).encode()[1:])
-        out.write(b"], " + json.dumps({"head": [head], "microbatches": [[number, rows] for number, rows in
-                                                                       self.microbatches.items()],
+        out.write(b"], " + json.dumps({"head": [head],
                                       "slots": [[slot, groups] for slot, groups in self.slots.items()]}).encode()[1:])
         return out.getvalue()
 

@@ -22,8 +22,6 @@ from ..errors import ConfigError, quoted
 from ..swapping import positions_needed
 from .decoding import Decoding
 from .logprobs import PromptLogprobs, Scores, TokenLogprobs
-from .row_specs import RowSpecs
-from .shared_prompts import prompt_sources
 from .slots import Round
 
 
@@ -208,9 +206,6 @@ class Microbatch:
     mask: torch.Tensor
     pad: int
     generated: list[list[int]] = attrs.field(factory=list)
-    arrived: list[float] = attrs.field(factory=list)  # when each step's tokens reached the head
-    #: Sampling with recovery: the last stage's generator states (a row each) after each step, to resume at.
-    rng_states: dict[int, torch.Tensor] = attrs.field(factory=dict)
     #: Rows whose request is answered: with its tokens (its end came), an error of its own, or cancelled.
     settled: set[int] = attrs.field(factory=set)
     #: Rows the last stage must end before their own end: failed or cancelled.
@@ -225,23 +220,6 @@ class Microbatch:
     prompt_logprobs: dict[tuple[int, int], TokenLogprobs] = attrs.field(factory=dict)
     #: Rows whose prompt log-probabilities another row of the same prompt asks for (`shared_prompts`): row -> it.
     prompt_sources: dict[int, int] = attrs.field(factory=dict)
-
-    def rewind(self, steps: int) -> None:
-        """Forget the tokens after step `steps` (a recovery feeds that step's token again; those that come back
-        are the same, and are not streamed twice)."""
-        self.generated = [row[:steps] for row in self.generated]
-        self.arrived = self.arrived[:steps]
-        self.rng_states = {step: state for step, state in self.rng_states.items() if step <= steps}
-        self.logprobs = {key: entry for key, entry in self.logprobs.items() if key[1] < steps}
-
-    def add_step(self, tokens: Sequence[int], scores: Scores | None = None) -> None:
-        """One step's tokens, a row each, as they reach the head, with the step report's log-probabilities
-        (`scores`: by row)."""
-        self.arrived.append(time.monotonic())
-        self.steps_received += 1
-        for row, token in zip(self.generated, tokens, strict=True):
-            row.append(token)
-        self.add_scores(scores, int)
 
     def add_scores(self, scores: Scores | None, row_of: Callable[[str], int]) -> None:
         """A step report's log-probabilities, keyed as `row_of` maps them to rows, after its tokens."""
@@ -285,25 +263,6 @@ class Microbatch:
             request.streamed = max(request.streamed, len(kept))  # after a rewind, the same tokens come again
         return calls
 
-    @classmethod
-    def of(cls, number: int, requests: Sequence[Request], pad: int) -> Microbatch:
-        ids, mask = left_pad([request.ids for request in requests], pad)
-        return cls(number, list(requests), ids, mask, pad, [[] for _ in requests],
-                   prompt_sources=prompt_sources(requests))
-
-    @property
-    def max_new_tokens(self) -> list[int]:
-        return [request.max_new_tokens for request in self.requests]
-
-    @property
-    def sampled(self) -> bool:
-        return any(request.decoding.do_sample for request in self.requests)
-
-    def row_specs(self) -> RowSpecs:
-        """What the stages need to know of its rows: each one's limit and decoding."""
-        return RowSpecs(self.max_new_tokens, [row_fields(request, row not in self.prompt_sources)
-                                              for row, request in enumerate(self.requests)])
-
     def row_ended(self, row: int, eos: Sequence[int]) -> bool:
         """Whether row `row` has all its tokens: its end-of-sequence token (any of `eos`) or its own
         `max_new_tokens`."""
@@ -315,16 +274,6 @@ class Microbatch:
         """The rows not answered yet whose tokens have come to their end."""
         return [row for row in range(len(self.requests)) if row not in self.settled and self.row_ended(row, eos)]
 
-    def result(self, row: int, eos: Sequence[int]) -> Result:
-        """Row `row`'s tokens, cut after its first end-of-sequence token (any of `eos`) or at its own
-        `max_new_tokens`."""
-        request = self.requests[row]
-        kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
-        padding = int((self.mask[row] == 0).sum())
-        return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), padding,
-                      request.decoding.seed, request.submitted, self.arrived[0] if self.arrived else 0.0,
-                      self.arrived[len(kept) - 1] if kept else 0.0, **self.scores_of(row, len(kept)))
-
     def scores_of(self, row: int, kept: int) -> dict[str, Any]:
         """A row's log-probabilities for its `Result`, where asked: those of its `kept` tokens and of its prompt
         (None if some are missing)."""
@@ -335,10 +284,6 @@ class Microbatch:
         if decoding.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_entries(row)
         return out
-
-    def results(self, eos: Sequence[int]) -> list[Result]:
-        """Every row's result (`result`)."""
-        return [self.result(row, eos) for row in range(len(self.requests))]
 
 
 def cache_bytes(requests: Sequence[Request], bytes_per_position: int) -> int:

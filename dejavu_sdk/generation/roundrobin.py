@@ -216,9 +216,8 @@ class RoundRobin:
         self._placed.update({request.number: (row, len(taken), int((mask[row] == 0).sum()))
                              for row, request in enumerate(taken)})
         assert self.caches is not None  # running
-        # a static slot's group is its rows for good: its cache is the slot's from the start
-        cache = self._stage.new_cache() if self.refill else self.caches.new_cache(slot.number)
-        group = Joining([request.number for request in taken], mask.to(self.device), cache, ids.to(self.device))
+        group = Joining([request.number for request in taken], mask.to(self.device), self._stage.new_cache(),
+                        ids.to(self.device))
         slot.joining = (group, TokenPicker(self.model.generation_config,
                                            [request.decoding.fields() for request in taken]))
         return True
@@ -259,8 +258,7 @@ class RoundRobin:
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
-            if self.refill:
-                caches.pin(("group", slot.number), group.cache)  # on the device until it joins
+            caches.pin(("group", slot.number), group.cache)  # on the device until it joins
             if group.complete and not self.refill:
                 done += self._fill(slot, group, picker, logits, caches)
             elif group.complete:
@@ -333,14 +331,14 @@ class RoundRobin:
 
     def _fill(self, slot: _Slot, group: Joining, picker: TokenPicker, logits: torch.Tensor,
               caches: SwappedCaches) -> list[int]:
-        """A static slot's prompts are in: its group becomes its rows at once, in its own cache (already the
-        slot's), ended or not; the requests that ended with their first tokens."""
+        """A static slot's prompts are in: its group becomes its rows at once, its cache the slot's, ended or not;
+        the requests that ended with their first tokens."""
         tokens, ended = self._pick_first(group, picker, logits)
         slot.joining = None
-        if bool(ended.all()):
-            caches.remove(slot.number)
-        else:
+        caches.pin(("group", slot.number), None)
+        if not bool(ended.all()):
             slot.rows, slot.picker, slot.tokens, slot.ended = group.rows(), picker, tokens, ended
+            caches.new_cache(slot.number, group.cache)
             caches.add(slot.number, self._capacity(slot))
         return [member for member, end in zip(group.members, ended.tolist(), strict=True) if end]
 

@@ -1,5 +1,6 @@
-"""Continuous batching's slot as the head keeps it (`SlotBatch`): the requests that entered it, their tokens, and
-the slot's rounds, from which every result's schedule comes."""
+"""A pipeline's slot as the head keeps it (`SlotBatch`): the requests that entered it, their tokens, and the slot's
+rounds, from which every continuous result's schedule comes (a static slot's results are `model.generate`'s on its
+one microbatch, and carry none)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .slots import Round
 
 @attrs.define(eq=False)
 class SlotBatch(Microbatch):
-    """A slot of a continuous pipeline, as the head keeps it: every request that entered it (a row each, in the
+    """A slot of a pipeline, as the head keeps it: every request that entered it (a row each, in the
     order they entered), their tokens and when each arrived, the slot's rounds so far (its schedule), which
     rows are in the slot's cache (`present`) or on their way in (`entering`: sent, not joined yet), and whether
     its last round was `idle` (nothing left to run: the slot waits on its first stage for a group)."""
@@ -52,11 +53,14 @@ class SlotBatch(Microbatch):
     plan_epoch: int = 0
     base: Any = None
     resuming: Any = None
+    #: The slot's policy: continuous batching refills it as rows end; a static slot takes one group, whose rows
+    #: stay (ended ones as padding) until the last ends, so that it is `model.generate` on that microbatch.
+    refill: bool = True
 
     @classmethod
-    def open(cls, number: int, pad: int) -> SlotBatch:
+    def open(cls, number: int, pad: int, refill: bool = True) -> SlotBatch:
         empty = torch.zeros((0, 0), dtype=torch.long)
-        return cls(number, [], empty, empty, pad)
+        return cls(number, [], empty, empty, pad, refill=refill)
 
     def enter(self, requests: Sequence[Request]) -> tuple[Group, torch.Tensor, torch.Tensor]:
         """Take `requests` in as new rows: what the stages need of them (the group, and their prompts left-padded
@@ -119,6 +123,12 @@ class SlotBatch(Microbatch):
     def result(self, row: int, eos: Sequence[int]) -> Result:
         request, stamps = self.requests[row], self.stamps[row]
         kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
+        if not self.refill:  # a microbatch's row: where it sat and its padding, and no schedule
+            mask = self.groups[0][2]
+            return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
+                          int((mask[row] == 0).sum()), request.decoding.seed, request.submitted,
+                          stamps[0] if stamps else 0.0, stamps[len(kept) - 1] if kept else 0.0,
+                          **self.scores_of(row, len(kept)))
         result = Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
                         request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
                         stamps[len(kept) - 1] if kept else 0.0, request.number,

@@ -86,11 +86,11 @@ class PipelineOptions:
     `heartbeat`: seconds between each worker's heartbeats (sent from a thread of their own); a worker that
     misses `missed_beats` in a row (a process stopped or hung, or gone) fails the requests in flight.
     `recovery`: what a dead or hung stage costs. None (default): the requests in flight fail with
-    `TransportError`. `"replicas"`: each decoding stage streams its caches to the next decoding stage's memory
-    (a ring; needs two decoding stages or more), and a dead stage is replaced by a new process that gets its
-    caches back from there: every microbatch resumes from its last replicated step (`recoveries` describes
-    each recovery). `"recompute"`: the stage is replaced and the microbatches in flight start over from their
-    prompts. Either way every request completes with the tokens it would have had without the failure.
+    `TransportError`. `"replicas"`: each decoding stage writes its slots' caches to the next decoding stage's
+    memory (a ring; needs two decoding stages or more), and a dead stage is replaced by a new process that gets its
+    caches back from there: every slot resumes from its last reported round (`recoveries` describes each
+    recovery). `"recompute"`: the stage is replaced and the slots it held are computed again (below). Either way
+    every request completes with the tokens it would have had without the failure.
     `"auto"`: from replicas where the layout allows it, else by recomputing, else None.
     `replica_store`: with recovery from replicas, a store every stage process reaches (`file://` on a shared
     file system, `s3://`, ...) that keeps the replicas instead of the next decoding stage: they outlive any
@@ -101,11 +101,13 @@ class PipelineOptions:
     `batching`: `"continuous"` (the default) refills each microbatch, a slot of up to `microbatch` rows,
     between steps: a row that ended leaves at the next step and a waiting request joins, its prompt prefilled
     beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x prompt columns) a step while
-    rows decode (None: all at once); each `Result.schedule` records the slot's rounds. `"static"` runs each
-    microbatch until its last row ends, as `model.generate` runs a batch. With `recovery="replicas"` a slot goes
+    rows decode (None: all at once); each `Result.schedule` records the slot's rounds. `"static"`: a slot takes
+    one microbatch at once, prefilled in one step, and keeps its ended rows as padding until its last row ends,
+    as `model.generate` runs a batch (its results carry no schedule). With `recovery="replicas"` a slot goes
     on from right after its last round the head heard of, as it stood then (each stage writes a round to its
-    replica before passing it on); with `"recompute"` a lost slot's rows run again from their prompts and the
-    tokens already streamed; either way every row still equals the replay of its `Result.schedule`.
+    replica before passing it on); with `"recompute"` a lost continuous slot's rows run again from their prompts
+    and the tokens already streamed (each still equals the replay of its `Result.schedule`), and a lost static
+    slot's microbatch starts over, each row where it sat (each still equals `model.generate` on it).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way

@@ -94,16 +94,14 @@ class Pipeline(HeadReceiver):
         #: Called with each recovery's report, and with each failure's description as a recovery starts.
         self.on_recovery: Callable[[RecoveryReport], None] | None = None
         self.on_failure: Callable[[str], None] | None = None
-        #: Called with each static microbatch's number and its rows' `tags` as it is admitted, before any stage
-        #: hears of it (a journal's record of which rows a successor finds in the stages' caches).
-        self.on_admitted: Callable[[int, list[Any]], object] | None = None
-        #: Continuous batching (mixed): called with each group's slot, its requests' numbers there and their `tags`,
-        #: as it is sent into the slot, before any stage hears of it.
+        #: Mixed stages: called with each group's slot, its requests' numbers there and their `tags`, as it is sent
+        #: into the slot, before any stage hears of it (a journal's record of which rows a successor finds in the
+        #: stages' caches).
         self.on_entered: Callable[[int, list[int], list[Any]], object] | None = None
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
-                             lambda: self.fleet.epoch, continuous=checked.batching == "continuous",
+                             lambda: self.fleet.epoch, refill=checked.batching == "continuous",
                              prefill_tokens=checked.max_prefill_tokens)
         #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
         self.batching = checked.batching
@@ -123,7 +121,7 @@ class Pipeline(HeadReceiver):
 
     @property
     def most_in_flight(self) -> int:
-        """The most microbatches that were in flight at once (from admission until every stage let its cache go)."""
+        """The most microbatches (slots) that held rows at once (in their caches, or on their way in)."""
         return self.ledger.most_in_flight
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -161,16 +159,15 @@ class Pipeline(HeadReceiver):
         self._running.set()
         return self
 
-    def take_over(self, rows: Mapping[int, Sequence[Any]],
-                  groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
+    def take_over(self, groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                   stand_in: Callable[[Any], Request | None]) -> TakeoverReport:
-        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): static microbatches,
-        whose rows' tags `rows` gives by number, and continuous batching's slots, whose groups (their requests'
-        numbers there, and tags) `groups` gives by slot, as the former head sent them. The requests of those tags,
+        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): its microbatches
+        (slots), whose groups (their requests' numbers there, and tags) `groups` gives by slot, as the former head
+        sent them. The requests of those tags,
         submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage can, and wait
         to be computed again otherwise; `stand_in(tag)` is a request like the one a row had whose request is not
         submitted here (it ended), or None. Then requests start."""
-        return self._recoveries.take_over(rows, groups, stand_in, self._carry_out)
+        return self._recoveries.take_over(groups, stand_in, self._carry_out)
 
     @property
     def closed(self) -> bool:
@@ -239,7 +236,7 @@ class Pipeline(HeadReceiver):
         a prompt each, None drawing one), up to `max_new_tokens` (or its own of a sequence); `on_token(index,
         id)` gets the new tokens of `prompts[index]` as they arrive, and `on_logprobs(index, entry)` their
         log-probabilities, as `submit`'s `on_logprobs`. `tags`: what the caller calls each prompt (JSON values),
-        as `on_admitted` reports them.
+        as `on_entered` reports them.
 
         The prompts are one submission. Admission takes turns between submissions, the one with the fewest rows
         in flight first: a long list does not hold back a submission that comes after it, and one that has no
@@ -249,7 +246,7 @@ class Pipeline(HeadReceiver):
         requests = submission(prompts, max_new_tokens, do_sample, seed, on_token, on_logprobs, tags, settings,
                               self.options.rules)
         for request in requests:  # all checked before any is queued
-            self.ledger.admission.check_alone(request, self.ledger.continuous)  # else it would wait for ever
+            self.ledger.admission.check_alone(request, self.ledger.refill)  # else it would wait for ever
         self.ledger.queue(requests)
         for request in requests:
             self._requests[request.future] = request

@@ -9,12 +9,11 @@ import time
 
 import torch
 
-from ...generation.batching import Microbatch
 from ...generation.row_specs import group_rows
 from ...generation.slot_batch import SlotBatch
 from ..wire.messages import Cancel, Enter, Message, Prefill, SlotRound
 from .ledger_slots import SlotDecisions
-from .ledger_state import POISON, Answer, Outcome, Phase, PromptGroup, _fail_rows
+from .ledger_state import POISON, Flight, Outcome, Phase, PromptGroup, _fail_rows
 
 
 class SlotResumes(SlotDecisions):
@@ -26,7 +25,7 @@ class SlotResumes(SlotDecisions):
         from before it (the recovery plans from these)."""
         with self.lock:
             slots = [(number, flight.batch) for number, flight in sorted(self.flights.items())
-                     if isinstance(flight.batch, SlotBatch) and flight.phase is Phase.DECODING]
+                     if flight.phase is Phase.DECODING]
             for _, batch in slots:
                 batch.plan_epoch = epoch
             return slots
@@ -35,7 +34,8 @@ class SlotResumes(SlotDecisions):
         """After a recovery: each slot in `rounds` goes on from its round there, as the stages now hold it
         (`SlotBatch.resuming`; a disaggregated slot not opened yet, from its start): the groups whose prefill had
         not begun are sent again (disaggregated: to the prompt pipeline, whose first tokens are the same ones),
-        and its next round starts unless it was parked; the slots `lost` requeue or fail their requests."""
+        and its next round starts unless it was parked; the slots `lost` requeue or fail their requests (a static
+        one's microbatch starts over). Then new work may start."""
         outcome = Outcome()
         now = time.monotonic()
         with self.lock:
@@ -43,11 +43,10 @@ class SlotResumes(SlotDecisions):
             for number, reason in lost.items():
                 flight = self.flights.pop(number, None)
                 if flight is not None:
-                    outcome.answers += self._lose_slot(flight.batch, reason)
+                    self._lose_slot(flight.batch, reason, outcome)
             for number in rounds:
                 flight = self.flights[number]
                 batch = flight.batch
-                assert isinstance(batch, SlotBatch)
                 flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
                 if not batch.opened:  # its first group had not reached the token stages: it goes again
                     outcome.sends += self._send_again(batch, set(), epoch)
@@ -57,7 +56,7 @@ class SlotResumes(SlotDecisions):
                 outcome.sends += self._send_again(batch, found.started, epoch)
                 if not batch.idle:
                     left, joined = batch.next_change
-                    last = [batch.generated[batch.rows_of[member]][-1] for member in found.rows.members]
+                    last = [self._next_input(batch, batch.rows_of[member]) for member in found.rows.members]
                     tokens = torch.tensor(last, dtype=torch.long).reshape(-1, 1)
                     outcome.sends.append((self.layout.decoding_stages()[0], SlotRound(
                         microbatch=number, left=left, joined=joined, applied=True, epoch=epoch, inputs=tokens)))
@@ -65,30 +64,65 @@ class SlotResumes(SlotDecisions):
                 if cancelled:  # cancelled during the recovery, maybe after the rewind that named the others
                     outcome.sends.append((self.layout.decoding_stages()[0], Cancel(microbatch=number, rows=cancelled,
                                                                                    epoch=epoch)))
+            self.held = False  # new work may start
         return outcome
 
-    def _lose_slot(self, batch: Microbatch, reason: str) -> list[Answer]:
+    def _next_input(self, batch: SlotBatch, row: int) -> int:
+        """What row `row` of `batch` is fed at the slot's next round: its latest token, or (a static slot's row that
+        ended before the latest round, kept as padding) the padding id, as `model.generate` feeds it."""
+        generated = batch.generated[row]
+        if not batch.refill and len(generated) < max(len(tokens) for tokens in batch.generated):
+            return self.pad
+        return generated[-1]
+
+    def _lose_slot(self, batch: SlotBatch, reason: str, outcome: Outcome) -> None:
         """A slot that cannot go on from where it was: its requests wait again, first in the queue, those without
         a token as they came, the others from their prompts followed by the tokens they have (`going_on`: the
-        tokens streamed stay theirs, and what they have left is computed again), unless the slot is poison (one
-        of them may be what kills the stages): then they fail with `reason` (under the lock)."""
+        tokens streamed stay theirs, and what they have left is computed again; a static slot's microbatch starts
+        over, `_restart`), unless the slot is poison (one of them may be what kills the stages): then they fail
+        with `reason` (under the lock)."""
         self._slot_groups(batch)
-        assert isinstance(batch, SlotBatch)
         again = [] if reason == POISON else [row for row in range(len(batch.requests)) if row not in batch.settled
                                              and not batch.requests[row].future.done()]
         ended = [row for row in again if batch.row_ended(row, self.eos)]  # its last token came with the loss
-        answers = [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
+        answers = outcome.answers
+        answers += [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
         had = {row: len(batch.generated[row]) + len(getattr(batch.requests[row].earlier, "tokens", ()))
                for row in again}
-        poison = [row for row in again if row not in ended and batch.requests[row].lost_with == had[row]]
+        poison = [row for row in again if row not in ended and _no_progress(batch.requests[row].lost_with, had[row])]
         answers += _fail_rows(batch, POISON, poison)  # lost twice in a row without a token between
         again = [row for row in again if row not in ended and row not in poison]
         batch.settled.update([*ended, *again])
-        requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
-        for row, request in zip(again, requeued, strict=True):
-            request.lost_with = had[row]
-        self.waiting.extendleft(reversed(requeued))
-        return answers + _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
+        if batch.refill:
+            requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
+            for row, request in zip(again, requeued, strict=True):
+                request.lost_with = had[row]
+            self.waiting.extendleft(reversed(requeued))
+        else:
+            for row in again:
+                batch.requests[row].lost_with = had[row]
+            outcome.sends += self._restart(batch, again)
+        answers += _fail_rows(batch, f"slot {batch.number} could not be recovered: {reason}")
+
+    def _restart(self, batch: SlotBatch, again: list[int]) -> list[tuple[int, Message]]:
+        """A static slot lost: its microbatch starts over in a new slot, each row where it sat (those answered
+        already, and those not `again`, as padding), so that every row's tokens are again `model.generate`'s on
+        that microbatch; the tokens its requests streamed are not streamed twice (under the lock)."""
+        if not again:
+            return []
+        sends = []
+        flight = Flight(SlotBatch.open(self._numbers, self.pad, refill=False), Phase.DECODING, 0, time.monotonic())
+        self._numbers += 1
+        self.flights[flight.batch.number] = flight
+        sends.append(self._send_group(flight, batch.requests, self.epoch()))
+        restarted = flight.batch
+        padding = [row for row in range(len(batch.requests)) if row not in again]
+        restarted.settled.update(padding)
+        restarted.dropped.update(padding)
+        if padding:
+            sends.append((self.layout.decoding_stages()[0], Cancel(
+                microbatch=restarted.number, rows=[batch.requests[row].number for row in padding], epoch=self.epoch())))
+        return sends
 
     def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:
         """The groups of `batch` whose prefill had not begun (none of their members in a `started` group), sent
@@ -119,3 +153,9 @@ class SlotResumes(SlotDecisions):
                 sends.append((0, Enter(microbatch=batch.number, group=again, epoch=epoch, ids=group_ids,
                                        mask=group_mask)))
         return sends
+
+
+def _no_progress(lost_with: int | None, had: int) -> bool:
+    """Whether a request lost again had no more tokens than when it was lost before (a static microbatch that
+    starts over counts its tokens anew)."""
+    return lost_with is not None and lost_with >= had

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import RequestFailed
 from ...generation.admission import Slot, row_bytes
-from ...generation.batching import Microbatch, Request
+from ...generation.batching import Request
 from ...generation.logprobs import Scores
 from ...generation.slot_batch import SlotBatch
 from ...generation.slots import Round
@@ -43,11 +43,9 @@ class SlotDecisions(LedgerState):
         one each, and beside them for submissions held back (`_held_back`); disaggregated, as many groups at once
         as the prompt pipeline has stages (under the lock)."""
         sends: list[tuple[int, Message]] = []
-        for flight in [flight for flight in self.flights.values() if isinstance(flight.batch, SlotBatch)
-                       and flight.phase is Phase.DECODING]:
+        for flight in [flight for flight in self.flights.values() if flight.phase is Phase.DECODING]:
             batch = flight.batch
-            assert isinstance(batch, SlotBatch)
-            if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS
+            if (not batch.refill or not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS
                     or not self._prompt_room()):
                 continue
             held = batch.held()
@@ -73,14 +71,15 @@ class SlotDecisions(LedgerState):
         """Open a slot with a group of waiting requests (`beside`: one beside the others for the submissions held
         back, which only theirs join, so that a large request, which takes turns, does not keep them waiting for
         its rows to end); whether one opened (under the lock)."""
-        flight = Flight(SlotBatch.open(self._numbers, self.pad), Phase.DECODING, 0, time.monotonic(), beside=beside)
+        flight = Flight(SlotBatch.open(self._numbers, self.pad, self.refill), Phase.DECODING, 0, time.monotonic(),
+                        beside=beside)
         taken = self._take(self.microbatch, [], flight)
         if not taken:
             return False
         self._numbers += 1
         self.flights[flight.batch.number] = flight
-        self.most_in_flight = max(self.most_in_flight, len(self.holding()))
         sends.append(self._send_group(flight, taken, epoch))
+        self.most_in_flight = max(self.most_in_flight, sum(1 for other in self.holding() if other.batch.held()))
         return True
 
     def _long_prefills(self) -> int:
@@ -94,7 +93,7 @@ class SlotDecisions(LedgerState):
             return len({group.slot for group in self._long_groups()})
         long = LONG_PREFILL_ROUNDS * self.prefill_tokens
         return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
-                   and isinstance(flight.batch, SlotBatch) and _prefill_left(flight.batch) > long)
+                   and _prefill_left(flight.batch) > long)
 
     def _long_groups(self) -> list[PromptGroup]:
         """Disaggregated: the groups in the prompt pipeline with more than `LONG_PREFILL_ROUNDS` rounds of prompt
@@ -110,7 +109,7 @@ class SlotDecisions(LedgerState):
         ends: list[tuple[int, Message]] = []
         for flight in self.flights.values():
             batch = flight.batch
-            if (isinstance(batch, SlotBatch) and flight.phase is Phase.DECODING and batch.idle
+            if (flight.phase is Phase.DECODING and batch.idle
                     and not batch.entering):
                 flight.phase, flight.progress = Phase.ENDED, time.monotonic()
                 ends.append((self.layout.decoding_stages()[0], End(microbatch=batch.number, epoch=epoch)))
@@ -127,7 +126,6 @@ class SlotDecisions(LedgerState):
         """Send a group of requests into `flight`'s slot: to the first stage (`OpenSlot` opens the slot there,
         `Enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
         batch = flight.batch
-        assert isinstance(batch, SlotBatch)
         group, ids, mask = batch.enter(taken)
         batch.groups.append((group, ids, mask))
         self._reserve(flight)
@@ -151,7 +149,6 @@ class SlotDecisions(LedgerState):
             if group is None or flight is None or flight.phase is Phase.ENDED:
                 return outcome
             batch = flight.batch
-            assert isinstance(batch, SlotBatch)
             tokens, ended, rng = report.tokens, report.ended, report.rng
             members = group.group.members
             new = [row for row, member in enumerate(members) if not batch.generated[batch.rows_of[member]]]
@@ -183,7 +180,7 @@ class SlotDecisions(LedgerState):
         is let go (under the lock)."""
         group = self.prompting.pop(number)
         flight = self.flights.get(group.slot)
-        if flight is None or not isinstance(flight.batch, SlotBatch):
+        if flight is None:
             return []
         batch = flight.batch
         rows = [batch.rows_of[member] for member in group.group.members]
@@ -196,11 +193,9 @@ class SlotDecisions(LedgerState):
             del self.flights[group.slot]
         return answers
 
-    def _slot_groups(self, batch: Microbatch) -> list[int]:
+    def _slot_groups(self, batch: SlotBatch) -> list[int]:
         """A failed slot's groups that have not joined it (disaggregated): those the prompt pipeline still runs
         are forgotten here, and the stages drop what they staged of any (under the lock)."""
-        if not isinstance(batch, SlotBatch):
-            return []
         prompting = [number for number, group in self.prompting.items() if group.slot == batch.number]
         for number in prompting:
             del self.prompting[number]
@@ -209,21 +204,26 @@ class SlotDecisions(LedgerState):
     def _reserve(self, flight: Flight) -> None:
         """Reserve what a slot's rows, in its cache or on their way in, take at their end (under the lock)."""
         batch = flight.batch
-        assert isinstance(batch, SlotBatch)
-        flight.reserved = row_bytes(batch.held(), self.admission.bytes_per_token)
+        held = batch.held()  # a static slot's rows take the padded microbatch's cache
+        if batch.refill:
+            flight.reserved = row_bytes(held, self.admission.bytes_per_token)
+        else:
+            flight.reserved = self.admission.reserve(held) if held else 0
 
     def _take(self, room: int, held: list[Request], flight: Flight) -> list[Request]:
         """Up to `room` waiting requests for `flight`'s slot that fit beside `held` (its rows) and every other
         slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
         back, only submissions that hold no row in another)."""
+        if not self.refill:  # a static slot: a microbatch at once, as its padded cache fits the budget
+            return self.admission.take(self.waiting, room, [other.reserved for other in self.holding()
+                                                            if other is not flight], self._shares(),
+                                       self._barred(flight))
         others = [self._admitted(other) for other in self.holding() if other is not flight]
         return self.admission.take_rows(self.waiting, room, held, others, self._shares(), self._barred(flight))
 
     def _admitted(self, flight: Flight) -> Slot:
         """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""
         batch = flight.batch
-        if not isinstance(batch, SlotBatch):
-            return Slot(flight.reserved)
         entering = [batch.requests[row] for row in sorted(batch.entering)]
         return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
 
@@ -240,7 +240,6 @@ class SlotDecisions(LedgerState):
             if flight is None or flight.phase is Phase.ENDED:
                 return outcome
             batch = flight.batch
-            assert isinstance(batch, SlotBatch)
             if epoch < batch.plan_epoch:
                 return outcome
             flight.progress = time.monotonic()
@@ -262,7 +261,7 @@ class SlotDecisions(LedgerState):
         longer on their way in; any still unanswered waits again, first in the queue."""
         with self.lock:
             flight = self.flights.get(number)
-            if flight is not None and isinstance(flight.batch, SlotBatch):
+            if flight is not None:
                 back = flight.batch.leave_unentered(members)
                 self.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
                 self._reserve(flight)
@@ -271,7 +270,6 @@ class SlotDecisions(LedgerState):
         """A request of a slot cancelled: the first decoding stage takes it out of a queued group, or the last
         ends its row at the next round (a joining one's as it joins)."""
         batch = flight.batch
-        assert isinstance(batch, SlotBatch)
         row = batch.rows_of[request.number]
         batch.dropped.add(row)
         batch.settled.add(row)
@@ -287,7 +285,6 @@ class SlotDecisions(LedgerState):
         token stage the KV it staged, and any that comes later), and its slot no longer waits for it (under the
         lock)."""
         batch = flight.batch
-        assert isinstance(batch, SlotBatch)
         for number, group in self.prompting.items():
             members = group.group.members
             if group.slot != batch.number or member not in members:

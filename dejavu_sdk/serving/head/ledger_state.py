@@ -16,13 +16,13 @@ import torch
 
 from ...errors import RequestFailed, TransportError
 from ...generation.admission import Admission
-from ...generation.batching import Microbatch, Request, Result
+from ...generation.batching import Request, Result
 from ...generation.decoding import RowFailure
 from ...generation.row_specs import Group
 from ...generation.slot_batch import SlotBatch
 from ...generation.turns import shares_of
 from ..layout import Layout
-from ..wire.messages import Message, Start
+from ..wire.messages import Message
 
 #: Why a microbatch in flight at two recoveries in a row, without a new token between them, fails: whatever
 #: it carries may be what kills the stages, and it must not hold the pipeline in recoveries.
@@ -33,25 +33,21 @@ POISON = ("it was in flight at two recoveries in a row without making progress; 
 class Phase(enum.Enum):
     """Where a microbatch in flight is."""
 
-    PROMPTING = "prompting"  # in the prompt pipeline (disaggregated)
-    STAGED = "staged"  # prefilled, waiting for a token stage to start it (disaggregated)
-    DECODING = "decoding"  # in the mixed or token pipeline
+    DECODING = "decoding"  # in the mixed or token pipeline (its groups may still be in the prompt pipeline)
     ENDED = "ended"  # every row ended; its caches are being freed
 
 
 @attrs.define(eq=False)
 class Flight:
-    """One microbatch in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its last
-    progress (None: not watched, as while it waits for a token stage), its `start` while staged, whether every
-    stage freed its cache already, and whether it was opened `beside` the layout's microbatches for the
-    submissions held back (`LedgerState._held_back`): only requests of submissions with no row elsewhere join it."""
+    """One microbatch (slot) in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its
+    last progress (None: not watched), whether every stage freed its cache already, and whether it was opened
+    `beside` the layout's microbatches for the submissions held back (`LedgerState._held_back`): only requests of
+    submissions with no row elsewhere join it."""
 
-    batch: Microbatch
+    batch: SlotBatch
     phase: Phase
     reserved: int
     progress: float | None
-    start: Start | None = None
-    staged_at: int = 0
     freed: bool = False
     beside: bool = False
 
@@ -82,16 +78,16 @@ class PromptGroup:
 class LedgerState:
     """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
-    `continuous` whether microbatches are slots that rows join and leave, and `prefill_tokens` the positions of
-    a joining group's prompts a round runs."""
+    `refill` the slots' policy (continuous batching: rows join as others leave; static: a slot takes one group,
+    whose rows leave together), and `prefill_tokens` the positions of a joining group's prompts a round runs."""
 
     def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
-                 admission: Admission, epoch: Callable[[], int] = lambda: 0, continuous: bool = False,
+                 admission: Admission, epoch: Callable[[], int] = lambda: 0, refill: bool = True,
                  prefill_tokens: int | None = None) -> None:
         self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
-        #: Continuous batching: microbatches are slots whose rows come and go (`ledger_slots`), a joining group
-        #: prefilled `prefill_tokens` positions a round (None: at once).
-        self.continuous, self.prefill_tokens = continuous, prefill_tokens
+        #: Every microbatch is a slot (`ledger_slots`); continuous batching (`refill`) lets rows join as others
+        #: leave, a joining group prefilled `prefill_tokens` positions a round (None: at once).
+        self.refill, self.prefill_tokens = refill, prefill_tokens
         self.eos, self.pad, self.admission = eos, pad, admission
         #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
         #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).
@@ -101,11 +97,10 @@ class LedgerState:
         self.flights: dict[int, Flight] = {}
         self.failure: TransportError | None = None
         self.held = False  # a recovery is under way: nothing new starts
-        #: The most microbatches that were in flight at once (from admission until every stage let its cache go).
+        #: The most microbatches that held rows at once (in their caches, or on their way in).
         self.most_in_flight = 0
         self._numbers = 0
-        self._staging = 0  # orders staged microbatches
-        #: Continuous and disaggregated: the groups in the prompt pipeline, by their microbatch number.
+        #: Disaggregated: the groups in the prompt pipeline, by their microbatch number.
         self.prompting: dict[int, PromptGroup] = {}
 
     def renumber_from(self, number: int) -> None:
@@ -125,7 +120,7 @@ class LedgerState:
             batch = flight.batch
             if flight is besides:
                 continue
-            live = batch.present | batch.entering if isinstance(batch, SlotBatch) else range(len(batch.requests))
+            live = batch.present | batch.entering
             rows += [batch.requests[row] for row in live if row not in batch.settled]
         return shares_of(rows)
 
@@ -143,7 +138,7 @@ class LedgerState:
         static microbatch per stage (per token slot, disaggregated)."""
         if not self.layout.disaggregated:
             return len(self.layout.stages)
-        return self.layout.token_depth if self.continuous else self.token_slots
+        return self.layout.token_depth if self.refill else self.token_slots
 
     def _barred(self, flight: Flight | None) -> set[int]:
         """The submissions that may not take rows in `flight` (opened beside the others, or about to be): those
@@ -151,7 +146,7 @@ class LedgerState:
         return set(self._shares(besides=flight)) if flight is not None and flight.beside else set()
 
     @staticmethod
-    def _failed_rows(batch: Microbatch, failures: dict[int, RowFailure]) -> list[Answer]:
+    def _failed_rows(batch: SlotBatch, failures: dict[int, RowFailure]) -> list[Answer]:
         """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
         count as answered, and dropped, from now on."""
         answers: list[Answer] = []
@@ -163,14 +158,14 @@ class LedgerState:
                 answers.append((batch.requests[row].future, error))
         return answers
 
-    def _ended_rows(self, batch: Microbatch) -> list[Answer]:
+    def _ended_rows(self, batch: SlotBatch) -> list[Answer]:
         """The results due to the rows of `batch` that came to their end with its latest step."""
         rows = batch.ended_rows(self.eos)
         batch.settled.update(rows)
         return [(batch.requests[row].future, batch.result(row, self.eos)) for row in rows]
 
 
-def _fail_rows(batch: Microbatch, error: str, rows: Sequence[int] | None = None) -> list[Answer]:
+def _fail_rows(batch: SlotBatch, error: str, rows: Sequence[int] | None = None) -> list[Answer]:
     """A `RequestFailed` for each row of `batch` (of `rows`) not answered yet, which now are."""
     rows = [row for row in (range(len(batch.requests)) if rows is None else rows) if row not in batch.settled]
     batch.settled.update(rows)

@@ -17,12 +17,10 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, StoreError, TransportError
-from ...generation.slot_batch import SlotBatch
 from ...transports.base import Server
 from ..layout import Layout
 from ..options import PipelineOptions
 from ..wire.messages import (
-    Ended,
     Enter,
     EpochMessage,
     Failed,
@@ -43,7 +41,6 @@ from ..wire.messages import (
     RoundReport,
     Sent,
     Stats,
-    Tokens,
     Warm,
     unpack,
 )
@@ -57,7 +54,7 @@ log = logging.getLogger(__name__)
 WATCH_PERIOD = 0.1
 #: Messages about a microbatch's steps (and lost links): those of an epoch before the head's are dropped (a slot's
 #: `RoundReport` counts until a recovery plans the slot: `Ledger.on_round`).
-STEP_REPORTS = frozenset({Tokens, Prefilled, Ended, Freed, LinkLost, MicrobatchFailed, NotEntered})
+STEP_REPORTS = frozenset({Prefilled, Freed, LinkLost, MicrobatchFailed, NotEntered})
 
 
 class HeadReceiver:
@@ -69,7 +66,6 @@ class HeadReceiver:
     ledger: Ledger
     recovery: str | None
     replies: queue.SimpleQueue[Message]
-    on_admitted: Callable[[int, list[Any]], object] | None
     on_entered: Callable[[int, list[int], list[Any]], object] | None
     _recoveries: Recoveries
     _inbox: Server | None
@@ -82,8 +78,8 @@ class HeadReceiver:
         return {
             Join: self.fleet.pool_spare, Rejoin: self.fleet.turn_away, Warm: self.fleet.warm,
             Heartbeat: self._on_heartbeat, Stats: self.fleet.stats_arrived, Failed: self._on_failed,
-            LinkLost: self._on_link_lost, Tokens: self._on_tokens, RoundReport: self._on_round,
-            Prefilled: self._on_prefilled, Ended: self._on_ended, Freed: self._on_freed,
+            LinkLost: self._on_link_lost, RoundReport: self._on_round,
+            Prefilled: self._on_prefilled, Freed: self._on_freed,
             MicrobatchFailed: self._on_microbatch_failed, NotEntered: self._on_not_entered,
             **dict.fromkeys((Paused, Relinked, Sent, Rewound, Ready), self.replies.put)}
 
@@ -106,21 +102,18 @@ class HeadReceiver:
                 return
 
     def _report_admitted(self, number: int, members: list[int] | None) -> None:
-        """Tell `on_admitted` of static microbatch `number`'s rows, or `on_entered` of a group of `members` sent
-        into slot `number` (mixed: a disaggregated group goes to the prompt pipeline under a number of its own),
-        before the message goes out."""
+        """Tell `on_entered` of a group of `members` sent into slot `number` (mixed: a disaggregated group goes to
+        the prompt pipeline under a number of its own), before the message goes out."""
         flight = self.ledger.flights.get(number)
         try:
             if flight is None:  # disaggregated, a group for the prompt pipeline (numbered apart from its slot)
                 return
             batch = flight.batch
-            if not isinstance(batch, SlotBatch) and self.on_admitted is not None:
-                self.on_admitted(number, [request.tag for request in batch.requests])
-            elif isinstance(batch, SlotBatch) and members is not None and self.on_entered is not None:
+            if members is not None and self.on_entered is not None:
                 self.on_entered(number, list(members),
                                 [batch.requests[batch.rows_of[member]].tag for member in members])
         except Exception:
-            log.exception("the pipeline's on_admitted or on_entered callback failed")
+            log.exception("the pipeline's on_entered callback failed")
 
     def _send(self, index: int, message: Message) -> None:
         """Send a step's message (it carries the epoch it was decided in)."""
@@ -170,10 +163,6 @@ class HeadReceiver:
         else:
             handler(message)
 
-    def _on_tokens(self, message: Tokens) -> None:
-        self._carry_out(self.ledger.on_tokens(message.microbatch, message.tokens.tolist(), message.states,
-                                              message.failed, message.scores))
-
     def _on_round(self, message: RoundReport) -> None:
         """A slot's round: rows may have left, and room for others be free."""
         self._carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
@@ -195,14 +184,12 @@ class HeadReceiver:
         self._admit()
 
     def _on_prefilled(self, message: Prefilled) -> None:
-        if self.ledger.continuous:  # a group's first tokens: it goes to its slot
-            self._carry_out(self.ledger.on_group_prefilled(message))
-        else:
-            self._carry_out(self.ledger.on_prefilled(message, self.recovery is not None))
-        self._admit()
-
-    def _on_ended(self, message: Ended) -> None:
-        self._carry_out(self.ledger.on_ended(message.microbatch, message.freed))
+        """A group's first tokens from the prompt pipeline: it goes to its slot (`on_entered` hears of it first)."""
+        outcome = self.ledger.on_group_prefilled(message)
+        for _, entering in outcome.sends:
+            if isinstance(entering, Enter):
+                self._report_admitted(entering.microbatch, entering.group.members)
+        self._carry_out(outcome)
         self._admit()
 
     def _on_freed(self, message: Freed) -> None:

@@ -54,26 +54,24 @@ class Recoveries:
     def running(self) -> bool:
         return self.thread is not None or self.taking_over
 
-    def take_over(self, rows: Mapping[int, Sequence[Any]],
-                  groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
+    def take_over(self, groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                   stand_in: Callable[[Any], Request | None], carry_out: Callable[[Outcome], None]) -> TakeoverReport:
         """`Pipeline.take_over`: go on with what the rejoined workers hold, then let requests start; `carry_out`
         carries out the ledger's outcomes."""
         ledger, options = self.ledger, self.fleet.options
         with ledger.lock:  # the numbers its predecessor gave are not given again
-            ledger.renumber_from(max([*rows, *groups, -1]) + 1)
+            ledger.renumber_from(max([*groups, -1]) + 1)
         report = TakeoverReport()
         try:
             if self.fleet.rejoined and self.taking_over:
                 steps = Recovery(ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
                                  self.assignment, self.closed)
-                report = Takeover(ledger, steps, rows, groups, stand_in).run()
+                report = Takeover(ledger, steps, groups, stand_in).run()
             if options.replica_store is not None:  # the predecessor's replicas of what did not go on
-                kept = {*report.resumed, *report.slots}
+                kept = set(report.resumed)
                 remove_replicas(options.replica_store, lambda number: number not in kept, options.replica_prefix)
             carry_out(report.outcome)
-            carry_out(ledger.resume_slots(report.slots, {}))
-            carry_out(ledger.resume(report.resumed, [], [], []))
+            carry_out(ledger.resume_slots(report.resumed, {}))
         finally:
             self.fleet.taking_over = False
             self._end_takeover(report.failure)
@@ -119,9 +117,7 @@ class Recoveries:
             if report is None:
                 return
             recovered = report.epoch
-            slots = self.ledger.resume_slots(report.slots, report.lost)
-            outcome = self.ledger.resume(report.resumed, report.recomputed, report.finished, report.failed)
-            outcome.sends[:0], outcome.answers[:0] = slots.sends, slots.answers
+            outcome = self.ledger.resume_slots(report.resumed, report.recomputed)
             answer(outcome.answers)
             try:
                 for index, message in outcome.sends:

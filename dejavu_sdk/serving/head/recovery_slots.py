@@ -204,7 +204,8 @@ def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) ->
         decodings=[requests[member].decoding.fields() for member in members],
         counts={member: len(batch.generated[batch.rows_of[member]]) for member in members},
         limits={member: requests[member].max_new_tokens for member in everyone},
-        cancelled=[member for member in everyone if batch.rows_of[member] in batch.dropped],
+        cancelled=[member for member in everyone if batch.rows_of[member] in batch.dropped
+                   or (not batch.refill and batch.rows_of[member] in batch.settled)],  # static: ended ones pad
         finals={member: positions_needed(requests[member].ids.numel(), requests[member].max_new_tokens)
                 for member in everyone},
         joining=joining_at, mask=rows.mask, positions=rows.positions, index=found.index, group_mask=group_mask,

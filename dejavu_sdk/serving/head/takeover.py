@@ -1,32 +1,26 @@
-"""A successor head takes over the microbatches and slots that its predecessor's stage workers still hold.
+"""A successor head takes over the slots that its predecessor's stage workers still hold.
 
 A head (a controller with a journal) that dies leaves its stage workers running: they keep their stage, each
-static microbatch's and each slot's cache, and, on the last stage, the pickers (the generators of sampled rows),
-every step's tokens of a static microbatch and every round's report of a slot, and rejoin the head started at
-the same address (`bootstrap`). The successor knows from its journal which rows (request, choice) each static
-microbatch had and which groups each slot was sent (with the request numbers the stages know them by), and its
-adopted requests wait in its ledger under the same names (`Request.tag`). `take_over`:
+slot's cache, and, on the last stage, the pickers (the generators of sampled rows) and every round's report, and
+rejoin the head started at the same address (`bootstrap`). The successor knows from its journal which groups each
+slot was sent (with the request numbers the stages know them by), and its adopted requests wait in its ledger under
+the same names (`Request.tag`). `take_over`:
 
-1. a new epoch: every stage pauses, reporting the microbatches and slots it holds (cache positions, rounds run),
-   and the last stage each microbatch's step and tokens and each slot's round reports;
-2. a static microbatch goes on when every decoding stage holds it up to the last stage's step and a row of it
-   still runs: it is rebuilt with its former number, its rows the waiting requests of its rows' names (a row
-   whose choice ended stands in, dropped), its tokens the last stage's; every decoding stage rewinds it to that
-   step (`Rewind` with `keep`: the last stage goes on with its own picker, so sampled rows go on from their
-   generators' states as they were);
-3. a slot is rebuilt as its predecessor built it: its groups entered in order (its requests under their former
-   numbers), then every round the last stage reported taken in as the ledger takes a round; it then goes on as
-   after a recovery (`recovery_slots`: a stage that no worker took back, which died with the head, gets its
-   part from the replicas its neighbour holds; every stage goes back to right after that round; the groups
-   whose prefill had not begun are sent again);
-4. everything else the stages hold is dropped, and its requests, still waiting, are computed again from their
-   prompts; the ledger feeds each microbatch the token of its step and each slot its next round, and admission
-   starts.
+1. a new epoch: every stage pauses, reporting the slots it holds (rounds run), and the last stage each slot's round
+   reports;
+2. a slot is rebuilt as its predecessor built it (its policy the pipeline's batching): its groups entered in order
+   (its requests under their former numbers; a row whose choice ended stands in, dropped), then every round the
+   last stage reported taken in as the ledger takes a round; it then goes on as after a recovery
+   (`recovery_slots`: a stage that no worker took back, which died with the head, gets its part from the replicas
+   its neighbour holds; every stage goes back to right after that round; the groups whose prefill had not begun
+   are sent again);
+3. everything else the stages hold is dropped, and its requests, still waiting, are computed again from their
+   prompts; the ledger starts each slot's next round, and admission starts.
 
 A request's tokens come to its callback again from the first (the controller's run checks them against what the
-journal held, and streams the rest); nothing here is a guess: what any stage cannot continue exactly starts over
-(as do slots under disaggregation, whose first tokens came from the prompt pipeline, and rows that asked for
-log-probabilities).
+journal held, and streams the rest; under disaggregation a group's first tokens, which the prompt pipeline picked,
+are in the last token stage's reports too); nothing here is a guess: what any stage cannot continue exactly starts
+over (as do groups still in the prompt pipeline, and rows that asked for log-probabilities).
 """
 
 from __future__ import annotations
@@ -39,14 +33,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from ...errors import TransportError
-from ...generation.batching import Microbatch, Request, new_request_number, number_requests_from
+from ...generation.batching import Request, new_request_number, number_requests_from
 from ...generation.slot_batch import SlotBatch
-from ..wire.messages import Drop, Message, Paused, Rewind, Rewound, RoundDone
-from .ledger import POISON, Ledger
-from .ledger_state import Flight, Outcome, Phase
+from ..wire.messages import Drop, Message, Paused, RoundDone
+from .ledger import Ledger
+from .ledger_state import POISON, Flight, Outcome, Phase
 from .recovery import Recovery
 from .recovery_slots import SlotRecovery
 
@@ -55,14 +48,13 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen
 class TakeoverReport:
-    """What a successor took over: each static microbatch that went on from its stages' caches, with the step it
-    went on from (`resumed`), each slot with the round (`slots`), the names (tags) of the requests in them, those
-    left to their prompts (`dropped`: every microbatch or slot a stage held that did not go on, with why), and what
-    the slots' rounds so far give their requests (`outcome`: their tokens, and the answers of rows that ended).
+    """What a successor took over: each microbatch (slot) that went on from its stages' caches, with the round it
+    went on with (`resumed`), the names (tags) of the requests in them, those left to their prompts (`dropped`:
+    every microbatch a stage held that did not go on, with why), and what their rounds so far give their requests
+    (`outcome`: their tokens, and the answers of rows that ended).
     """
 
     resumed: dict[int, int] = attrs.field(factory=dict)
-    slots: dict[int, int] = attrs.field(factory=dict)
     tags: list[Any] = attrs.field(factory=list)
     dropped: dict[int, str] = attrs.field(factory=dict)
     outcome: Outcome = attrs.field(factory=Outcome)
@@ -74,14 +66,13 @@ class Takeover:
     """One takeover, on the caller's thread, through a `Recovery`'s bounded sends and waits (a stage that fails or
     does not answer ends it: what was not taken over yet is computed again)."""
 
-    def __init__(self, ledger: Ledger, steps: Recovery, rows: Mapping[int, Sequence[Any]],
-                 groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
+    def __init__(self, ledger: Ledger, steps: Recovery, groups: Mapping[int, Sequence[tuple[Sequence[int],
+                                                                                         Sequence[Any]]]],
                  stand_in: Callable[[Any], Request | None]) -> None:
         self.ledger, self.steps, self.layout = ledger, steps, steps.layout
-        self.rows, self.groups, self.stand_in = rows, groups, stand_in
+        self.groups, self.stand_in = groups, stand_in
         self.report = TakeoverReport()
-        named = [_key(tag) for tags in rows.values() for tag in tags if tag is not None]
-        named += [_key(tag) for slot in groups.values() for _, tags in slot for tag in tags if tag is not None]
+        named = [_key(tag) for slot in groups.values() for _, tags in slot for tag in tags if tag is not None]
         #: Names in more than one row (a request taken out of a slot's queue and sent elsewhere): not taken over.
         self.twice = {key for key, count in collections.Counter(named).items() if count > 1}
         self._replays: dict[int, Outcome] = {}
@@ -97,28 +88,21 @@ class Takeover:
                            self.steps.fleet.rejoined}
         held: set[int] = set()
         try:
-            paused = self.steps.pause(list(range(len(layout.stages))), sorted({*self.rows, *self.groups}), True)
-            held = {number for reply in paused.values() for number in reply.caches}
-            held |= {number for reply in paused.values() for number in reply.slots}
-            for number in sorted(self.rows):
-                batch = self._rebuild(number, paused)
-                if isinstance(batch, str):
-                    self._cannot(number, batch)
-                elif self._rewind(batch):
-                    self._go_on(batch)
+            paused = self.steps.pause(list(range(len(layout.stages))), takeover=True)
+            held = {number for reply in paused.values() for number in reply.slots}
             self._take_slots(paused)
         except TransportError as error:  # a stage died or did not answer: a recovery's to mend, after this
             log.warning("taking over the stages' microbatches stopped: %s", error)
-            for number in [number for number in self._replays if number not in self.report.slots]:
+            for number in [number for number in self._replays if number not in self.report.resumed]:
                 self._give_back(number, str(error))
             self.report = attrs.evolve(self.report, failure=f"while taking over: {error}")
         self._renumber_requests()
-        gone = sorted((held | set(self.rows) | set(self.groups)) - set(self.report.resumed) - set(self.report.slots))
+        gone = sorted((held | set(self.groups)) - set(self.report.resumed))
         for number in gone:
             self.report.dropped.setdefault(number, "not taken over")
         with ledger.lock:  # the numbers of microbatches the stages held are not given again
-            ledger.renumber_from(max([*held, *self.rows, *self.groups, -1]) + 1)
-        kept = sorted({*self.report.resumed, *self.report.slots})
+            ledger.renumber_from(max([*held, *self.groups, -1]) + 1)
+        kept = sorted(self.report.resumed)
         for index in layout.decoding_stages():  # all else they hold goes, even what they did not report
             self._send_quietly(index, Drop(epoch=self.steps.epoch, microbatches=gone, all_but=kept))
         return self.report
@@ -136,75 +120,6 @@ class Takeover:
                     request.number = new_request_number()
 
 
-    def _rebuild(self, number: int, paused: dict[str, Paused]) -> Microbatch | str:
-        """Microbatch `number` as its predecessor had it, from the waiting requests of its rows' names and the
-        last stage's tokens; or why it cannot go on exactly."""
-        decoding = [self.layout.stages[index].name for index in self.layout.decoding_stages()]
-        if self.steps.dead & set(self.layout.decoding_stages()):
-            return "a stage that held it died with the head"
-        reported = paused[decoding[-1]].steps.get(number)
-        if reported is None:
-            return "the last stage does not hold it"
-        step, history = reported
-        requests: list[Request] = []
-        live: list[Request] = []
-        with self.ledger.lock:
-            waiting = {_key(request.tag): request for request in self.ledger.waiting if request.tag is not None}
-        for tag in self.rows[number]:
-            request = self._row(tag, waiting, live)
-            if isinstance(request, str):
-                return request
-            requests.append(request)
-        why = _why_not(live)
-        if why is not None:
-            return why
-        if len(history) != step or any(len(tokens) != len(requests) for tokens in history):
-            return f"the last stage's tokens do not fit its {len(requests)} rows"
-        batch = Microbatch.of(number, requests, self.ledger.pad)
-        positions = batch.mask.shape[1] + step - 1
-        short = [name for name in decoding if paused[name].caches.get(number, -1) < positions]
-        if short:
-            return f"{', '.join(short)} hold less than its {positions} positions"
-        batch.generated = [list(row) for row in zip(*history, strict=True)]
-        batch.arrived = [time.monotonic()] * step
-        stand_ins = {row for row, request in enumerate(requests) if all(request is not other for other in live)}
-        batch.settled.update(stand_ins)
-        batch.dropped.update(stand_ins)
-        return batch
-
-    def _rewind(self, batch: Microbatch) -> bool:
-        """Every decoding stage goes on with `batch` from the last stage's step; whether all can."""
-        step = len(batch.arrived)
-        message = Rewind(microbatch=batch.number, specs=batch.row_specs(), epoch=self.steps.epoch,
-                         positions=batch.mask.shape[1] + step - 1, steps=step, replicated=0, keep=True,
-                         mask=batch.mask, ended=torch.zeros(len(batch.requests), dtype=torch.uint8),
-                         rng=torch.empty(0, dtype=torch.uint8))
-        decoding = self.layout.decoding_stages()
-        for index in decoding:
-            self.steps.send(index, message)
-        replies = self.steps.wait(Rewound, {self.layout.stages[index].name for index in decoding})
-        errors = [reply.error for reply in replies.values() if reply.error]
-        if errors:
-            self._cannot(batch.number, "; ".join(errors))
-            return False
-        return True
-
-    def _go_on(self, batch: Microbatch) -> None:
-        """Put `batch` in the ledger, its requests out of the waiting queue."""
-        ledger, now = self.ledger, time.monotonic()
-        with ledger.lock:
-            _cancelled_meanwhile(batch, ledger.waiting)
-            ours = {id(request) for row, request in enumerate(batch.requests) if row not in batch.settled}
-            ledger.waiting = deque(request for request in ledger.waiting if id(request) not in ours)
-            for row, request in enumerate(batch.requests):
-                if row not in batch.settled:
-                    request.started = now
-            reserved = ledger.admission.reserve(batch.requests)
-            ledger.flights[batch.number] = Flight(batch, Phase.DECODING, reserved, now)
-            ledger.most_in_flight = max(ledger.most_in_flight, len(ledger.holding()))
-        self.report.resumed[batch.number] = len(batch.arrived)
-        self.report.tags.extend(request.tag for row, request in enumerate(batch.requests) if row not in batch.settled)
-
     def _row(self, tag: Any, waiting: dict[str, Request], live: list[Request]) -> Request | str:
         """The request of a row named `tag`: the one waiting under that name (added to `live`), or a stand-in for
         one that ended; or why there is none."""
@@ -217,7 +132,6 @@ class Takeover:
         request = self.stand_in(tag) if tag is not None else None
         return request if request is not None else f"its row {tag} is not in the journal"
 
-    # ---- continuous batching's slots ---------------------------------------------------------------------
     def _take_slots(self, paused: dict[str, Paused]) -> None:
         """Rebuild each slot from the groups sent into it and the last stage's reports of its rounds (the ledger
         takes them in as it took them from the stages), then go on as a recovery with no stage lost does: from
@@ -242,7 +156,7 @@ class Takeover:
             if number in self._replays:
                 self._give_back(number, why)
         for number, (batch, _) in slots.resumed.items():
-            self.report.slots[number] = len(batch.rounds)
+            self.report.resumed[number] = len(batch.rounds)
             outcome = self._replays.pop(number)
             self.report.outcome.calls.extend(outcome.calls)
             self.report.outcome.answers.extend(outcome.answers)
@@ -256,7 +170,7 @@ class Takeover:
             return "the last stage knows none of its rounds (none ran, or a recovery rebuilt it there)"
         with self.ledger.lock:
             waiting = {_key(request.tag): request for request in self.ledger.waiting if request.tag is not None}
-        batch = SlotBatch.open(number, self.ledger.pad)
+        batch = SlotBatch.open(number, self.ledger.pad, self.ledger.refill)
         live: list[Request] = []
         for members, tags in self.groups[number]:
             group = []
@@ -315,7 +229,7 @@ class Takeover:
             log.warning("%s", error)
 
 
-def _cancelled_meanwhile(batch: Microbatch, waiting: deque[Request]) -> None:
+def _cancelled_meanwhile(batch: SlotBatch, waiting: deque[Request]) -> None:
     """Rows of `batch` whose request left the waiting queue since it was read (its caller cancelled it): settled
     and dropped, so that the stages end them (under the ledger's lock)."""
     still = {id(request) for request in waiting}

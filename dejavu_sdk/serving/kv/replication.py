@@ -1,18 +1,12 @@
-"""The replication ring: each decoding stage streams its microbatches' KV to the next decoding stage's memory.
+"""The replication ring: each decoding stage writes its slots' KV to the next decoding stage's memory.
 
 Decoding stage x of T keeps a replica of its caches in the store that stage (x + 1) % T serves beside its
 inbox (every stage worker's inbox is a transport server over a `MemoryStore`), or, with a replica store
 configured (`file://`, `s3://`, any store other processes read), in that store, which outlives any stage.
-Per microbatch j, stage x streams through a `CacheManager` under the stream `replica_stream(x, j)`: the
-prompt as one block per layer as soon as the stage holds it, then every decode step's new position over all
-its layers (buffered copies, flushed by the manager's streamer thread while the next step computes). When
-the microbatch ends, the stage deletes its replica.
-
-How far a replica reaches is read from the replica itself when it matters (at recovery, `held_positions`
-over the holder's keys) rather than acknowledged step by step: an acknowledgement per step and stage would
-double the head's messages for a number that is only ever read after a failure, and the holder's own store
-is the truth a recovery restores from. Blocks are checksummed, so what a holder reports and sends back is
-exactly what the stage computed.
+Slot j's replica is a set of pieces under streams named from `replica_stream(x, j)` (`slot_replicas`); when the
+slot ends, the stage deletes them. This module names the streams, says where they go (`Replicator`), reads a
+replica back (`assemble`, `cache_from`) and removes what a pipeline leaves (`remove_replicas`). Blocks are
+checksummed, so what a holder sends back is exactly what the stage computed.
 """
 
 from __future__ import annotations
@@ -22,35 +16,18 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import torch
 from transformers import DynamicCache
 
-from ...blocks import BlockKey
-from ...cache import CacheManager
-from ...errors import DejaVuError, ReplicationError, StoreError
+from ...errors import DejaVuError, StoreError
 from ...store import Store
 
 
 def replica_stream(stage: int, microbatch: int, prefix: str = "") -> str:
-    """The stream under which decoding stage `stage` replicates microbatch `microbatch`'s cache (`prefix`: the
-    pipeline's, in a store that several pipelines may share)."""
+    """The stem of the streams under which decoding stage `stage` replicates slot `microbatch`'s cache (`prefix`:
+    the pipeline's, in a store that several pipelines may share)."""
     return f"{prefix}stage{stage}-microbatch{microbatch}"
-
-
-def held_positions(keys: Iterable[BlockKey], layers: int) -> int:
-    """Positions [0, n) that the blocks `keys` cover for every one of `layers` layers (blocks may overlap, as a
-    replica rewound by a recovery and streamed again holds the same positions twice, with the same bytes)."""
-    ends = [0] * layers
-    by_start = sorted(keys, key=lambda key: key.tokens[0])
-    advanced = True
-    while advanced:
-        advanced = False
-        for key in by_start:
-            for layer in range(*key.layers):
-                if layer < layers and key.tokens[0] <= ends[layer] < key.tokens[1]:
-                    ends[layer] = key.tokens[1]
-                    advanced = True
-    return min(ends, default=0)
 
 
 def assemble(store: Store, stream_id: str, layers: int, positions: int) -> torch.Tensor:
@@ -87,58 +64,16 @@ def cache_from(block: torch.Tensor, config: Any) -> DynamicCache:
     return cache
 
 
+@attrs.frozen
 class Replicator:
-    """A decoding stage's side of the ring: one `CacheManager` per microbatch, streaming to `holder` (the next
-    decoding stage's served store, or a durable store that every stage shares) as stage number `stage` with
-    `layers` layers, under streams named with `prefix`."""
+    """Where a decoding stage's replicas go: `holder` (the next decoding stage's served store, or a durable store
+    that every stage shares), written as stage number `stage` with `layers` layers, under streams named with
+    `prefix` (`slot_replicas.SlotReplicas` writes the pieces)."""
 
-    def __init__(self, holder: Store, stage: int, layers: int, prefix: str = "") -> None:
-        self.holder, self.stage, self.layers, self.prefix = holder, stage, layers, prefix
-        self._managers: dict[int, CacheManager] = {}
-
-    def start(self, microbatch: int, cache: DynamicCache, durable_positions: int = 0) -> None:
-        """Replicate `microbatch` from now on; its replica already holds positions [0, `durable_positions`), and
-        whatever `cache` holds beyond them is streamed now, one block per layer."""
-        self.finish(microbatch)
-        manager = CacheManager(self.holder, replica_stream(self.stage, microbatch, self.prefix), self.layers,
-                               durable_positions=durable_positions)
-        self._managers[microbatch] = manager
-        length = cache.get_seq_length()
-        layers: list[Any] = cache.layers  # key/value layers: a pipeline refuses replication of any other kind
-        if length > durable_positions:
-            new = slice(durable_positions, length)
-            for layer, kv in enumerate(layers):
-                manager.observe(layer, kv.keys[:, :, new], kv.values[:, :, new], durable_positions)
-
-    def step(self, microbatch: int, cache: DynamicCache) -> None:
-        """Stream the position `cache` has just appended (one decode step) of `microbatch`."""
-        manager = self._managers[microbatch]
-        first = cache.get_seq_length() - 1
-        layers: list[Any] = cache.layers
-        for layer, kv in enumerate(layers):
-            manager.observe(layer, kv.keys[:, :, -1:], kv.values[:, :, -1:], first)
-
-    def finish(self, microbatch: int) -> None:
-        """Wait until what `microbatch` handed off reached the holder (or failed, the holder being gone)."""
-        manager = self._managers.pop(microbatch, None)
-        if manager is not None:
-            _quietly_finish(manager)
-
-    def finish_all(self) -> None:
-        for microbatch in list(self._managers):
-            self.finish(microbatch)
-
-    def end(self, microbatch: int) -> None:
-        """The microbatch ended: stop replicating it and delete its replica."""
-        self.finish(microbatch)
-        with contextlib.suppress(DejaVuError):  # a holder gone takes the replica with it
-            self.holder.delete(replica_stream(self.stage, microbatch, self.prefix))
-
-
-def _quietly_finish(manager: CacheManager) -> None:
-    """Finish a manager whose holder may be gone (a recovery is under way): its error then says nothing new."""
-    with contextlib.suppress(ReplicationError):
-        manager.finish()
+    holder: Store
+    stage: int
+    layers: int
+    prefix: str = ""
 
 
 def delete_replicas(store: Store, stages: list[int], microbatches: list[int], prefix: str) -> None:

@@ -127,7 +127,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             head.send_tensor(pack(Warm(url=inbox.url)))
             answer = _wait_for_assignment(inbox, head)
         stage: Stage | None = None
-        held: Holdings | None = None  # an orphan's microbatches, for the head that takes it back
+        held: Holdings | None = None  # an orphan's slots, for the head that takes it back
         while not isinstance(answer, Shutdown):
             if not isinstance(answer, Assign):
                 raise TransportError(f"the head sent {answer.kind!r} where an assignment was due")
@@ -176,7 +176,7 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
                              assign.swapping, None, replicator, assign.recovery, assign.epoch,
                              assign.links.replica_prefix, assign.batching, assign.max_prefill_tokens)
         if held is not None and assign.take_over:  # else dropped with it
-            worker.microbatches, worker.slots, worker.caches = held.microbatches, held.slots, held.caches
+            worker.slots, worker.caches = held.slots, held.caches
         elif not assign.take_over:  # a head that takes nothing over: what was replicated here for a neighbour
             for stream in {key.stream_id for key in inbox.store.keys(stream_id=None)}:
                 inbox.store.delete(stream)
@@ -189,7 +189,7 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else assign.epoch  # raised by recoveries
         if worker is not None:
-            gone.held = Holdings(worker.microbatches, worker.slots, worker.caches)
+            gone.held = Holdings(worker.slots, worker.caches)
         raise
     finally:
         if heartbeat is not None:

@@ -1,3 +1,3 @@
 """A stage worker, the process that holds one stage of the model: its message loop (`stage.StageWorker`), its
-state and links (`state`), static microbatches and continuous slots (`slots`, `slot_picks`), prompt steps and the
+state and links (`state`), slots of either batching policy (`slots`, `slot_picks`), prompt steps and the
 prompt-to-token KV hand-off (`prompt_steps`, `handoff`), and its side of a recovery (`recovery`, `slot_recovery`)."""

@@ -23,7 +23,7 @@ from ...blocks import BlockKey
 from ...errors import TransportError
 from ...stream import LayerPartition, stream_out
 from ...transports.base import Transport
-from ..wire.messages import Kv, SlotRound, Start, pack
+from ..wire.messages import Kv, SlotRound, pack
 
 
 class _OneBlock:
@@ -96,7 +96,7 @@ class StagedKV:
     layers: int
     pieces: dict[int, list[torch.Tensor]] = attrs.field(factory=dict)
     finished: set[int] = attrs.field(factory=set)
-    start: Start | SlotRound | None = None  # the step that came before the last piece (`Start`, or a slot's round)
+    start: SlotRound | None = None  # the round that came before the last piece
 
     def add(self, first_layer: int, layers: tuple[int, int], piece: torch.Tensor, last: bool = True) -> None:
         for offset, layer in enumerate(range(*layers)):

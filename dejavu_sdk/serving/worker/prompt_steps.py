@@ -12,7 +12,7 @@ the first tokens and reports them (`Prefilled`, with the `chunk`: the columns a 
 schedule records so that `replay` runs the same steps).
 
 Without a budget (`max_prefill_tokens` None, and under static batching, whose microbatches equal
-`model.generate`) a microbatch's prompts run in one step, in the order they came.
+`model.generate`) a group's prompts run in one step, in the order they came.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...generation.logprobs import Scores
+from ...generation.picker import TokenPicker, next_tokens_scored
 from ...generation.slots import Joining
 from ..wire.messages import Prefill, Prefilled
 from .state import PromptRun, WorkerState
@@ -55,7 +56,7 @@ class PromptSteps(WorkerState):
         run = self.prompt_runs.get(number)
         if run is None:  # failed, or dropped by a recovery
             return
-        start, stop = run.joining.columns(self.max_prefill_tokens if self.continuous else None)
+        start, stop = run.joining.columns(self.max_prefill_tokens)
         assert run.joining.ids is not None  # the first stage keeps them
         self._prompt_columns(number, run, run.joining.ids[:, start:stop], start, stop)
         if not run.joining.complete:
@@ -100,13 +101,17 @@ class PromptSteps(WorkerState):
 
     def _first_tokens(self, number: int, run: PromptRun, logits: torch.Tensor) -> None:
         """The last prompt stage, its prompts in: pick the first tokens and report them; the token stages go on."""
-        mask = run.joining.mask
-        state = self._prefilled_state(number, run.specs, run.ended, mask)
-        tokens, ended, failures, logprobs = self._pick(state, logits)
-        assert state.picker is not None  # made on the last stage
-        states = state.picker.states()
+        mask, specs = run.joining.mask, run.specs
+        picker = TokenPicker(self.stage.adapter.model.generation_config, specs.decoding)
+        ended = torch.zeros(len(mask), dtype=torch.bool)
+        ended[[*run.ended, *self.kept_cancels(number)]] = True  # ended by the head, or cancelled before
+        self.row_steps += int((~ended).sum())
+        tokens, ended, failures, scores = next_tokens_scored(picker, logits, ended, 1, specs.max_new_tokens, self.eos,
+                                                             self.pad)
+        states = picker.states()
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
-        self._send(self.head, Prefilled(microbatch=number, failed=failures, chunk=run.chunk,
+        logprobs = {str(row): entry for row, entry in scores.items()}
+        self._send(self.head, Prefilled(microbatch=number, failed=dict(failures), chunk=run.chunk,
                                         scores=Scores(logprobs, run.prompt_logprobs), tokens=tokens[:, None], mask=mask,
                                         ended=ended.to(torch.uint8), rng=rng))
 

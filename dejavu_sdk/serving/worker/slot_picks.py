@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from ...generation.decoding import RowFailure
@@ -29,22 +30,26 @@ class SlotPicks(WorkerState):
         logprobs: dict[str, Any] = {}  # by member
         prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, {}  # of the chunk this round ran
         pickers: list[tuple[int, torch.Tensor | None]] = []  # rows picked for, and their generators' states after
+        decode_picks = torch.zeros(0, dtype=torch.long)  # every decoded row's, padding included: the next inputs
         if decoded:
             assert state.picker is not None
             counts = [state.counts[member] + 1 for member in decoded]
             limits = [state.limits[member] for member in decoded]
-            self.row_steps += int((~state.ended).sum())
-            picked, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended, counts,
-                                                                       limits, self.eos, self.pad)
+            live = [row for row, ended in enumerate(state.ended.tolist()) if not ended]  # the others pad
+            self.row_steps += len(live)
+            decode_picks, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended,
+                                                                             counts, limits, self.eos, self.pad)
             logprobs.update(_by_member(decoded, scores))
-            members += decoded
-            tokens.append(picked)
+            members += [decoded[row] for row in live]
+            tokens.append(decode_picks[live])
             failed.update((decoded[row], failure) for row, failure in failures.items())
             for member in decoded:
                 state.counts[member] += 1
-            pickers.append((len(decoded), state.picker.states() if self.recovery else None))
+            states = state.picker.states() if self.recovery else None
+            pickers.append((len(live), None if states is None else states[live]))
         joined: list[int] | None = None
         complete: list[int] = []
+        staged_first: list[int] | None = None  # a staged group's first tokens, as the prompt pipeline picked them
         if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
             group_members = complete = state.ready[1].members
             picker = state.joining_picker
@@ -52,10 +57,12 @@ class SlotPicks(WorkerState):
             cancelled = torch.tensor([member in state.cancelled for member in group_members])
             staged = message.starting.staged if message.starting is not None else None
             if staged is not None:  # the prompt pipeline picked them, and the head has them
+                staged_first = staged.first
                 picked = torch.tensor(staged.first, dtype=torch.long)
                 ended = cancelled | torch.tensor([member in staged.ended for member in group_members])
             else:
                 limits = [state.limits[member] for member in group_members]
+                self.row_steps += int((~cancelled).sum())
                 picked, ended, failures, scores = next_tokens_scored(picker, first_logits, cancelled, 1, limits,
                                                                      self.eos, self.pad)
                 logprobs.update(_by_member(group_members, scores))
@@ -63,10 +70,14 @@ class SlotPicks(WorkerState):
                 tokens.append(picked)
                 failed.update((group_members[row], failure) for row, failure in failures.items())
                 pickers.append((len(group_members), picker.states() if self.recovery else None))
-            keep = [row for row, done in enumerate(ended.tolist()) if not done]
+            # continuous: rows that ended with their first token leave at once; static: every row stays (an
+            # ended one as padding) unless all ended
+            stay = not self.refill and not bool(ended.all())
+            keep = [row for row, done in enumerate(ended.tolist()) if stay or not done]
             state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
             state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
+            state.ready_ended = ended[keep]
             state.joining_decodings = []
             joined = [group_members[row] for row in keep]
             self._let_go(state, [member for member in group_members if member not in set(joined)])
@@ -76,20 +87,24 @@ class SlotPicks(WorkerState):
         step = Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), message.prefill, chunk)
         idle = not decoded and message.prefill is None  # parked on the first stage
         left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
+        if not self.refill and len(left) < len(decoded):  # a static slot's rows leave together, once all ended
+            left = []
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         done = RoundDone(step, members, list(complete), idle, (left, None if idle else joined), failed)
         if state.reports is not None:  # without log-probabilities: a successor computes those rows again
-            state.reports.append((done, report.tolist()))
+            first = staged_first or []  # a staged group's first tokens, which the head had from the prompt pipeline
+            state.reports.append((attrs.evolve(done, members=[*members, *(complete if first else [])]),
+                                  [*report.tolist(), *first]))
         self._send(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
                                           tokens=report, states=_states(pickers)))
         if idle:
             return
         self._let_go(state, left)
         staying = [row for row, member in enumerate(decoded) if member not in set(left)]
-        following = [decode for decode in (tokens[0][staying] if decoded else None, state.ready_tokens if joined
+        following = [decode for decode in (decode_picks[staying] if decoded else None, state.ready_tokens if joined
                                            else None) if decode is not None and len(decode)]
         if joined is not None and not joined:
-            state.ready, state.ready_picker, state.ready_tokens = None, None, None
+            state.ready, state.ready_picker, state.ready_tokens, state.ready_ended = None, None, None, None
         next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
         self._send(self.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
 

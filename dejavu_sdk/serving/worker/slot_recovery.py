@@ -34,8 +34,6 @@ class SlotRecoveryHandlers(SlotHandlers):
     """The `RewindSlot` handler, under continuous batching; `StageWorker` inherits it."""
 
     def _rewind_slot(self, message: RewindSlot) -> None:
-        if not self.continuous:
-            self._unexpected(message)
         number, error = message.microbatch, None
         try:
             self._rewind_slot_to(message)
@@ -126,8 +124,10 @@ def _take_back(state: SlotState, cache: Any) -> Any:
     if prefill is not None:
         members, start, _ = prefill
         group = state.joining if state.joining is not None else None
+        held = state.ready is not None and state.ready[0] is None  # a static group held as the slot's cache
         group_cache, group_mask = ((group.cache, group.mask) if group is not None else
-                                   (state.ready[0], state.ready[1].mask) if state.ready is not None else (None, None))
+                                   (cache if held else state.ready[0], state.ready[1].mask) if state.ready is not None
+                                   else (None, None))
         state.ready, state.joining, state.joining_picker = None, None, state.joining_picker if start else None
         if start == 0:
             state.started = None

@@ -68,7 +68,7 @@ class SlotHandlers(SlotPicks):
 
     def _first_of_slots(self) -> bool:
         """Whether this stage is a continuous pipeline's first decoding stage, where groups enter slots."""
-        return self.continuous and self.role.decodes and self.stage.first
+        return self.role.decodes and self.stage.first
 
     def _enter(self, message: Enter) -> None:
         """The first stage: a group for slot `microbatch`, run from its next round on (after any group before it); a
@@ -104,7 +104,7 @@ class SlotHandlers(SlotPicks):
         go on to the last stage, which ends their rows (a joining group's once its first tokens come). One
         that overtook its slot (opened by a group still in the prompt pipeline) is kept until the slot comes."""
         state = self.slots.get(number)
-        if state is not None and self.stage.first:
+        if state is not None and self.stage.first and self.refill:  # a static group keeps its rows, as padding
             members = self._unqueue(number, state, set(members))
         if not members:
             return
@@ -180,6 +180,8 @@ class SlotHandlers(SlotPicks):
             self._put_slot_back(number, state, cache, changed)
         if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
             self._replicate_round(number, state, index, message, cache)
+        if not self.refill and state.ready is not None and state.ready[0] is not None and number not in self.caches:
+            self._hold_ready_group(number, state)
         onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
                               prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
         if not self.stage.last:
@@ -206,6 +208,15 @@ class SlotHandlers(SlotPicks):
             present = {*state.rows.members, *(state.joining.members if state.joining is not None else ()),
                        *(state.ready[1].members if state.ready is not None else ())}
             writer.collect(number, pieces, present)
+
+    def _hold_ready_group(self, number: int, state: SlotState) -> None:
+        """A static slot's group, its prompts in: its cache is the slot's from now on, held (and swapped) as every
+        slot's is, so that it does not wait on the device beside the slots that step before it joins."""
+        group_cache, rows = state.ready  # type: ignore[misc]  # checked by the caller
+        self.caches.pin(("group", number), None)
+        self.caches.new_cache(number, group_cache)
+        self.caches.add(number, max(state.finals[member] for member in rows.members))
+        state.ready = (None, rows)
 
     def _waits_for_kv(self, number: int, state: SlotState, message: SlotRound) -> bool:
         """Disaggregated: whether this round must wait for a group's prompt KV still on its way from the prompt
@@ -243,6 +254,8 @@ class SlotHandlers(SlotPicks):
         if not joined or ready is None:
             return cache, bool(left)
         group_cache, group_rows = ready
+        if group_cache is None:  # a static group held as the slot's cache already (`_hold_ready_group`)
+            group_cache = cache
         gone = [member for member in group_rows.members if member not in set(joined)]
         group_rows = leave(group_cache, group_rows, gone)
         for member in gone:
@@ -261,9 +274,10 @@ class SlotHandlers(SlotPicks):
                 state.picker = state.ready_picker
             else:
                 state.picker.extend(state.ready_picker)
-            state.ended = torch.cat([state.ended, torch.tensor([member in state.cancelled for member in joined],
-                                                               dtype=torch.bool)])
-            state.ready_picker, state.ready_tokens = None, None
+            cancelled = torch.tensor([member in state.cancelled for member in joined], dtype=torch.bool)
+            ended = cancelled if state.ready_ended is None else cancelled | state.ready_ended
+            state.ended = torch.cat([state.ended, ended])
+            state.ready_picker, state.ready_tokens, state.ready_ended = None, None, None
         return cache, True
 
     def _next_columns(self, state: SlotState) -> tuple[Columns | None, GroupStart | None, torch.Tensor, torch.Tensor,
@@ -328,8 +342,10 @@ class SlotHandlers(SlotPicks):
                      rng: torch.Tensor) -> None:
         """What a stage keeps of a group as it starts: each member's final cache length; the last stage also
         its limits and a picker (disaggregated: its generators as the prompt pipeline left them)."""
-        prompts = mask.sum(1).tolist()
-        for member, prompt, limit in zip(members, prompts, specs.max_new_tokens, strict=True):
+        # a static slot's rows keep their padding: its cache ends at its longest prompt and largest limit
+        prompts = mask.sum(1).tolist() if self.refill else [mask.shape[1]] * len(members)
+        limits = specs.max_new_tokens if self.refill else [max(specs.max_new_tokens)] * len(members)
+        for member, prompt, limit in zip(members, prompts, limits, strict=True):
             state.finals[member] = positions_needed(int(prompt), limit)
         if self.stage.last:
             state.limits.update(zip(members, specs.max_new_tokens, strict=True))

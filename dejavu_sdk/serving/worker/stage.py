@@ -6,13 +6,16 @@ start it, or `dejavu worker --join URL`):
 2. take the head's `Assign`: the model, its layers, and where its output goes; load the model, keep its
    stage, connect to its neighbours; send `Ready`;
 3. run messages until `Shutdown` (`StageWorker.run`, this module), each through its class's handler
-   (`StageWorker.handlers`): `Prefill` (a new microbatch: its ids or hidden states, mask and rows' limits) and
-   `Decode` (one more position) run the stage and go on to the next stage; on the last stage they become the
-   next tokens, which go to the head (`Tokens`) and back to the first stage as the next `Decode`, or, once every
-   row has ended, `Ended` to the head and `End` through the other stages, which free the microbatch's caches.
+   (`StageWorker.handlers`). Every microbatch is a slot (`worker.slots`): the head opens it with a group of
+   requests (`OpenSlot`, later groups `Enter`), and each round (`SlotRound`) runs the stage on its rows' next
+   positions and a joining group's prompt columns and goes on to the next stage; the last stage picks the
+   tokens, reports the round to the head (`RoundReport`) and sends the next round back to the first stage. The
+   slot's policy is the pipeline's batching: continuous batching lets rows leave as they end and groups join;
+   a static slot's rows stay, ended ones as padding, until the last ends. An idle slot that no group is bound
+   for is ended by the head (`End` through the stages, the last answering `Freed`).
    Disaggregated, a prompt stage runs only `Prefill`, streaming each finished layer's KV to the token stages
    (`Kv`), and its last stage sends the first tokens to the head (`Prefilled`); a token stage keeps the KV it
-   receives until the head's `Start` (the first tokens) arrives, then decodes the microbatch as above.
+   receives until the group enters its slot, which takes it in instead of computing it.
 A worker that cannot reach a neighbour, or whose stage fails, tells the head (`Failed`) and stops: the head
 fails the requests in flight. One that cannot reach the head raises `HeadGone`, and waits as an orphan for a
 successor (`bootstrap.run_worker`).
@@ -30,27 +33,19 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import attrs
 import torch
 
 from ...errors import ReplicationError, TransportError
-from ...generation.logprobs import Scores
-from ...generation.picker import TokenPicker
-from ...generation.stage import position_ids
-from ...swapping import positions_needed
 from ..wire.messages import (
     AskRejoin,
     AskStats,
     Cancel,
-    Decode,
     Drop,
     End,
-    Ended,
     Enter,
     EpochMessage,
     Failed,
     Fenced,
-    Freed,
     Kv,
     LinkLost,
     Message,
@@ -61,21 +56,18 @@ from ..wire.messages import (
     Prefill,
     Relink,
     Restore,
-    Rewind,
     RewindSlot,
     SendReplica,
     Shutdown,
     SlotRound,
-    Start,
     Stats,
-    Tokens,
     pack,
     unpack,
 )
 from .prompt_steps import PromptSteps
 from .recovery import RecoveryHandlers
 from .slots import SlotHandlers
-from .state import HeadGone, MicrobatchState, Role
+from .state import HeadGone, Role
 
 __all__ = ["QUIET", "Role", "StageWorker", "failure_message"]  # Role is worker.state's, named here with the worker
 
@@ -104,10 +96,10 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
         return {
             Shutdown: self._shutdown, AskRejoin: self._asked_to_rejoin, Fenced: self._fenced, AskStats: self._stats,
             Prefill: self._as_step(self._prefill_of_role), OpenSlot: self._as_step(self._open_slot),
-            Enter: self._enter_group, SlotRound: self._as_step(self._slot_round), Decode: self._as_step(self._decode),
-            Start: self._as_step(self._start), Kv: self._receive_kv, Cancel: self._cancel, End: self._end,
+            Enter: self._enter_group, SlotRound: self._as_step(self._slot_round), Kv: self._receive_kv,
+            Cancel: self._cancel, End: self._end,
             Pause: self._pause, Relink: self._relink, SendReplica: self._send_replica, Restore: self._restore,
-            Drop: self._drop, Rewind: self._rewind, RewindSlot: self._rewind_slot}
+            Drop: self._drop, RewindSlot: self._rewind_slot}
 
     def run(self) -> None:
         while True:
@@ -208,75 +200,25 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
                 error=f"{self.role.name} failed on it: {type(error).__name__}: {error}")))
 
     def _prefill_of_role(self, message: Prefill) -> None:
-        """A static microbatch's prompts (disaggregated, a slot's group's): a prompt stage prefills them in chunks,
-        a mixed stage into the cache it decodes on."""
-        if self.role.kind == "prompt":
-            self._prompt_prefill(message)
-        elif self.role.kind == "mixed":
-            self._prefill(message)
-        else:
+        """A group's prompts, disaggregated: a prompt stage prefills them in chunks."""
+        if self.role.kind != "prompt":
             self._unexpected(message)
+        self._prompt_prefill(message)
 
     def _slot_round(self, message: SlotRound) -> None:
-        if not self.continuous or not self.role.decodes:
+        if not self.role.decodes:
             self._unexpected(message)
         self._round(message)
 
-    def _decode(self, message: Decode) -> None:
-        """A static microbatch's next step on a decoding stage."""
-        number = message.microbatch
-        if self.role.kind == "prompt":
-            self._unexpected(message)
-        if number not in self.microbatches:  # ended or dropped meanwhile: nothing to continue
-            log.warning("%s dropped a step of microbatch %d, which it does not hold", self.role.name, number)
-            return
-        state = self.microbatches[number]
-        state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.mask), 1)], dim=1)
-        state.positions = state.positions[:, -1:] + 1
-        self._step(number, state, message, self.caches.acquire(number))
-
     def _cancel(self, message: Cancel) -> None:
-        """End rows of a microbatch at its next step (their requests were cancelled): a slot's, or a static one's."""
-        if self.continuous:
-            self._cancel_rows(message.microbatch, message.rows)
-        else:
-            self._cancel_static(message.microbatch, message.rows)
-
-    def _cancel_static(self, number: int, rows: list[int]) -> None:
-        """End `rows` of microbatch `number` at its next step (their requests were cancelled): the head tells the
-        first decoding stage, and each passes it on behind the steps it sent, so that the last stage, which picks
-        the tokens, has the microbatch when it arrives; one that overtook the microbatch anyway (a `start` waiting
-        for its prompt KV) is kept until the microbatch comes. A microbatch with no live row left ends."""
-        if not self.stage.last:
-            self._send(self.following, Cancel(microbatch=number, rows=rows))
-            return
-        state = self.microbatches.get(number)
-        if state is None or state.ended is None:
-            self.keep_cancel(number, rows)
-            return
-        state.ended[rows] = True
+        """End rows of a slot at its next round (their requests were cancelled)."""
+        self._cancel_rows(message.microbatch, message.rows)
 
     def _end(self, message: End) -> None:
-        """Free a microbatch's cache (a slot's, under continuous batching), and pass the word on."""
-        if self.continuous and self.role.decodes:
-            self._end_slot(message)
-            return
-        number = message.microbatch
-        self.microbatches.pop(number, None)
-        self.caches.remove(number)
-        if self.replicator is not None:
-            self.replicator.end(number)
-        if self.role.number + 2 < self.role.stages:  # the last stage ended it and freed its own already
-            self._send(self.following, message)
-        else:  # every stage has freed its cache: the head may give its room to another
-            self._send(self.head, Freed(microbatch=number))
-
-    def _prefill(self, message: Prefill) -> None:
-        """A mixed stage's first step of a static microbatch: its whole prompts, into the cache it decodes on."""
-        number = message.microbatch
-        state = self._prefilled_state(number, message.specs, message.ended, message.mask.clone())
-        self.microbatches[number] = state
-        self._step(number, state, message, self.caches.new_cache(number))
+        """The head ended an idle slot: free its cache, and pass the word on."""
+        if not self.role.decodes:
+            self._unexpected(message)
+        self._end_slot(message)
 
     def _receive_kv(self, message: Kv) -> None:
         number = message.microbatch
@@ -286,97 +228,5 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
             return
         staged = self._staged(number)
         staged.add(self.stage.layers[0], message.layers, message.piece, message.last)
-        if staged.complete and staged.start is not None:  # a step that waited for this KV
+        if staged.complete and staged.start is not None:  # a round that waited for this KV
             self.handlers[type(staged.start)](staged.start)
-
-    def _start(self, message: Start) -> None:
-        """A token stage's first step of a microbatch the prompt pipeline ran, once all its layers' KV are here
-        (else the message waits for the last piece)."""
-        number = message.microbatch
-        if self.role.kind != "token":
-            self._unexpected(message)
-        staged = self._staged(number)
-        if not staged.complete:
-            staged.start = message
-            return
-        del self.staged[number]
-        prompt_mask, ended, rng = message.mask, message.ended, message.rng
-        if bool(ended.all()):  # every row ended with its first token: nothing to decode
-            if self.role.last:  # no token stage kept its KV
-                self._send(self.head, Ended(microbatch=number, freed=True))
-            else:
-                self._send(self.following, message)
-            return
-        mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_mask), 1)], dim=1)
-        state = MicrobatchState(positions_needed(prompt_mask.shape[1], max(message.specs.max_new_tokens)), mask,
-                                position_ids(prompt_mask)[:, -1:] + 1, message.specs)
-        if self.stage.last:
-            state.picker = TokenPicker(self.stage.adapter.model.generation_config, message.specs.decoding)
-            if rng.numel():
-                state.picker.set_states(rng)
-            state.ended, state.steps = ended.bool().clone(), 1
-            state.ended[self.kept_cancels(number)] = True
-            state.history = [list(message.first)]
-        self.microbatches[number] = state
-        cache = self.caches.new_cache(number, staged.cache(self.stage.config, prompt_mask.shape[1]))
-        output = self.stage.forward(message.inputs, state.mask, state.positions, cache)
-        if not self.stage.last:
-            self._send(self.following, attrs.evolve(message, inputs=output))
-        else:
-            self._next_tokens(number, state, output)
-        self._after_step(number, cache, first=True)
-
-    def _step(self, number: int, state: MicrobatchState, message: Prefill | Decode, cache: Any) -> None:
-        """Run the stage on the microbatch's new positions in `cache` (its prompts for a `Prefill`), and pass the
-        result on."""
-        prompt_logprobs: dict[str, Any] = {}
-        prefill = isinstance(message, Prefill)
-        on_hidden = self._scorer(state, prompt_logprobs) if prefill else None
-        output = self.stage.forward(message.inputs, state.mask, state.positions, cache, on_hidden=on_hidden)
-        if self.stage.last:
-            self._next_tokens(number, state, output, prompt_logprobs)
-        elif isinstance(message, Prefill):
-            self._send(self.following, attrs.evolve(message, inputs=output, mask=state.mask))
-        else:
-            self._send(self.following, attrs.evolve(message, inputs=output))
-        self._after_step(number, cache, first=prefill)
-
-    def _after_step(self, number: int, cache: Any, first: bool) -> None:
-        """Hand a stepped cache back (after its first step, with its final size), or free it if it ended here;
-        replicate what the step added."""
-        state = self.microbatches.get(number)
-        if state is None:
-            self.caches.remove(number)
-        elif first:
-            self.caches.add(number, state.capacity)
-        else:
-            self.caches.release(number)
-        if self.replicator is None:
-            return
-        if state is None:
-            self.replicator.end(number)
-        elif first:
-            self.replicator.start(number, cache)
-        else:
-            self.replicator.step(number, cache)
-
-    def _scorer(self, state: MicrobatchState, into: dict[str, Any]) -> Any:
-        """The last stage's prompt scorer of a microbatch's prefill (None elsewhere, or when no row asks)."""
-        if not self.stage.last:
-            return None
-        return self.prompt_scorer(state.specs.decoding, 0, state.mask.shape[1], into)
-
-    def _next_tokens(self, number: int, state: MicrobatchState, logits: torch.Tensor,
-                     prompt_logprobs: dict[str, Any] | None = None) -> None:
-        """The last stage: pick each row's next token, report it, and go on or end the microbatch."""
-        tokens, ended, failures, logprobs = self._pick(state, logits)
-        states = state.picker.states() if state.picker is not None and self.recovery else None
-        self._send(self.head, Tokens(microbatch=number, failed=failures, tokens=tokens, states=states,
-                                     scores=Scores(logprobs, prompt_logprobs or {})))
-        if bool(ended.all()):
-            del self.microbatches[number]
-            self._send(self.head, Ended(microbatch=number, freed=self.role.stages == 1))
-            if self.role.stages > 1:
-                self._send(self.first, End(microbatch=number))
-        else:
-            self._send(self.first, Decode(microbatch=number, inputs=tokens[:, None]))

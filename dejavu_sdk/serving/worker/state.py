@@ -1,5 +1,5 @@
-"""What a stage worker holds between messages: where its stage sits (`Role`), each microbatch's state
-(`MicrobatchState`), its caches, its links to the stages around it (`open_links`), and what tells it that the
+"""What a stage worker holds between messages: where its stage sits (`Role`), each slot's state (`SlotState`), its
+caches, its links to the stages around it (`open_links`), and what tells it that the
 head is gone (`HeadWatch`, raising `HeadGone`).
 
 `WorkerState` is the base of `worker.StageWorker`: both the step path (`worker`) and the head's recovery
@@ -19,16 +19,14 @@ import torch
 
 from ...backends import open_store, open_transport
 from ...errors import TransportError
-from ...generation.decoding import RowFailure
 from ...generation.logprobs import prompt_scores
-from ...generation.picker import TokenPicker, next_tokens_scored
+from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs
 from ...generation.slots import Joining, SlotRows
-from ...generation.stage import Stage, position_ids
+from ...generation.stage import Stage
 from ...store import Store
 from ...stream import LayerPartition
 from ...swapped_caches import SwappedCaches
-from ...swapping import positions_needed
 from ...transports.base import Server, Transport
 from ..kv.replication import Replicator
 from ..kv.slot_replicas import SlotPieces, SlotReplicas
@@ -52,10 +50,9 @@ class HeadGone(TransportError):
 
 @attrs.frozen
 class Holdings:
-    """What an orphaned worker keeps for a successor head: its static microbatches' and slots' states, and their
-    caches (a successor takes them over, or tells it to drop them)."""
+    """What an orphaned worker keeps for a successor head: its slots' states, and their caches (a successor takes
+    them over, or tells it to drop them)."""
 
-    microbatches: dict[int, MicrobatchState]
     slots: dict[int, SlotState]
     caches: SwappedCaches
 
@@ -84,22 +81,6 @@ class Role:
     @property
     def decodes(self) -> bool:
         return self.kind != "prompt"
-
-
-@attrs.define
-class MicrobatchState:
-    """What one stage keeps of a microbatch between steps (its KV cache is in the worker's `caches`)."""
-
-    capacity: int  # cache positions it reaches at its end
-    mask: torch.Tensor
-    positions: torch.Tensor
-    specs: RowSpecs  # each row's limit and decoding
-    ended: torch.Tensor | None = None  # the last stage's: rows that ended
-    picker: TokenPicker | None = None  # the last stage's: how the next tokens are chosen
-    steps: int = 0
-    #: The last stage's: every step's tokens (a token per row), so that a successor head can take the microbatch
-    #: over from its cache instead of computing it again.
-    history: list[list[int]] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -137,6 +118,7 @@ class SlotState:
     prompt_logprobs: dict[str, Any] = attrs.field(factory=dict)  # this round's chunk's, by member
     ready_picker: TokenPicker | None = None
     ready_tokens: torch.Tensor | None = None
+    ready_ended: torch.Tensor | None = None  # which of them ended with their first token (static: they stay)
     #: The last stage's: every round's report to the head (what it did, and its tokens), so that a successor head
     #: can take the slot over; None once a recovery rebuilt the slot here (its earlier rounds are not known).
     reports: list[tuple[RoundDone, list[int]]] | None = attrs.field(factory=list)
@@ -202,12 +184,14 @@ class WorkerState:
         self.recovery, self.epoch = recovery, epoch
         self.prefix = replica_prefix  # of the replica streams, this pipeline's
         self._reported_epoch = -1  # the epoch in which a lost link was last reported
-        self.restored: dict[int, torch.Tensor] = {}  # a replacement's: its caches as their replicas held them
         self.restored_pieces: dict[int, dict[str, torch.Tensor]] = {}  # a replacement's: its slots' replica pieces
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
-        self.microbatches: dict[int, MicrobatchState] = {}
-        #: Continuous batching: each microbatch is a slot whose rows come and go (`worker.slots`).
-        self.continuous, self.max_prefill_tokens = batching == "continuous", max_prefill_tokens
+        #: Each microbatch is a slot (`worker.slots`); continuous batching (`refill`) lets its rows come and go, a
+        #: joining group prefilled `max_prefill_tokens` positions a round (None: at once). A static slot keeps its
+        #: one group's rows (ended ones as padding) until the last ends, and prefills them in one step, as
+        #: `model.generate` does.
+        self.refill = batching == "continuous"
+        self.max_prefill_tokens = max_prefill_tokens if self.refill else None
         self.slots: dict[int, SlotState] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
         self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
@@ -231,50 +215,21 @@ class WorkerState:
         """The rows of microbatch `number` cancelled before it came, now taken."""
         return sorted(self._cancels.pop(number, ()))
 
-    def _pick(self, state: MicrobatchState,
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[int, RowFailure], dict[str, Any]]:
-        """Each row's next token (padding once the row has ended), which rows have now ended, why each row
-        that failed now did (by row), and the log-probabilities of the rows that ask (by row, in wire form)."""
-        if state.ended is None:
-            state.ended = torch.zeros(len(logits), dtype=torch.bool)
-        assert state.picker is not None  # made with the microbatch on the last stage
-        state.steps += 1
-        self.row_steps += int((~state.ended).sum())
-        tokens, state.ended, failures, logprobs = next_tokens_scored(
-            state.picker, logits, state.ended, state.steps, state.specs.max_new_tokens, self.eos, self.pad)
-        state.history.append(tokens.tolist())
-        return tokens, state.ended, dict(failures), {str(row): entry for row, entry in logprobs.items()}
-
-    def _prefilled_state(self, number: int, specs: RowSpecs, ended: list[int], mask: torch.Tensor) -> MicrobatchState:
-        """A microbatch's state as its prompts are prefilled (`specs`: its rows', `ended`: the rows the head ended,
-        `mask` its prompts'); on the last stage with its picker and its rows ended so far (those the head ended,
-        and those cancelled before)."""
-        state = MicrobatchState(positions_needed(mask.shape[1], max(specs.max_new_tokens)), mask, position_ids(mask),
-                                specs)
-        if self.stage.last:
-            state.picker = TokenPicker(self.stage.adapter.model.generation_config, specs.decoding)
-            state.ended = torch.zeros(len(mask), dtype=torch.bool)
-            state.ended[[*ended, *self.kept_cancels(number)]] = True
-        return state
-
     def _staged(self, number: int) -> StagedKV:
         """The prompt KV received for microbatch (or group) `number`, kept until its first step takes it."""
         return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
 
     def _forget(self, number: int) -> None:
-        """Let go of everything held for microbatch `number`: its state, cache, KV received, replica stream."""
-        self.microbatches.pop(number, None)
+        """Let go of everything held for microbatch (slot, or group) `number`: its state, cache, KV received, prompts
+        to run, replica."""
         slot = self.slots.pop(number, None)
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
-        self.restored.pop(number, None)
         self.restored_pieces.pop(number, None)
         self.staged.pop(number, None)
         self.prompt_runs.pop(number, None)
-        if self.replicator is not None:
-            self.replicator.end(number)
-            if slot is not None:
-                self._slot_replicas().end(number, slot.pieces)
+        if self.replicator is not None and slot is not None:
+            self._slot_replicas().end(number, slot.pieces)
 
     def _slot_replicas(self) -> SlotReplicas:
         """The writer of the slots' replicas, through the replicator of the links now."""
@@ -318,9 +273,8 @@ class WorkerState:
         self._close_links()
 
     def _close_links(self) -> None:
-        """Finish replicating, and close every link to another stage (not the head's)."""
+        """Close every link to another stage (not the head's), the replicas' holder's included."""
         if self.replicator is not None:
-            self.replicator.finish_all()
             self.replicator.holder.close()
         links = [self.following, self.first, *(self.sender.links if self.sender is not None else [])]
         if self.sender is not None:

@@ -31,7 +31,6 @@ from .recovery import (
                    Relink,
                    Relinked,
                    Restore,
-                   Rewind,
                    RewindSlot,
                    Rewound,
                    SendReplica,
@@ -40,9 +39,7 @@ from .recovery import (
 from .steps import (
                    Cancel,
                    Columns,
-                   Decode,
                    End,
-                   Ended,
                    Enter,
                    Freed,
                    GroupStart,
@@ -57,25 +54,23 @@ from .steps import (
                    RoundReport,
                    SlotRound,
                    Staged,
-                   Start,
-                   Tokens,
 )
 
 #: What the pipeline's head receives: its receiver has a handler for each.
 TO_HEAD: frozenset[type[Message]] = frozenset({
-    Join, Rejoin, Warm, Ready, Heartbeat, Failed, Stats, Tokens, RoundReport, Prefilled, Ended, Freed,
+    Join, Rejoin, Warm, Ready, Heartbeat, Failed, Stats, RoundReport, Prefilled, Freed,
     MicrobatchFailed, LinkLost, NotEntered, Paused, Relinked, Sent, Rewound})
 #: What a stage worker's loop receives, from the head or another stage: it has a handler for each.
 TO_STAGE: frozenset[type[Message]] = frozenset({
-    Shutdown, AskRejoin, Fenced, AskStats, Prefill, OpenSlot, Enter, SlotRound, Decode, Start, Kv, Cancel, End,
-    Pause, Relink, SendReplica, Restore, Drop, Rewind, RewindSlot})
+    Shutdown, AskRejoin, Fenced, AskStats, Prefill, OpenSlot, Enter, SlotRound, Kv, Cancel, End,
+    Pause, Relink, SendReplica, Restore, Drop, RewindSlot})
 #: What a worker waiting for a stage receives (`bootstrap`): its stage, or to wait as a spare, or to stop.
 TO_WORKER: frozenset[type[Message]] = frozenset({Standby, Assign, Shutdown, Fenced})
 
 __all__ = ["KINDS", "TO_HEAD", "TO_STAGE", "TO_WORKER", "AskRejoin", "AskStats", "Assign", "Cancel", "Columns",
-           "Decode", "Drop", "End", "Ended", "Enter", "EpochMessage", "Failed", "Fenced", "Freed", "GroupAt",
+           "Drop", "End", "Enter", "EpochMessage", "Failed", "Fenced", "Freed", "GroupAt",
            "GroupStart", "Heartbeat", "Join", "Kv", "LinkLost", "Links", "Message", "MicrobatchFailed",
            "MicrobatchMessage", "NotEntered", "OpenSlot", "Pause", "Paused", "Prefill", "Prefilled", "Ready", "Rejoin",
-           "Relink", "Relinked", "Restore", "Rewind", "RewindSlot", "Rewound", "RoundDone", "RoundReport",
-           "SendReplica", "Sent", "Shutdown", "SlotRound", "Staged", "Standby", "Start", "Stats", "Tokens", "Warm",
+           "Relink", "Relinked", "Restore", "RewindSlot", "Rewound", "RoundDone", "RoundReport",
+           "SendReplica", "Sent", "Shutdown", "SlotRound", "Staged", "Standby", "Stats", "Warm",
            "pack", "unpack"]

@@ -44,12 +44,10 @@ from .life import (
     Stats,
     Warm,
 )
-from .recovery import Drop, Pause, Paused, Relink, Relinked, Restore, Rewind, RewindSlot, Rewound, SendReplica, Sent
+from .recovery import Drop, Pause, Paused, Relink, Relinked, Restore, RewindSlot, Rewound, SendReplica, Sent
 from .steps import (
     Cancel,
-    Decode,
     End,
-    Ended,
     Enter,
     Freed,
     Kv,
@@ -61,8 +59,6 @@ from .steps import (
     Prefilled,
     RoundReport,
     SlotRound,
-    Start,
-    Tokens,
 )
 
 _LENGTH = struct.Struct("<I")
@@ -73,9 +69,9 @@ _LAYOUTS: dict[type, tuple[tuple[attrs.Attribute[Any], ...], tuple[attrs.Attribu
 #: Every message class, by its kind.
 KINDS: dict[str, type[Message]] = {cls.kind: cls for cls in (
     Join, Rejoin, AskRejoin, Standby, Warm, Assign, Ready, Heartbeat, Failed, Fenced, Shutdown, AskStats, Stats,
-    Prefill, OpenSlot, Enter, SlotRound, Decode, Start, Kv, Cancel, NotEntered, End, Tokens, RoundReport, Prefilled,
-    Ended, Freed, MicrobatchFailed, LinkLost,
-    Pause, Paused, Relink, Relinked, SendReplica, Sent, Restore, Drop, Rewind, RewindSlot, Rewound)}
+    Prefill, OpenSlot, Enter, SlotRound, Kv, Cancel, NotEntered, End, RoundReport, Prefilled,
+    Freed, MicrobatchFailed, LinkLost,
+    Pause, Paused, Relink, Relinked, SendReplica, Sent, Restore, Drop, RewindSlot, Rewound)}
 
 
 def pack(message: Message) -> torch.Tensor:

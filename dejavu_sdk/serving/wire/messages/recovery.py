@@ -1,10 +1,9 @@
 """A recovery's steps: the head asks every stage in turn, and waits for each answer before the next step.
 
 `Pause` -> `Paused` (a new epoch; what each survivor holds), `Relink` -> `Relinked` (new neighbours),
-`SendReplica` -> `Sent` (a replica holder sends a dead stage's replica to its replacement as `Restore`), `Drop`
-(microbatches that start over, failed, or were not taken over), `Rewind` or `RewindSlot` -> `Rewound` (go on with a
-static microbatch or a slot from a given point). A successor head taking over its predecessor's workers sends the
-same.
+`SendReplica` -> `Sent` (a replica holder sends a piece of a dead stage's replica to its replacement as `Restore`),
+`Drop` (microbatches that start over, failed, or were not taken over), `RewindSlot` -> `Rewound` (go on with a slot
+from a given round). A successor head taking over its predecessor's workers sends the same.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from ....generation.row_specs import Group, RowSpecs
+from ....generation.row_specs import Group
 from ...kv.slot_replicas import Piece
 from .base import BY_VALUE, EpochMessage, MicrobatchMessage
 from .life import Links
@@ -23,31 +22,21 @@ from .steps import RoundDone
 
 @attrs.frozen(kw_only=True)
 class Pause(EpochMessage):
-    """The head -> each surviving stage: a new `epoch` begins (older messages are dropped from now on): finish
-    replicating, and report what is held (`Paused`), with how far the replicas held of `microbatches` for stage
-    `replica_of` (None: none; of `replica_layers` layers) reach; for a successor's `takeover`, the last stage's
-    steps and round reports too."""
+    """The head -> each surviving stage: a new `epoch` begins (older messages are dropped from now on): report what
+    is held (`Paused`); for a successor's `takeover`, the last stage's round reports too."""
 
     kind = "pause"
-    microbatches: list[int]
-    replica_of: int | None = None
-    replica_layers: int = 0
     takeover: bool = False
 
 
 @attrs.frozen(kw_only=True)
 class Paused(EpochMessage):
-    """A stage -> the head, paused: the cache positions of each static microbatch it holds (`caches`), how far the
-    replicas it holds reach (`holds`), the rounds of each slot it ran (`slots`), and for a takeover, on the last
-    stage, each static microbatch's step and every step's tokens (`steps`) and each slot's round reports with
-    their tokens (`reports`). The head plans where each microbatch goes on from."""
+    """A stage -> the head, paused: the rounds of each slot it ran (`slots`), and for a takeover, on the last stage,
+    each slot's round reports with their tokens (`reports`). The head plans where each slot goes on from."""
 
     kind = "paused"
     stage: str
-    caches: dict[int, int]
-    holds: dict[int, int]
     slots: dict[int, int]
-    steps: dict[int, tuple[int, list[list[int]]]]
     reports: dict[int, list[tuple[RoundDone, list[int]]]]
 
 
@@ -70,16 +59,16 @@ class Relinked(EpochMessage):
 
 @attrs.frozen(kw_only=True)
 class SendReplica(MicrobatchMessage):
-    """The head -> a replica holder: send stage `owner`'s replica of microbatch `microbatch` (`layers` layers, up
-    to `positions`; a slot's: its `part`) to that stage's replacement at `to` (`Restore`), and answer `Sent` (with
-    `item`, which names the piece asked for)."""
+    """The head -> a replica holder: send piece `part` of stage `owner`'s replica of slot `microbatch` (`layers`
+    layers, up to `positions`) to that stage's replacement at `to` (`Restore`), and answer `Sent` (with `item`,
+    which names the piece asked for)."""
 
     kind = "send_replica"
     owner: int
     layers: int
     positions: int
     to: str
-    part: str | None = None
+    part: str
     item: str | None = None
 
 
@@ -97,11 +86,11 @@ class Sent(MicrobatchMessage):
 
 @attrs.frozen(kw_only=True)
 class Restore(MicrobatchMessage):
-    """A replica holder (or the head, from the replica store) -> a replacement: the cache of microbatch
-    `microbatch` as its replica held it (`block`; a slot's replica `part`). Kept until the microbatch's rewind."""
+    """A replica holder (or the head, from the replica store) -> a replacement: piece `part` of slot `microbatch`'s
+    replica (`block`). Kept until the slot's rewind."""
 
     kind = "restore"
-    part: str | None = None
+    part: str
     block: torch.Tensor = attrs.field(eq=BY_VALUE)
 
 
@@ -114,26 +103,6 @@ class Drop(EpochMessage):
     microbatches: list[int]
     failed: bool = False
     all_but: list[int] | None = None
-
-
-@attrs.frozen(kw_only=True)
-class Rewind(MicrobatchMessage):
-    """The head -> each decoding stage: go on with static microbatch `microbatch` from cache position `positions`,
-    fed next with the token of step `steps`: crop the cache to it (a replacement builds it from its restored
-    replica) and replicate from `replicated`. The last stage rebuilds its picker from `specs`, the generators'
-    states (`rng`), the rows `ended` and the tokens so far (`generated`, a list per row); with `keep` (a successor's
-    takeover) it goes on with its own, at that step. `mask` is the prompts'. Answered `Rewound`."""
-
-    kind = "rewind"
-    specs: RowSpecs
-    positions: int
-    steps: int
-    replicated: int
-    generated: list[list[int]] = attrs.field(factory=list)
-    keep: bool = False
-    mask: torch.Tensor = attrs.field(eq=BY_VALUE)
-    ended: torch.Tensor = attrs.field(eq=BY_VALUE)
-    rng: torch.Tensor = attrs.field(eq=BY_VALUE)
 
 
 @attrs.frozen

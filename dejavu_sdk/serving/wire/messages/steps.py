@@ -1,15 +1,14 @@
 """A microbatch's steps: what the head sends the first stage, each stage the next, and the last stage the head.
 
-Static batching: `Prefill` (head -> first stage -> ... -> last), then `Decode` (last stage -> first -> ... ->
-last) until every row ended: the last stage reports each step's `Tokens`, then `Ended`, and `End` goes through
-the other stages, the last of which answers `Freed`. Disaggregated, the prompt pipeline's last stage reports
-`Prefilled`, its prompt stages stream each layer's `Kv` to the token stages, and the head's `Start` begins the
-microbatch there. A stage whose computation fails on a microbatch reports `MicrobatchFailed`; one that lost a
-neighbour, `LinkLost`. `Cancel` ends rows at their next step.
-
-Continuous batching: `OpenSlot` and `Enter` bring a group of requests to a slot's first stage; each round goes
-through the stages as a `SlotRound`, and the last stage reports it (`RoundReport`) and starts the next; the first
-stage answers a group's members cancelled before they entered with `NotEntered`.
+Every microbatch is a slot (static batching or continuous, a policy of the slot): `OpenSlot` and `Enter` bring a
+group of requests to a slot's first stage; each round goes through the stages as a `SlotRound`, and the last stage
+reports it (`RoundReport`) and starts the next; the first stage answers a group's members cancelled before they
+entered with `NotEntered`. An idle slot that no group is bound for is ended by the head: `End` goes through the
+stages, the last of which answers `Freed`. Disaggregated, the head sends a group's prompts to the prompt pipeline
+(`Prefill`), whose stages stream each layer's `Kv` to the token stages and whose last stage reports the first
+tokens (`Prefilled`); the group then enters its slot with its KV staged. A stage whose computation fails on a
+microbatch reports `MicrobatchFailed`; one that lost a neighbour, `LinkLost`. `Cancel` ends rows at their next
+round.
 """
 
 from __future__ import annotations
@@ -108,32 +107,6 @@ class SlotRound(MicrobatchMessage):
 
 
 @attrs.frozen(kw_only=True)
-class Decode(MicrobatchMessage):
-    """A static microbatch's next step: the last stage -> the first (each row's token), the head -> the first
-    decoding stage (a recovery's resumed step), each stage -> the next (its hidden states); all in `inputs`. A
-    stage runs one more position of each row; the last picks the next tokens."""
-
-    kind = "decode"
-    inputs: torch.Tensor = attrs.field(eq=BY_VALUE)
-
-
-@attrs.frozen(kw_only=True)
-class Start(MicrobatchMessage):
-    """Disaggregated: the head -> the first token stage, each token stage -> the next: decode a microbatch the
-    prompt pipeline prefilled, once its prompt KV is all here. `inputs` are its `first` tokens (a token stage's
-    hidden states after the first), `mask` its prompts', `ended` the rows ended already, `rng` its generators'
-    states (empty: none samples), `specs` each row's limit and decoding."""
-
-    kind = "start"
-    specs: RowSpecs
-    first: list[int]
-    inputs: torch.Tensor = attrs.field(eq=BY_VALUE)
-    mask: torch.Tensor = attrs.field(eq=BY_VALUE)
-    ended: torch.Tensor = attrs.field(eq=BY_VALUE)
-    rng: torch.Tensor = attrs.field(eq=BY_VALUE)
-
-
-@attrs.frozen(kw_only=True)
 class Kv(MicrobatchMessage):
     """A prompt stage -> a token stage: the prompt KV of global `layers` [first, stop) of microbatch (or group)
     `microbatch` (`piece`, the positions after those sent before; `last`: those layers have no more to come). The
@@ -169,19 +142,6 @@ class End(MicrobatchMessage):
     first decoding stage, each -> the next; the last to free it answers the head `Freed`."""
 
     kind = "end"
-
-
-@attrs.frozen(kw_only=True)
-class Tokens(MicrobatchMessage):
-    """The last stage -> the head: a step's `tokens` of a static microbatch (a row each, padding for rows that
-    ended), the rows that `failed` now and why, the log-probabilities of the rows that ask (`scores`, by row), and
-    with recovery the generators' `states` after the step (None: no row samples). The head streams and answers."""
-
-    kind = "tokens"
-    failed: dict[int, RowFailure] = attrs.field(factory=dict)
-    scores: Scores = attrs.field(factory=Scores)
-    tokens: torch.Tensor = attrs.field(eq=BY_VALUE)
-    states: torch.Tensor | None = attrs.field(eq=BY_VALUE, default=None)
 
 
 @attrs.frozen
@@ -229,15 +189,6 @@ class Prefilled(MicrobatchMessage):
     mask: torch.Tensor = attrs.field(eq=BY_VALUE)
     ended: torch.Tensor = attrs.field(eq=BY_VALUE)
     rng: torch.Tensor = attrs.field(eq=BY_VALUE)
-
-
-@attrs.frozen(kw_only=True)
-class Ended(MicrobatchMessage):
-    """The last stage -> the head: every row of microbatch `microbatch` ended (`freed`: no other stage holds its
-    cache). The head answers its rows."""
-
-    kind = "ended"
-    freed: bool
 
 
 @attrs.frozen(kw_only=True)
