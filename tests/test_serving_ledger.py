@@ -58,12 +58,15 @@ def test_a_static_slot_takes_one_microbatch_keeps_its_ended_rows_and_ends_when_t
     assert result.schedule == ()  # `model.generate` on its microbatch: no schedule
     assert result.request == -1
     ledger.on_round(slot, _round([], left=[first, second], idle=True), [])
-    ((stage, end),) = ledger.admit()  # its rows left together, and the slot ends
-    assert (stage, end) == (0, End(microbatch=slot))
-    assert ledger.admit() == []  # its room is free once every stage let its cache go
-    ledger.on_freed(slot)
-    (opened,) = ledger.admit()
-    assert (type(opened[1]), opened[1].group.members) == (OpenSlot, [requests[4].number])
+    ((stage, enter),) = ledger.admit()  # its rows left together: the slot takes the next microbatch at once
+    assert (stage, type(enter), enter.microbatch, enter.group.members) == (0, Enter, slot, [requests[4].number])
+    (last,) = [member for member in enter.group.members]
+    ledger.on_round(slot, _round([last], prefill=[[last], 0, 3], complete=[last]), [7])
+    outcome = ledger.on_round(slot, _round([last], joined=[last], decoded=[last]), [8])
+    outcome = ledger.on_round(slot, _round([last], decoded=[last]), [9])
+    ((_, result),) = outcome.answers
+    assert result.microbatch not in (slot, sends[1][1].microbatch)  # a microbatch of its own in the results
+    assert (result.row, result.rows, result.tokens.tolist()) == (0, 1, [7, 8, 9])
 
 
 def test_a_static_slot_reserves_its_padded_microbatch_within_the_budget() -> None:

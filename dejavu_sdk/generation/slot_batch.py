@@ -42,6 +42,8 @@ class SlotBatch(Microbatch):
     #: Every group sent into the slot, in order: its fields, prompts and mask (a recovery sends again those whose
     #: prefill had not begun).
     groups: list[tuple[Group, torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+    #: A static slot's microbatches (its groups, one after another), each by the number its results carry.
+    numbers: list[int] = attrs.field(factory=list)
     #: The row change the slot's next round opens with (rows that left, the group that joined), as the last stage
     #: reported it with the slot's latest round.
     next_change: tuple[list[int], list[int] | None] = ([], None)
@@ -124,9 +126,14 @@ class SlotBatch(Microbatch):
         request, stamps = self.requests[row], self.stamps[row]
         kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
         if not self.refill:  # a microbatch's row: where it sat and its padding, and no schedule
-            mask = self.groups[0][2]
-            return Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests),
-                          int((mask[row] == 0).sum()), request.decoding.seed, request.submitted,
+            index, first = 0, 0
+            while first + len(self.groups[index][0].members) <= row:
+                first += len(self.groups[index][0].members)
+                index += 1
+            group, _, mask = self.groups[index]
+            number = self.numbers[index] if index < len(self.numbers) else self.number
+            return Result(torch.tensor(kept, dtype=torch.long), number, row - first, len(group.members),
+                          int((mask[row - first] == 0).sum()), request.decoding.seed, request.submitted,
                           stamps[0] if stamps else 0.0, stamps[len(kept) - 1] if kept else 0.0,
                           **self.scores_of(row, len(kept)))
         result = Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,

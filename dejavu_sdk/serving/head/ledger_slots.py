@@ -45,8 +45,8 @@ class SlotDecisions(LedgerState):
         sends: list[tuple[int, Message]] = []
         for flight in [flight for flight in self.flights.values() if flight.phase is Phase.DECODING]:
             batch = flight.batch
-            if (not batch.refill or not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS
-                    or not self._prompt_room()):
+            if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS or not self._prompt_room()
+                    or (not batch.refill and batch.held())):  # a static slot takes a microbatch only while empty
                 continue
             held = batch.held()
             taken = self._take(self.microbatch - len(held), held, flight)
@@ -128,6 +128,10 @@ class SlotDecisions(LedgerState):
         batch = flight.batch
         group, ids, mask = batch.enter(taken)
         batch.groups.append((group, ids, mask))
+        if not batch.refill:  # a static slot's microbatch: its results carry a number of its own
+            number = batch.number if not batch.numbers else self._numbers
+            self._numbers += number != batch.number
+            batch.numbers.append(number)
         self._reserve(flight)
         if self.layout.disaggregated:
             number = self._numbers
