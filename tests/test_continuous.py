@@ -16,7 +16,7 @@ from dejavu_sdk.generation.batching import Request, check_batching, check_max_pr
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.replay import replay
 from dejavu_sdk.generation.roundrobin import RoundRobin
-from dejavu_sdk.generation.slots import Round, SlotRows, leave, stack
+from dejavu_sdk.generation.slots import Round, SlotRows, leave, stack, take_back, windows
 from dejavu_sdk.swapping import kv_bytes_per_token, positions_needed
 
 FAMILIES = ["llama", "gpt2", "opt"]
@@ -379,6 +379,35 @@ def test_stack_into_an_empty_slot_takes_the_groups_cache_and_rows() -> None:
         assert torch.equal(layer.keys, keys + index)
         assert torch.equal(layer.values, -keys - index)
     assert cache.get_seq_length() == 4
+
+
+@pytest.mark.parametrize("columns", [1, 6])
+def test_take_back_returns_every_layer_to_a_round_ago_a_sliding_window_layer_past_its_window_too(columns) -> None:
+    """A decode step (one column) or a prompt chunk (six) past the window of 4 that Qwen2's later layers keep:
+    `take_back` with the `windows` from before gives the same cache as before, every kind of layer; without
+    them a sliding-window layer refuses."""
+    model = tiny_models.qwen2_sliding()
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8]])
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        before = [(layer.keys.clone(), layer.values.clone(), layer.get_seq_length()) for layer in cache.layers]
+        assert any(layer.get_seq_length() > layer.keys.shape[2] for layer in cache.layers)  # a window is full
+        kept = windows(cache)
+        more = torch.arange(10, 10 + columns)[None]
+        model(input_ids=more, position_ids=torch.arange(7, 7 + columns)[None], cache=cache, use_cache=True)
+    held = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    take_back(cache, 7, kept)
+    for layer, (keys, values, length) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys)
+        assert torch.equal(layer.values, values)
+        assert layer.get_seq_length() == length
+    for layer, (keys, values) in zip(cache.layers, held, strict=True):  # again, as a second failure would
+        layer.keys, layer.values = keys, values
+        if getattr(layer, "is_sliding", False):
+            layer.cumulative_length = 7 + columns
+    with pytest.raises(dv.ConfigError, match="sliding-window"):
+        take_back(cache, 7, [])
 
 
 # ---- 7. replay of an inconsistent schedule --------------------------------------------------------------

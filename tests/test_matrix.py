@@ -42,11 +42,9 @@ FACTORS: dict[str, list] = {
     "family": ["llama", "mistral", "qwen2_sliding"],
 }
 LAYOUTS = {"one stage": {"stages": 1}, "mixed": {"stages": 2}, "disaggregated": {"prompt_stages": 1, "token_stages": 2}}
-#: Why a cell may be refused, by a fragment of the ConfigError. The first lies outside this code; the others are
-#: combinations this code does not cover (docs/serving.md lists them as such), each to be closed.
+#: Why a cell may be refused, by a fragment of the ConfigError (docs/serving.md lists them).
 REFUSALS = {
     "two decoding stages": "a stage's replica is kept on the next decoding stage: one decoding stage has no next",
-    "sliding-window": "not covered: replicas of sliding-window layers",
 }
 LIMITS = [9, 4, 7, 3, 8, 6]
 #: The requests a stage is killed beside: long enough that the kill comes while they decode.

@@ -178,3 +178,41 @@ def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
 def kv_layers(cache: DynamicCache) -> list[Any]:
     """A cache's layers, each with its `keys` and `values` (continuous batching takes only such caches)."""
     return list(cache.layers)
+
+
+#: A sliding-window layer's keys, values and position count, as they stood before a round (`windows`).
+WindowState = tuple[torch.Tensor, torch.Tensor, int] | None
+
+
+def windows(cache: DynamicCache | None) -> list[WindowState]:
+    """Each sliding-window layer's state now (None for the other layers): what `take_back` restores. A round's
+    update lets go of the positions its new ones push out of the window, so taking the round back needs the
+    tensors as they were; the update makes new ones, so keeping these references copies nothing."""
+    if cache is None:
+        return []
+    return [(layer.keys, layer.values, layer.cumulative_length) if getattr(layer, "is_sliding", False) else None
+            for layer in kv_layers(cache)]
+
+
+def take_back(cache: DynamicCache, keep: int, before: Sequence[WindowState]) -> None:
+    """Take the cache back to its first `keep` positions (in place), those of a round ago: a full-attention layer
+    drops the later ones, a sliding-window layer returns to its state `before` the round (`windows`)."""
+    for index, layer in enumerate(kv_layers(cache)):
+        if getattr(layer, "is_sliding", False):
+            if index >= len(before) or before[index] is None:
+                raise ConfigError("a sliding-window layer cannot be taken back without its state before the round")
+            layer.keys, layer.values, layer.cumulative_length = before[index]
+        else:
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+
+
+def held_columns(layer: Any, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns [start, stop) of a cache layer's keys and values; a sliding-window layer holds only its last
+    positions, and gives zeros for those it has let go (nothing reads them: a window that needs them again
+    never comes back)."""
+    if not getattr(layer, "is_sliding", False):
+        return layer.keys[:, :, start:stop], layer.values[:, :, start:stop]
+    offset = layer.cumulative_length - layer.keys.shape[2]  # the column its first held position is
+    first = max(start, offset)
+    keys, values = layer.keys[:, :, first - offset:stop - offset], layer.values[:, :, first - offset:stop - offset]
+    return _left_pad(keys, stop - start), _left_pad(values, stop - start)

@@ -19,7 +19,6 @@ from typing import Any
 
 import attrs
 import torch
-from transformers import DynamicCache
 
 from ..backends import open_store
 from ..errors import ConfigError
@@ -203,7 +202,7 @@ class PipelineOptions:
                                       threads)
             log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
         swaps = choice.swapping if choice is not None else bool(swapping)
-        recovery = check_recovery(recovery, transport, pipelines, reference, replica_store is not None)
+        recovery = check_recovery(recovery, transport, pipelines, replica_store is not None)
         if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
             raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
         if standby and (recovery is None or not launch):
@@ -231,7 +230,7 @@ def check_body_limit(max_body_bytes: Any) -> int:
     return max_body_bytes
 
 
-def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]], model: Any,
+def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]],
                    replica_store: bool = False) -> str | None:
     """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
     if recovery is None:
@@ -246,10 +245,7 @@ def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int
                 f"{transport} links do not yet"}
     replicas = {"ring": None if len(pipelines[-1]) >= 2 or replica_store else
                 "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
-                "stages or more (or use recovery='recompute')",
-                "window": "recovery='replicas' does not cover sliding-window attention layers yet; use "
-                "recovery='recompute'" if any(getattr(layer, "sliding_window", None)
-                                              for layer in DynamicCache(config=model.config).layers) else None}
+                "stages or more (or use recovery='recompute')"}
     if recovery == "auto":
         if any(refusals.values()):
             return None

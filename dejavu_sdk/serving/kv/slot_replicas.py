@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 from ...blocks import BlockKey
 from ...errors import DejaVuError, ReplicationError
-from ...generation.slots import Joining, Round, SlotRows, kv_layers, leave, stack
+from ...generation.slots import Joining, Round, SlotRows, held_columns, kv_layers, leave, stack
 from .replication import Replicator, replica_stream
 
 #: A stand-in cache value is 1 + source * _SOURCE + row * _ROW + column (0: padding), exact in float64.
@@ -175,9 +175,9 @@ def gather(index: torch.Tensor, pieces: Sequence[Piece], blocks: dict[str, torch
 
 
 def kv_block(cache: Any, start: int, stop: int) -> torch.Tensor:
-    """Columns [start, stop) of every layer of `cache`, as one block `[layers, 2, rows, kv heads, columns, dim]`."""
-    return torch.stack([torch.stack((layer.keys[:, :, start:stop], layer.values[:, :, start:stop]))
-                        for layer in kv_layers(cache)]).contiguous()
+    """Columns [start, stop) of every layer of `cache`, as one block `[layers, 2, rows, kv heads, columns, dim]`
+    (zeros where a sliding-window layer has let them go)."""
+    return torch.stack([torch.stack(held_columns(layer, start, stop)) for layer in kv_layers(cache)]).contiguous()
 
 
 @attrs.define

@@ -22,7 +22,7 @@ import torch
 
 from ...errors import DejaVuError
 from ...generation.picker import TokenPicker
-from ...generation.slots import Joining, SlotRows, kv_layers
+from ...generation.slots import Joining, SlotRows, take_back
 from ..kv.replication import cache_from
 from ..kv.slot_replicas import gather
 from ..wire.messages import GroupAt, RewindSlot, Rewound, pack
@@ -118,8 +118,9 @@ def _take_back(state: SlotState, cache: Any) -> Any:
     if state.last is None:
         raise DejaVuError("its last round picked tokens that the head never heard of")
     decoded, prefill = state.last
+    slot_windows, group_windows = state.windows
     if decoded:
-        cache.crop(-1)  # transformers crops by a negative count
+        take_back(cache, state.rows.mask.shape[1] - 1, slot_windows)
         state.rows = SlotRows(state.rows.members, state.rows.mask[:, :-1], state.rows.positions - 1)
     if prefill is not None:
         members, start, _ = prefill
@@ -134,7 +135,6 @@ def _take_back(state: SlotState, cache: Any) -> Any:
         else:
             assert group_cache is not None  # the group whose columns the round ran
             assert group_mask is not None
-            for layer in kv_layers(group_cache):
-                layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
+            take_back(group_cache, start, group_windows)
             state.joining = Joining(list(members), group_mask, group_cache, done=start)
     return cache

@@ -38,7 +38,7 @@ import torch
 
 from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs, group_rows
-from ...generation.slots import Joining, SlotRows, leave, stack
+from ...generation.slots import Joining, SlotRows, leave, stack, windows
 from ...generation.stage import position_ids
 from ...swapping import positions_needed
 from ..kv.slot_replicas import kv_block
@@ -163,6 +163,7 @@ class SlotHandlers(SlotPicks):
         decoded = list(state.rows.members)
         if self.stage.first:
             prefill, starting, prefill_in, group_mask, rng = self._next_columns(state)
+        state.windows = (windows(cache), windows(state.joining.cache if state.joining is not None else None))
         decode_out = self._decode_rows(state, message.inputs, cache) if decoded else _EMPTY
         if self.stage.first and not decoded and prefill is None:
             state.parked = True  # nothing to run: the next group to enter wakes it

@@ -22,7 +22,7 @@ from ...errors import TransportError
 from ...generation.logprobs import prompt_scores
 from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs
-from ...generation.slots import Joining, SlotRows
+from ...generation.slots import Joining, SlotRows, WindowState
 from ...generation.stage import Stage
 from ...store import Store
 from ...stream import LayerPartition
@@ -93,7 +93,8 @@ class SlotState:
     and limit, the requests cancelled, and a finished group's picker and first tokens.
 
     With recovery, a stage also counts the slot's rounds it ran (`round`), keeps what the last one ran (`last`:
-    whether rows decoded, and the prefill columns) so that a recovery can take it back, the round at which the
+    whether rows decoded, and the prefill columns) and its sliding-window layers as they were before it
+    (`windows`: the slot cache's, the joining group's) so that a recovery can take it back, the round at which the
     joining group's prefill began (`started`: it names the group's replica piece), and what it has written of
     the slot's replica (`pieces`)."""
 
@@ -102,6 +103,7 @@ class SlotState:
     ready: tuple[Any, SlotRows] | None = None
     round: int = 0
     last: tuple[bool, Columns | None] | None = None
+    windows: tuple[list[WindowState], list[WindowState]] = ([], [])  # the slot's and the group's, before `last`
     started: int | None = None
     pieces: SlotPieces = attrs.field(factory=SlotPieces)
     finals: dict[int, int] = attrs.field(factory=dict)
