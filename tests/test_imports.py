@@ -414,3 +414,13 @@ def test_the_layer_check_finds_upward_unplaced_and_doubly_placed_modules_by_thei
         "dejavu_sdk.a (low) imports dejavu_sdk (high), a layer above"]
     assert report[3].startswith("x.py:2, type-only: ")
     assert report[4].startswith("x.py:3: ")
+
+
+def test_serving_and_the_controller_are_small_modules_under_a_thin_facade() -> None:
+    """No module of serving/ or controller/ is over 400 lines, and `Pipeline`'s module, a facade over the head's
+    parts, is under 300: a module that grows past them is split by what its parts do."""
+    sizes = {path.relative_to(ROOT): len(path.read_text().splitlines())
+             for folder in ("serving", "controller") for path in (ROOT / PACKAGE / folder).rglob("*.py")}
+    assert sizes, "no modules found"
+    assert {path: size for path, size in sizes.items() if size > 400} == {}
+    assert sizes[Path(PACKAGE, "serving", "pipeline.py")] < 300

@@ -246,7 +246,7 @@ def test_every_message_class_has_one_handler_in_each_receiver_that_takes_it() ->
     assert set(KINDS.values()) == TO_HEAD | TO_STAGE | TO_WORKER
     assert not TO_HEAD & (TO_STAGE | TO_WORKER)
     pipe = Pipeline("tiny_models:llama", stages=1)
-    assert set(pipe.handlers) == TO_HEAD
+    assert set(pipe.head.handlers) == TO_HEAD
     for role in (Role("mixed", 0, 1, "stage 0"), Role("prompt", 0, 1, "prompt stage 0"),
                  Role("token", 0, 1, "token stage 0")):
         worker = StageWorker(Stage(tiny_models.llama(), (0, 3)), role, None, None, None, None,  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def test_a_worker_whose_head_is_gone_stops_after_its_own_orphan_timeout() -> Non
         pipe.start()
         assert pipe.options.orphan_timeout == 60
         assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
-        pipe._inbox.close()  # the head's address refuses, as a dead head's does (no shutdown is sent)
+        pipe.head.inbox.close()  # the head's address refuses, as a dead head's does (no shutdown is sent)
         gone = time.monotonic()
         assert worker.wait(timeout=30) == 0
         assert 1 < time.monotonic() - gone < 15  # missed heartbeats (0.5 s x 3), then the orphan's second
@@ -159,7 +159,7 @@ def test_a_worker_rejoining_a_head_that_takes_nothing_over_drops_what_it_held() 
         while len(arrived) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        first._inbox.close()  # the head is gone (no shutdown sent), microbatch 0 in the worker's cache
+        first.head.inbox.close()  # the head is gone (no shutdown sent), microbatch 0 in the worker's cache
         second.start(rejoin_wait=15.0)
         assert second.fleet.rejoined == ["stage 0"]
         outs = second.generate([[5, 6, 7], [8, 9]], max_new_tokens=4)

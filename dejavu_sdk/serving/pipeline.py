@@ -7,18 +7,14 @@
     dv.Pipeline("smollm2", machines=3, plan="auto")                 # the planner lays out 3 processes
 
 The pipeline is the head, a thin facade over its parts: `options` (every option checked once), `layout` (the
-stages and their links), `fleet` (the worker processes), `ledger` (every request and microbatch in flight, and
-the decisions) and `recovery` (replacing a dead stage). Its receiver thread (`head.receiver.HeadReceiver`) takes
-the workers' messages, asks the ledger what each means, and carries out the outcome: messages to send, futures
-to answer, tokens to stream. It watches the stages between messages (processes, heartbeats, progress) and starts
-a recovery, or fails what is in flight, when one dies or hangs.
+stages and their links), `fleet` (the worker processes), `ledger` (every request and slot in flight, and the
+decisions) and `head` (`head.receiver.HeadReceiver`: its receiver thread takes the workers' messages, carries out
+what the ledger makes of each, watches the stages, and runs the recoveries).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -28,54 +24,38 @@ from typing import Any
 import attrs
 import torch
 
-from ..backends import serve
 from ..errors import ConfigError, TransportError
 from ..generation.admission import Admission
 from ..generation.batching import Request, Result
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
-from ..transports.base import Server
 from .head.fleet import Fleet
 from .head.ledger import Ledger, Outcome
 from .head.receiver import HeadReceiver
-from .head.recoveries import Recoveries
 from .head.recovery import RecoveryReport
 from .head.submissions import submission
 from .head.takeover import TakeoverReport
-from .kv.replication import delete_replicas
 from .options import PipelineOptions
-from .wire.link_tls import inbox_options
-from .wire.messages import (
-    Message,
-)
-
-log = logging.getLogger(__name__)
 
 
-class Pipeline(HeadReceiver):
+class Pipeline:
     """Serve `model` (`smollm2`, a Hugging Face directory, or `package.module:function`) in stage processes,
     `microbatch` requests at a time, laid out as one of:
 
     - one mixed pipeline of `stages` even stages (or the cuts in `layers`, e.g. `[(0, 12), (12, 30)]`) that
       runs prompts and tokens alike;
-    - disaggregated: a prompt pipeline of `prompt_stages` and a token pipeline of `token_stages` even stages.
-      Each prompt stage streams every layer's KV, as soon as the layer is done, to the token stage that owns
-      it; the token side holds the KV of at most `token_slots` microbatches (default: one per stage of either
-      pipeline), and a full token side holds new prompts back;
+    - disaggregated: a prompt pipeline of `prompt_stages` and a token pipeline of `token_stages` even stages,
+      each prompt stage streaming every layer's KV as it is done to the token stage that owns it; the token side
+      holds at most `token_slots` microbatches' KV (default: one per stage of either pipeline);
     - `machines` processes laid out by the planner (`plan="auto"`), from Y and t measured here on a microbatch
       of the `workload`'s (prompt tokens, new tokens); its answer is `self.plan`.
 
-    Microbatches are batched continuously (`batching="continuous"`, the default where it applies: a slot of up to
-    `microbatch` rows that a row leaves as it ends and a waiting request joins between steps, its prompt
-    prefilled beside the others' decoding, `max_prefill_tokens` positions a step; each `Result.schedule`
-    replays exactly through `dejavu_sdk.generation.replay`) or statically (`batching="static"`: each
-    microbatch runs until its last row ends, and equals `model.generate` on it).
+    Each microbatch is a slot of up to `microbatch` rows. `batching="continuous"` (the default) lets a row leave
+    as it ends and a waiting request join between steps, its prompt prefilled beside the others' decoding
+    (`max_prefill_tokens` positions a step; `Result.schedule` replays exactly through `generation.replay`);
+    `batching="static"` runs each microbatch until its last row ends, equal to `model.generate` on it.
 
-    The other options (`PipelineOptions` checks and describes each): `kv_budget_bytes` and `swapping` (KV
-    within a device budget, swapped to host memory or not), `transport` (tcp, gloo, nccl, ucx), `timeout`,
-    `progress_timeout`, `heartbeat` and `missed_beats` (when a stage counts as dead or hung), `recovery`,
-    `replica_store` and `standby` (what a dead stage costs), `ignore_eos`, `threads`, `launch` (local processes,
-    a `Launcher`, or workers that join from elsewhere), `host`/`port` (where the head listens) and `token` (the
-    links' secret).
+    `PipelineOptions` checks and describes the other options: KV budget and swapping, transport, failure
+    detection, recovery, launchers, and the head's address and secret.
     `on_recovery(report)` is called after each recovery (on its thread), `on_failure(reason)` as one starts.
     """
 
@@ -105,15 +85,10 @@ class Pipeline(HeadReceiver):
                              prefill_tokens=checked.max_prefill_tokens)
         #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
         self.batching = checked.batching
-        #: The stages' answers to a recovery's steps, for the recovery thread.
-        self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self._recoveries = Recoveries(self.ledger, self.fleet, self.replies, self._fail, self._send, self._admit,
-                                      lambda: self._closed, lambda reason: _call_quietly(self.on_failure, reason),
-                                      lambda report: _call_quietly(self.on_recovery, report), self.eos, self.pad)
+        self.head = HeadReceiver(checked, self.fleet, self.ledger, lambda: self._closed, lambda: self.on_entered,
+                                 lambda: self.on_failure, lambda: self.on_recovery)
         #: Each recovery so far, in order.
-        self.recoveries = self._recoveries.reports
-        self._inbox: Server | None = None
-        self._receiver: threading.Thread | None = None
+        self.recoveries = self.head.recoveries.reports
         self._starting = False  # start() is under way: submissions wait for it (bounded by `timeout`)
         self._running = threading.Event()
         self._closed = False
@@ -128,16 +103,13 @@ class Pipeline(HeadReceiver):
     @property
     def url(self) -> str:
         """Where workers join (`dejavu worker --join URL`); set once the pipeline has started."""
-        if self._inbox is None:
+        if self.head.inbox is None:
             raise ConfigError("the pipeline has not started: use it in a with block, or call start()")
-        return self._inbox.url
+        return self.head.inbox.url
 
     def listen(self) -> str:
         """Open the head's inbox, where workers join (`url`), without waiting for them: `start` does."""
-        if self._inbox is None:
-            self._inbox = serve(f"{self.transport}://{self.options.host}:{self.options.port}",
-                                token=self.options.token, **inbox_options(self.options.link_tls))
-        return self._inbox.url
+        return self.head.listen()
 
     def start(self, rejoin_wait: float = 0.0, hold: bool = False) -> Pipeline:
         """Listen, launch (or wait for) the stage workers, assign them their stages, and wait until all have
@@ -146,32 +118,28 @@ class Pipeline(HeadReceiver):
         start no request (nor a recovery) until `take_over`, which goes on with what the rejoined workers hold
         (requests submitted meanwhile wait); without it, rejoined workers drop what they held."""
         self.listen()
-        self.ledger.held = self.fleet.taking_over = self._recoveries.taking_over = hold
+        self.ledger.held = self.fleet.taking_over = self.head.recoveries.taking_over = hold
         self._starting = True
         try:
-            assert self._inbox is not None  # listening
-            self.fleet.start(self._inbox, self.eos, self.pad, self.recovery is not None, rejoin_wait)
+            assert self.head.inbox is not None  # listening
+            self.fleet.start(self.head.inbox, self.eos, self.pad, self.recovery is not None, rejoin_wait)
         except BaseException:
             self.close()
             raise
-        self._receiver = threading.Thread(target=self._receive, name="dejavu-pipeline-head", daemon=True)
-        self._receiver.start()
+        self.head.start()
         self._running.set()
         return self
 
     def take_over(self, groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                   stand_in: Callable[[Any], Request | None]) -> TakeoverReport:
-        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): its microbatches
-        (slots), whose groups (their requests' numbers there, and tags) `groups` gives by slot, as the former head
-        sent them. The requests of those tags,
-        submitted here (held: `start(hold=True)`), go on from the stages' caches where every stage can, and wait
-        to be computed again otherwise; `stand_in(tag)` is a request like the one a row had whose request is not
-        submitted here (it ended), or None. Then requests start."""
-        return self._recoveries.take_over(groups, stand_in, self._carry_out)
+        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): its slots, whose groups
+        (their requests' numbers there, and tags) `groups` gives by slot, as the former head sent them. The
+        requests of those tags, submitted here (held: `start(hold=True)`), go on from the stages' caches where
+        every stage can, and wait to be computed again otherwise; `stand_in(tag)` is a request like the one a row
+        had whose request is not submitted here (it ended), or None. Then requests start."""
+        return self.head.recoveries.take_over(groups, stand_in, self.head.carry_out)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    closed = property(lambda self: self._closed, doc="Whether `close` has been called.")
 
     def __enter__(self) -> Pipeline:
         return self.start()
@@ -187,16 +155,10 @@ class Pipeline(HeadReceiver):
             self._closed = True
         self._running.set()  # submissions waiting for the start see it closed
         holding = self.ledger.holding_numbers()
-        self._fail(TransportError("the pipeline was closed"))
-        self._recoveries.join(timeout=10)
+        self.head.fail(TransportError("the pipeline was closed"))
+        self.head.recoveries.join(timeout=10)
         self.fleet.close()
-        if self._receiver is not None:
-            self._receiver.join(timeout=5)
-        if self._inbox is not None:
-            self._inbox.close()
-        if self.options.replica_store is not None:  # what microbatches left in flight replicated goes too
-            decoding = [stage.number for stage in self.layout.stages if stage.decodes]
-            delete_replicas(self.options.replica_store, decoding, holding, self.options.replica_prefix)
+        self.head.close(holding)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, ids: Any, max_new_tokens: int = 32, *, do_sample: bool = False, seed: int | None = None,
@@ -205,21 +167,19 @@ class Pipeline(HeadReceiver):
                **settings: Any) -> Future[Result]:
         """Queue one prompt `[T]`; the future gets its `Result` (new tokens, and where it was served).
 
-        Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`, `min_p`
-        (unset ones from the model's generation config) from a generator of the request's own seeded with `seed`
-        (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
-        `torch.manual_seed(seed)` followed by `model.generate(..., do_sample=True)`. A request ends at the model's
+        Greedy by default; `do_sample=True` samples with `temperature` (below 1e-5: greedy), `top_k`, `top_p`,
+        `min_p` (unset ones from the model's generation config) from a generator of the request's own seeded with
+        `seed` (drawn when not given, and returned in the result): alone in its microbatch, its tokens equal
+        `torch.manual_seed(seed)` then `model.generate(..., do_sample=True)`. A request ends at the model's
         end-of-sequence ids (not with `ignore_eos=True`) and at its own `stop_token_ids`, never before `min_tokens`
-        new tokens (`generate`'s `min_new_tokens`). `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the
-        log-probability of each new (prompt) token and of the n most likely at its position (`Result.logprobs`,
-        `Result.prompt_logprobs`; `on_logprobs` gets the prompt's as a `PromptLogprobs` before the first token, and
-        each token's `TokenLogprobs` before `on_token` gets the token; rows of one prompt in a microbatch, as a
-        request's choices, have it scored once). Requests of any settings share microbatches. `on_token(id)` gets
-        each new token as it arrives, on the head's receiver thread (keep it short). The future is answered at the
-        step its request ends, with its `Result`, or a `RequestFailed` of its own (the other requests go on), or the
-        `TransportError` that stopped the pipeline. `future.cancel()` (or `cancel(future)`) takes a waiting request
-        off the queue, and ends a running one at its next step. A pipeline still starting queues the request once it
-        is running.
+        new tokens. `logprobs=n` and `prompt_logprobs=n` (0 to 20) report the log-probability of each new (prompt)
+        token and of the n most likely at its position (`Result.logprobs`, `Result.prompt_logprobs`;
+        `on_logprobs` gets the prompt's `PromptLogprobs` before the first token, and each token's `TokenLogprobs`
+        before `on_token(id)` gets the token, on the head's receiver thread: keep them short). Requests of any
+        settings share microbatches. The future is answered when its request ends, with its `Result`, or a
+        `RequestFailed` of its own (the others go on), or the `TransportError` that stopped the pipeline.
+        `future.cancel()` takes a waiting request off the queue, and ends a running one at its next step. A
+        pipeline still starting queues the request once it is running.
         """
         listener = None if on_token is None else (lambda _, token: on_token(token))
         scores = None if on_logprobs is None else (lambda _, entry: on_logprobs(entry))
@@ -251,7 +211,7 @@ class Pipeline(HeadReceiver):
         for request in requests:
             self._requests[request.future] = request
             request.future.add_done_callback(functools.partial(self._answered, request))
-        self._admit()
+        self.head.admit()
         return [request.future for request in requests]
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int = 32, *, do_sample: bool = False,
@@ -289,7 +249,7 @@ class Pipeline(HeadReceiver):
     @property
     def recovering(self) -> bool:
         """Whether a recovery is under way."""
-        return self._recoveries.running
+        return self.head.recoveries.running
 
     def health(self) -> tuple[str, str]:
         """Whether it serves: ("failed" | "starting" | "recovering" | "running", why)."""
@@ -316,7 +276,7 @@ class Pipeline(HeadReceiver):
         """A request's future is done: when its caller cancelled it, the ledger takes it off the queue or ends
         its row."""
         if future.cancelled():
-            self._carry_out(Outcome(sends=self.ledger.cancel(request)))
+            self.head.carry_out(Outcome(sends=self.ledger.cancel(request)))
 
     # ---- for operators ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -325,7 +285,7 @@ class Pipeline(HeadReceiver):
         failure = self.ledger.failure
         return {"layout": "disaggregated" if self.disaggregated else "mixed", "stages": self.fleet.stage_status(),
                 **self.ledger.status(), "swapping": self.swapping, "kv_budget_bytes": self.options.kv_budget,
-                "recovery": self.recovery, "epoch": self.fleet.epoch, "recovering": self._recoveries.running,
+                "recovery": self.recovery, "epoch": self.fleet.epoch, "recovering": self.head.recoveries.running,
                 "standby": self.fleet.spare_pids(), "recoveries": [attrs.asdict(report) for report in self.recoveries],
                 "failure": None if failure is None else str(failure)}
 
@@ -336,11 +296,3 @@ class Pipeline(HeadReceiver):
         and (the last stage) `row_steps`: rows given a token while live."""
         return self.fleet.collect_stats(timeout, lambda: self.ledger.failure)
 
-
-def _call_quietly(callback: Callable[[Any], None] | None, argument: Any) -> None:
-    """Call a user's callback; its failure is logged, and stops nothing."""
-    if callback is not None:
-        try:
-            callback(argument)
-        except Exception:
-            log.exception("a pipeline callback failed")

@@ -1,7 +1,7 @@
-"""The head's side of its stages (`HeadReceiver`, which `Pipeline` is built on): it carries out the ledger's
-decisions (messages to send, futures to answer, tokens to stream), and its receiver thread takes what the workers
-send, each class through its handler (`handlers`), and watches the stages between messages (processes,
-heartbeats, progress), starting a recovery, or failing what is in flight, when one dies or hangs.
+"""The head's side of its stages (`HeadReceiver`, a part of `Pipeline`): it carries out the ledger's decisions
+(messages to send, futures to answer, tokens to stream), and its receiver thread takes what the workers send, each
+class through its handler (`handlers`), and watches the stages between messages (processes, heartbeats, progress),
+starting a recovery (`recoveries`, which it runs), or failing what is in flight, when one dies or hangs.
 """
 
 from __future__ import annotations
@@ -10,16 +10,19 @@ import contextlib
 import functools
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ...backends import serve
 from ...errors import ConfigError, StoreError, TransportError
 from ...transports.base import Server
-from ..layout import Layout
+from ..kv.replication import delete_replicas
 from ..options import PipelineOptions
+from ..wire.link_tls import inbox_options
 from ..wire.messages import (
     Enter,
     EpochMessage,
@@ -47,6 +50,7 @@ from ..wire.messages import (
 from .fleet import Fleet
 from .ledger import Ledger, Outcome, answer, stream
 from .recoveries import Recoveries
+from .recovery import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +62,49 @@ STEP_REPORTS = frozenset({Prefilled, Freed, LinkLost, MicrobatchFailed, NotEnter
 
 
 class HeadReceiver:
-    """The head's dealings with its stages, over the pipeline's parts (set by `Pipeline`)."""
+    """The head's dealings with its stages, over the pipeline's parts: `fleet` (the workers), `ledger` (the
+    decisions) and the recoveries it starts (`recoveries`; their steps' answers go to `replies`). `closed()` says
+    whether the pipeline was closed; `on_entered()`, `on_failure()` and `on_recovery()` give the pipeline's
+    callbacks (or None). Its inbox (`inbox`, where workers join and report) opens at `listen`."""
 
-    options: PipelineOptions
-    layout: Layout
-    fleet: Fleet
-    ledger: Ledger
-    recovery: str | None
-    replies: queue.SimpleQueue[Message]
-    on_entered: Callable[[int, list[int], list[Any]], object] | None
-    _recoveries: Recoveries
-    _inbox: Server | None
-    _closed: bool
+    def __init__(self, options: PipelineOptions, fleet: Fleet, ledger: Ledger, closed: Callable[[], bool],
+                 on_entered: Callable[[], Callable[[int, list[int], list[Any]], object] | None],
+                 on_failure: Callable[[], Callable[[str], None] | None],
+                 on_recovery: Callable[[], Callable[[RecoveryReport], None] | None]) -> None:
+        self.options, self.layout, self.fleet, self.ledger = options, options.layout, fleet, ledger
+        self.closed, self.on_entered = closed, on_entered
+        self.replies: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.recoveries = Recoveries(ledger, fleet, self.replies, self.fail, self.send, self.admit, closed,
+                                     lambda reason: _call_quietly(on_failure(), reason),
+                                     lambda report: _call_quietly(on_recovery(), report), options.eos,
+                                     options.rules.pad)
+        self.inbox: Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def listen(self) -> str:
+        """Open the inbox (once), and say where it is."""
+        if self.inbox is None:
+            options = self.options
+            self.inbox = serve(f"{options.transport}://{options.host}:{options.port}", token=options.token,
+                               **inbox_options(options.link_tls))
+        return self.inbox.url
+
+    def start(self) -> None:
+        """Start the receiver thread (`receive`)."""
+        self.thread = threading.Thread(target=self.receive, name="dejavu-pipeline-head", daemon=True)
+        self.thread.start()
+
+    def close(self, holding: list[int]) -> None:
+        """Once the pipeline is closed: let the receiver thread end, close the inbox, and delete what the
+        microbatches `holding` rows (left in flight) replicated into a replica store: a closed pipeline leaves
+        nothing behind."""
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        if self.inbox is not None:
+            self.inbox.close()
+        if self.options.replica_store is not None:
+            decoding = [stage.number for stage in self.layout.stages if stage.decodes]
+            delete_replicas(self.options.replica_store, decoding, holding, self.options.replica_prefix)
 
     @functools.cached_property
     def handlers(self) -> dict[type[Message], Callable[[Any], None]]:
@@ -84,7 +119,7 @@ class HeadReceiver:
             **dict.fromkeys((Paused, Relinked, Sent, Rewound, Ready), self.replies.put)}
 
     # ---- carrying out the ledger's decisions -------------------------------------------------------------
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Send what the ledger admits; a stage that cannot be reached starts a recovery (or fails the pipeline),
         which decides where what was admitted goes on from."""
         for stage, message in self.ledger.admit():
@@ -92,13 +127,13 @@ class HeadReceiver:
                 self._report_admitted(message.microbatch,
                                       message.group.members if isinstance(message, Enter) else None)
             try:
-                self._send(stage, message)
+                self.send(stage, message)
             except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
                 failure = f"{self.layout.stages[stage].name} is unreachable: {error}"
-                if self.recovery is None or self._closed:
-                    self._fail(TransportError(failure))
+                if self.options.recovery is None or self.closed():
+                    self.fail(TransportError(failure))
                 else:
-                    self._recoveries.start(set(), failure)
+                    self.recoveries.start(set(), failure)
                 return
 
     def _report_admitted(self, number: int, members: list[int] | None) -> None:
@@ -109,37 +144,37 @@ class HeadReceiver:
             if flight is None:  # disaggregated, a group for the prompt pipeline (numbered apart from its slot)
                 return
             batch = flight.batch
-            if members is not None and self.on_entered is not None:
-                self.on_entered(number, list(members),
-                                [batch.requests[batch.rows_of[member]].tag for member in members])
+            on_entered = self.on_entered()
+            if members is not None and on_entered is not None:
+                on_entered(number, list(members), [batch.requests[batch.rows_of[member]].tag for member in members])
         except Exception:
             log.exception("the pipeline's on_entered callback failed")
 
-    def _send(self, index: int, message: Message) -> None:
+    def send(self, index: int, message: Message) -> None:
         """Send a step's message (it carries the epoch it was decided in)."""
         self.fleet.send(index, message)
 
-    def _carry_out(self, outcome: Outcome) -> None:
+    def carry_out(self, outcome: Outcome) -> None:
         """Stream the outcome's tokens, answer its futures, and send its messages (a stage that does not take
         one is the watchdog's to find)."""
         stream(outcome.calls)
         answer(outcome.answers)
         for index, message in outcome.sends:
             with contextlib.suppress(TransportError, StoreError):
-                self._send(index, message)
+                self.send(index, message)
 
-    def _fail(self, error: TransportError) -> None:
+    def fail(self, error: TransportError) -> None:
         """Fail every request in flight or waiting with `error`; later submissions raise it too."""
         answer(self.ledger.fail_all(error))
 
     # ---- what the stages say ---------------------------------------------------------------------------
-    def _receive(self) -> None:
+    def receive(self) -> None:
         """The head's receiver thread: takes the workers' messages, and watches them between messages."""
-        assert self._inbox is not None
+        assert self.inbox is not None
         watched = time.monotonic()
-        while not self._closed:
+        while not self.closed():
             try:
-                packed = self._inbox.recv_tensor(timeout=WATCH_PERIOD)
+                packed = self.inbox.recv_tensor(timeout=WATCH_PERIOD)
             except TransportError:  # a quiet inbox
                 packed = None
             message = None if packed is None else _readable(packed)
@@ -150,7 +185,7 @@ class HeadReceiver:
                     watched = time.monotonic()
                     self._watch()
             except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
-                self._fail(error if isinstance(error, TransportError) else
+                self.fail(error if isinstance(error, TransportError) else
                            TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
 
     def _handle(self, message: Message) -> None:
@@ -165,9 +200,9 @@ class HeadReceiver:
 
     def _on_round(self, message: RoundReport) -> None:
         """A slot's round: rows may have left, and room for others be free."""
-        self._carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
+        self.carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
                                              message.states, message.epoch, message.scores))
-        self._admit()
+        self.admit()
 
     def _on_heartbeat(self, message: Heartbeat) -> None:
         """A stage's heartbeat; one from a worker replaced since (stopped, cut off, now back) tells it to exit."""
@@ -177,11 +212,11 @@ class HeadReceiver:
             self.fleet.beat(message.stage, message.epoch, message.work)
 
     def _on_link_lost(self, message: LinkLost) -> None:
-        self._recoveries.start(set(), f"{message.stage} lost a link: {message.error}", message.epoch)
+        self.recoveries.start(set(), f"{message.stage} lost a link: {message.error}", message.epoch)
 
     def _on_not_entered(self, message: NotEntered) -> None:
         self.ledger.on_not_entered(message.microbatch, list(message.members))
-        self._admit()
+        self.admit()
 
     def _on_prefilled(self, message: Prefilled) -> None:
         """A group's first tokens from the prompt pipeline: it goes to its slot (`on_entered` hears of it first)."""
@@ -189,16 +224,16 @@ class HeadReceiver:
         for _, entering in outcome.sends:
             if isinstance(entering, Enter):
                 self._report_admitted(entering.microbatch, entering.group.members)
-        self._carry_out(outcome)
-        self._admit()
+        self.carry_out(outcome)
+        self.admit()
 
     def _on_freed(self, message: Freed) -> None:
         self.ledger.on_freed(message.microbatch)
-        self._admit()
+        self.admit()
 
     def _on_microbatch_failed(self, message: MicrobatchFailed) -> None:
-        self._carry_out(self.ledger.on_microbatch_failed(message.microbatch, message.error))
-        self._admit()
+        self.carry_out(self.ledger.on_microbatch_failed(message.microbatch, message.error))
+        self.admit()
 
     def _on_failed(self, message: Failed) -> None:
         failure = f"stage {message.stage} failed: {message.error}"
@@ -209,19 +244,19 @@ class HeadReceiver:
             return
         if self.fleet.replaced_since(self.layout.stages[index].name, message.epoch):
             return  # a worker replaced since (one started elsewhere cannot be stopped from here)
-        if self.recovery is None:
-            self._fail(TransportError(failure))
-        elif self._recoveries.running:
+        if self.options.recovery is None:
+            self.fail(TransportError(failure))
+        elif self.recoveries.running:
             self.replies.put(message)
         else:
-            self._recoveries.start({index}, failure, message.epoch)
+            self.recoveries.start({index}, failure, message.epoch)
 
     def _watch(self) -> None:
         """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
         heartbeats, or a microbatch without progress (no new tokens) for `progress_timeout` seconds while no
         stage's heartbeats said it ran a layer. Recover from them, or, without recovery, fail the requests in
         flight."""
-        if self._recoveries.running:
+        if self.recoveries.running:
             return  # the recovery watches its own steps
         now = time.monotonic()
         exited, silent, stalled = self.fleet.exited(), self.fleet.silent(now), self.ledger.stalled_since()
@@ -234,9 +269,9 @@ class HeadReceiver:
                            "worker is stuck (progress_timeout)")
         if not reasons:
             return
-        if self.recovery is None:
+        if self.options.recovery is None:
             raise TransportError(reasons[0])
-        self._recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
+        self.recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
 
 
 def _readable(packed: torch.Tensor) -> Message | None:
@@ -246,3 +281,12 @@ def _readable(packed: torch.Tensor) -> Message | None:
     except TransportError as error:
         log.warning("the head dropped what it received: %s", error)
         return None
+
+
+def _call_quietly(callback: Callable[[Any], None] | None, argument: Any) -> None:
+    """Call a user's callback; its failure is logged, and stops nothing."""
+    if callback is not None:
+        try:
+            callback(argument)
+        except Exception:
+            log.exception("a pipeline callback failed")
