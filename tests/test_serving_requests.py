@@ -186,9 +186,9 @@ def test_cancelled_requests_are_never_computed_or_stop_being_stepped_and_give_th
         assert later.result(timeout=60).microbatch == kept.microbatch + 1  # the cancelled request never ran
         stepped = pipe.stage_stats()["stage 0"]["row_steps"]
         # a microbatch whose rows are all cancelled ends at once, and the next one is admitted in its room
-        lone = pipe.submit(prompts[4], max_new_tokens=200)
-        _wait(lambda: pipe.status()["microbatches"] and pipe.status()["microbatches"][0]["steps"] >= 3, 60,
-              "3 steps of the lone request")
+        lone_tokens: list[int] = []
+        lone = pipe.submit(prompts[4], max_new_tokens=200, on_token=lone_tokens.append)
+        _wait(lambda: len(lone_tokens) >= 3, 60, "3 tokens of the lone request")
         lone.cancel()
         started = time.monotonic()
         last = pipe.submit(prompts[5], max_new_tokens=3).result(timeout=60)

@@ -206,7 +206,18 @@ def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) ->
         limits={member: requests[member].max_new_tokens for member in everyone},
         cancelled=[member for member in everyone if batch.rows_of[member] in batch.dropped
                    or (not batch.refill and batch.rows_of[member] in batch.settled)],  # static: ended ones pad
-        finals={member: positions_needed(requests[member].ids.numel(), requests[member].max_new_tokens)
-                for member in everyone},
+        finals=_finals(requests, batch.refill),
         joining=joining_at, mask=rows.mask, positions=rows.positions, index=found.index, group_mask=group_mask,
         group_ids=group_ids, states=states)
+
+
+def _finals(requests: dict[int, Any], refill: bool) -> dict[int, int]:
+    """Each member's cache length at its end (its slot's capacity): its own prompt and limit in a slot that
+    refills; in a static one, whose rows keep their padding, the longest prompt and the largest limit of its
+    microbatch (the slot holds one at a time), as the stages count it when the microbatch starts."""
+    if refill or not requests:
+        return {member: positions_needed(request.ids.numel(), request.max_new_tokens)
+                for member, request in requests.items()}
+    longest = max(request.ids.numel() for request in requests.values())
+    return dict.fromkeys(requests, positions_needed(longest, max(request.max_new_tokens
+                                                                 for request in requests.values())))
