@@ -38,7 +38,7 @@ def test_the_pipelines_checks_read_no_weights_unless_a_kv_budget_leaves_a_choice
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
     for recovery in ("recompute", None):  # swapping="auto" without a KV budget: nothing to measure
         options = PipelineOptions.check(str(tmp_path / "tiny"), 2, recovery=recovery)
-        assert options.kv_bytes_per_token > 0
-    tight = options.kv_bytes_per_token * 1000  # two slots, not every microbatch: the device the weights load on
+        assert options.memory.kv_bytes_per_token > 0
+    tight = options.memory.kv_bytes_per_token * 1000  # two slots, not every microbatch: the device the weights load on
     with pytest.raises(AssertionError, match="read the weights"):
         PipelineOptions.check(str(tmp_path / "tiny"), 2, kv_budget_bytes=tight)

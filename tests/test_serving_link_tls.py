@@ -49,7 +49,7 @@ def test_every_link_speaks_tls_and_a_killed_stage_is_restored_over_it(workers_im
                   link_tls_cert=cert, link_tls_key=key, link_tls_ca=cert) as pipe:
         assert pipe.submit(PROMPT, NEW, ignore_eos=True).result(timeout=60).tokens.tolist() == want
         for url in [pipe.url, *pipe.fleet.urls]:  # the head's inbox and each worker's
-            with dv.open_transport(url, token=pipe.options.token, timeout=5, connect_timeout=5) as plain, \
+            with dv.open_transport(url, token=pipe.options.links.token, timeout=5, connect_timeout=5) as plain, \
                     pytest.raises(dv.TransportError):
                 _send_twice(plain)
         arrived: list[int] = []

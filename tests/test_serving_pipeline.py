@@ -18,6 +18,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.options import PipelineOptions
 
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
@@ -135,6 +136,21 @@ def test_bad_pipelines_are_refused_before_any_process_starts(arguments, match) -
         Pipeline(**arguments)
 
 
+def test_the_options_come_grouped_and_an_unknown_one_is_a_type_error() -> None:
+    """Each group of options keeps what was given (`links`, `watch`, `resilience`, `memory`); a keyword no
+    group takes is refused as a call with an unknown keyword is, by name."""
+    options = PipelineOptions.check("tiny_models:llama", 2, transport="gloo", heartbeat=0.5, missed_beats=4,
+                                    recovery="replicas", standby=1, kv_budget_bytes=1 << 20, swapping=False,
+                                    replica_prefix="run-7", token="secret")
+    assert (options.links.transport, options.links.token) == ("gloo", "secret")
+    assert (options.watch.heartbeat, options.watch.missed_beats) == (0.5, 4)
+    assert (options.resilience.recovery, options.resilience.standby) == ("replicas", 1)
+    assert options.resilience.replica_prefix == "run-7"
+    assert (options.memory.kv_budget, options.memory.swapping) == (1 << 20, False)
+    with pytest.raises(TypeError, match="hearbeat"):
+        Pipeline("tiny_models:llama", stages=2, hearbeat=0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("machines", [1, 2, 3])
 def test_the_planner_lays_out_the_machines(machines) -> None:
@@ -245,11 +261,12 @@ def test_garbage_on_a_stage_link_or_at_the_head_costs_that_message_and_no_recove
     prompts = expectations.prompts(2, seed=8)
     with Pipeline("tiny_models:llama", stages=2, timeout=60, recovery="replicas") as pipe:
         before = pipe.generate(prompts[:1], max_new_tokens=4)[0]
-        with dv.open_transport(pipe.fleet.url_of(1), token=pipe.options.token, timeout=5) as link:
+        with dv.open_transport(pipe.fleet.url_of(1), token=pipe.options.links.token, timeout=5) as link:
             link.send_tensor(torch.randint(0, 256, (64,), dtype=torch.uint8))  # no message at all
             link.send_tensor(_packed({"kind": "no-such-kind", "fields": {"microbatch": 0}, "tensors": []}))
             link.send_tensor(_packed({"kind": "decode", "fields": {"microbatch": 0}, "tensors": []}))  # fields short
-        with dv.open_transport(pipe.url, token=pipe.options.token, timeout=5) as head:  # a report without its tokens
+        token = pipe.options.links.token
+        with dv.open_transport(pipe.url, token=token, timeout=5) as head:  # a report without its tokens
             head.send_tensor(_packed({"kind": "tokens", "fields": {"microbatch": 0}, "tensors": []}))
         after = pipe.generate(prompts, max_new_tokens=4)
         assert pipe.recoveries == []

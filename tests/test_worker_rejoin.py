@@ -67,7 +67,7 @@ def test_a_worker_whose_head_is_gone_stops_after_its_own_orphan_timeout() -> Non
         worker = subprocess.Popen([sys.executable, "-m", "dejavu_sdk.cli", "worker", "--join", url,
                                    "--orphan-timeout", "1"], env=environment)
         pipe.start()
-        assert pipe.options.orphan_timeout == 60
+        assert pipe.options.watch.orphan_timeout == 60
         assert len(pipe.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
         pipe.head.inbox.close()  # the head's address refuses, as a dead head's does (no shutdown is sent)
         gone = time.monotonic()

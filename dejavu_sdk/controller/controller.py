@@ -297,7 +297,7 @@ class Controller:
         """Write where the workers join, their token if this controller drew it, and the pipeline's epoch."""
         if self.journal is not None:
             self.journal.head(self.pipeline.url, self.worker_token if self._drawn_worker_token else None,
-                              self.pipeline.fleet.epoch, self.pipeline.options.replica_prefix)
+                              self.pipeline.fleet.epoch, self.pipeline.options.resilience.replica_prefix)
 
     def _inherited(self) -> list[JournaledRequest]:
         """The requests of the journal a successor takes over: those not answered, and those answered within

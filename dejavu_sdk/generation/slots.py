@@ -199,9 +199,10 @@ def take_back(cache: DynamicCache, keep: int, before: Sequence[WindowState]) -> 
     drops the later ones, a sliding-window layer returns to its state `before` the round (`windows`)."""
     for index, layer in enumerate(kv_layers(cache)):
         if getattr(layer, "is_sliding", False):
-            if index >= len(before) or before[index] is None:
+            state = before[index] if index < len(before) else None
+            if state is None:
                 raise ConfigError("a sliding-window layer cannot be taken back without its state before the round")
-            layer.keys, layer.values, layer.cumulative_length = before[index]
+            layer.keys, layer.values, layer.cumulative_length = state
         else:
             layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
 

@@ -1,26 +1,23 @@
 """Every option of a `Pipeline` (and the controller's own), checked once, here, before any process starts.
 
-`PipelineOptions.check(...)` loads the model once to read what the options depend on (its layers, tokens,
-KV geometry), asks the planner for a layout when `machines=` is given, decides swapping when it is "auto", and
-returns one frozen record that the pipeline's parts read. Every refusal is a `ConfigError` that says what to
-change.
+`PipelineOptions.check(...)` hands each group of options to its record's check (`option_groups`), loads the
+model once to read what the options depend on (its layers, tokens, KV geometry), asks the planner for a layout
+when `machines=` is given, decides swapping when it is "auto", and returns one frozen record that the
+pipeline's parts read. Every refusal is a `ConfigError` that says what to change.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-import math
 import os
-import re
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from ..backends import open_store
 from ..errors import ConfigError
 from ..generation.adapters import adapter_for
 from ..generation.batching import check_batching, check_max_prefill_tokens
@@ -28,7 +25,6 @@ from ..generation.decoding import TokenRules
 from ..models import load_model
 from ..planner import Plan
 from ..planner import plan as make_plan
-from ..store import Store
 from ..swapping import (
     SwapChoice,
     check_budget,
@@ -39,34 +35,24 @@ from ..swapping import (
     positions_needed,
 )
 from ..timing import measure_times
-from ..transports.access import TOKEN_VARIABLE
 from .layout import Layout, pipelines_for
+from .option_groups import Links, Memory, Resilience, Watch, positive_integer
 from .processes.launchers import Launcher, LocalProcesses
-from .wire.link_tls import LinkTls
 
 log = logging.getLogger(__name__)
 
-#: The transports a pipeline's links can use.
-TRANSPORTS = ("tcp", "gloo", "nccl", "ucx")
-#: The ways a pipeline may recover from a dead stage.
-RECOVERY = ("replicas", "recompute")
-#: The transports whose links reconnect to a stage's replacement (each link its own connection, or its own
-#: two-rank gloo group); NCCL's communicators are not torn down and rebuilt around a hung peer yet.
-RECOVERABLE_TRANSPORTS = ("tcp", "gloo", "ucx")
 #: A joining prompt's positions run per step beside decoding rows, by default (vLLM's chunked-prefill budget).
 DEFAULT_PREFILL_TOKENS = 256
-#: Seconds a worker whose head is gone waits for a successor to take its stage back (`orphan_timeout`).
-ORPHAN_TIMEOUT = 60.0
-#: Seconds a microbatch may go without a token while no stage computes before its stage counts as stuck.
-PROGRESS_TIMEOUT = 60.0
 #: The smallest body cap a controller takes.
 MIN_BODY_BYTES = 1024
 
 
 @attrs.frozen
 class PipelineOptions:
-    """A pipeline's checked options. The layout's (`stages`, `layers`, `prompt_stages`, `token_stages`,
-    `token_slots`, `machines`, `plan`, `workload`) and `microbatch` are described on `Pipeline`; the others:
+    """A pipeline's checked options, grouped: its links (`links`), failure detection (`watch`), recovery
+    (`resilience`) and KV memory (`memory`), beside the layout and the batching. The layout's (`stages`,
+    `layers`, `prompt_stages`, `token_stages`, `token_slots`, `machines`, `plan`, `workload`) and `microbatch`
+    are described on `Pipeline`; the others, as `Pipeline` takes them:
 
     `kv_budget_bytes`: device memory each stage may give its microbatches' KV caches (None: no cap); a new
     microbatch starts only once its cache fits (as many of its rows as fit) beside those in flight, and a request
@@ -74,8 +60,8 @@ class PipelineOptions:
     `swapping=True` keeps the decoding stages' caches in host memory with two on the device, brought in while
     the previous microbatch computes, so about twice as many fit; `"auto"` swaps when the in-flight
     microbatches of the `workload` would not fit, the stages run on a GPU and the planner's condition says
-    the copies keep up, from a step time and host bandwidth measured here (`swap_choice` says what it chose
-    and why).
+    the copies keep up, from a step time and host bandwidth measured here (`memory.swap_choice` says what it
+    chose and why).
 
     `transport`: how activations and KV move (`tcp`, `gloo`, `nccl`, `ucx`). `timeout`: seconds any one wait
     for a worker may take (to start, to answer, to take a message). `progress_timeout`: seconds a microbatch in
@@ -117,7 +103,7 @@ class PipelineOptions:
     share a replica store); a successor head takes its predecessor's, to find the replicas its workers hold.
     `host`/`port`: where the head listens for its workers. `token`: the shared secret of every link (default:
     `DEJAVU_TOKEN`, else a random one handed to the workers it launches). `link_tls_cert`, `link_tls_key`,
-    `link_tls_ca`: TLS on every link of the pipeline (`link_tls`; tcp only).
+    `link_tls_ca`: TLS on every link of the pipeline (`links.tls`; tcp only).
     """
 
     model: str
@@ -125,56 +111,31 @@ class PipelineOptions:
     plan: Plan | None
     microbatch: int
     token_slots: int
-    kv_budget: int | None
-    swapping: bool
-    swap_choice: SwapChoice | None
-    transport: str
-    timeout: float
-    heartbeat: float
-    missed_beats: int
-    recovery: str | None
-    replica_store: Store | None
-    replica_prefix: str
-    standby: int
     threads: int
     launcher: Launcher | None
-    host: str
-    port: int
-    token: str
     rules: TokenRules
     eos: list[int]
-    kv_bytes_per_token: int
+    links: Links
+    watch: Watch
+    resilience: Resilience
+    memory: Memory
     batching: str = "static"
     max_prefill_tokens: int | None = None
-    link_tls: LinkTls | None = None
-    orphan_timeout: float = ORPHAN_TIMEOUT
-    progress_timeout: float = PROGRESS_TIMEOUT
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
               prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
               machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
               microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
-              transport: str = "tcp", timeout: float = 60.0, heartbeat: float = 1.0, missed_beats: int = 3,
-              recovery: str | None = None, replica_store: str | None = None, standby: int = 0,
               ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
-              host: str = "127.0.0.1", port: int = 0, token: str | None = None, batching: str | None = None,
-              max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS, link_tls_cert: str | None = None,
-              link_tls_key: str | None = None, link_tls_ca: str | None = None,
-              orphan_timeout: float = ORPHAN_TIMEOUT, replica_prefix: str | None = None,
-              progress_timeout: float = PROGRESS_TIMEOUT) -> PipelineOptions:
-        if transport not in TRANSPORTS:
-            raise ConfigError(f"transport={transport!r}: pipelines run over {', '.join(TRANSPORTS)}")
-        link_tls = LinkTls.of(link_tls_cert, link_tls_key, link_tls_ca, transport)
-        _positive_integer(microbatch, "microbatch")
-        _seconds(timeout, "timeout")
-        _seconds(heartbeat, "heartbeat", most=60)
-        _positive_integer(missed_beats, "missed_beats")
-        _seconds(orphan_timeout, "orphan_timeout", zero=True)
-        _seconds(progress_timeout, "progress_timeout")
-        if progress_timeout <= heartbeat:
-            raise ConfigError(f"progress_timeout={progress_timeout!r} must be longer than a heartbeat "
-                              f"({heartbeat!r} s): heartbeats say whether a stage computes")
+              batching: str | None = None, max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
+              **grouped: Any) -> PipelineOptions:
+        """The options, checked; `grouped` are the keywords of `Links`, `Watch` and `Resilience`, each group
+        checking its own."""
+        links_given, watch_given, resilience_given = _split(grouped, Links.check, Watch.check, Resilience.check)
+        links = Links.check(launch, **links_given)
+        positive_integer(microbatch, "microbatch")
+        watch = Watch.check(**watch_given)
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
         reference = load_model(model, weights=False)  # ConfigError for a bad name, before any process starts
@@ -201,26 +162,15 @@ class PipelineOptions:
             choice = _choose_swapping(weighted, workload, microbatch, widest / total, budget, per_token, limit,
                                       threads)
             log.info("swapping %s: %s", "on" if choice.swapping else "off", choice.reason)
-        swaps = choice.swapping if choice is not None else bool(swapping)
-        recovery = check_recovery(recovery, transport, pipelines, replica_store is not None)
-        if isinstance(standby, bool) or not isinstance(standby, int) or standby < 0:
-            raise ConfigError(f"standby must be a number of spare workers (0 or more), got {standby!r}")
-        if standby and (recovery is None or not launch):
-            raise ConfigError("standby workers replace dead stages: give recovery=, and let the pipeline launch them")
-        if not launch and not (token or os.environ.get(TOKEN_VARIABLE)):
-            raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
-                              f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
+        memory = Memory(budget, choice.swapping if choice is not None else bool(swapping), choice, per_token)
+        resilience = Resilience.check(links.transport, pipelines, launch, **resilience_given)
         rules = TokenRules.of(reference)
         chosen_batching = check_batching("continuous" if batching is None else batching)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
-        store = open_replica_store(replica_store, recovery)
-        return cls(model, Layout(pipelines, ring=recovery == "replicas" and store is None), chosen, microbatch, slots,
-                   budget, swaps, choice, transport, float(timeout), float(heartbeat), missed_beats, recovery, store,
-                   _prefix(replica_prefix), standby, threads,
-                   LocalProcesses() if launch is True else (launch or None), host, port,
-                   token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), rules,
-                   [] if ignore_eos else rules.eos, per_token, chosen_batching, prefill_tokens, link_tls,
-                   float(orphan_timeout), float(progress_timeout))
+        ring = resilience.recovery == "replicas" and resilience.replica_store is None
+        return cls(model, Layout(pipelines, ring=ring), chosen, microbatch, slots, threads,
+                   LocalProcesses() if launch is True else (launch or None), rules, [] if ignore_eos else rules.eos,
+                   links, watch, resilience, memory, chosen_batching, prefill_tokens)
 
 
 def check_body_limit(max_body_bytes: Any) -> int:
@@ -228,48 +178,6 @@ def check_body_limit(max_body_bytes: Any) -> int:
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < MIN_BODY_BYTES:
         raise ConfigError(f"max_body_bytes must be an integer of at least {MIN_BODY_BYTES}, got {max_body_bytes!r}")
     return max_body_bytes
-
-
-def check_recovery(recovery: Any, transport: str, pipelines: list[list[tuple[int, int]]],
-                   replica_store: bool = False) -> str | None:
-    """`recovery` if this pipeline can recover that way ("auto": the best way it can); ConfigError otherwise."""
-    if recovery is None:
-        if replica_store:
-            raise ConfigError("replica_store keeps replicas to recover from: give recovery='replicas' too")
-        return None
-    if recovery not in (*RECOVERY, "auto"):
-        raise ConfigError(f"recovery={recovery!r}: use {', '.join(map(repr, RECOVERY))} or 'auto', or None to fail "
-                          "the requests in flight when a stage dies")
-    refusals = {"transport": None if transport in RECOVERABLE_TRANSPORTS else
-                f"recovery needs links that reconnect to a replacement ({', '.join(RECOVERABLE_TRANSPORTS)}); "
-                f"{transport} links do not yet"}
-    replicas = {"ring": None if len(pipelines[-1]) >= 2 or replica_store else
-                "recovery='replicas' keeps each decoding stage's replica on the next one: it needs two decoding "
-                "stages or more (or use recovery='recompute')"}
-    if recovery == "auto":
-        if any(refusals.values()):
-            return None
-        return "recompute" if any(replicas.values()) and not replica_store else "replicas"
-    if recovery == "recompute" and replica_store:
-        raise ConfigError("replica_store keeps replicas to recover from, which recovery='recompute' never reads")
-    for refusal in [*refusals.values(), *(replicas.values() if recovery == "replicas" else [])]:
-        if refusal:
-            raise ConfigError(refusal)
-    return str(recovery)
-
-
-def open_replica_store(url: str | None, recovery: str | None) -> Store | None:
-    """The store every stage replicates into, checked: other processes must see what one puts there."""
-    if url is None:
-        return None
-    if recovery != "replicas":
-        raise ConfigError("replica_store keeps replicas to recover from: it needs recovery='replicas'")
-    store = open_store(url)
-    if not store.shared:
-        store.close()
-        raise ConfigError(f"replica_store={url!r}: every stage process writes there and the head reads it, so it "
-                          "must be a store other processes see (file:// on a shared file system, s3://, ...)")
-    return store
 
 
 def plan_for(model: Any, machines: Any, plan: str, workload: tuple[int, int], microbatch: int,
@@ -332,24 +240,12 @@ def _token_slots(token_slots: Any, pipelines: list[list[tuple[int, int]]]) -> in
     return token_slots
 
 
-def _positive_integer(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _seconds(value: Any, name: str, most: float | None = None, zero: bool = False) -> None:
-    """A ConfigError unless `value` is a finite number of seconds above 0 (or 0 itself, `zero`), at most `most`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not zero) or (most and value > most):
-        lowest = "0 or more" if zero else "positive"
-        raise ConfigError(f"{name} must be a number of seconds in (0, {most}], got {value!r}" if most else
-                          f"{name} must be a {lowest} number of seconds, got {value!r}")
-
-
-def _prefix(replica_prefix: Any) -> str:
-    """The replica streams' prefix: the one given (letters, digits and dashes), or a drawn one."""
-    if replica_prefix is None:
-        return f"p{secrets.token_hex(4)}-"
-    if not isinstance(replica_prefix, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,64}", replica_prefix):
-        raise ConfigError(f"replica_prefix must be 1 to 64 letters, digits or dashes, got {replica_prefix!r}")
-    return replica_prefix
+def _split(given: dict[str, Any], *checks: Callable[..., Any]) -> list[dict[str, Any]]:
+    """`given`'s keywords by the check (of `checks`) that takes each as a keyword-only parameter; a keyword none
+    takes is a TypeError, as a call with an unknown keyword is."""
+    names = [{name for name, parameter in inspect.signature(check).parameters.items()
+              if parameter.kind is inspect.Parameter.KEYWORD_ONLY} for check in checks]
+    unknown = sorted(name for name in given if not any(name in parameters for parameters in names))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    return [{name: value for name, value in given.items() if name in parameters} for parameters in names]

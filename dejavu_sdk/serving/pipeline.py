@@ -66,9 +66,10 @@ class Pipeline:
         self.plan = checked.plan
         #: Mixed: every stage's layers. Disaggregated: the prompt pipeline's, then the token pipeline's.
         self.layouts, self.disaggregated, self.stage_table = layout.pipelines, layout.disaggregated, layout.stages
-        self.model, self.microbatch, self.timeout = model, checked.microbatch, checked.timeout
-        self.transport, self.swapping, self.swap_choice = checked.transport, checked.swapping, checked.swap_choice
-        self.recovery, rules = checked.recovery, checked.rules
+        self.model, self.microbatch, self.timeout = model, checked.microbatch, checked.watch.timeout
+        self.transport, memory = checked.links.transport, checked.memory
+        self.swapping, self.swap_choice = memory.swapping, memory.swap_choice
+        self.recovery, rules = checked.resilience.recovery, checked.rules
         self.context, self.vocabulary, self.pad, self.eos = rules.context, rules.vocabulary, rules.pad, checked.eos
         self.launch = checked.launcher is not None
         #: Called with each recovery's report, and with each failure's description as a recovery starts.
@@ -80,7 +81,7 @@ class Pipeline:
         self.on_entered: Callable[[int, list[int], list[Any]], object] | None = None
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
-                             Admission(checked.kv_budget, self.swapping, checked.kv_bytes_per_token),
+                             Admission(memory.kv_budget, self.swapping, memory.kv_bytes_per_token),
                              lambda: self.fleet.epoch, refill=checked.batching == "continuous",
                              prefill_tokens=checked.max_prefill_tokens)
         #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
@@ -284,7 +285,7 @@ class Pipeline:
         microbatches in flight and their steps, the requests waiting, and the failure that stopped it, if any."""
         failure = self.ledger.failure
         return {"layout": "disaggregated" if self.disaggregated else "mixed", "stages": self.fleet.stage_status(),
-                **self.ledger.status(), "swapping": self.swapping, "kv_budget_bytes": self.options.kv_budget,
+                **self.ledger.status(), "swapping": self.swapping, "kv_budget_bytes": self.options.memory.kv_budget,
                 "recovery": self.recovery, "epoch": self.fleet.epoch, "recovering": self.head.recoveries.running,
                 "standby": self.fleet.spare_pids(), "recoveries": [attrs.asdict(report) for report in self.recoveries],
                 "failure": None if failure is None else str(failure)}

@@ -139,7 +139,7 @@ class Fleet(SparePool):
         launched: list[WorkerHandle] = []
         if self.launch:
             launched = [self._launch() for _ in range(stages - len(members))]
-            for _ in range(self.options.standby):
+            for _ in range(self.options.resilience.standby):
                 self._launch_spare()
         while True:
             while len(members) < stages:
@@ -225,18 +225,18 @@ class Fleet(SparePool):
 
     def assignment(self, index: int, eos: list[int], pad: int, recovery: bool) -> Assign:
         """What worker `index` is told to be: the model, its stage and where it sits, and its links."""
-        stage, options = self.layout.stages[index], self.options
+        stage, options, watch = self.layout.stages[index], self.options, self.options.watch
         return Assign(model=options.model, stage=stage.name, role=stage.role, number=stage.number,
                       stages=self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
                       links=self.links_of(index), epoch=self.epoch, threads=options.threads, eos=eos, pad=pad,
-                      swapping=options.swapping, heartbeat=options.heartbeat, missed_beats=options.missed_beats,
-                      orphan_timeout=options.orphan_timeout, recovery=recovery, take_over=self.taking_over,
+                      swapping=options.memory.swapping, heartbeat=watch.heartbeat, missed_beats=watch.missed_beats,
+                      orphan_timeout=watch.orphan_timeout, recovery=recovery, take_over=self.taking_over,
                       batching=options.batching, max_prefill_tokens=options.max_prefill_tokens)
 
     def links_of(self, index: int) -> Links:
-        store = self.options.replica_store
-        links = self.layout.links(index, self.urls, None if store is None else store.url, self.options.replica_prefix)
-        return attrs.evolve(links, link_timeout=min(self.options.timeout, CLIENT_TIMEOUT))  # never above a link's
+        store, prefix = self.options.resilience.replica_store, self.options.resilience.replica_prefix
+        links = self.layout.links(index, self.urls, None if store is None else store.url, prefix)
+        return attrs.evolve(links, link_timeout=min(self.options.watch.timeout, CLIENT_TIMEOUT))  # never above a link's
 
     # ---- talking to the stages -------------------------------------------------------------------------
     def send(self, index: int, message: Message) -> None:
@@ -271,7 +271,7 @@ class Fleet(SparePool):
 
     def silent(self, now: float) -> list[tuple[float, str]]:
         """The stages that missed `missed_beats` heartbeats in a row: (last beat, name), oldest first."""
-        limit = self.options.heartbeat * self.options.missed_beats
+        limit = self.options.watch.heartbeat * self.options.watch.missed_beats
         with self.lock:
             return sorted((last, name) for name, last in self.beats.items() if now - last > limit)
 

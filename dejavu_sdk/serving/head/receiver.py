@@ -84,9 +84,9 @@ class HeadReceiver:
     def listen(self) -> str:
         """Open the inbox (once), and say where it is."""
         if self.inbox is None:
-            options = self.options
-            self.inbox = serve(f"{options.transport}://{options.host}:{options.port}", token=options.token,
-                               **inbox_options(options.link_tls))
+            links = self.options.links
+            self.inbox = serve(f"{links.transport}://{links.host}:{links.port}", token=links.token,
+                               **inbox_options(links.tls))
         return self.inbox.url
 
     def start(self) -> None:
@@ -102,9 +102,10 @@ class HeadReceiver:
             self.thread.join(timeout=5)
         if self.inbox is not None:
             self.inbox.close()
-        if self.options.replica_store is not None:
+        resilience = self.options.resilience
+        if resilience.replica_store is not None:
             decoding = [stage.number for stage in self.layout.stages if stage.decodes]
-            delete_replicas(self.options.replica_store, decoding, holding, self.options.replica_prefix)
+            delete_replicas(resilience.replica_store, decoding, holding, resilience.replica_prefix)
 
     @functools.cached_property
     def handlers(self) -> dict[type[Message], Callable[[Any], None]]:
@@ -130,7 +131,7 @@ class HeadReceiver:
                 self.send(stage, message)
             except (TransportError, StoreError) as error:  # StoreClosed: closed meanwhile
                 failure = f"{self.layout.stages[stage].name} is unreachable: {error}"
-                if self.options.recovery is None or self.closed():
+                if self.options.resilience.recovery is None or self.closed():
                     self.fail(TransportError(failure))
                 else:
                     self.recoveries.start(set(), failure)
@@ -244,7 +245,7 @@ class HeadReceiver:
             return
         if self.fleet.replaced_since(self.layout.stages[index].name, message.epoch):
             return  # a worker replaced since (one started elsewhere cannot be stopped from here)
-        if self.options.recovery is None:
+        if self.options.resilience.recovery is None:
             self.fail(TransportError(failure))
         elif self.recoveries.running:
             self.replies.put(message)
@@ -261,15 +262,15 @@ class HeadReceiver:
         now = time.monotonic()
         exited, silent, stalled = self.fleet.exited(), self.fleet.silent(now), self.ledger.stalled_since()
         reasons = [f"the process of {self.layout.stages[index].name} exited" for index in exited]
-        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.missed_beats} missed): its "
+        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.watch.missed_beats} missed): its "
                     "process is dead or hung" for last, name in silent]
-        limit = self.options.progress_timeout
+        limit = self.options.watch.progress_timeout
         if stalled is not None and now - stalled > limit and now - self.fleet.worked_at > limit:
             reasons.append(f"a microbatch made no progress for {limit:.0f} s and no stage computed meanwhile: a stage "
                            "worker is stuck (progress_timeout)")
         if not reasons:
             return
-        if self.options.recovery is None:
+        if self.options.resilience.recovery is None:
             raise TransportError(reasons[0])
         self.recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
 

@@ -67,9 +67,10 @@ class Recoveries:
                 steps = Recovery(ledger, self.fleet, self.replies, set(), "taking over", time.monotonic(),
                                  self.assignment, self.closed)
                 report = Takeover(ledger, steps, groups, stand_in).run()
-            if options.replica_store is not None:  # the predecessor's replicas of what did not go on
+            resilience = options.resilience
+            if resilience.replica_store is not None:  # the predecessor's replicas of what did not go on
                 kept = set(report.resumed)
-                remove_replicas(options.replica_store, lambda number: number not in kept, options.replica_prefix)
+                remove_replicas(resilience.replica_store, lambda number: number not in kept, resilience.replica_prefix)
             carry_out(report.outcome)
             carry_out(ledger.resume_slots(report.resumed, {}))
         finally:

@@ -76,7 +76,8 @@ class SlotRecovery:
         layout, ledger = recovery.layout, recovery.ledger
         survivors = [index for index in layout.decoding_stages() if index not in recovery.dead]
         # recomputing keeps no replica: a slot that a dead decoding stage held cannot go on from its round
-        without_replicas = recovery.options.recovery != "replicas" and len(survivors) < len(layout.decoding_stages())
+        without_replicas = (recovery.options.resilience.recovery != "replicas"
+                            and len(survivors) < len(layout.decoding_stages()))
         for number, batch in ledger.slots_to_recover(recovery.epoch):
             heard = len(batch.rounds)
             if batch.seen_by_recovery == batch.steps_received:  # its group in the prompt pipeline too
@@ -112,14 +113,14 @@ class SlotRecovery:
                 continue
             stage = layout.stages[index]
             holder = layout.replica_holder(index)
-            if options.replica_store is None and (holder is None or holder in recovery.dead):
+            if options.resilience.replica_store is None and (holder is None or holder in recovery.dead):
                 for number in list(self.resumed):
                     self._lose(number, f"{stage.name}'s replica of slot {number} was lost with its holder")
                 continue
             asked: dict[str, int] = {}
             for number, (_, found) in list(self.resumed.items()):
                 for piece in (piece for piece in found.pieces if piece.columns):
-                    if options.replica_store is not None:
+                    if options.resilience.replica_store is not None:
                         self._restore_from_store(index, number, piece.name, piece.columns)
                         continue
                     item = f"{number}/{piece.name}"
@@ -139,10 +140,11 @@ class SlotRecovery:
 
     def _restore_from_store(self, index: int, number: int, name: str, columns: int) -> None:
         recovery = self.recovery
-        stage, store = recovery.layout.stages[index], recovery.options.replica_store
+        stage, resilience = recovery.layout.stages[index], recovery.options.resilience
+        store = resilience.replica_store
         assert store is not None
         try:
-            block = assemble(store, piece_stream(stage.number, number, name, recovery.options.replica_prefix),
+            block = assemble(store, piece_stream(stage.number, number, name, resilience.replica_prefix),
                              stage.layer_count, columns)
         except DejaVuError as error:
             self._lose(number, f"a piece of slot {number}'s replica could not be read back: {error}")

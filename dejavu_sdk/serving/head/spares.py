@@ -52,11 +52,12 @@ class SparePool:
     def _launch(self) -> WorkerHandle:
         """A worker that joins this head, started by the launcher."""
         assert self.options.launcher is not None  # only launched pipelines start workers
-        return self.options.launcher.start(self.url(), self.options.token, worker_environment(self.options.link_tls))
+        links = self.options.links
+        return self.options.launcher.start(self.url(), links.token, worker_environment(links.tls))
 
     def _link(self, url: str) -> Transport:
         """A link to a worker's inbox, with the pipeline's token (and TLS)."""
-        return open_transport(url, token=self.options.token, **link_options(self.options.link_tls))
+        return open_transport(url, token=self.options.links.token, **link_options(self.options.links.tls))
 
     def _launch_spare(self) -> None:
         spare = self._launch()
@@ -114,7 +115,7 @@ class SparePool:
     def top_up(self) -> None:
         """Launch spare workers until `standby` of them are joined or on their way."""
         self.prune_spares()
-        while self.launch and len(self.spares) < self.options.standby and not self.closed:
+        while self.launch and len(self.spares) < self.options.resilience.standby and not self.closed:
             self._launch_spare()
 
     def spare_pids(self) -> list[int]:
