@@ -43,9 +43,12 @@ def test_recovery_settings_it_cannot_honour_are_refused(arguments, match) -> Non
         Pipeline("tiny_models:llama", **arguments)
 
 
-def test_replicas_of_sliding_window_layers_are_refused_and_recompute_is_offered() -> None:
-    with pytest.raises(dv.ConfigError, match=r"sliding-window.*recompute"):
-        Pipeline("tiny_models:mistral", stages=2, recovery="replicas")
+@pytest.mark.parametrize("model", ["mistral", "qwen2_sliding"])
+def test_sliding_window_layers_recover_from_replicas_and_auto_chooses_them(model) -> None:
+    """Sliding-window layers (all of Mistral's, some of Qwen2's) are replicated as any layer is (the matrix kills
+    a stage beside them): replicas are taken, and "auto" picks them where the layout allows."""
+    assert Pipeline(f"tiny_models:{model}", stages=2, recovery="replicas").recovery == "replicas"
+    assert Pipeline(f"tiny_models:{model}", stages=2, recovery="auto").recovery == "replicas"
 
 
 # ---- failures -----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The groups of a pipeline's options that `PipelineOptions` holds, each a frozen record with its own check:
-`Links` (how the head and the stages reach each other), `Watch` (when a stage counts as dead or stuck),
-`Resilience` (what a dead stage costs) and `Memory` (the KV caches' device budget and swapping).
+"""The groups of a pipeline's options that `PipelineOptions` holds, each a frozen record: `Links` (how the head
+and the stages reach each other), `Watch` (when a stage counts as dead or stuck), `Resilience` (what a dead stage
+costs), each with its own check, and `Memory` (the KV caches' device budget and swapping, which
+`PipelineOptions.check` decides: it needs the model).
 
 Each `check` takes the keywords of its group as `Pipeline` takes them (keyword-only; what it depends on
 besides comes first), and raises a `ConfigError` that says
