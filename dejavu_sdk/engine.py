@@ -146,6 +146,8 @@ class DejaVuEngine:
         seeded with `seed`: reproducible, but not `generate`'s GPU draws). The model is put in eval mode. These
         caches are not replicated to the engine's store: use `generate` for a replicated, resumable stream.
 
+        `max_prefill_tokens` bounds the prompt positions a step prefills (None: a microbatch's prompts at once):
+        a static microbatch then equals `model.generate(..., prefill_chunk_size=max_prefill_tokens // rows)`.
         `batching="continuous"` lets rows leave their microbatch (a slot) as they end and waiting prompts join it
         (their prompts prefilled beside its steps, at most `max_prefill_tokens` positions a step; None: at once);
         each `Result.schedule` then records the slot's rounds, and `dejavu_sdk.generation.replay` on them gives

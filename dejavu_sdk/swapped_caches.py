@@ -226,8 +226,9 @@ class SwappedCaches:
             raise ConfigError(f"microbatch {number} grew to {seen} positions, past its capacity of {host.capacity}")
         with self._copy_stream():
             for index, layer in enumerate(_layers(cache)):
-                host.keys[index][host.length:seen].copy_(_positions_first(layer.keys[:, :, -new:]), non_blocking=True)
-                host.values[index][host.length:seen].copy_(_positions_first(layer.values[:, :, -new:]),
+                kept = min(new, int(layer.keys.shape[2]))  # a sliding-window layer let go of a long chunk's first
+                host.keys[index][seen - kept:seen].copy_(_positions_first(layer.keys[:, :, -kept:]), non_blocking=True)
+                host.values[index][seen - kept:seen].copy_(_positions_first(layer.values[:, :, -kept:]),
                                                            non_blocking=True)
                 _keep_until_copied(self._copies, layer.keys, layer.values)
         host.length = seen

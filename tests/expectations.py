@@ -42,13 +42,18 @@ def left_padded(prompts, members, pad: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, mask
 
 
-def expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[int]) -> list[torch.Tensor]:
-    """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end."""
+def expected(model, microbatches, prompts, max_new_tokens, pad: int, eos: list[int],
+             max_prefill_tokens: int | None = None) -> list[torch.Tensor]:
+    """For each request, `model.generate` on its microbatch (left-padded rows), cut at its own end; with
+    `max_prefill_tokens`, its prompts prefilled in chunks of that many positions over the rows, as a static slot
+    runs them (`prefill_chunk_size`: max_prefill_tokens // rows columns)."""
     expected: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for members in microbatches:
         ids, mask = left_padded(prompts, members, pad)
         longest = ids.shape[1]
-        out = model.generate(ids, attention_mask=mask, do_sample=False,
+        columns = None if max_prefill_tokens is None else max(1, max_prefill_tokens // len(members))
+        chunks = {} if columns is None else {"prefill_chunk_size": columns}
+        out = model.generate(ids, attention_mask=mask, do_sample=False, **chunks,
                              max_new_tokens=max(max_new_tokens[index] for index in members))[:, longest:]
         for row, index in enumerate(members):
             tokens = out[row, :max_new_tokens[index]].tolist()

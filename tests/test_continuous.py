@@ -184,7 +184,7 @@ class _Counted(RoundRobin):
         self.slots[id(slot)] = slot
         done = super()._round(slot, caches)
         joining = sum(_cache_bytes(other.joining[0].cache) for other in self.slots.values()
-                      if other.joining is not None)
+                      if other.joining is not None and other.joining[0].cache is not None)  # (static: the slot's)
         ready = sum(_cache_bytes(other.ready[0]) for other in self.slots.values() if other.ready is not None)
         slots = sum(_cache_bytes(cache) for cache in caches._resident.values())
         self.device_peak = max(self.device_peak, slots + joining + ready)
@@ -219,12 +219,40 @@ def test_static_batching_is_unchanged() -> None:
     assert [(r.microbatch, r.row, r.rows) for r in static] == [(r.microbatch, r.row, r.rows) for r in default]
     assert RoundRobin(model, microbatch=2).batching == "static"  # generate_many's default too
     assert RoundRobin(model, batching="continuous", max_prefill_tokens=4).max_prefill_tokens == 4
-    assert RoundRobin(model, batching="static", max_prefill_tokens=4).max_prefill_tokens is None  # one step
+    assert RoundRobin(model, batching="static", max_prefill_tokens=4).max_prefill_tokens == 4  # chunks too
     # the same budget as the continuous tests: microbatches of whole requests, tokens as before
     budgeted = engine.generate_many(PROMPTS, LIMITS, microbatch=MICROBATCH, batching="static",
                                     kv_budget_bytes=_budget(model), swapping=False)
     want = expectations.expected(model, expectations.microbatches(budgeted), PROMPTS, LIMITS, rules.pad, rules.eos)
     assert [r.tokens.tolist() for r in budgeted] == [tokens.tolist() for tokens in want]
+
+
+@pytest.mark.parametrize("swapping", [False, True], ids=["unswapped", "swapped"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2_sliding"])
+def test_static_slots_prefill_in_chunks_as_generate_does_with_prefill_chunk_size(family: str, swapping: bool) -> None:
+    """`max_prefill_tokens` bounds a static slot's prefill too: its prompts run a chunk of columns a round
+    (the positions over its rows: 12 over two rows, 6 columns, longer than a sliding window), so each microbatch
+    equals `model.generate(prefill_chunk_size=6)`. The group's cache is the slot's from its first chunk: with
+    swapping it waits in host memory between its chunks, and the device never holds more than the budget."""
+    model = getattr(tiny_models, family)()
+    prompts = [torch.randint(1, tiny_models.VOCAB, (length,), generator=torch.Generator().manual_seed(length))
+               for length in (23, 9, 17, 30, 12, 26)]
+    limits = [6, 3, 6, 5, 6, 4]
+    rules = RoundRobin(model).rules
+    budget = 2 * kv_bytes_per_token(model.config, torch.float32) * 2 * positions_needed(30, 6)  # two microbatches
+    runner = _Counted(model, microbatch=2, kv_budget_bytes=budget, swapping=swapping, batching="static",
+                      max_prefill_tokens=12)
+    results = runner.run(runner.requests(prompts, limits, Decoding()))
+    batches = expectations.microbatches(results)
+    assert all(len(members) == 2 for members in batches)
+    want = expectations.expected(model, batches, prompts, limits, rules.pad, rules.eos, max_prefill_tokens=12)
+    assert [result.tokens.tolist() for result in results] == [tokens.tolist() for tokens in want]
+    assert runner.caches is not None
+    assert 0 < runner.device_peak <= budget
+    assert runner.caches.peak_bytes <= budget
+    if swapping:
+        assert runner.most_in_flight == 3  # all three microbatches: two on the device at a time
+        assert runner.caches.swap_ins > 0
 
 
 # ---- 5. bad settings --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.replay import replay
 from dejavu_sdk.serving import Pipeline
+from dejavu_sdk.serving.options import DEFAULT_PREFILL_TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("module_workers_import_tiny_models")]
 
@@ -88,22 +89,25 @@ def test_a_stage_killed_during_a_long_prefill_is_recovered() -> None:
     assert torch.equal(result.tokens, want)
 
 
-#: Layouts under continuous batching with their recovery: the prompt pipeline runs its groups' chunks in turns.
+#: Layouts under continuous batching with their recovery (the prompt pipeline runs its groups' chunks in turns),
+#: and static batching, whose slots prefill in chunks too.
 BESIDE = {
     "one stage": {"stages": 1, "recovery": None},
     "mixed": {"stages": 2, "recovery": "replicas"},
     "disaggregated": {"prompt_stages": 1, "token_stages": 1, "recovery": None},
+    "mixed, static": {"stages": 2, "recovery": "replicas", "batching": "static"},
 }
 
 
 @pytest.mark.parametrize("layout", list(BESIDE))
 def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str) -> None:
-    """Continuous batching runs a long prompt a chunk a round (disaggregated: a chunk a turn of the prompt
-    stage), and a request that cannot join its slot before it does opens a slot beside it: its first token
-    comes within a few of the long prompt's chunks."""
+    """A long prompt runs a chunk a round (disaggregated: a chunk a turn of the prompt stage), and a request that
+    cannot join its slot before it does opens a slot beside it: its first token comes within a few of the long
+    prompt's chunks. A static slot's chunks give `model.generate` with those chunks."""
     long, short = _long_prompt(), torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
+    options = {"batching": "continuous", **BESIDE[layout]}
     with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT,
-                  progress_timeout=PROGRESS, batching="continuous", **BESIDE[layout]) as pipe:
+                  progress_timeout=PROGRESS, **options) as pipe:
         first = pipe.submit(long, max_new_tokens=4)
         deadline = time.monotonic() + 30
         while pipe.fleet.work.get(_first_stage(layout), 0) == 0:  # its first chunk runs
@@ -122,6 +126,10 @@ def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str)
     model = tiny_models.long_llama()
     (want,) = expectations.expected(model, [[0]], [short], [4], pad, eos)
     assert torch.equal(short_result.tokens, want)  # alone in its slot, within the prefill budget
+    if options["batching"] == "static":
+        (want,) = expectations.expected(model, [[0]], [long], [4], pad, eos, max_prefill_tokens=DEFAULT_PREFILL_TOKENS)
+        assert torch.equal(long_result.tokens, want)
+        return
     requests = {long_result.request: Request(long, 4, Decoding())}
     assert long_result.tokens.tolist() == replay(model, long_result.schedule, requests)[long_result.request].tolist()
 

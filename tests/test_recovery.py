@@ -366,3 +366,28 @@ def test_recovery_goes_on_over_gloo_and_ucx_links_too(transport: str, how: signa
     for index, (result, want) in enumerate(zip(results, _expected(results, prompts, pad, eos, {}), strict=True)):
         assert torch.equal(result.tokens, want), f"request {index}"
         assert streamed[index] == want.tolist(), f"request {index} streamed tokens lost or twice"
+
+
+@pytest.mark.slow
+def test_static_microbatches_killed_while_their_prompts_run_in_chunks_resume_from_replicas() -> None:
+    """Static microbatches of two 29-44-token prompts, prefilled 4 positions (two columns) a round: a stage killed
+    a few rounds in finds every microbatch still prefilling; each goes on from its replicas at the round it had
+    reached (its group's cache held, and swapped, as its slot's), and every row equals `model.generate` with
+    those chunks."""
+    prompts = [torch.randint(3, 60, (length,), generator=torch.Generator().manual_seed(length))
+               for length in (40, 31, 37, 44, 29, 35)]
+    with Pipeline("tiny_models:llama", stages=2, recovery="replicas", swapping=True, max_prefill_tokens=4,
+                  threads=1, **STATIC) as pipe:
+        futures = pipe.submit_all(prompts, 10)
+        _wait_for_steps(pipe, 3)
+        os.kill(_stage_pid(pipe, "stage 1"), signal.SIGKILL)
+        _wait_for_recoveries(pipe, 1)
+        results = [future.result(timeout=120) for future in futures]
+        pad, eos = pipe.pad, pipe.eos
+    (report,) = pipe.recoveries
+    assert report.resumed, report.describe()
+    assert not report.recomputed, report.describe()
+    assert all(0 < round_number < 15 for round_number in report.resumed.values()), report.resumed  # 15+ to prefill
+    want = expectations.expected(tiny_models.llama(), expectations.microbatches(results), prompts, [10] * 6, pad, eos,
+                                 max_prefill_tokens=4)
+    assert [result.tokens.tolist() for result in results] == [tokens.tolist() for tokens in want]

@@ -17,11 +17,16 @@ from dejavu_sdk.swapping import kv_bytes_per_token, positions_needed
 pytestmark = pytest.mark.usefixtures("workers_import_tiny_models")
 
 
-def _check_against_generate(family: str, prompts, limits, results, pipe) -> None:
+def _check_against_generate(family: str, prompts, limits, results, pipe, max_prefill_tokens: int) -> None:
     batches = expectations.microbatches(results)
-    want = expectations.expected(getattr(tiny_models, family)(), batches, prompts, limits, pipe.pad, pipe.eos)
+    want = expectations.expected(getattr(tiny_models, family)(), batches, prompts, limits, pipe.pad, pipe.eos,
+                                 max_prefill_tokens)
     for result, tokens in zip(results, want, strict=True):
         assert torch.equal(result.tokens, tokens)
+
+
+#: Positions a static slot's prompts run per round.
+CHUNK = 4
 
 
 @pytest.mark.slow
@@ -29,7 +34,8 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
     """Three one-layer stages, one-row microbatches, a budget of two microbatches' caches per stage: unswapped,
     two microbatches are in flight; swapped, three (one per stage), two at a time on each stage's device. Same
     tokens. A request whose cache alone fills the budget is served; one position more, and it is refused as it is
-    submitted (it could never start)."""
+    submitted (it could never start). Each prompt is prefilled 4 positions a round: a microbatch's cache is held
+    (and swapped) as its slot's from its first chunk, so it never waits on the device beside the two swapped in."""
     prompts = [torch.randint(1, tiny_models.VOCAB, (11,), generator=torch.Generator().manual_seed(index))
                for index in range(8)]
     limits = [6] * len(prompts)
@@ -37,7 +43,7 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
     served = {}
     for swapping in (False, True):
         with Pipeline("tiny_models:llama", stages=3, microbatch=1, kv_budget_bytes=2 * each, swapping=swapping,
-                      timeout=60, batching="static") as pipe:
+                      timeout=60, batching="static", max_prefill_tokens=CHUNK) as pipe:
             futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, limits, strict=True)]
             results = [future.result(timeout=120) for future in futures]
             stats = pipe.stage_stats()
@@ -49,8 +55,8 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
                                                                                                    2 * each, 13)
             assert pipe.waiting() == 0
             alone = pipe.submit(full, max_new_tokens=13).result(timeout=120)  # the whole budget
-            _check_against_generate("llama", prompts, limits, results, pipe)
-            _check_against_generate("llama", [full], [13], [alone], pipe)
+            _check_against_generate("llama", prompts, limits, results, pipe, CHUNK)
+            _check_against_generate("llama", [full], [13], [alone], pipe, CHUNK)
         assert sorted(stats) == ["stage 0", "stage 1", "stage 2"]
         for stage in stats.values():  # device bytes held, counted by each stage from its caches' tensors
             assert 0 < stage["peak_kv_bytes"] <= 2 * each
@@ -63,14 +69,19 @@ def test_admission_keeps_every_stage_within_its_budget_and_swapping_lets_more_mi
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"prompt_stages": 1, "token_stages": 2}, {"layers": [(0, 2), (2, 3)]}])
 def test_swapped_stages_serve_every_request_as_generate_serves_its_microbatch(layout) -> None:
-    """Sliding-window layers (Mistral), rows ending at different steps, KV arriving from a prompt stage."""
+    """Sliding-window layers (Mistral), rows ending at different steps, KV arriving from a prompt stage; static
+    microbatches whose prompts run in chunks longer than the window (15 positions: 5 columns of three rows; a
+    window of 5 keeps 4), each equal to `model.generate` with those chunks. (Continuous slots of sliding-window
+    layers, swapped: tests/test_continuous.py and the matrix.)"""
     prompts = expectations.prompts(7, seed=31)
     limits = [1] + [4 + 3 * (index % 4) for index in range(1, len(prompts))]
-    with Pipeline("tiny_models:mistral", microbatch=3, swapping=True, timeout=60, **layout) as pipe:
+    chunks = 15
+    with Pipeline("tiny_models:mistral", microbatch=3, swapping=True, timeout=60, batching="static",
+                  max_prefill_tokens=chunks, **layout) as pipe:
         futures = [pipe.submit(ids, max_new_tokens=limit) for ids, limit in zip(prompts, limits, strict=True)]
         results = [future.result(timeout=120) for future in futures]
         stats = pipe.stage_stats()
-        _check_against_generate("mistral", prompts, limits, results, pipe)
+        _check_against_generate("mistral", prompts, limits, results, pipe, chunks)
     decoding = [stage for name, stage in stats.items() if not name.startswith("prompt")]
     assert decoding
     assert all(stage["swapping"] and stage["swap_ins"] > 0 for stage in decoding)

@@ -258,8 +258,8 @@ def add_bench_commands(commands: Any) -> None:
                          "mixed-continuous, disaggregated-static, disaggregated-continuous (pipelines), controller, "
                          "controller-journal (one-stage-continuous behind dv.Controller, streamed over HTTP, without "
                          "and with a journal: their ratio is the journal's cost)")
-    serving.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a continuous "
-                         "pipeline prefills per step beside decoding")
+    serving.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a pipeline "
+                         "prefills per step beside decoding")
     serving.add_argument("--transport", default="tcp", help="the pipelines' transport")
     add_output_arguments(serving, figures="tokens/s, the ratio to Hugging Face continuous batching and p99 latency "
                          "against the arrival rate")

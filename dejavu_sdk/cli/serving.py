@@ -154,8 +154,8 @@ def _controller_arguments(parser: Any) -> None:
                         "stages' KV caches in host memory with two on the device, brought in while the previous "
                         "microbatch computes (on), or all on the device (off); auto: swap when the microbatches in "
                         "flight would not fit the device otherwise and the copies keep up")
-    parser.add_argument("--max-prefill-tokens", type=int, default=256, help="continuous batching: prompt positions "
-                        "a joining group runs per step beside decoding rows (default 256)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a step prefills: a "
+                        "long prompt runs in chunks, beside decoding rows (default 256)")
     parser.add_argument("--served-model-name", nargs="+", help="the names clients use for the model (default: "
                         "--model); /v1/models lists each")
     parser.add_argument("--max-waiting", type=int, default=limits.MAX_WAITING, help="choices waiting to start "

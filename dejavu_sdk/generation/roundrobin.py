@@ -4,8 +4,10 @@ stepped in turn (round robin), their caches within a device budget for their KV,
 
 Each batching is a policy of the same slots:
 - `"static"`: a slot takes its rows in only while it is empty, all at once (arrival order, left padded, its
-  prompts prefilled in one step), and keeps the rows that ended as padding (fed the pad token) until its longest
-  row ends: each slot is `model.generate` on its rows, and its results are a microbatch's (row, padding);
+  prompts prefilled `max_prefill_tokens` positions a round: one step without a budget), and keeps the rows that
+  ended as padding (fed the pad token) until its longest row ends: each slot is `model.generate` on its rows
+  (with `prefill_chunk_size=max_prefill_tokens // rows`), and its results are a microbatch's (row, padding). The
+  group's cache is the slot's from its first chunk, so with swapping it waits in host memory between chunks;
 - `"continuous"`: a slot is never drained: a row that ended leaves at the next round and a waiting request joins
   as soon as the slot has room (`slots`: its prompt prefilled beside the slot's decode steps,
   `max_prefill_tokens` positions per round). Every result carries its slot's rounds (`Result.schedule`);
@@ -87,7 +89,7 @@ class _Slot:
 
 class RoundRobin:
     """Serves requests in slots stepped in turn on `model`, batched `batching` ("static" or "continuous", as the
-    module says; `max_prefill_tokens` bounds a continuous slot's joining prefill per round, None: all at once),
+    module says; `max_prefill_tokens` bounds a slot's prefill per round, None: all at once),
     their caches within `kv_budget_bytes` of device memory (None: no limit), swapped to host memory
     (`swapping=True`), not (`False`) or as `choose_swapping` decides from the measured step time and host
     bandwidth (`"auto"`; `choice` then says what and why).
@@ -105,8 +107,7 @@ class RoundRobin:
         #: "static" or "continuous": whether a slot refills between steps (see the module).
         self.batching = check_batching(batching)
         self.refill = self.batching == "continuous"
-        checked = check_max_prefill_tokens(max_prefill_tokens)
-        self.max_prefill_tokens = checked if self.refill else None  # static: a slot's prompts in one step
+        self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         self.budget = check_budget(kv_budget_bytes)
@@ -241,6 +242,7 @@ class RoundRobin:
                 if ended and self.refill]  # a static slot's ended rows stay, as padding
         joined = list(slot.ready[1].members) if slot.ready is not None else []
         cache = caches.acquire(slot.number) if slot.number in caches else None
+        acquired = cache is not None
         if cache is not None:
             self._leave(slot, cache, left)
         if slot.ready is not None:
@@ -257,22 +259,27 @@ class RoundRobin:
             start, stop = group.columns(self.max_prefill_tokens)
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
+            if not self.refill:  # a static slot is empty: its group's cache is the slot's from its first columns
+                cache = self._hold_group(slot, group, cache, caches)
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
-            caches.pin(("group", slot.number), group.cache)  # on the device until it joins
+            if self.refill:
+                caches.pin(("group", slot.number), group.cache)  # on the device until it joins
             if group.complete and not self.refill:
-                done += self._fill(slot, group, picker, logits, caches)
+                done += self._fill(slot, group, picker, logits)
             elif group.complete:
                 done += self._first_tokens(slot, group, picker, logits)
                 caches.pin(("group", slot.number), slot.ready[0] if slot.ready is not None else None)
         slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill))
         if cache is not None:
-            self._put_back(slot, caches, cache, changed=bool(left or joined))
+            self._put_back(slot, caches, cache, changed=bool(left or joined) or not acquired)
+        if slot.joining is not None and not self.refill:
+            slot.joining[0].cache = None  # the slot holds it (and may swap it out) until the next round
         return done
 
     def _put_back(self, slot: _Slot, caches: SwappedCaches, cache: Any, changed: bool) -> None:
         """Hand the slot's cache back after a round: gone with its last row; swapped as it is now when its rows
         changed (a swapped cache's host copy has the shape it had)."""
-        if not slot.rows.members:
+        if not slot.rows.members and (self.refill or slot.joining is None):  # (a static group held is no loss)
             caches.remove(slot.number)
         elif changed:
             caches.remove(slot.number)
@@ -329,18 +336,23 @@ class RoundRobin:
         slot.ready = (group.cache, rows, picker, tokens[keep], ended[keep]) if keep else None
         return done
 
-    def _fill(self, slot: _Slot, group: Joining, picker: TokenPicker, logits: torch.Tensor,
-              caches: SwappedCaches) -> list[int]:
-        """A static slot's prompts are in: its group becomes its rows at once, its cache the slot's, ended or not;
-        the requests that ended with their first tokens."""
+    def _fill(self, slot: _Slot, group: Joining, picker: TokenPicker, logits: torch.Tensor) -> list[int]:
+        """A static slot's prompts are in: its group becomes its rows at once (its cache is the slot's already),
+        ended or not; the requests that ended with their first tokens."""
         tokens, ended = self._pick_first(group, picker, logits)
         slot.joining = None
-        caches.pin(("group", slot.number), None)
         if not bool(ended.all()):
             slot.rows, slot.picker, slot.tokens, slot.ended = group.rows(), picker, tokens, ended
-            caches.new_cache(slot.number, group.cache)
-            caches.add(slot.number, self._capacity(slot))
         return [member for member, end in zip(group.members, ended.tolist(), strict=True) if end]
+
+    def _hold_group(self, slot: _Slot, group: Joining, cache: Any, caches: SwappedCaches) -> Any:
+        """A static slot's group, prefilled a chunk of columns a round: its cache is the slot's (new at its
+        first columns; brought back to the device at the others), held and swapped as every slot's, so that a
+        long prompt does not wait on the device beside the slots that step meanwhile. The cache to step."""
+        if cache is None:
+            cache = caches.new_cache(slot.number, group.cache)
+        group.cache = cache
+        return cache
 
     def _pick_first(self, group: Joining, picker: TokenPicker, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A group's first tokens, and which rows ended with them."""

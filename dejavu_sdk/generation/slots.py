@@ -127,11 +127,13 @@ def stack(cache: DynamicCache, rows: SlotRows, group: DynamicCache, group_rows: 
 class Joining:
     """A group of requests prefilled together, a chunk of columns per round, before it joins a slot: its
     requests (`members`), their prompts' mask `[rows, P]` (left-padded to each other), its own cache, and the
-    columns run so far (`done`). The first stage also keeps the prompts' ids (`ids`)."""
+    columns run so far (`done`). The first stage also keeps the prompts' ids (`ids`). A static slot's group has
+    the slot's cache as its own: between rounds that cache is the slot's to swap, and the group keeps none
+    (`cache` None: a reference would keep a swapped-out cache on the device)."""
 
     members: list[int]
     mask: torch.Tensor
-    cache: DynamicCache
+    cache: DynamicCache | None
     ids: torch.Tensor | None = None
     done: int = 0
 
@@ -154,6 +156,8 @@ class Joining:
         if start != self.done:
             raise ConfigError(f"a joining group has run {self.done} columns; columns from {start} were asked for")
         positions = position_ids(self.mask)[:, start:stop]
+        if self.cache is None:
+            raise ConfigError("a held group's columns ran without its slot's cache")
         output = forward(inputs, self.mask[:, :stop], positions, self.cache)
         self.done = stop
         return output

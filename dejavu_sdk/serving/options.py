@@ -87,9 +87,11 @@ class PipelineOptions:
     between steps: a row that ended leaves at the next step and a waiting request joins, its prompt prefilled
     beside the slot's decode steps, at most `max_prefill_tokens` positions (rows x prompt columns) a step while
     rows decode (None: all at once); each `Result.schedule` records the slot's rounds. `"static"`: a slot takes
-    one microbatch at once, prefilled in one step, and keeps its ended rows as padding until its last row ends,
-    as `model.generate` runs a batch (its results carry no schedule). With `recovery="replicas"` a slot goes
-    on from right after its last round the head heard of, as it stood then (each stage writes a round to its
+    one microbatch at once, its prompts prefilled `max_prefill_tokens` positions a step too (so that a long
+    prompt never holds a stage for long), and keeps its ended rows as padding until its last row ends, as
+    `model.generate(..., prefill_chunk_size=max_prefill_tokens // rows)` runs a batch (one step, as plain
+    `generate`, when the prompts fit or with None; its results carry no schedule). With `recovery="replicas"` a
+    slot goes on from right after its last round the head heard of, as it stood then (each stage writes a round to its
     replica before passing it on); with `"recompute"` a lost continuous slot's rows run again from their prompts
     and the tokens already streamed (each still equals the replay of its `Result.schedule`), and a lost static
     slot's microbatch starts over, each row where it sat (each still equals `model.generate` on it).

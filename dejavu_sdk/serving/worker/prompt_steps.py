@@ -11,8 +11,7 @@ layer finishes. The last prompt stage scores the prompts' columns as they come a
 the first tokens and reports them (`Prefilled`, with the `chunk`: the columns a step ran, which a slot's
 schedule records so that `replay` runs the same steps).
 
-Without a budget (`max_prefill_tokens` None, and under static batching, whose microbatches equal
-`model.generate`) a group's prompts run in one step, in the order they came.
+Without a budget (`max_prefill_tokens` None) a group's prompts run in one step, in the order they came.
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ class PromptSteps(WorkerState):
         sender, joining, first_layer = self.sender, run.joining, self.stage.layers[0]
         assert sender is not None  # a prompt stage streams every layer it runs
         last = stop >= joining.mask.shape[1]
+        assert joining.cache is not None  # a prompt stage's group keeps its own cache
         layers: list[Any] = joining.cache.layers  # key/value layers, as the stage's model makes them
         if not (start == 0 and last) and not run.chunk:
             run.chunk = stop - start

@@ -53,6 +53,8 @@ class SlotRecoveryHandlers(SlotHandlers):
         else:
             assert state is not None
             cache = self.caches.acquire(number) if number in self.caches else None
+            if state.joining is not None and state.joining.cache is None:  # a static group held as the slot's cache
+                state.joining.cache = cache
             if state.round == target + 1:
                 cache = _take_back(state, cache)
             elif state.round == target:

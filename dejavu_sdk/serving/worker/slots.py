@@ -156,6 +156,8 @@ class SlotHandlers(SlotPicks):
         prefill, starting = message.prefill, message.starting
         prefill_in, group_mask, rng = message.prefill_inputs, message.group_mask, message.rng
         cache = self.caches.acquire(number) if number in self.caches else None
+        if state.joining is not None and state.joining.cache is None:  # a static group: the slot's cache is its own
+            state.joining.cache = cache
         if message.applied:  # a recovery made this round's row change already
             changed = False
         else:
@@ -172,8 +174,9 @@ class SlotHandlers(SlotPicks):
                 state.started = index
             prefill_out = self._prefill_columns(number, state, prefill, starting, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
-            self.caches.pin(("group", number), None if group is None else group.cache if isinstance(group, Joining)
-                            else group[0])  # on the device until it joins
+            if self.refill:  # on the device until it joins (a static slot holds its group's cache: `_hold_group`)
+                self.caches.pin(("group", number), None if group is None else group.cache
+                                if isinstance(group, Joining) else group[0])
         else:
             prefill_out = _EMPTY
         state.last = (bool(decoded), prefill)
@@ -181,8 +184,8 @@ class SlotHandlers(SlotPicks):
             self._put_slot_back(number, state, cache, changed)
         if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
             self._replicate_round(number, state, index, message, cache)
-        if not self.refill and state.ready is not None and state.ready[0] is not None and number not in self.caches:
-            self._hold_ready_group(number, state)
+        if not self.refill:
+            self._hold_group(number, state)
         onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
                               prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
         if not self.stage.last:
@@ -210,14 +213,24 @@ class SlotHandlers(SlotPicks):
                        *(state.ready[1].members if state.ready is not None else ())}
             writer.collect(number, pieces, present)
 
-    def _hold_ready_group(self, number: int, state: SlotState) -> None:
-        """A static slot's group, its prompts in: its cache is the slot's from now on, held (and swapped) as every
-        slot's is, so that it does not wait on the device beside the slots that step before it joins."""
-        group_cache, rows = state.ready  # type: ignore[misc]  # checked by the caller
-        self.caches.pin(("group", number), None)
-        self.caches.new_cache(number, group_cache)
-        self.caches.add(number, max(state.finals[member] for member in rows.members))
-        state.ready = (None, rows)
+    def _hold_group(self, number: int, state: SlotState) -> None:
+        """A static slot is empty while its group's prompts run, so the group's cache is the slot's from its first
+        columns on (or from its arrival, prefilled by the prompt pipeline): held, and swapped, as every slot's is,
+        so that a group prefilled over several rounds does not wait on the device beside the slots that step
+        meanwhile. Between rounds the group keeps no reference to it (one would keep a swapped-out cache on the
+        device); the next round gives it back."""
+        group, ready = state.joining, state.ready
+        if number not in self.caches:
+            cache = group.cache if group is not None else ready[0] if ready is not None else None
+            if cache is None:
+                return
+            self.caches.pin(("group", number), None)
+            self.caches.new_cache(number, cache)
+            self.caches.add(number, self._slot_capacity(state))
+        if group is not None:
+            group.cache = None
+        if ready is not None:
+            state.ready = (None, ready[1])
 
     def _waits_for_kv(self, number: int, state: SlotState, message: SlotRound) -> bool:
         """Disaggregated: whether this round must wait for a group's prompt KV still on its way from the prompt
@@ -357,7 +370,7 @@ class SlotHandlers(SlotPicks):
                 state.joining_picker.set_states(rng)
 
     def _put_slot_back(self, number: int, state: SlotState, cache: Any, changed: bool) -> None:
-        if not state.rows.members:
+        if not state.rows.members and not _holds_its_group(state, cache):
             self.caches.remove(number)
         elif changed:
             self.caches.remove(number)
@@ -368,4 +381,15 @@ class SlotHandlers(SlotPicks):
 
     @staticmethod
     def _slot_capacity(state: SlotState) -> int:
-        return max((state.finals.get(member, 0) for member in state.rows.members), default=0)
+        """The positions the slot's cache may reach: its rows' longest final length (a static slot holding its
+        group before the rows join: the group's)."""
+        group = (state.joining.members if state.joining is not None else
+                 state.ready[1].members if state.ready is not None else [])
+        return max((state.finals.get(member, 0) for member in state.rows.members or group), default=0)
+
+
+def _holds_its_group(state: SlotState, cache: Any) -> bool:
+    """Whether `cache`, a slot's, is its group's too (a static slot holds its group's cache as its own)."""
+    if state.joining is not None:
+        return state.joining.cache is cache
+    return state.ready is not None and (state.ready[0] is None or state.ready[0] is cache)

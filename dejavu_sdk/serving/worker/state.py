@@ -190,10 +190,10 @@ class WorkerState:
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         #: Each microbatch is a slot (`worker.slots`); continuous batching (`refill`) lets its rows come and go, a
         #: joining group prefilled `max_prefill_tokens` positions a round (None: at once). A static slot keeps its
-        #: one group's rows (ended ones as padding) until the last ends, and prefills them in one step, as
-        #: `model.generate` does.
+        #: one group's rows (ended ones as padding) until the last ends, its prompts prefilled in chunks of the same
+        #: budget, as `model.generate` runs a batch with `prefill_chunk_size` (one step without a budget).
         self.refill = batching == "continuous"
-        self.max_prefill_tokens = max_prefill_tokens if self.refill else None
+        self.max_prefill_tokens = max_prefill_tokens
         self.slots: dict[int, SlotState] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
         self.caches = SwappedCaches(stage.config, next(stage.adapter.model.parameters()).device,
