@@ -343,6 +343,15 @@ def test_bench_long_prompt_times_a_short_request_beside_a_long_prefill_and_alone
     progress = [line for line in captured.err.splitlines() if line.startswith("repeat ")]
     assert len(progress) == 2 * 3 * 2  # a line per run: alone and beside, per layout and repeat
     assert figure.read_bytes().startswith(b"\x89PNG")
+    # static batching prefills in chunks too: the short request's slot steps between the long prompt's chunks
+    static = tmp_path / "static.json"
+    assert main(["bench", "long-prompt", "--model", "tiny_models:long_llama", "--prompt-tokens", "4000",
+                 "--short-tokens", "8", "--new-tokens", "2", "--repeats", "1", "--threads", "1", "--layouts", "mixed",
+                 "--batching", "static", "--quiet", "--json", str(static)]) == 0
+    assert "Static batching, slots of up to 4 rows, prefill budget 256 positions a step" in capsys.readouterr().out
+    (trial,) = json.loads(static.read_text())["trials"]["mixed"]
+    assert json.loads(static.read_text())["batching"] == "static"
+    assert trial["sent_after"] + trial["beside"] < trial["prefill"]
 
 
 def test_bench_long_prompt_refuses_what_it_cannot_measure(capsys, monkeypatch) -> None:

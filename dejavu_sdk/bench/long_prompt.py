@@ -1,8 +1,9 @@
 """`dejavu bench long-prompt`: what a long prompt's prefill costs a short request sent while it runs.
 
 One pipeline per layout (one stage, mixed two stages, disaggregated 1 prompt + 1 token stage), each with the
-serving defaults otherwise: continuous batching, `max_prefill_tokens` 256, no recovery, the machine's cores
-shared between its stages (unless `threads` gives each stage process its number of torch threads). In each
+serving defaults otherwise: continuous batching (or `batching="static"`), `max_prefill_tokens` 256, no
+recovery, the machine's cores shared between its stages (unless `threads` gives each stage process its number of
+torch threads). In each
 repeat, every layout in turn runs, back to back: a short request alone (nothing else in the pipeline), then a
 long prompt and, once a stage says it computes it (its heartbeat counts layers run since the prompt was sent,
 or the prompt's first chunk came back), the same short request. Every request generates `new_tokens`
@@ -10,9 +11,9 @@ or the prompt's first chunk came back), the same short request. Every request ge
 
 Reported per layout: the long prompt's prefill (its time to first token), the short request's time to first
 token beside it and alone, and the ratio beside / alone; each the median of the per-repeat figures, with the
-least and most. Continuous batching chunks the long prompt, so the short request should get a slot beside it
-and its first token within a few chunks; a layout that prefills a prompt in one step makes it wait for the rest
-of that step.
+least and most. Both batchings chunk the long prompt, so the short request should get a slot beside it and its
+first token within a few chunks; a layout that prefills a prompt in one step makes it wait for the rest of that
+step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError
+from ..generation.batching import check_batching
 from ..report import markdown_table
 from ..serving.pipeline import Pipeline
 from .common import Spread, machine_description
@@ -68,6 +70,7 @@ class LongPromptReport:
     new_tokens: int
     max_prefill_tokens: int | None
     microbatch: int
+    batching: str
     threads: dict[str, int]  # layout -> torch threads per stage process
     trials: dict[str, list[Trial]]  # layout -> one per repeat
 
@@ -86,7 +89,8 @@ class LongPromptReport:
         return "\n".join([
             f"Machine: {self.machine}. Model {self.model}: a prompt of {self.prompt_tokens} tokens and, once a stage "
             f"computes it, a request of {self.short_tokens} tokens; each generates {self.new_tokens} tokens "
-            f"(end-of-sequence ignored). Continuous batching, slots of up to {self.microbatch} rows, prefill budget "
+            f"(end-of-sequence ignored). {self.batching.capitalize()} batching, slots of up to {self.microbatch} rows, "
+            f"prefill budget "
             f"{budget}. Medians of {_count(repeats, 'repeat')} (least-most), every layout's runs back to back in "
             "each.", "",
             markdown_table(["layout", "long prompt's prefill (its TTFT)", "short request's TTFT beside it",
@@ -113,23 +117,25 @@ def check_layouts(layouts: Sequence[str]) -> tuple[str, ...]:
 
 def run_long_prompt_bench(model_name: str = "smollm2", *, layouts: Sequence[str] = tuple(LAYOUTS),
                           prompt_tokens: int = 8000, short_tokens: int = 16, new_tokens: int = 4, repeats: int = 3,
-                          threads: int | None = None, progress: bool = True) -> LongPromptReport:
+                          threads: int | None = None, batching: str = "continuous",
+                          progress: bool = True) -> LongPromptReport:
     """Time a short request beside a long prompt's prefill and alone, on every layout, `repeats` times;
-    `threads`: torch threads per stage process (None: the pipelines' default)."""
+    `threads`: torch threads per stage process (None: the pipelines' default); `batching` the pipelines'."""
     layouts = check_layouts(layouts)
+    batching = check_batching(batching)
     for option, value in (("prompt_tokens", prompt_tokens), ("short_tokens", short_tokens),
                           ("new_tokens", new_tokens), ("repeats", repeats), ("threads", threads)):
         if value is not None and value < 1:
             raise ConfigError(f"{option} must be positive, got {value}")
     pipes: dict[str, Pipeline] = {}
     try:
-        first = pipes[layouts[0]] = _pipeline(model_name, layouts[0], threads)
+        first = pipes[layouts[0]] = _pipeline(model_name, layouts[0], threads, batching)
         longest = max(prompt_tokens, short_tokens) + new_tokens
         if first.context is not None and longest > first.context:  # said before the other layouts load the model
             raise ConfigError(f"a prompt of {max(prompt_tokens, short_tokens)} tokens and {new_tokens} new ones do "
                               f"not fit the model's context of {first.context} positions")
         for layout in layouts[1:]:
-            pipes[layout] = _pipeline(model_name, layout, threads)
+            pipes[layout] = _pipeline(model_name, layout, threads, batching)
         for pipe in pipes.values():
             pipe.start()
         trials: dict[str, list[Trial]] = {layout: [] for layout in layouts}
@@ -156,14 +162,14 @@ def run_long_prompt_bench(model_name: str = "smollm2", *, layouts: Sequence[str]
         for pipe in pipes.values():
             pipe.close()
     return LongPromptReport(machine_description(), model_name, prompt_tokens, short_tokens, new_tokens,
-                            first.options.max_prefill_tokens, first.microbatch,
+                            first.options.max_prefill_tokens, first.microbatch, batching,
                             {layout: pipe.options.threads for layout, pipe in pipes.items()}, trials)
 
 
-def _pipeline(model_name: str, layout: str, threads: int | None) -> Pipeline:
-    """A pipeline of `layout` with continuous batching and the serving defaults otherwise; every request runs
-    to its `max_new_tokens`, and any one wait for a stage may take as long as the bench's."""
-    return Pipeline(model_name, **LAYOUTS[layout], batching="continuous", ignore_eos=True, timeout=RUN_TIMEOUT,
+def _pipeline(model_name: str, layout: str, threads: int | None, batching: str) -> Pipeline:
+    """A pipeline of `layout` with `batching` and the serving defaults otherwise; every request runs to its
+    `max_new_tokens`, and any one wait for a stage may take as long as the bench's."""
+    return Pipeline(model_name, **LAYOUTS[layout], batching=batching, ignore_eos=True, timeout=RUN_TIMEOUT,
                     threads=threads)
 
 

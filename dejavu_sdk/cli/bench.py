@@ -166,7 +166,7 @@ def _bench_long_prompt(args: argparse.Namespace) -> int:
     layouts = [layout.strip() for layout in args.layouts.split(",") if layout.strip()]
     report = run_long_prompt_bench(args.model, layouts=layouts, prompt_tokens=args.prompt_tokens,
                                    short_tokens=args.short_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                                   threads=args.threads, progress=not args.quiet)
+                                   threads=args.threads, batching=args.batching, progress=not args.quiet)
     print(report.to_markdown())
     write_outputs(args, report, lambda path: plot_long_prompt_bench(report, path))
     return 0
@@ -298,7 +298,7 @@ def add_bench_commands(commands: Any) -> None:
     recovery.set_defaults(run=_bench_recovery)
 
     long_prompt = benches.add_parser("long-prompt", help="a short request's time to first token sent while a long "
-                                     "prompt prefills, against alone, per layout (continuous batching)")
+                                     "prompt prefills, against alone, per layout")
     long_prompt.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
     long_prompt.add_argument("--layouts", default="one-stage,mixed,disaggregated", help="comma-separated, of "
                              "one-stage, mixed (2 stages), disaggregated (1 prompt + 1 token stage)")
@@ -309,6 +309,8 @@ def add_bench_commands(commands: Any) -> None:
     long_prompt.add_argument("--repeats", type=int, default=3)
     long_prompt.add_argument("--threads", type=int, help="torch threads per stage process (default: the pipelines' "
                              "own, this machine's cores shared between a pipeline's stages)")
+    long_prompt.add_argument("--batching", default="continuous", choices=["continuous", "static"],
+                             help="the pipelines' batching (either prefills a prompt 256 positions a step)")
     add_output_arguments(long_prompt, figures="the prefill and the short request's time to first token beside it "
                          "and alone, and their ratio, per layout")
     long_prompt.set_defaults(run=_bench_long_prompt)
