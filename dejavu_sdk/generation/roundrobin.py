@@ -260,7 +260,8 @@ class RoundRobin:
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             if not self.refill:  # a static slot is empty: its group's cache is the slot's from its first columns
-                cache = self._hold_group(slot, group, cache, caches)
+                # on (new then, brought back at the others), held and swapped as every slot's
+                cache = group.cache = cache if cache is not None else caches.new_cache(slot.number, group.cache)
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
             if self.refill:
                 caches.pin(("group", slot.number), group.cache)  # on the device until it joins
@@ -344,15 +345,6 @@ class RoundRobin:
         if not bool(ended.all()):
             slot.rows, slot.picker, slot.tokens, slot.ended = group.rows(), picker, tokens, ended
         return [member for member, end in zip(group.members, ended.tolist(), strict=True) if end]
-
-    def _hold_group(self, slot: _Slot, group: Joining, cache: Any, caches: SwappedCaches) -> Any:
-        """A static slot's group, prefilled a chunk of columns a round: its cache is the slot's (new at its
-        first columns; brought back to the device at the others), held and swapped as every slot's, so that a
-        long prompt does not wait on the device beside the slots that step meanwhile. The cache to step."""
-        if cache is None:
-            cache = caches.new_cache(slot.number, group.cache)
-        group.cache = cache
-        return cache
 
     def _pick_first(self, group: Joining, picker: TokenPicker, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A group's first tokens, and which rows ended with them."""
