@@ -12,14 +12,15 @@ import httpx
 
 
 class ResumingClient(threading.Thread):
-    """Streams `body` to the controller at `url` with `token`; `tokens` and `finish` are what it got, `progress[slot]`
-    its token count as it goes, `reconnects` how often its connection broke."""
+    """Streams `body` to the controller at `url` with `token`; `tokens`, their `logprobs` (when it asks) and `finish`
+    are what it got, `progress[slot]` its token count as it goes, `reconnects` how often its connection broke."""
 
     def __init__(self, url: str, token: str, body: dict, progress: list[int], slot: int, within: float = 240) -> None:
         super().__init__(daemon=True)
         self.url, self.token, self.body, self.within = url, token, body, within
         self.progress, self.slot = progress, slot
         self.tokens: list[int] = []
+        self.logprobs: list[float] = []
         self.request_id: str | None = None
         self.last: str | None = None
         self.finish: str | None = None
@@ -64,6 +65,7 @@ class ResumingClient(threading.Thread):
                     assert "error" not in chunk, chunk
                     for choice in chunk["choices"]:
                         self.tokens += choice["token_ids"]
+                        self.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
                         self.progress[self.slot] = len(self.tokens)
                         self.finish = choice["finish_reason"] or self.finish
                     self.last = event_id

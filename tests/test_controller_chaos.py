@@ -167,17 +167,20 @@ def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, 
     `with_stage`): the stage workers rejoin the successor with their caches, and it goes on from the step the last
     stage reached (greedy and seeded sampled rows alike; a dead stage's part from the replicas its neighbour
     holds), not from the prompts: the report lists the requests as taken over, none as computed again, and every
-    client's tokens equal the failure-free run's."""
+    client's tokens equal the failure-free run's (and the log-probabilities of the client that asks for them,
+    which the last stage keeps with its round reports)."""
     port, journal, clients_count, new = _free_port(), f"file://{tmp_path}/journal", 4, 150
     first = _serve(port, journal, tmp_path, *layout)
     processes = [first]
     try:
         url = _serving(first)
         headers = {"Authorization": f"Bearer {TOKEN}"}
-        bodies = [{**_body(client), "max_tokens": new} for client in range(clients_count)]
+        bodies = [{**_body(client), "max_tokens": new, **({"logprobs": 2} if client == 3 else {})}
+                  for client in range(clients_count)]
         pids = [stage["pid"] for stage in httpx.get(f"{url}/v1/status", headers=headers, timeout=30).json()["stages"]]
-        expected = [httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).json()["choices"][0]
-                    ["token_ids"] for body in bodies]
+        answers = [httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120).json()["choices"][0]
+                   for body in bodies]
+        expected = [answer["token_ids"] for answer in answers]
         progress = [0] * clients_count
         clients = [ResumingClient(url, TOKEN, body, progress, client, RECONNECT + 120)
                    for client, body in enumerate(bodies)]
@@ -206,6 +209,7 @@ def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, 
         for request_id in decoding:
             assert adopted["taken_over"][request_id] >= had[request_id]
         assert all(had.get(request_id, 0) <= 1 for request_id in adopted["recomputed"]), adopted
+        assert clients[3].logprobs == pytest.approx(answers[3]["logprobs"]["token_logprobs"], abs=1e-4)
         stages = httpx.get(f"{second_url}/v1/status", headers=headers, timeout=30).json()["stages"]
         lived = [index for index in range(len(stages)) if index != with_stage]  # no new worker started for them
         assert sorted(adopted["rejoined"]) == sorted(stages[index]["name"] for index in lived)

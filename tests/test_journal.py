@@ -4,6 +4,7 @@ outlives the process; read back whole after a clean close, and as a gapless pref
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 
 import dejavu_sdk as dv
 from dejavu_sdk.cli import build_parser
-from dejavu_sdk.controller.journal import Journal, read_journal
+from dejavu_sdk.controller.journal import Journal, JournalState, read_journal
+from dejavu_sdk.generation.logprobs import TokenLogprobs
 
 
 def test_what_is_written_is_read_back_and_a_journal_must_outlive_the_process(tmp_path) -> None:
@@ -188,3 +190,26 @@ def test_a_journal_opened_on_a_clock_behind_its_predecessors_sorts_after_it(tmp_
     held = read_journal(url)
     assert list(held) == ["cmpl-old", "cmpl-new"]
     assert held["cmpl-old"].answered == "ok"  # the successor's word is the last
+
+
+def test_each_token_s_log_probabilities_are_folded_with_it_and_kept_through_snapshots() -> None:
+    """A request that asked for log-probabilities has each token's entry journaled beside it (None: lost); the
+    folded state, and a snapshot of it folded again, keep them aligned with the tokens, also once the request is
+    answered and its prompts dropped. A request that did not ask keeps none."""
+    entry = TokenLogprobs(-0.25, ((7, -0.25), (3, -1.5)))
+    state = JournalState(keep=4)
+    state.apply({"admitted": [["cmpl-1", {"choices": [{"prompt": [1, 2]}], "prompts": [[1, 2]], "stop": []}],
+                              ["cmpl-2", {"choices": [{"prompt": [5]}], "prompts": [[5]], "stop": []}]],
+                 "token": [["cmpl-1", 0, 0, 7, entry.wire()], ["cmpl-1", 0, 1, 9, None], ["cmpl-2", 0, 0, 4],
+                           ["cmpl-1", 0, 1, 9, entry.wire()]]})  # a token sent twice is folded once
+    assert state.requests["cmpl-1"].logprobs == {0: [entry.wire(), None]}
+    assert state.requests["cmpl-2"].logprobs == {}
+    for answered in (False, True):
+        if answered:
+            state.apply({"answered": [["cmpl-1", "ok", 1.0]]})
+            state.prune()
+        again = JournalState.fold([json.loads(state.snapshot())], keep=4)
+        assert {request_id: (request.tokens, request.logprobs, request.prompt_count())
+                for request_id, request in again.requests.items()} == \
+            {"cmpl-1": ({0: [7, 9]}, {0: [entry.wire(), None]}, 2), "cmpl-2": ({0: [4]}, {}, 1)}
+    assert TokenLogprobs.of_wire(again.requests["cmpl-1"].logprobs[0][0]) == entry

@@ -136,10 +136,11 @@ def _cut(held, request_id: str, keep: int, url: str, wrong_at: int | None = None
     """Write to `url` the journal a controller killed after `keep` tokens of `request_id` leaves (the token at
     `wrong_at` changed: what a computation that went another way streamed; `answered`: the request's outcome,
     written before the kill)."""
-    journal = Journal(url)
-    journal.admitted(request_id, held[request_id].admitted)
-    for index, token in enumerate(held[request_id].tokens[0][:keep]):
-        journal.token(request_id, 0, index, token + (1 if index == wrong_at else 0))
+    journal, request = Journal(url), held[request_id]
+    journal.admitted(request_id, request.admitted)
+    for index, token in enumerate(request.tokens[0][:keep]):
+        logprobs = [request.logprobs[0][index]] if request.logprobs else []
+        journal.token(request_id, 0, index, token + (1 if index == wrong_at else 0), *logprobs)
     if answered is not None:
         journal.answered(request_id, answered)
     journal.close()
@@ -179,6 +180,26 @@ def test_a_successor_goes_on_with_the_journal_s_requests_and_their_clients_resum
         now = _get(fourth, sampled.id)[1]
         assert (now["status"], now["choices"][0]["token_ids"]) == ("cancelled", sampled.choices[0].token_ids[:3])
         assert fourth.pipeline.idle()  # nothing computed for it
+
+
+@pytest.mark.slow
+def test_a_successor_streams_and_answers_with_the_log_probabilities_its_predecessor_journaled(
+        workers_import_tiny_models, tokenizer, tmp_path) -> None:
+    """The journal keeps each token's log-probabilities: a client that resumes from a successor gets those of the
+    tokens the journal held (which it computes again only to check them) as they were first streamed."""
+    (answer,), held = _first_run(tokenizer, tmp_path, {"prompt": "The sky is", "max_tokens": 12, "temperature": 0,
+                                                       "logprobs": 2})
+    whole = answer.choices[0].logprobs
+    assert [entry[0] for entry in held[answer.id].logprobs[0]] == whole.token_logprobs
+    _cut(held, answer.id, 8, f"file://{tmp_path}/cut")
+    with _controller(tokenizer, f"file://{tmp_path}/cut") as successor:
+        events, status = _resume(successor, answer.id, f"{answer.id}:3")
+        assert status == 200
+        chunks = [choice["logprobs"] for _, data in events if data != "[DONE]"
+                  for choice in json.loads(data)["choices"] if choice["logprobs"]]
+        assert [value for chunk in chunks for value in chunk["token_logprobs"]] == whole.token_logprobs[3:]
+        assert [top for chunk in chunks for top in chunk["top_logprobs"]] == whole.top_logprobs[3:]  # five that the
+        # journal held, four computed
 
 
 @pytest.mark.slow

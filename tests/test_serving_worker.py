@@ -157,7 +157,7 @@ def test_a_successor_finds_a_slot_where_the_last_stage_stands() -> None:
     (paused,) = successor_head.sent
     assert isinstance(paused, Paused)
     assert paused.slots == {4: 6}
-    assert [tokens for _, tokens in paused.reports[4]] == expected[:6]
+    assert [tokens for _, tokens, _ in paused.reports[4]] == expected[:6]
     successor.handle(attrs.evolve(first.sent[-1], epoch=4))  # the round that was on its way
     _run_rounds(successor, successor_first, 5)
     assert _tokens(successor_head) == expected[6:]

@@ -10,6 +10,7 @@ import torch
 
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
+from dejavu_sdk.generation.logprobs import Scores
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.serving.head.ledger import Ledger
 from dejavu_sdk.serving.head.takeover import Takeover
@@ -20,8 +21,8 @@ GROUPS = {7: [([11, 12], [["cmpl-a", 0], ["cmpl-b", 0]])]}
 
 
 def _report(members: list[int], step: Round, tokens: list[int], complete: list[int] = (),
-            joined: list[int] | None = None) -> tuple[RoundDone, list[int]]:
-    return RoundDone(step, members, list(complete), False, ([], joined), {}), tokens
+            joined: list[int] | None = None) -> tuple[RoundDone, list[int], Scores]:
+    return RoundDone(step, members, list(complete), False, ([], joined), {}), tokens, Scores()
 
 
 REPORTS = [_report([11, 12], Round((), (), (), ((11, 12), 0, 2)), [20, 21], complete=[11, 12], joined=[11, 12]),

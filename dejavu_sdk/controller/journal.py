@@ -154,9 +154,11 @@ class Journal:
     def admitted(self, request_id: str, fields: dict[str, Any]) -> int:
         return self._put("admitted", [request_id, fields])
 
-    def token(self, request_id: str, choice: int, index: int, token: int) -> int:
-        """Choice `choice`'s token number `index` (from 0); the entry's sequence number."""
-        return self._put("token", [request_id, choice, index, token])
+    def token(self, request_id: str, choice: int, index: int, token: int, *logprobs: list[Any] | None) -> int:
+        """Choice `choice`'s token number `index` (from 0), and where the request asked for them its
+        log-probabilities (one wire form, `TokenLogprobs.wire`, or None: lost), which a successor streams again as
+        they were. The entry's sequence number."""
+        return self._put("token", [request_id, choice, index, token, *logprobs])
 
     def finished(self, request_id: str, choice: int, reason: str) -> int:
         return self._put("finished", [request_id, choice, reason])

@@ -38,6 +38,9 @@ class JournaledRequest:
     answered: str | None = None
     answered_at: float = 0.0
     prompt_tokens: int | None = None
+    #: Where the request asked for log-probabilities: each choice's tokens' entries, aligned with `tokens`, in their
+    #: wire form (`TokenLogprobs.wire`; None: lost).
+    logprobs: dict[int, list[Any]] = attrs.field(factory=dict)
 
     @property
     def admitted(self) -> dict[str, Any]:
@@ -119,10 +122,13 @@ class JournalState:
         for request_id, fields in record.get("admitted", []):
             requests[request_id] = JournaledRequest(request_id, fields)
         unknown = JournaledRequest("", {})  # what is said of a request no longer held (answered, forgotten) goes here
-        for request_id, choice, index, token in record.get("token", []):
-            tokens = requests.get(request_id, unknown).tokens.setdefault(int(choice), [])
+        for request_id, choice, index, token, *logprobs in record.get("token", []):
+            held = requests.get(request_id, unknown)
+            tokens = held.tokens.setdefault(int(choice), [])
             if index == len(tokens):
                 tokens.append(int(token))
+                if logprobs:
+                    held.logprobs.setdefault(int(choice), []).append(logprobs[0])
         for request_id, choice, reason in record.get("finished", []):
             requests.get(request_id, unknown).finish[int(choice)] = reason
         for request_id, outcome, *when in record.get("answered", []):
@@ -139,11 +145,12 @@ class JournalState:
         self.slots.clear()
         self._answered.clear()
         self._whole.clear()
-        for request_id, admitted, tokens, finish, answered, answered_at, *prompt_tokens in snapshot:
+        for request_id, admitted, tokens, finish, answered, answered_at, *more in snapshot:
+            prompt_tokens, logprobs = [*more, None, {}][:2]
             self.requests[request_id] = JournaledRequest(
                 request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
                 {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at),
-                prompt_tokens[0] if prompt_tokens else None)
+                prompt_tokens, {int(choice): entries for choice, entries in logprobs.items()})
         for request in sorted((request for request in self.requests.values() if request.answered is not None),
                               key=lambda request: request.answered_at):
             self._note_answered(request.id)
@@ -205,8 +212,9 @@ class JournalState:
             out.write(b",[" if number else b"[")
             out.write(json.dumps(request.id).encode() + b",")
             out.write(admitted if isinstance(admitted, bytes) else json.dumps(admitted).encode())
-            rest = [request.tokens, request.finish, request.answered, request.answered_at,
-                    *([] if request.prompt_tokens is None else [request.prompt_tokens])]
+            more = ([request.prompt_tokens, request.logprobs] if request.logprobs else
+                    [] if request.prompt_tokens is None else [request.prompt_tokens])
+            rest = [request.tokens, request.finish, request.answered, request.answered_at, *more]
             out.write(b"," + json.dumps(rest).encode()[1:])
         out.write(b"], " + json.dumps({"head": [head],
                                       "slots": [[slot, groups] for slot, groups in self.slots.items()]}).encode()[1:])

@@ -131,11 +131,13 @@ class Run(Transcript):
         return sum(len(state.tokens) for state in self.states)
 
     def _replay(self, adopted: JournaledRequest) -> None:
-        """The journal's tokens of an adopted request as updates, a token each, with the text and ends its
-        predecessor streamed."""
+        """The journal's tokens of an adopted request as updates, a token each, with the text, log-probabilities
+        and ends its predecessor streamed."""
         for index, state in enumerate(self.states):
-            for token in self.known[index]:
-                self.append(self._advance(index, [token], [None]))
+            entries = [None if entry is None else TokenLogprobs.of_wire(entry)
+                       for entry in adopted.logprobs.get(index, [])]
+            for position, token in enumerate(self.known[index]):
+                self.append(self._advance(index, [token], [entries[position] if position < len(entries) else None]))
                 if state.finish is not None:  # tokens past a stop string were journaled, never sent
                     break
             finish = adopted.finish.get(index)
@@ -161,7 +163,9 @@ class Run(Transcript):
         sequence = 0
         if self.journal is not None:
             with self._admitting:  # after the request's own entry
-                sequence = self.journal.token(self.id, index, self.journaled[index], token)
+                asked = self.request.logprobs is not None  # then its entry goes with it
+                logprobs = [None if entry is None else entry.wire()] if asked else []
+                sequence = self.journal.token(self.id, index, self.journaled[index], token, *logprobs)
             self.journaled[index] += 1
         self.loop.call_soon_threadsafe(self.events.put_nowait, (index, token, entry, sequence))
 

@@ -173,7 +173,8 @@ class SlotDecisions(LedgerState):
             entering = Enter if batch.opened else OpenSlot
             batch.opened, batch.idle = True, False
             batch.staged[number] = tuple(members)
-            staged = Staged(number, tokens[:, 0].tolist(), gone, report.chunk)
+            staged = Staged(number, tokens[:, 0].tolist(), gone, report.chunk,
+                            _by_member(report.scores, members, list(range(len(members)))))
             outcome.sends.append((self.layout.prompt_depth, entering(
                 microbatch=batch.number, group=group.group, staged=staged, epoch=self.epoch(), mask=group.mask,
                 rng=rng)))

@@ -36,6 +36,7 @@ import attrs
 
 from ...errors import TransportError
 from ...generation.batching import Request, new_request_number, number_requests_from
+from ...generation.logprobs import Scores
 from ...generation.slot_batch import SlotBatch
 from ..wire.messages import Drop, Message, Paused, RoundDone
 from .ledger import Ledger
@@ -163,7 +164,7 @@ class Takeover:
             self.report.tags.extend(request.tag for row, request in enumerate(batch.requests)
                                     if row not in batch.dropped)
 
-    def _rebuild_slot(self, number: int, reports: list[tuple[RoundDone, list[int]]] | None) -> str | None:
+    def _rebuild_slot(self, number: int, reports: list[tuple[RoundDone, list[int], Scores]] | None) -> str | None:
         """Slot `number` in the ledger, its groups entered as its predecessor sent them and its rounds taken in
         from the last stage's reports (what they give the requests kept for later); or why it cannot be."""
         if not reports:
@@ -198,8 +199,8 @@ class Takeover:
             self.ledger.waiting = deque(request for request in self.ledger.waiting if id(request) not in ours)
             self.ledger.flights[number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
         replay = self._replays[number] = Outcome()
-        for done, tokens in reports:
-            taken = self.ledger.on_round(number, done, list(tokens))
+        for done, tokens, scores in reports:
+            taken = self.ledger.on_round(number, done, list(tokens), scores=scores)
             replay.calls.extend(taken.calls)
             replay.answers.extend(taken.answers)
         return None
@@ -239,10 +240,10 @@ def _cancelled_meanwhile(batch: SlotBatch, waiting: deque[Request]) -> None:
             batch.dropped.add(row)
 
 
-def _named(reports: list[tuple[RoundDone, list[int]]]) -> set[int]:
+def _named(reports: list[tuple[RoundDone, list[int], Scores]]) -> set[int]:
     """Every request number a slot's round reports name."""
     named: set[int] = set()
-    for done, _ in reports:
+    for done, _, _ in reports:
         step, (left, joined) = done.round, done.next
         named.update(done.members, done.complete, step.left, step.joined, step.decoded, left, joined or (),
                      step.prefill[0] if step.prefill else ())
@@ -251,12 +252,7 @@ def _named(reports: list[tuple[RoundDone, list[int]]]) -> set[int]:
 
 def _why_not(live: list[Request]) -> str | None:
     """Why a microbatch or slot whose rows still running are `live` is not taken over, or None."""
-    if not live:
-        return "none of its rows runs"
-    if any(request.decoding.logprobs is not None or request.decoding.prompt_logprobs is not None
-           for request in live):
-        return "its rows' log-probabilities so far are in no cache"
-    return None
+    return "none of its rows runs" if not live else None
 
 
 def _key(tag: Any) -> str:

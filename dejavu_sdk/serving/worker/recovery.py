@@ -15,6 +15,7 @@ before the next step (`StageWorker.handlers` has a handler here for each):
 from __future__ import annotations
 
 from ...errors import DejaVuError, TransportError
+from ...generation.logprobs import Scores
 from ..kv.replication import assemble, remove_replicas
 from ..kv.slot_replicas import piece_stream
 from ..wire.messages import (
@@ -46,7 +47,7 @@ class RecoveryHandlers(SlotRecoveryHandlers):
         self.prompt_turns.clear()
         self.restored_pieces.clear()
         rounds = {number: state.round for number, state in self.slots.items()}
-        reports: dict[int, list[tuple[RoundDone, list[int]]]] = {}
+        reports: dict[int, list[tuple[RoundDone, list[int], Scores]]] = {}
         if message.takeover:  # the last stage's rounds: a successor goes on from them
             reports = {number: state.reports for number, state in self.slots.items()
                        if self.stage.last and state.reports is not None}

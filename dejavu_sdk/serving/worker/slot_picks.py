@@ -50,6 +50,7 @@ class SlotPicks(WorkerState):
         joined: list[int] | None = None
         complete: list[int] = []
         staged_first: list[int] | None = None  # a staged group's first tokens, as the prompt pipeline picked them
+        staged_scores = Scores()  # and their log-probabilities (and its prompts')
         if state.ready is not None and state.ready_picker is None:  # the group's prompts are in: its first tokens
             group_members = complete = state.ready[1].members
             picker = state.joining_picker
@@ -57,7 +58,7 @@ class SlotPicks(WorkerState):
             cancelled = torch.tensor([member in state.cancelled for member in group_members])
             staged = message.starting.staged if message.starting is not None else None
             if staged is not None:  # the prompt pipeline picked them, and the head has them
-                staged_first = staged.first
+                staged_first, staged_scores = staged.first, staged.scores
                 picked = torch.tensor(staged.first, dtype=torch.long)
                 ended = cancelled | torch.tensor([member in staged.ended for member in group_members])
             else:
@@ -91,10 +92,11 @@ class SlotPicks(WorkerState):
             left = []
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         done = RoundDone(step, members, list(complete), idle, (left, None if idle else joined), failed)
-        if state.reports is not None:  # without log-probabilities: a successor computes those rows again
+        if state.reports is not None:  # what a successor head goes on from
             first = staged_first or []  # a staged group's first tokens, which the head had from the prompt pipeline
+            kept = Scores({**logprobs, **staged_scores.logprobs}, {**prompt_logprobs, **staged_scores.prompt_logprobs})
             state.reports.append((attrs.evolve(done, members=[*members, *(complete if first else [])]),
-                                  [*report.tolist(), *first]))
+                                  [*report.tolist(), *first], kept))
         self._send(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
                                           tokens=report, states=_states(pickers)))
         if idle:

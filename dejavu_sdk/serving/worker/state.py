@@ -19,7 +19,7 @@ import torch
 
 from ...backends import open_store, open_transport
 from ...errors import TransportError
-from ...generation.logprobs import prompt_scores
+from ...generation.logprobs import Scores, prompt_scores
 from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs
 from ...generation.slots import Joining, SlotRows, WindowState
@@ -123,7 +123,7 @@ class SlotState:
     ready_ended: torch.Tensor | None = None  # which of them ended with their first token (static: they stay)
     #: The last stage's: every round's report to the head (what it did, and its tokens), so that a successor head
     #: can take the slot over; None once a recovery rebuilt the slot here (its earlier rounds are not known).
-    reports: list[tuple[RoundDone, list[int]]] | None = attrs.field(factory=list)
+    reports: list[tuple[RoundDone, list[int], Scores]] | None = attrs.field(factory=list)
 
 
 @attrs.define

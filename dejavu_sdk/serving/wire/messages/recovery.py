@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import torch
 
+from ....generation.logprobs import Scores
 from ....generation.row_specs import Group
 from ...kv.slot_replicas import Piece
 from .base import BY_VALUE, EpochMessage, MicrobatchMessage
@@ -32,12 +33,13 @@ class Pause(EpochMessage):
 @attrs.frozen(kw_only=True)
 class Paused(EpochMessage):
     """A stage -> the head, paused: the rounds of each slot it ran (`slots`), and for a takeover, on the last stage,
-    each slot's round reports with their tokens (`reports`). The head plans where each slot goes on from."""
+    each slot's round reports with their tokens and log-probabilities (`reports`). The head plans where each slot
+    goes on from."""
 
     kind = "paused"
     stage: str
     slots: dict[int, int]
-    reports: dict[int, list[tuple[RoundDone, list[int]]]]
+    reports: dict[int, list[tuple[RoundDone, list[int], Scores]]]
 
 
 @attrs.frozen(kw_only=True)

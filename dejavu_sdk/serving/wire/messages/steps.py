@@ -45,13 +45,15 @@ class Prefill(MicrobatchMessage):
 @attrs.frozen
 class Staged:
     """A group the prompt pipeline prefilled, as microbatch `number` there (its KV is staged on the token stages
-    under that number): its `first` tokens, the members that `ended` with them, and the columns each of its steps
-    ran (`chunk`, 0: all in one)."""
+    under that number): its `first` tokens, the members that `ended` with them, the columns each of its steps
+    ran (`chunk`, 0: all in one), and the log-probabilities of its first tokens and prompts, by member (`scores`:
+    the last token stage keeps them with the round it joins in, for a successor head)."""
 
     number: int
     first: list[int]
     ended: list[int]
     chunk: int
+    scores: Scores = attrs.field(factory=Scores)
 
 
 @attrs.frozen(kw_only=True)
