@@ -17,6 +17,7 @@ from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.logprobs import MAX_LOGPROBS, PromptLogprobs, Scores, prompt_scores
 from dejavu_sdk.generation.slot_batch import SlotBatch
+from dejavu_sdk.generation.slot_policy import STATIC
 from dejavu_sdk.serving import Pipeline
 
 pytestmark = pytest.mark.usefixtures("module_workers_import_tiny_models")
@@ -167,7 +168,7 @@ def test_rows_of_one_prompt_in_a_microbatch_have_it_scored_once_and_share_its_en
     echo, fewer = Decoding.of(prompt_logprobs=2), Decoding.of(prompt_logprobs=1)
     choices = [Request(PROMPTS[1], 3, decoding) for decoding in (echo, echo, Decoding.of(), fewer, echo)]
     other = Request(PROMPTS[2], 3, echo)
-    batch = SlotBatch.open(0, pad=0, refill=False)
+    batch = SlotBatch.open(0, pad=0, policy=STATIC)
     everyone, _, _ = batch.enter([*choices, other])
     asking = ["prompt" in fields for fields in everyone.specs.decoding]
     assert asking == [True, False, False, True, False, True]  # the third asks for none, the fourth fewer

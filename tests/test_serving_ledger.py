@@ -9,6 +9,7 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.slot_policy import STATIC
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.serving.head.ledger import Ledger, stream
 from dejavu_sdk.serving.layout import Layout
@@ -30,7 +31,7 @@ DISAGGREGATED = Layout([[(0, 3)], [(0, 2), (2, 3)]])
 
 def _ledger(layout: Layout = MIXED, budget: int | None = None, microbatch: int = 2, slots: int = 2) -> Ledger:
     """A ledger of static slots (`batching="static"`)."""
-    return Ledger(layout, microbatch, slots, EOS, 0, Admission(budget, False, bytes_per_token=1), refill=False)
+    return Ledger(layout, microbatch, slots, EOS, 0, Admission(budget, False, bytes_per_token=1), policy=STATIC)
 
 
 def _requests(*limits: int) -> list[Request]:

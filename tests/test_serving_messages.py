@@ -18,6 +18,7 @@ from dejavu_sdk.generation.decoding import Decoding, RowFailure
 from dejavu_sdk.generation.logprobs import Scores
 from dejavu_sdk.generation.row_specs import Group, RowSpecs
 from dejavu_sdk.generation.slot_batch import SlotBatch
+from dejavu_sdk.generation.slot_policy import STATIC
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.stage import Stage
 from dejavu_sdk.generation.turns import take_microbatch
@@ -256,7 +257,7 @@ def test_every_message_class_has_one_handler_in_each_receiver_that_takes_it() ->
 
 def test_rows_end_at_any_end_of_sequence_token_or_their_own_limit() -> None:
     requests = [Request(torch.tensor([5, 6]), 4), Request(torch.tensor([7]), 2), Request(torch.tensor([8]), 4)]
-    batch = SlotBatch.open(0, pad=0, refill=False)  # a static microbatch
+    batch = SlotBatch.open(0, pad=0, policy=STATIC)  # a static microbatch
     group, ids, mask = batch.enter(requests)
     batch.groups.append((group, ids, mask))
     assert ids.tolist() == [[5, 6], [0, 7], [0, 8]]

@@ -13,6 +13,7 @@ import dejavu_sdk as dv
 from dejavu_sdk.generation.admission import Admission
 from dejavu_sdk.generation.batching import Request
 from dejavu_sdk.generation.decoding import Decoding
+from dejavu_sdk.generation.slot_policy import CONTINUOUS, STATIC
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.generation.turns import take_microbatch
 from dejavu_sdk.serving.head.ledger import Ledger
@@ -62,10 +63,10 @@ def test_turns_go_first_to_the_submission_with_the_fewest_rows_in_flight() -> No
     assert list(waiting) == large[2:]
 
 
-@pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
+@pytest.mark.parametrize("policy", [CONTINUOUS, STATIC], ids=["slots", "static"])
 def test_a_request_held_back_by_a_large_one_gets_a_microbatch_beside_it_that_the_large_one_does_not_take(
-        continuous) -> None:
-    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), refill=continuous)
+        policy) -> None:
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), policy=policy)
     large, late = _large(12), _one()
     ledger.queue(large)
     (opened,) = ledger.admit()
@@ -96,10 +97,10 @@ def test_disaggregated_a_microbatch_beside_a_large_one_is_prompted_and_decodes_b
     assert ledger.admit() == []
 
 
-@pytest.mark.parametrize("continuous", [True, False], ids=["slots", "static"])
-def test_requests_of_their_own_share_the_layouts_microbatches_as_before(continuous) -> None:
+@pytest.mark.parametrize("policy", [CONTINUOUS, STATIC], ids=["slots", "static"])
+def test_requests_of_their_own_share_the_layouts_microbatches_as_before(policy) -> None:
     """One row each is every submission's share: none is held back, and nothing opens beside."""
-    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), refill=continuous)
+    ledger = Ledger(ONE_STAGE, 4, 1, EOS, 0, Admission(None, False, bytes_per_token=1), policy=policy)
     ledger.queue([_one() for _ in range(7)])
     (opened,) = ledger.admit()
     assert len(_limits(opened[1])) == 4
@@ -124,31 +125,30 @@ def test_a_row_that_leaves_a_slot_goes_to_the_submission_holding_fewest_rows() -
     assert _opened(ledger.admit()) == [(Enter, [later.number])]  # not the large one's third, older choice
 
 
-@pytest.mark.parametrize(("continuous", "swapping", "alone"), [
-    (False, False, 1), (False, True, 1),  # a static microbatch of its own: with swapping, any two on the device
-    (True, False, 1), (True, True, 2),  # a slot: with swapping, its group's own cache counts until it joins
-])
-def test_a_request_is_refused_exactly_when_admission_could_never_take_it(continuous, swapping, alone) -> None:
+@pytest.mark.parametrize(("policy", "swapping", "alone"), [
+    (STATIC, False, 1), (STATIC, True, 1),  # a static microbatch of its own: with swapping, any two on the device
+    (CONTINUOUS, False, 1), (CONTINUOUS, True, 2),  # a slot: with swapping, its group's own cache counts until it
+])  # joins
+def test_a_request_is_refused_exactly_when_admission_could_never_take_it(policy, swapping, alone) -> None:
     per_position, prompt = 3, 5
     budget = alone * positions_needed(prompt, 7) * per_position  # seven new tokens fit, not eight
     admission = Admission(budget, swapping, per_position)
     for new_tokens, fits in ((7, True), (8, False)):
         request = Request(torch.arange(1, prompt + 1), new_tokens, Decoding())
-        taken = (admission.take_rows(deque([request]), 4, [], []) if continuous
-                 else admission.take(deque([request]), 4, []))
+        taken = policy.take(admission, deque([request]), 4, [], [])
         assert bool(taken) is fits  # alone, with nothing in flight
         if fits:
-            admission.check_alone(request, continuous)
+            policy.check_alone(admission, request)
             continue
         with pytest.raises(dv.RequestTooLarge) as refused:
-            admission.check_alone(request, continuous)
+            policy.check_alone(admission, request)
         needed = alone * positions_needed(prompt, 8) * per_position
         assert (refused.value.needed, refused.value.budget, refused.value.most_new_tokens) == (needed, budget, 7)
         assert f"needs {needed} bytes" in str(refused.value)
         assert f"the {budget} bytes each stage gives" in str(refused.value)
     assert isinstance(refused.value, dv.ConfigError)
     with pytest.raises(dv.RequestTooLarge, match="even its prompt alone does not fit") as refused:
-        admission.check_alone(Request(torch.arange(1, budget + 2), 1, Decoding()), continuous)
+        policy.check_alone(admission, Request(torch.arange(1, budget + 2), 1, Decoding()))
     assert refused.value.most_new_tokens is None
 
 
@@ -156,6 +156,6 @@ def test_n_choices_are_rows_of_their_own_each_checked_alone() -> None:
     admission = Admission(positions_needed(3, 4), False, 1)
     choices = _large(8, new_tokens=4)
     for choice in choices:
-        admission.check_alone(choice, continuous=True)  # each fits alone; eight together do not
+        CONTINUOUS.check_alone(admission, choice)  # each fits alone; eight together do not
     waiting = deque(choices)
     assert admission.take_rows(waiting, 8, [], []) == choices[:1]

@@ -146,7 +146,7 @@ class JournalState:
         self._answered.clear()
         self._whole.clear()
         for request_id, admitted, tokens, finish, answered, answered_at, *more in snapshot:
-            prompt_tokens, logprobs = [*more, None, {}][:2]
+            prompt_tokens, logprobs = more[0] if more else None, more[1] if len(more) > 1 else {}
             self.requests[request_id] = JournaledRequest(
                 request_id, admitted, {int(choice): list(ids) for choice, ids in tokens.items()},
                 {int(choice): reason for choice, reason in finish.items()}, answered, float(answered_at),

@@ -66,26 +66,16 @@ class Admission:
         entering = sum(other.entering for other in others) + row_bytes(group, self.bytes_per_token)
         return slots_needed(reservations, self.swapping) + (entering if self.swapping else 0)
 
-    def alone_needs(self, request: Request, continuous: bool) -> int:
-        """The device bytes a stage needs for `request` alone in the pipeline, as admission counts them (in a
-        slot of its own under continuous batching, or a microbatch of its own): no budget can take it in
-        unless this fits."""
-        if continuous:
-            return self.rows_need([request], [], [])
-        return slots_needed([self.reserve([request])], self.swapping)
-
-    def check_alone(self, request: Request, continuous: bool) -> None:
-        """RequestTooLarge when `request` could never be admitted, even alone: it would wait for ever. Each of a
-        submission's requests (a request's choices) is a row of its own, admitted without the others where they
-        do not fit together, so each is checked alone."""
-        needed = self.alone_needs(request, continuous)
+    def check_alone(self, request: Request, needed: int, joining: bool) -> None:
+        """RequestTooLarge when `request`, which needs `needed` bytes alone (`joining`: its own cache while it
+        joins a slot among them), could never be admitted: it would wait for ever (`SlotPolicy.check_alone`)."""
         if self.budget is None or needed <= self.budget:
             return
         prompt = request.ids.numel()
         # what it needs grows with its positions: the positions of one row that the budget holds, counted alike
         positions = self.budget * positions_needed(prompt, request.max_new_tokens) // needed
         most = positions - prompt + 1 if positions >= prompt else None
-        swapped = " (with swapping, its cache and its own while it joins)" if self.swapping and continuous else ""
+        swapped = " (with swapping, its cache and its own while it joins)" if self.swapping and joining else ""
         advice = f"at most {most} new tokens fit beside its prompt" if most else "even its prompt alone does not fit"
         raise RequestTooLarge(
             f"a request of {prompt} prompt tokens and {request.max_new_tokens} new tokens needs {needed} bytes of KV "

@@ -40,7 +40,7 @@ from ..swapping import (
 )
 from ..timing import measure_times
 from .adapters import adapter_for
-from .admission import Admission, Slot, row_bytes
+from .admission import Admission, Slot
 from .batching import (
     Request,
     Result,
@@ -53,6 +53,7 @@ from .batching import (
 )
 from .decoding import Decoding, TokenRules
 from .picker import TokenPicker, next_tokens
+from .slot_policy import slot_policy
 from .slots import Joining, Round, SlotRows, leave, stack
 from .stage import Stage
 
@@ -106,7 +107,7 @@ class RoundRobin:
                  max_prefill_tokens: int | None = None) -> None:
         #: "static" or "continuous": whether a slot refills between steps (see the module).
         self.batching = check_batching(batching)
-        self.refill = self.batching == "continuous"
+        self.policy = slot_policy(self.batching)
         self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
@@ -154,10 +155,10 @@ class RoundRobin:
         waiting, slots, results = deque(requests), deque[_Slot](), {}
         opened = 0  # slots opened so far: the next one's number
         with tqdm(total=sum(request.max_new_tokens for request in requests),
-                  desc="continuous" if self.refill else "static", unit="token", disable=not self.progress) as bar:
+                  desc=self.batching, unit="token", disable=not self.progress) as bar:
             while waiting or slots:
-                for slot in slots:  # a slot with room takes a group (one at a time); a static one never refills
-                    if waiting and self.refill and slot.joining is None and slot.ready is None:
+                for slot in slots:  # a slot with room takes a group (one at a time), as its policy admits
+                    if waiting and self.policy.admits(slot.members) and slot.joining is None and slot.ready is None:
                         self._join(slot, waiting, admission, slots)
                 while waiting:  # new slots while the budget holds them
                     slot = _Slot(opened)
@@ -209,8 +210,7 @@ class RoundRobin:
         holds beside every other slot's rows; whether any did."""
         others = [self._admitted(other) for other in slots if other is not slot]
         held = [self._requests[member] for member in slot.members]
-        taken = (admission.take_rows(waiting, self.microbatch - len(held), held, others) if self.refill else
-                 admission.take(waiting, self.microbatch, [other.reserved for other in others]))
+        taken = self.policy.take(admission, waiting, self.microbatch - len(held), held, others)
         if not taken:
             return False
         ids, mask = left_pad([request.ids for request in taken], self.rules.pad)
@@ -224,22 +224,18 @@ class RoundRobin:
         return True
 
     def _admitted(self, slot: _Slot) -> Slot:
-        """What `slot` holds, for admission: all its rows, and the group on its way in (a static slot: its
-        microbatch's cache at its end, padding included)."""
-        if not self.refill:
-            return Slot(cache_bytes([self._requests[member] for member in slot.members], self.bytes_per_token))
+        """What `slot` holds, for admission: all its rows, and the group on its way in."""
         entering = [*(slot.joining[0].members if slot.joining is not None else []),
                     *(slot.ready[1].members if slot.ready is not None else [])]
-        return Slot(row_bytes([self._requests[member] for member in slot.members], self.bytes_per_token),
-                    row_bytes([self._requests[member] for member in entering], self.bytes_per_token))
+        return self.policy.admitted([self._requests[member] for member in slot.members],
+                                    [self._requests[member] for member in entering], self.bytes_per_token)
 
     # ---- a round ----------------------------------------------------------------------------------------
     def _round(self, slot: _Slot, caches: SwappedCaches) -> list[int]:
         """One round of `slot`: rows that ended leave, a prefilled group joins, the rows decode, and the joining
         group runs its next columns (static: the rows leave together once the last ended, and a group becomes
         the rows as its prompts are in). The requests whose rows ended in it."""
-        left = [member for member, ended in zip(slot.rows.members, slot.ended.tolist(), strict=True)
-                if ended and self.refill]  # a static slot's ended rows stay, as padding
+        left = self.policy.leaving(slot.rows.members, slot.ended.tolist())  # (static: all left after their round)
         joined = list(slot.ready[1].members) if slot.ready is not None else []
         cache = caches.acquire(slot.number) if slot.number in caches else None
         acquired = cache is not None
@@ -251,21 +247,21 @@ class RoundRobin:
             caches.pin(("group", slot.number), None)
         decoded = tuple(slot.rows.members)
         done = self._decode(slot, cache) if decoded else []
-        if not self.refill and decoded and bool(slot.ended.all()):  # a static slot's rows leave together
-            self._leave(slot, cache, list(slot.rows.members))
+        if not self.policy.refills:  # a static slot's rows leave together, right after the round they all ended in
+            self._leave(slot, cache, self.policy.leaving(decoded, slot.ended.tolist()))
         prefill = None
         if slot.joining is not None:
             group, picker = slot.joining
             start, stop = group.columns(self.max_prefill_tokens)
             prefill = (tuple(group.members), start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
-            if not self.refill:  # a static slot is empty: its group's cache is the slot's from its first columns
-                # on (new then, brought back at the others), held and swapped as every slot's
+            if not self.policy.refills:  # a static slot is empty: its group's cache is the slot's from its first
+                # columns on (new then, brought back at the others), held and swapped as every slot's
                 cache = group.cache = cache if cache is not None else caches.new_cache(slot.number, group.cache)
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
-            if self.refill:
+            if self.policy.refills:
                 caches.pin(("group", slot.number), group.cache)  # on the device until it joins
-            if group.complete and not self.refill:
+            if group.complete and not self.policy.refills:
                 done += self._fill(slot, group, picker, logits)
             elif group.complete:
                 done += self._first_tokens(slot, group, picker, logits)
@@ -273,14 +269,14 @@ class RoundRobin:
         slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill))
         if cache is not None:
             self._put_back(slot, caches, cache, changed=bool(left or joined) or not acquired)
-        if slot.joining is not None and not self.refill:
+        if slot.joining is not None and not self.policy.refills:
             slot.joining[0].cache = None  # the slot holds it (and may swap it out) until the next round
         return done
 
     def _put_back(self, slot: _Slot, caches: SwappedCaches, cache: Any, changed: bool) -> None:
         """Hand the slot's cache back after a round: gone with its last row; swapped as it is now when its rows
         changed (a swapped cache's host copy has the shape it had)."""
-        if not slot.rows.members and (self.refill or slot.joining is None):  # (a static group held is no loss)
+        if not slot.rows.members and (self.policy.refills or slot.joining is None):  # (a static group held is no loss)
             caches.remove(slot.number)
         elif changed:
             caches.remove(slot.number)
@@ -365,7 +361,7 @@ class RoundRobin:
     def _result(self, member: int, slot: _Slot) -> Result:
         request, arrived = self._requests[member], self._arrived[member]
         tokens = torch.tensor(self._generated[member], dtype=torch.long)
-        if not self.refill:  # a microbatch's row: where it sat and its padding, and no schedule
+        if not self.policy.refills:  # a microbatch's row: where it sat and its padding, and no schedule
             row, rows, padding = self._placed[member]
             return Result(tokens, slot.number, row, rows, padding, request.decoding.seed, request.submitted,
                           arrived[0], arrived[-1])
@@ -376,11 +372,8 @@ class RoundRobin:
         """The positions the slot's cache may reach: its longest row at its end (static: its longest prompt and
         its largest max_new_tokens, as its rows are padded)."""
         requests = [self._requests[member] for member in slot.members]
-        if not requests:
-            return 0
-        if not self.refill:
-            return cache_bytes(requests, 1) // len(requests)
-        return max(row_bytes([request], 1) for request in requests)
+        return max(self.policy.finals([request.ids.numel() for request in requests],
+                                      [request.max_new_tokens for request in requests]), default=0)
 
     @staticmethod
     def _raise_first(members: list[int], failures: dict[int, Any]) -> None:

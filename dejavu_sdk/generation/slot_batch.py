@@ -15,6 +15,7 @@ from .batching import Microbatch, Request, Result, kept_tokens, left_pad, row_fi
 from .logprobs import Scores
 from .row_specs import Group, RowSpecs
 from .shared_prompts import prompt_sources
+from .slot_policy import CONTINUOUS, SlotPolicy
 from .slots import Round
 
 
@@ -55,14 +56,14 @@ class SlotBatch(Microbatch):
     plan_epoch: int = 0
     base: Any = None
     resuming: Any = None
-    #: The slot's policy: continuous batching refills it as rows end; a static slot takes one group, whose rows
-    #: stay (ended ones as padding) until the last ends, so that it is `model.generate` on that microbatch.
-    refill: bool = True
+    #: The slot's policy (`slot_policy`): continuous batching refills it as rows end; a static slot takes one
+    #: group, whose rows stay (ended ones as padding) until the last ends: `model.generate` on that microbatch.
+    policy: SlotPolicy = CONTINUOUS
 
     @classmethod
-    def open(cls, number: int, pad: int, refill: bool = True) -> SlotBatch:
+    def open(cls, number: int, pad: int, policy: SlotPolicy = CONTINUOUS) -> SlotBatch:
         empty = torch.zeros((0, 0), dtype=torch.long)
-        return cls(number, [], empty, empty, pad, refill=refill)
+        return cls(number, [], empty, empty, pad, policy=policy)
 
     def enter(self, requests: Sequence[Request]) -> tuple[Group, torch.Tensor, torch.Tensor]:
         """Take `requests` in as new rows: what the stages need of them (the group, and their prompts left-padded
@@ -125,7 +126,7 @@ class SlotBatch(Microbatch):
     def result(self, row: int, eos: Sequence[int]) -> Result:
         request, stamps = self.requests[row], self.stamps[row]
         kept = kept_tokens(self.generated[row], request.max_new_tokens, request.decoding.ends.ids(eos))
-        if not self.refill:  # a microbatch's row: where it sat and its padding, and no schedule
+        if not self.policy.refills:  # a microbatch's row: where it sat and its padding, and no schedule
             index, first = 0, 0
             while first + len(self.groups[index][0].members) <= row:
                 first += len(self.groups[index][0].members)

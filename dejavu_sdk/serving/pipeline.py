@@ -28,6 +28,7 @@ from ..errors import ConfigError, TransportError
 from ..generation.admission import Admission
 from ..generation.batching import Request, Result
 from ..generation.logprobs import PromptLogprobs, TokenLogprobs
+from ..generation.slot_policy import slot_policy
 from .head.fleet import Fleet
 from .head.ledger import Ledger, Outcome
 from .head.receiver import HeadReceiver
@@ -82,10 +83,9 @@ class Pipeline:
         self.fleet = Fleet(checked, lambda: self.url)
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(memory.kv_budget, self.swapping, memory.kv_bytes_per_token),
-                             lambda: self.fleet.epoch, refill=checked.batching == "continuous",
+                             lambda: self.fleet.epoch, slot_policy(checked.batching),
                              prefill_tokens=checked.max_prefill_tokens)
-        #: "continuous" (slots that rows join and leave between steps) or "static" (see `PipelineOptions`).
-        self.batching = checked.batching
+        self.batching = checked.batching  # "continuous" or "static": the slots' policy (see `PipelineOptions`)
         self.head = HeadReceiver(checked, self.fleet, self.ledger, lambda: self._closed, lambda: self.on_entered,
                                  lambda: self.on_failure, lambda: self.on_recovery)
         #: Each recovery so far, in order.
@@ -207,7 +207,7 @@ class Pipeline:
         requests = submission(prompts, max_new_tokens, do_sample, seed, on_token, on_logprobs, tags, settings,
                               self.options.rules)
         for request in requests:  # all checked before any is queued
-            self.ledger.admission.check_alone(request, self.ledger.refill)  # else it would wait for ever
+            self.ledger.policy.check_alone(self.ledger.admission, request)  # else it would wait for ever
         self.ledger.queue(requests)
         for request in requests:
             self._requests[request.future] = request

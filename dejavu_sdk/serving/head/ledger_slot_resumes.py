@@ -11,6 +11,7 @@ import torch
 
 from ...generation.row_specs import group_rows
 from ...generation.slot_batch import SlotBatch
+from ...generation.slot_policy import STATIC
 from ..wire.messages import Cancel, Enter, Message, Prefill, SlotRound
 from .ledger_slots import SlotDecisions
 from .ledger_state import POISON, Flight, Outcome, Phase, PromptGroup, _fail_rows
@@ -71,7 +72,7 @@ class SlotResumes(SlotDecisions):
         """What row `row` of `batch` is fed at the slot's next round: its latest token, or (a static slot's row that
         ended before the latest round, kept as padding) the padding id, as `model.generate` feeds it."""
         generated = batch.generated[row]
-        if not batch.refill and len(generated) < max(len(tokens) for tokens in batch.generated):
+        if not batch.policy.refills and len(generated) < max(len(tokens) for tokens in batch.generated):
             return self.pad
         return generated[-1]
 
@@ -93,7 +94,7 @@ class SlotResumes(SlotDecisions):
         answers += _fail_rows(batch, POISON, poison)  # lost twice in a row without a token between
         again = [row for row in again if row not in ended and row not in poison]
         batch.settled.update([*ended, *again])
-        if batch.refill:
+        if batch.policy.refills:
             requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
             for row, request in zip(again, requeued, strict=True):
                 request.lost_with = had[row]
@@ -111,7 +112,7 @@ class SlotResumes(SlotDecisions):
         if not again:
             return []
         sends = []
-        flight = Flight(SlotBatch.open(self._numbers, self.pad, refill=False), Phase.DECODING, 0, time.monotonic())
+        flight = Flight(SlotBatch.open(self._numbers, self.pad, STATIC), Phase.DECODING, 0, time.monotonic())
         self._numbers += 1
         self.flights[flight.batch.number] = flight
         sends.append(self._send_group(flight, batch.requests, self.epoch()))

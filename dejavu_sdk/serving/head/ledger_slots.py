@@ -46,7 +46,7 @@ class SlotDecisions(LedgerState):
         for flight in [flight for flight in self.flights.values() if flight.phase is Phase.DECODING]:
             batch = flight.batch
             if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS or not self._prompt_room()
-                    or (not batch.refill and batch.held())):  # a static slot takes a microbatch only while empty
+                    or not batch.policy.admits(batch.held())):
                 continue
             held = batch.held()
             taken = self._take(self.microbatch - len(held), held, flight)
@@ -71,7 +71,7 @@ class SlotDecisions(LedgerState):
         """Open a slot with a group of waiting requests (`beside`: one beside the others for the submissions held
         back, which only theirs join, so that a large request, which takes turns, does not keep them waiting for
         its rows to end); whether one opened (under the lock)."""
-        flight = Flight(SlotBatch.open(self._numbers, self.pad, self.refill), Phase.DECODING, 0, time.monotonic(),
+        flight = Flight(SlotBatch.open(self._numbers, self.pad, self.policy), Phase.DECODING, 0, time.monotonic(),
                         beside=beside)
         taken = self._take(self.microbatch, [], flight)
         if not taken:
@@ -128,7 +128,7 @@ class SlotDecisions(LedgerState):
         batch = flight.batch
         group, ids, mask = batch.enter(taken)
         batch.groups.append((group, ids, mask))
-        if not batch.refill:  # a static slot's microbatch: its results carry a number of its own
+        if not batch.policy.refills:  # a static slot's microbatch: its results carry a number of its own
             number = batch.number if not batch.numbers else self._numbers
             self._numbers += number != batch.number
             batch.numbers.append(number)
@@ -208,23 +208,14 @@ class SlotDecisions(LedgerState):
 
     def _reserve(self, flight: Flight) -> None:
         """Reserve what a slot's rows, in its cache or on their way in, take at their end (under the lock)."""
-        batch = flight.batch
-        held = batch.held()  # a static slot's rows take the padded microbatch's cache
-        if batch.refill:
-            flight.reserved = row_bytes(held, self.admission.bytes_per_token)
-        else:
-            flight.reserved = self.admission.reserve(held) if held else 0
+        flight.reserved = flight.batch.policy.reserve(flight.batch.held(), self.admission.bytes_per_token)
 
     def _take(self, room: int, held: list[Request], flight: Flight) -> list[Request]:
         """Up to `room` waiting requests for `flight`'s slot that fit beside `held` (its rows) and every other
         slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
         back, only submissions that hold no row in another)."""
-        if not self.refill:  # a static slot: a microbatch at once, as its padded cache fits the budget
-            return self.admission.take(self.waiting, room, [other.reserved for other in self.holding()
-                                                            if other is not flight], self._shares(),
-                                       self._barred(flight))
         others = [self._admitted(other) for other in self.holding() if other is not flight]
-        return self.admission.take_rows(self.waiting, room, held, others, self._shares(), self._barred(flight))
+        return self.policy.take(self.admission, self.waiting, room, held, others, self._shares(), self._barred(flight))
 
     def _admitted(self, flight: Flight) -> Slot:
         """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""

@@ -20,6 +20,7 @@ from ...generation.batching import Request, Result
 from ...generation.decoding import RowFailure
 from ...generation.row_specs import Group
 from ...generation.slot_batch import SlotBatch
+from ...generation.slot_policy import CONTINUOUS, SlotPolicy
 from ...generation.turns import shares_of
 from ..layout import Layout
 from ..wire.messages import Message
@@ -78,16 +79,16 @@ class PromptGroup:
 class LedgerState:
     """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
-    `refill` the slots' policy (continuous batching: rows join as others leave; static: a slot takes one group,
-    whose rows leave together), and `prefill_tokens` the positions of a joining group's prompts a round runs."""
+    `policy` the slots' (`generation.slot_policy`: batching), and `prefill_tokens` the positions of a joining
+    group's prompts a round runs."""
 
     def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
-                 admission: Admission, epoch: Callable[[], int] = lambda: 0, refill: bool = True,
+                 admission: Admission, epoch: Callable[[], int] = lambda: 0, policy: SlotPolicy = CONTINUOUS,
                  prefill_tokens: int | None = None) -> None:
         self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
-        #: Every microbatch is a slot (`ledger_slots`); continuous batching (`refill`) lets rows join as others
-        #: leave, a joining group prefilled `prefill_tokens` positions a round (None: at once).
-        self.refill, self.prefill_tokens = refill, prefill_tokens
+        #: Every microbatch is a slot (`ledger_slots`), under one policy; a joining group is prefilled
+        #: `prefill_tokens` positions a round (None: at once).
+        self.policy, self.prefill_tokens = policy, prefill_tokens
         self.eos, self.pad, self.admission = eos, pad, admission
         #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
         #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).
@@ -138,7 +139,7 @@ class LedgerState:
         static microbatch per stage (per token slot, disaggregated)."""
         if not self.layout.disaggregated:
             return len(self.layout.stages)
-        return self.layout.token_depth if self.refill else self.token_slots
+        return self.layout.token_depth if self.policy.refills else self.token_slots
 
     def _barred(self, flight: Flight | None) -> set[int]:
         """The submissions that may not take rows in `flight` (opened beside the others, or about to be): those

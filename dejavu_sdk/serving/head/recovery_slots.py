@@ -26,7 +26,6 @@ from ...errors import DejaVuError
 from ...generation.batching import left_pad, row_fields
 from ...generation.row_specs import Group, RowSpecs
 from ...generation.slot_batch import SlotBatch
-from ...swapping import positions_needed
 from ..kv.replication import assemble
 from ..kv.slot_replicas import SlotBase, SlotTrace, piece_stream, trace
 from ..layout import Layout
@@ -207,19 +206,10 @@ def _rewind_message(batch: SlotBatch, found: SlotTrace, epoch: int, pad: int) ->
         counts={member: len(batch.generated[batch.rows_of[member]]) for member in members},
         limits={member: requests[member].max_new_tokens for member in everyone},
         cancelled=[member for member in everyone if batch.rows_of[member] in batch.dropped
-                   or (not batch.refill and batch.rows_of[member] in batch.settled)],  # static: ended ones pad
-        finals=_finals(requests, batch.refill),
+                   or (not batch.policy.refills and batch.rows_of[member] in batch.settled)],  # static: ended ones pad
+        finals=dict(zip(requests, batch.policy.finals([request.ids.numel() for request in requests.values()],
+                                                      [request.max_new_tokens for request in requests.values()]),
+                        strict=True)),
         joining=joining_at, mask=rows.mask, positions=rows.positions, index=found.index, group_mask=group_mask,
         group_ids=group_ids, states=states)
 
-
-def _finals(requests: dict[int, Any], refill: bool) -> dict[int, int]:
-    """Each member's cache length at its end (its slot's capacity): its own prompt and limit in a slot that
-    refills; in a static one, whose rows keep their padding, the longest prompt and the largest limit of its
-    microbatch (the slot holds one at a time), as the stages count it when the microbatch starts."""
-    if refill or not requests:
-        return {member: positions_needed(request.ids.numel(), request.max_new_tokens)
-                for member, request in requests.items()}
-    longest = max(request.ids.numel() for request in requests.values())
-    return dict.fromkeys(requests, positions_needed(longest, max(request.max_new_tokens
-                                                                 for request in requests.values())))

@@ -171,7 +171,7 @@ class Takeover:
             return "the last stage knows none of its rounds (none ran, or a recovery rebuilt it there)"
         with self.ledger.lock:
             waiting = {_key(request.tag): request for request in self.ledger.waiting if request.tag is not None}
-        batch = SlotBatch.open(number, self.ledger.pad, self.ledger.refill)
+        batch = SlotBatch.open(number, self.ledger.pad, self.ledger.policy)
         live: list[Request] = []
         for members, tags in self.groups[number]:
             group = []

@@ -71,10 +71,8 @@ class SlotPicks(WorkerState):
                 tokens.append(picked)
                 failed.update((group_members[row], failure) for row, failure in failures.items())
                 pickers.append((len(group_members), picker.states() if self.recovery else None))
-            # continuous: rows that ended with their first token leave at once; static: every row stays (an
-            # ended one as padding) unless all ended
-            stay = not self.refill and not bool(ended.all())
-            keep = [row for row, done in enumerate(ended.tolist()) if stay or not done]
+            leaving = set(self.policy.leaving(range(len(group_members)), ended.tolist()))  # (continuous: at once)
+            keep = [row for row in range(len(group_members)) if row not in leaving]
             state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
             state.ready_picker, state.ready_tokens, state.joining_picker = picker, picked[keep], None
@@ -87,9 +85,7 @@ class SlotPicks(WorkerState):
         chunk = starting.staged.chunk if starting is not None and starting.staged is not None else 0
         step = Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), message.prefill, chunk)
         idle = not decoded and message.prefill is None  # parked on the first stage
-        left = [] if idle else [member for member, done in zip(decoded, state.ended.tolist(), strict=True) if done]
-        if not self.refill and len(left) < len(decoded):  # a static slot's rows leave together, once all ended
-            left = []
+        left = [] if idle else self.policy.leaving(decoded, state.ended.tolist())
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         done = RoundDone(step, members, list(complete), idle, (left, None if idle else joined), failed)
         if state.reports is not None:  # what a successor head goes on from

@@ -40,7 +40,6 @@ from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs, group_rows
 from ...generation.slots import Joining, SlotRows, leave, stack, windows
 from ...generation.stage import position_ids
-from ...swapping import positions_needed
 from ..kv.slot_replicas import kv_block
 from ..wire.messages import Cancel, Columns, End, Enter, Freed, GroupStart, NotEntered, OpenSlot, SlotRound
 from .slot_picks import SlotPicks
@@ -104,7 +103,7 @@ class SlotHandlers(SlotPicks):
         go on to the last stage, which ends their rows (a joining group's once its first tokens come). One
         that overtook its slot (opened by a group still in the prompt pipeline) is kept until the slot comes."""
         state = self.slots.get(number)
-        if state is not None and self.stage.first and self.refill:  # a static group keeps its rows, as padding
+        if state is not None and self.stage.first and self.policy.refills:  # a static group keeps its rows (padding)
             members = self._unqueue(number, state, set(members))
         if not members:
             return
@@ -174,7 +173,7 @@ class SlotHandlers(SlotPicks):
                 state.started = index
             prefill_out = self._prefill_columns(number, state, prefill, starting, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
-            if self.refill:  # on the device until it joins (a static slot holds its group's cache: `_hold_group`)
+            if self.policy.refills:  # on the device until it joins (static: its cache is the slot's, `_hold_group`)
                 self.caches.pin(("group", number), None if group is None else group.cache
                                 if isinstance(group, Joining) else group[0])
         else:
@@ -184,7 +183,7 @@ class SlotHandlers(SlotPicks):
             self._put_slot_back(number, state, cache, changed)
         if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
             self._replicate_round(number, state, index, message, cache)
-        if not self.refill:
+        if not self.policy.refills:
             self._hold_group(number, state)
         onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
                               prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
@@ -356,11 +355,7 @@ class SlotHandlers(SlotPicks):
                      rng: torch.Tensor) -> None:
         """What a stage keeps of a group as it starts: each member's final cache length; the last stage also
         its limits and a picker (disaggregated: its generators as the prompt pipeline left them)."""
-        # a static slot's rows keep their padding: its cache ends at its longest prompt and largest limit
-        prompts = mask.sum(1).tolist() if self.refill else [mask.shape[1]] * len(members)
-        limits = specs.max_new_tokens if self.refill else [max(specs.max_new_tokens)] * len(members)
-        for member, prompt, limit in zip(members, prompts, limits, strict=True):
-            state.finals[member] = positions_needed(int(prompt), limit)
+        state.finals.update(zip(members, self.policy.finals(mask.sum(1).tolist(), specs.max_new_tokens), strict=True))
         if self.stage.last:
             state.limits.update(zip(members, specs.max_new_tokens, strict=True))
             state.cancelled.update(self.kept_cancels(number))  # cancels that overtook the slot's opening

@@ -22,6 +22,7 @@ from ...errors import TransportError
 from ...generation.logprobs import Scores, prompt_scores
 from ...generation.picker import TokenPicker
 from ...generation.row_specs import RowSpecs
+from ...generation.slot_policy import slot_policy
 from ...generation.slots import Joining, SlotRows, WindowState
 from ...generation.stage import Stage
 from ...store import Store
@@ -188,11 +189,11 @@ class WorkerState:
         self._reported_epoch = -1  # the epoch in which a lost link was last reported
         self.restored_pieces: dict[int, dict[str, torch.Tensor]] = {}  # a replacement's: its slots' replica pieces
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
-        #: Each microbatch is a slot (`worker.slots`); continuous batching (`refill`) lets its rows come and go, a
+        #: Each microbatch is a slot (`worker.slots`) under the batching's policy (`generation.slot_policy`), a
         #: joining group prefilled `max_prefill_tokens` positions a round (None: at once). A static slot keeps its
         #: one group's rows (ended ones as padding) until the last ends, its prompts prefilled in chunks of the same
         #: budget, as `model.generate` runs a batch with `prefill_chunk_size` (one step without a budget).
-        self.refill = batching == "continuous"
+        self.policy = slot_policy(batching)
         self.max_prefill_tokens = max_prefill_tokens
         self.slots: dict[int, SlotState] = {}
         #: The decoding microbatches' KV caches: on the device, or swapped to host memory with two on the device.
