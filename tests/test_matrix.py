@@ -3,10 +3,10 @@ family, through `dv.Pipeline`.
 
 Each cell serves six requests of its decoding and checks every token: static microbatches against
 `model.generate` on each microbatch with each row drawn its own way (`expectations.replayed`), continuous slots
-against the replay of the schedule each result carries. Where recovery is on, a stage is SIGKILLed while the
-requests decode (the last stage, or the first token stage where prompts have stages of their own) and every
-request is checked again the same way: exact, none lost. A cell that the pipeline refuses must give one of the
-documented reasons (`REFUSALS`, listed in docs/serving.md).
+against the replay of the schedule each result carries. Where recovery is on, each decoding stage in turn is
+SIGKILLed while a new set of requests decodes (the first token stage, then the last stage, where they differ),
+and every request is checked again the same way: exact, none lost. A cell that the pipeline refuses must give one
+of the documented reasons (`REFUSALS`, listed in docs/serving.md).
 
 The slow tier runs a pairwise covering set (every pair of option values in some cell); `pytest -m matrix` runs the
 whole product. `python tests/test_matrix.py` prints the last table for docs/serving.md.
@@ -131,9 +131,10 @@ def _check(model, cell: dict, prompts: list[torch.Tensor], limits: list[int], re
             assert len(result.logprobs) == result.tokens.numel()
 
 
-def _victim(pipe: Pipeline, layout: str) -> str:
+def _victims(pipe: Pipeline, layout: str) -> list[str]:
+    """The stages killed one after another: a token stage, then the last stage (one stage: the only one)."""
     names = [stage["name"] for stage in pipe.status()["stages"]]
-    return names[-2] if layout == "disaggregated" else names[-1]
+    return names[-1:] if layout == "one stage" else names[-2:]
 
 
 def _wait_for_steps(pipe: Pipeline, count: int, timeout: float) -> None:
@@ -156,7 +157,7 @@ def _options(cell: dict, tmp_path) -> dict:
 
 
 def run_cell(cell: dict, tmp_path) -> str:
-    """Serve the cell and check it; what happened, for the table ("exact", "exact after a kill", or the refusal)."""
+    """Serve the cell and check it; what happened, for the table ("exact", "exact after kills", or the refusal)."""
     prompts = [prompt.clamp(max=90) for prompt in expectations.prompts(6, seed=57)]
     prompts[4] = prompts[5] = prompts[3]  # "n": three choices of one prompt (the others too: harmless)
     model = getattr(tiny_models, cell["family"])()
@@ -176,14 +177,16 @@ def run_cell(cell: dict, tmp_path) -> str:
         _check(model, cell, prompts, LIMITS, results)
         if cell["recovery"] is None:
             return "exact"
-        futures = _submit(pipe, cell, prompts, LONGER)
-        _wait_for_steps(pipe, 3, 60)
-        victim = _victim(pipe, cell["layout"])
-        os.kill(next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == victim), signal.SIGKILL)
-        again = [future.result(timeout=120) for future in futures]
-        assert [name for report in pipe.recoveries for name in report.replaced] == [victim]
-    _check(model, cell, prompts, LONGER, again)
-    return f"exact after {victim} was killed"
+        victims = _victims(pipe, cell["layout"])
+        for killed, victim in enumerate(victims, start=1):
+            futures = _submit(pipe, cell, prompts, LONGER)
+            _wait_for_steps(pipe, 3, 60)
+            os.kill(next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == victim),
+                    signal.SIGKILL)
+            again = [future.result(timeout=120) for future in futures]
+            assert [name for report in pipe.recoveries for name in report.replaced] == victims[:killed]
+            _check(model, cell, prompts, LONGER, again)
+    return f"exact after {' then '.join(victims)} {'was' if len(victims) == 1 else 'were'} killed"
 
 
 #: Cells the slow tier runs beside the pairwise set: each once failed where the pairwise set did not look.
