@@ -12,14 +12,17 @@ import httpx
 
 
 class ResumingClient(threading.Thread):
-    """Streams `body` to the controller at `url` with `token`; `tokens`, their `logprobs` (when it asks) and `finish`
-    are what it got, `progress[slot]` its token count as it goes, `reconnects` how often its connection broke."""
+    """Streams `body` to the controller at `url` with `token`, reconnecting until the stream's end (`[DONE]`);
+    `tokens`, their `logprobs` (when it asks) and `finish` are what it got (`choices`: each choice's tokens, with
+    `n`), `progress[slot]` its token count as it goes, `reconnects` how often its connection broke."""
 
     def __init__(self, url: str, token: str, body: dict, progress: list[int], slot: int, within: float = 240) -> None:
         super().__init__(daemon=True)
         self.url, self.token, self.body, self.within = url, token, body, within
         self.progress, self.slot = progress, slot
         self.tokens: list[int] = []
+        self.choices: dict[int, list[int]] = {}
+        self.done = False
         self.logprobs: list[float] = []
         self.request_id: str | None = None
         self.last: str | None = None
@@ -30,7 +33,7 @@ class ResumingClient(threading.Thread):
     def run(self) -> None:
         try:
             deadline = time.monotonic() + self.within
-            while self.finish is None:
+            while not self.done:
                 assert time.monotonic() < deadline, f"client {self.slot} did not finish in {self.within} s"
                 try:
                     self._attempt()
@@ -60,11 +63,14 @@ class ResumingClient(threading.Thread):
             for line in response.iter_lines():
                 if line.startswith("id: "):
                     event_id = line[4:]
-                elif line.startswith("data: ") and line != "data: [DONE]":
+                elif line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     assert "error" not in chunk, chunk
                     for choice in chunk["choices"]:
                         self.tokens += choice["token_ids"]
+                        self.choices.setdefault(choice["index"], []).extend(choice["token_ids"])
                         self.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
                         self.progress[self.slot] = len(self.tokens)
                         self.finish = choice["finish_reason"] or self.finish
