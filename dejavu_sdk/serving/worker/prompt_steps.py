@@ -27,44 +27,51 @@ from ..wire.messages import Prefill, Prefilled
 from .state import PromptRun, WorkerState
 
 
-class PromptSteps(WorkerState):
-    """A prompt stage's handling of `Prefill`; `StageWorker` inherits it."""
+class PromptSteps:
+    """A prompt stage's handling of `Prefill`: a part of its `StageWorker`, on the worker's state (`worker`: its
+    stage, links, epoch, and the prompt runs and turns that a recovery clears)."""
 
-    def _prompt_prefill(self, message: Prefill) -> None:
+    def __init__(self, worker: WorkerState) -> None:
+        self.worker = worker
+
+    def prefill(self, message: Prefill) -> None:
         """A `Prefill` on a prompt stage: the first keeps it for its turns; another runs the columns it carries."""
-        number, inputs, mask = message.microbatch, message.inputs, message.mask
-        if self.stage.first:
-            cache = self.stage.new_cache()
-            self.prompt_runs[number] = PromptRun(message.specs, list(message.ended),
-                                                 Joining(list(range(len(mask))), mask.clone(), cache, inputs.clone()))
-            self.prompt_turns.append(number)
+        worker, number, inputs, mask = self.worker, message.microbatch, message.inputs, message.mask
+        if worker.stage.first:
+            cache = worker.stage.new_cache()
+            worker.prompt_runs[number] = PromptRun(message.specs, list(message.ended),
+                                                   Joining(list(range(len(mask))), mask.clone(), cache, inputs.clone()))
+            worker.prompt_turns.append(number)
             return
         start, stop = message.columns or (0, mask.shape[1])
         if start == 0:
-            self.prompt_runs[number] = PromptRun(message.specs, list(message.ended),
-                                                 Joining(list(range(len(mask))), mask.clone(), self.stage.new_cache()))
-        run = self.prompt_runs.get(number)
+            worker.prompt_runs[number] = PromptRun(message.specs, list(message.ended), Joining(
+                list(range(len(mask))), mask.clone(), worker.stage.new_cache()))
+        run = worker.prompt_runs.get(number)
         if run is None:  # its first columns failed here, or a recovery dropped it
             return
-        self._prompt_columns(number, run, inputs, int(start), int(stop))
+        self._columns(number, run, inputs, int(start), int(stop))
 
-    def _prompt_turn(self) -> None:
+    def turn(self) -> None:
         """The first prompt stage: run the next columns of the microbatch whose turn it is, then queue it again
         unless its prompts are in."""
-        number = self.prompt_turns.popleft()
-        run = self.prompt_runs.get(number)
+        turns = self.worker.prompt_turns
+        number = turns.popleft()
+        run = self.worker.prompt_runs.get(number)
         if run is None:  # failed, or dropped by a recovery
             return
-        start, stop = run.joining.columns(self.max_prefill_tokens)
+        start, stop = run.joining.columns(self.worker.max_prefill_tokens)
         assert run.joining.ids is not None  # the first stage keeps them
-        self._prompt_columns(number, run, run.joining.ids[:, start:stop], start, stop)
+        self._columns(number, run, run.joining.ids[:, start:stop], start, stop)
         if not run.joining.complete:
-            self.prompt_turns.append(number)
+            turns.append(number)
 
-    def _prompt_columns(self, number: int, run: PromptRun, inputs: torch.Tensor, start: int, stop: int) -> None:
+    def _columns(self, number: int, run: PromptRun, inputs: torch.Tensor, start: int, stop: int) -> None:
         """Run columns [start, stop) of the microbatch's prompts on this stage, stream each layer's new KV, and
         pass the chunk on (the last stage: score it, and after the last chunk report the first tokens)."""
-        sender, joining, first_layer = self.sender, run.joining, self.stage.layers[0]
+        worker = self.worker
+        stage, sender, joining, epoch = worker.stage, worker.sender, run.joining, worker.epoch
+        first_layer = stage.layers[0]
         assert sender is not None  # a prompt stage streams every layer it runs
         last = stop >= joining.mask.shape[1]
         assert joining.cache is not None  # a prompt stage's group keeps its own cache
@@ -76,24 +83,24 @@ class PromptSteps(WorkerState):
             layer = layers[local]
             if getattr(layer, "is_sliding", False):  # it keeps its last positions only: sent whole, at the end
                 if last:
-                    sender.layer_done(number, first_layer + local, layer.keys, layer.values, self.epoch)
+                    sender.layer_done(number, first_layer + local, layer.keys, layer.values, epoch)
                 return
             sender.layer_done(number, first_layer + local, layer.keys[:, :, start:stop], layer.values[:, :, start:stop],
-                              self.epoch, last)
+                              epoch, last)
 
         scores: dict[str, Any] = {}
-        on_hidden = (self.prompt_scorer(run.specs.decoding, start, joining.mask.shape[1], scores)
-                     if self.stage.last else None)
+        on_hidden = (worker.prompt_scorer(run.specs.decoding, start, joining.mask.shape[1], scores)
+                     if stage.last else None)
 
         def forward(hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-            return self.stage.forward(hidden, mask, positions, cache, after_layer=stream_layer, on_hidden=on_hidden)
+            return stage.forward(hidden, mask, positions, cache, after_layer=stream_layer, on_hidden=on_hidden)
 
         output = joining.run(forward, inputs, start, stop)
         if last:
-            del self.prompt_runs[number]
-        if not self.stage.last:
-            self._send(self.following, Prefill(microbatch=number, specs=run.specs, ended=run.ended,
-                                               columns=(start, stop), inputs=output, mask=joining.mask))
+            del worker.prompt_runs[number]
+        if not stage.last:
+            worker.post(worker.following, Prefill(microbatch=number, specs=run.specs, ended=run.ended,
+                                                  columns=(start, stop), inputs=output, mask=joining.mask))
             return
         _extend(run.prompt_logprobs, scores)
         if last:
@@ -101,17 +108,17 @@ class PromptSteps(WorkerState):
 
     def _first_tokens(self, number: int, run: PromptRun, logits: torch.Tensor) -> None:
         """The last prompt stage, its prompts in: pick the first tokens and report them; the token stages go on."""
-        mask, specs = run.joining.mask, run.specs
-        picker = TokenPicker(self.stage.adapter.model.generation_config, specs.decoding)
+        worker, mask, specs = self.worker, run.joining.mask, run.specs
+        picker = TokenPicker(worker.stage.adapter.model.generation_config, specs.decoding)
         ended = torch.zeros(len(mask), dtype=torch.bool)
-        ended[[*run.ended, *self.kept_cancels(number)]] = True  # ended by the head, or cancelled before
-        self.row_steps += int((~ended).sum())
-        tokens, ended, failures, scores = next_tokens_scored(picker, logits, ended, 1, specs.max_new_tokens, self.eos,
-                                                             self.pad)
+        ended[[*run.ended, *worker.kept_cancels(number)]] = True  # ended by the head, or cancelled before
+        worker.row_steps += int((~ended).sum())
+        tokens, ended, failures, scores = next_tokens_scored(picker, logits, ended, 1, specs.max_new_tokens,
+                                                             worker.eos, worker.pad)
         states = picker.states()
         rng = states if states is not None else torch.empty(0, dtype=torch.uint8)
         logprobs = {str(row): entry for row, entry in scores.items()}
-        self._send(self.head, Prefilled(microbatch=number, failed=dict(failures), chunk=run.chunk,
+        worker.post(worker.head, Prefilled(microbatch=number, failed=dict(failures), chunk=run.chunk,
                                         scores=Scores(logprobs, run.prompt_logprobs), tokens=tokens[:, None], mask=mask,
                                         ended=ended.to(torch.uint8), rng=rng))
 

@@ -93,7 +93,7 @@ class SlotPicks(WorkerState):
             kept = Scores({**logprobs, **staged_scores.logprobs}, {**prompt_logprobs, **staged_scores.prompt_logprobs})
             state.reports.append((attrs.evolve(done, members=[*members, *(complete if first else [])]),
                                   [*report.tolist(), *first], kept))
-        self._send(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
+        self.post(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
                                           tokens=report, states=_states(pickers)))
         if idle:
             return
@@ -104,7 +104,7 @@ class SlotPicks(WorkerState):
         if joined is not None and not joined:
             state.ready, state.ready_picker, state.ready_tokens, state.ready_ended = None, None, None, None
         next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
-        self._send(self.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
+        self.post(self.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
 
     @staticmethod
     def _let_go(state: SlotState, members: list[int]) -> None:

@@ -93,9 +93,9 @@ class SlotHandlers(SlotPicks):
         if state is not None and self.replicator is not None:
             self._slot_replicas().end(number, state.pieces)
         if self.stage.last:
-            self._send(self.head, Freed(microbatch=number))
+            self.post(self.head, Freed(microbatch=number))
         else:
-            self._send(self.following, message)
+            self.post(self.following, message)
 
     def _cancel_rows(self, number: int, members: list[int]) -> None:
         """Requests cancelled (the head tells the first decoding stage): the first stage takes them out of a
@@ -108,7 +108,7 @@ class SlotHandlers(SlotPicks):
         if not members:
             return
         if not self.stage.last:
-            self._send(self.following, Cancel(microbatch=number, rows=members))
+            self.post(self.following, Cancel(microbatch=number, rows=members))
             return
         if state is None:
             self.keep_cancel(number, members)
@@ -136,7 +136,7 @@ class SlotHandlers(SlotPicks):
             taken += [member for member in members if member in cancelled]
         state.queued = kept
         if taken:
-            self._send(self.head, NotEntered(microbatch=number, members=taken))
+            self.post(self.head, NotEntered(microbatch=number, members=taken))
         return sorted(cancelled - set(taken))
 
     # ---- a round --------------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class SlotHandlers(SlotPicks):
         onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
                               prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
         if not self.stage.last:
-            self._send(self.following, onward)
+            self.post(self.following, onward)
             return
         self._pick_round(number, state, onward, decoded, decode_out, prefill_out)
 

@@ -84,10 +84,14 @@ def failure_message(stage: str, error: BaseException, epoch: int = 0) -> torch.T
     return pack(Failed(stage=stage, epoch=epoch, error=f"{type(error).__name__}: {error}"))
 
 
-class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
+class StageWorker(RecoveryHandlers, SlotHandlers):
     """Runs one assigned stage: `run()` returns when the head says `shutdown`. Its constructor and state are
-    `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`, a continuous pipeline's
-    slots by `SlotHandlers`, a prompt stage's prefills by `PromptSteps`."""
+    `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`, the slots' steps by
+    `SlotHandlers`, and a prompt stage's prefills by its part `prompts` (`PromptSteps`)."""
+
+    @functools.cached_property
+    def prompts(self) -> PromptSteps:
+        return PromptSteps(self)
 
     @functools.cached_property
     def handlers(self) -> dict[type[Message], Callable[[Any], None]]:
@@ -116,7 +120,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
                     if self.stopped:
                         return
                 if self.prompt_turns:
-                    self._run_step(self.prompt_turns[0], self._prompt_turn)
+                    self._run_step(self.prompt_turns[0], self.prompts.turn)
                 if self.sender is not None:
                     self.sender.check()
             except HeadGone:  # nobody to tell: the worker waits for a successor, or stops
@@ -203,7 +207,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers, PromptSteps):
         """A group's prompts, disaggregated: a prompt stage prefills them in chunks."""
         if self.role.kind != "prompt":
             self._unexpected(message)
-        self._prompt_prefill(message)
+        self.prompts.prefill(message)
 
     def _slot_round(self, message: SlotRound) -> None:
         if not self.role.decodes:

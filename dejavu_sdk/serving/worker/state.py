@@ -257,7 +257,7 @@ class WorkerState:
 
         return score
 
-    def _send(self, link: Transport | None, message: EpochMessage) -> None:
+    def post(self, link: Transport | None, message: EpochMessage) -> None:
         """Post a step's message, stamped with the worker's epoch: no round trip per hop. A lost one fails the next
         post on that link, or the head's progress watchdog."""
         assert link is not None  # set for every message this stage sends on
