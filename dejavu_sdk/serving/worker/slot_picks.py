@@ -18,12 +18,16 @@ from ..wire.messages import RoundDone, RoundReport, SlotRound
 from .state import SlotState, WorkerState
 
 
-class SlotPicks(WorkerState):
-    """The last stage's picks of a slot's round; `SlotHandlers` inherits them."""
+class SlotPicks:
+    """The last stage's picks of a slot's round: a part of its `StageWorker`, on the worker's state (`worker`)."""
 
-    def _pick_round(self, number: int, state: SlotState, message: SlotRound, decoded: list[int],
-                    logits: torch.Tensor, first_logits: torch.Tensor) -> None:
+    def __init__(self, worker: WorkerState) -> None:
+        self.worker = worker
+
+    def pick_round(self, number: int, state: SlotState, message: SlotRound, decoded: list[int],
+                   logits: torch.Tensor, first_logits: torch.Tensor) -> None:
         """Pick the round's tokens, report the round, and start the next one (or end the slot)."""
+        worker = self.worker
         members: list[int] = []
         tokens: list[torch.Tensor] = []
         failed: dict[int, RowFailure] = {}
@@ -36,16 +40,16 @@ class SlotPicks(WorkerState):
             counts = [state.counts[member] + 1 for member in decoded]
             limits = [state.limits[member] for member in decoded]
             live = [row for row, ended in enumerate(state.ended.tolist()) if not ended]  # the others pad
-            self.row_steps += len(live)
+            worker.row_steps += len(live)
             decode_picks, state.ended, failures, scores = next_tokens_scored(state.picker, logits, state.ended,
-                                                                             counts, limits, self.eos, self.pad)
+                                                                             counts, limits, worker.eos, worker.pad)
             logprobs.update(_by_member(decoded, scores))
             members += [decoded[row] for row in live]
             tokens.append(decode_picks[live])
             failed.update((decoded[row], failure) for row, failure in failures.items())
             for member in decoded:
                 state.counts[member] += 1
-            states = state.picker.states() if self.recovery else None
+            states = state.picker.states() if worker.recovery else None
             pickers.append((len(live), None if states is None else states[live]))
         joined: list[int] | None = None
         complete: list[int] = []
@@ -63,15 +67,15 @@ class SlotPicks(WorkerState):
                 ended = cancelled | torch.tensor([member in staged.ended for member in group_members])
             else:
                 limits = [state.limits[member] for member in group_members]
-                self.row_steps += int((~cancelled).sum())
+                worker.row_steps += int((~cancelled).sum())
                 picked, ended, failures, scores = next_tokens_scored(picker, first_logits, cancelled, 1, limits,
-                                                                     self.eos, self.pad)
+                                                                     worker.eos, worker.pad)
                 logprobs.update(_by_member(group_members, scores))
                 members += group_members
                 tokens.append(picked)
                 failed.update((group_members[row], failure) for row, failure in failures.items())
-                pickers.append((len(group_members), picker.states() if self.recovery else None))
-            leaving = set(self.policy.leaving(range(len(group_members)), ended.tolist()))  # (continuous: at once)
+                pickers.append((len(group_members), picker.states() if worker.recovery else None))
+            leaving = set(worker.policy.leaving(range(len(group_members)), ended.tolist()))  # (continuous: at once)
             keep = [row for row in range(len(group_members)) if row not in leaving]
             state.counts.update((group_members[row], 1) for row in keep)
             picker.keep(keep)
@@ -79,13 +83,13 @@ class SlotPicks(WorkerState):
             state.ready_ended = ended[keep]
             state.joining_decodings = []
             joined = [group_members[row] for row in keep]
-            self._let_go(state, [member for member in group_members if member not in set(joined)])
+            _let_go(state, [member for member in group_members if member not in set(joined)])
         state.last = None  # tokens were picked: a recovery cannot take this round back
         starting = message.starting
         chunk = starting.staged.chunk if starting is not None and starting.staged is not None else 0
         step = Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), message.prefill, chunk)
         idle = not decoded and message.prefill is None  # parked on the first stage
-        left = [] if idle else self.policy.leaving(decoded, state.ended.tolist())
+        left = [] if idle else worker.policy.leaving(decoded, state.ended.tolist())
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         done = RoundDone(step, members, list(complete), idle, (left, None if idle else joined), failed)
         if state.reports is not None:  # what a successor head goes on from
@@ -93,26 +97,27 @@ class SlotPicks(WorkerState):
             kept = Scores({**logprobs, **staged_scores.logprobs}, {**prompt_logprobs, **staged_scores.prompt_logprobs})
             state.reports.append((attrs.evolve(done, members=[*members, *(complete if first else [])]),
                                   [*report.tolist(), *first], kept))
-        self.post(self.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
+        worker.post(worker.head, RoundReport(microbatch=number, done=done, scores=Scores(logprobs, prompt_logprobs),
                                           tokens=report, states=_states(pickers)))
         if idle:
             return
-        self._let_go(state, left)
+        _let_go(state, left)
         staying = [row for row, member in enumerate(decoded) if member not in set(left)]
         following = [decode for decode in (decode_picks[staying] if decoded else None, state.ready_tokens if joined
                                            else None) if decode is not None and len(decode)]
         if joined is not None and not joined:
             state.ready, state.ready_picker, state.ready_tokens, state.ready_ended = None, None, None, None
         next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
-        self.post(self.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
+        worker.post(worker.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
 
-    @staticmethod
-    def _let_go(state: SlotState, members: list[int]) -> None:
-        """The last stage: forget what it kept of members whose rows ended."""
-        for member in members:
-            state.counts.pop(member, None)
-            state.limits.pop(member, None)
-            state.cancelled.discard(member)
+
+
+def _let_go(state: SlotState, members: list[int]) -> None:
+    """The last stage: forget what it kept of members whose rows ended."""
+    for member in members:
+        state.counts.pop(member, None)
+        state.limits.pop(member, None)
+        state.cancelled.discard(member)
 
 
 def _states(pickers: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor | None:

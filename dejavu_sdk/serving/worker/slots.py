@@ -43,15 +43,20 @@ from ...generation.stage import position_ids
 from ..kv.slot_replicas import kv_block
 from ..wire.messages import Cancel, Columns, End, Enter, Freed, GroupStart, NotEntered, OpenSlot, SlotRound
 from .slot_picks import SlotPicks
-from .state import SlotState
+from .state import SlotState, WorkerState
 
 log = logging.getLogger(__name__)
 
 _EMPTY = torch.zeros(0)
 
 
-class SlotHandlers(SlotPicks):
-    """The handlers of a continuous pipeline's step messages; `StageWorker` inherits them."""
+class SlotHandlers(WorkerState):
+    """The handlers of the slots' step messages; `StageWorker` inherits them. The last stage's picks of a round
+    are its part `picks` (`SlotPicks`)."""
+
+    @functools.cached_property
+    def picks(self) -> SlotPicks:
+        return SlotPicks(self)
 
     def _open_slot(self, message: OpenSlot) -> None:
         """The first stage: a new slot, its first group entering at once (a round with nothing else in it)."""
@@ -190,7 +195,7 @@ class SlotHandlers(SlotPicks):
         if not self.stage.last:
             self.post(self.following, onward)
             return
-        self._pick_round(number, state, onward, decoded, decode_out, prefill_out)
+        self.picks.pick_round(number, state, onward, decoded, decode_out, prefill_out)
 
     def _replicate_round(self, number: int, state: SlotState, index: int, message: SlotRound, cache: Any) -> None:
         """Write what round `index` added to the slot's replica: a new segment when its rows changed, the decode
