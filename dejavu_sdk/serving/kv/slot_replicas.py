@@ -270,7 +270,7 @@ class SlotReplicas:
 
 def _change(cache: DynamicCache, rows: SlotRows, ready: tuple[DynamicCache, SlotRows] | None, left: Sequence[int],
             joined: Sequence[int] | None) -> tuple[SlotRows, tuple[DynamicCache, SlotRows] | None]:
-    """A round's row change on stand-ins, as a stage makes it (`worker.slots._change_rows`)."""
+    """A round's row change on stand-ins, as a stage makes it (`worker.slots.SlotHandlers.change_rows`)."""
     rows = leave(cache, rows, list(left))
     if joined is None:
         return rows, ready

@@ -30,69 +30,78 @@ from .slots import SlotHandlers
 from .state import SlotState
 
 
-class SlotRecoveryHandlers(SlotHandlers):
-    """The `RewindSlot` handler, under continuous batching; `StageWorker` inherits it."""
+class SlotRewinds:
+    """A stage's side of a slot's recovery (`RewindSlot`): a part of its `StageWorker`, on the worker's state
+    and slot steps (`worker`)."""
 
-    def _rewind_slot(self, message: RewindSlot) -> None:
+    def __init__(self, worker: SlotHandlers) -> None:
+        self.worker = worker
+
+    def rewind_slot(self, message: RewindSlot) -> None:
+        worker = self.worker
         number, error = message.microbatch, None
         try:
             self._rewind_slot_to(message)
         except (DejaVuError, ValueError, RuntimeError, KeyError) as failure:  # that slot fails, not the stage
-            self._forget(number)
-            error = f"{self.role.name} could not rewind slot {number}: {type(failure).__name__}: {failure}"
-        self.head.send_tensor(pack(Rewound(stage=self.role.name, microbatch=number, epoch=self.epoch, error=error)))
+            worker.forget(number)
+            error = f"{worker.role.name} could not rewind slot {number}: {type(failure).__name__}: {failure}"
+        worker.head.send_tensor(pack(Rewound(stage=worker.role.name, microbatch=number, epoch=worker.epoch,
+                                             error=error)))
 
     def _rewind_slot_to(self, message: RewindSlot) -> None:
+        worker = self.worker
         number, target = message.microbatch, message.round
         rows = SlotRows(list(message.members), message.mask.clone(), message.positions.clone())
-        state = self.slots.get(number)
-        pieces = self.restored_pieces.pop(number, None)
+        state = worker.slots.get(number)
+        pieces = worker.restored_pieces.pop(number, None)
         rebuilt = pieces is not None or state is None
         if rebuilt:
             state, cache = self._rebuild_slot(rows, message, pieces or {})
         else:
             assert state is not None
-            cache = self.caches.acquire(number) if number in self.caches else None
+            cache = worker.caches.acquire(number) if number in worker.caches else None
             if state.joining is not None and state.joining.cache is None:  # a static group held as the slot's cache
                 state.joining.cache = cache
             if state.round == target + 1:
                 cache = _take_back(state, cache)
             elif state.round == target:
-                cache, _ = self._change_rows(number, state, cache, message.left, message.joined)
+                cache, _ = worker.change_rows(number, state, cache, message.left, message.joined)
             else:
                 raise DejaVuError(f"it ran {state.round} rounds of the slot; the recovery goes on after {target}")
             if state.rows.members != rows.members or not torch.equal(state.rows.mask, rows.mask):
                 raise DejaVuError(f"its rows {state.rows.members} are not the {rows.members} the head expects")
-        if message.joining is not None and state.joining is not None and self.stage.first:
+        if message.joining is not None and state.joining is not None and worker.stage.first:
             state.joining.ids = message.group_ids.clone()  # the first stage runs the rest of its prompts
         state.round, state.last, state.queued = target, None, deque()  # the head sends the groups again
         state.reports = None if rebuilt or state.reports is None else state.reports[:target]
-        state.parked = message.parked and self.stage.first
+        state.parked = message.parked and worker.stage.first
         state.finals = dict(message.finals)
-        if rebuilt and self.stage.last:
+        if rebuilt and worker.stage.last:
             self._rebuild_choices(state, message)
-        elif self.stage.last:  # cancels lost on their way during the failure
+        elif worker.stage.last:  # cancels lost on their way during the failure
             state.cancelled.update(message.cancelled)
             state.ended |= torch.tensor([member in state.cancelled for member in state.rows.members], dtype=torch.bool)
-        self.slots[number] = state
-        self.caches.remove(number)
+        worker.slots[number] = state
+        worker.caches.remove(number)
         if state.rows.members and cache is not None:
-            self.caches.new_cache(number, cache)
-            self.caches.add(number, self._slot_capacity(state))
-        self.caches.pin(("group", number), state.joining.cache if state.joining is not None else None)
-        if self.replicator is not None:
-            self._slot_replicas().rebase(number, state.pieces, target, cache, state.rows, state.joining, state.started)
+            worker.caches.new_cache(number, cache)
+            worker.caches.add(number, worker.slot_capacity(state))
+        worker.caches.pin(("group", number), state.joining.cache if state.joining is not None else None)
+        if worker.replicator is not None:
+            worker.slot_replicas().rebase(number, state.pieces, target, cache, state.rows, state.joining, state.started)
 
     def _rebuild_slot(self, rows: SlotRows, message: RewindSlot,
                       pieces: dict[str, torch.Tensor]) -> tuple[SlotState, Any]:
         """A replacement's slot, from the pieces of its replica restored to it."""
+        worker = self.worker
         state = SlotState(rows=rows)
         block = gather(message.index, message.pieces, pieces)
-        cache = None if block is None else cache_from(block, self.stage.config)
+        cache = None if block is None else cache_from(block, worker.stage.config)
         joining: GroupAt | None = message.joining
         if joining is not None:
             done, name = joining.done, f"group{joining.started}"
-            group = cache_from(pieces[name][:, :, :, :, :done], self.stage.config) if done else self.stage.new_cache()
+            config = worker.stage.config
+            group = cache_from(pieces[name][:, :, :, :, :done], config) if done else worker.stage.new_cache()
             state.joining = Joining(list(joining.group.members), message.group_mask.clone(), group, done=done)
             state.started = joining.started
         return state, cache
@@ -100,7 +109,8 @@ class SlotRecoveryHandlers(SlotHandlers):
     def _rebuild_choices(self, state: SlotState, message: RewindSlot) -> None:
         """A replaced last stage's choices of the rows' next tokens: their decodings and generators' states, their
         token counts and limits, and the requests cancelled."""
-        config = self.stage.adapter.model.generation_config
+        worker = self.worker
+        config = worker.stage.adapter.model.generation_config
         state.picker = TokenPicker(config, message.decodings)
         if message.states.numel():
             state.picker.set_states(message.states)

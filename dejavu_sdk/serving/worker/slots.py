@@ -96,7 +96,7 @@ class SlotHandlers(WorkerState):
         self.caches.remove(number)
         self.caches.pin(("group", number), None)
         if state is not None and self.replicator is not None:
-            self._slot_replicas().end(number, state.pieces)
+            self.slot_replicas().end(number, state.pieces)
         if self.stage.last:
             self.post(self.head, Freed(microbatch=number))
         else:
@@ -165,7 +165,7 @@ class SlotHandlers(WorkerState):
         if message.applied:  # a recovery made this round's row change already
             changed = False
         else:
-            cache, changed = self._change_rows(number, state, cache, message.left, message.joined)
+            cache, changed = self.change_rows(number, state, cache, message.left, message.joined)
         decoded = list(state.rows.members)
         if self.stage.first:
             prefill, starting, prefill_in, group_mask, rng = self._next_columns(state)
@@ -200,7 +200,7 @@ class SlotHandlers(WorkerState):
     def _replicate_round(self, number: int, state: SlotState, index: int, message: SlotRound, cache: Any) -> None:
         """Write what round `index` added to the slot's replica: a new segment when its rows changed, the decode
         column, the joining group's prompt columns; and delete the pieces no row reads any more."""
-        writer, pieces = self._slot_replicas(), state.pieces
+        writer, pieces = self.slot_replicas(), state.pieces
         if message.left or message.joined:
             writer.new_segment(pieces, index, state.rows.members)
         decoded, prefill = state.last or (False, None)
@@ -230,7 +230,7 @@ class SlotHandlers(WorkerState):
                 return
             self.caches.pin(("group", number), None)
             self.caches.new_cache(number, cache)
-            self.caches.add(number, self._slot_capacity(state))
+            self.caches.add(number, self.slot_capacity(state))
         if group is not None:
             group.cache = None
         if ready is not None:
@@ -253,7 +253,7 @@ class SlotHandlers(WorkerState):
         self._staged(staged.number).start = message
         return True
 
-    def _change_rows(self, number: int, state: SlotState, cache: Any, left: list[int],
+    def change_rows(self, number: int, state: SlotState, cache: Any, left: list[int],
                 joined: list[int] | None) -> tuple[Any, bool]:
         """Rows that ended leave; a prefilled group joins (its rows that ended with their first token left out).
         The slot's cache (made here for its first rows), and whether its rows changed."""
@@ -282,7 +282,7 @@ class SlotHandlers(WorkerState):
             cache = self.stage.new_cache()
             state.rows = stack(cache, state.rows, group_cache, group_rows)
             self.caches.new_cache(number, cache)
-            self.caches.add(number, self._slot_capacity(state))
+            self.caches.add(number, self.slot_capacity(state))
             cache = self.caches.acquire(number)
         else:
             state.rows = stack(cache, state.rows, group_cache, group_rows)
@@ -375,12 +375,12 @@ class SlotHandlers(WorkerState):
         elif changed:
             self.caches.remove(number)
             self.caches.new_cache(number, cache)
-            self.caches.add(number, self._slot_capacity(state))
+            self.caches.add(number, self.slot_capacity(state))
         else:
             self.caches.release(number)
 
     @staticmethod
-    def _slot_capacity(state: SlotState) -> int:
+    def slot_capacity(state: SlotState) -> int:
         """The positions the slot's cache may reach: its rows' longest final length (a static slot holding its
         group before the rows join: the group's)."""
         group = (state.joining.members if state.joining is not None else

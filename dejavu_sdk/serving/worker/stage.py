@@ -65,7 +65,8 @@ from ..wire.messages import (
     unpack,
 )
 from .prompt_steps import PromptSteps
-from .recovery import RecoveryHandlers
+from .recovery import RecoverySteps
+from .slot_recovery import SlotRewinds
 from .slots import SlotHandlers
 from .state import HeadGone, Role
 
@@ -84,14 +85,23 @@ def failure_message(stage: str, error: BaseException, epoch: int = 0) -> torch.T
     return pack(Failed(stage=stage, epoch=epoch, error=f"{type(error).__name__}: {error}"))
 
 
-class StageWorker(RecoveryHandlers, SlotHandlers):
+class StageWorker(SlotHandlers):
     """Runs one assigned stage: `run()` returns when the head says `shutdown`. Its constructor and state are
-    `WorkerState`'s; the head's recovery messages are handled by `RecoveryHandlers`, the slots' steps by
-    `SlotHandlers`, and a prompt stage's prefills by its part `prompts` (`PromptSteps`)."""
+    `WorkerState`'s, and the slots' steps `SlotHandlers`'; its parts, each on that state, handle the rest: a
+    prompt stage's prefills (`prompts`), the head's recovery messages (`recovery_steps`) and a slot's rewind
+    (`rewinds`)."""
 
     @functools.cached_property
     def prompts(self) -> PromptSteps:
         return PromptSteps(self)
+
+    @functools.cached_property
+    def recovery_steps(self) -> RecoverySteps:
+        return RecoverySteps(self)
+
+    @functools.cached_property
+    def rewinds(self) -> SlotRewinds:
+        return SlotRewinds(self)
 
     @functools.cached_property
     def handlers(self) -> dict[type[Message], Callable[[Any], None]]:
@@ -102,8 +112,9 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             Prefill: self._as_step(self._prefill_of_role), OpenSlot: self._as_step(self._open_slot),
             Enter: self._enter_group, SlotRound: self._as_step(self._slot_round), Kv: self._receive_kv,
             Cancel: self._cancel, End: self._end,
-            Pause: self._pause, Relink: self._relink, SendReplica: self._send_replica, Restore: self._restore,
-            Drop: self._drop, RewindSlot: self._rewind_slot}
+            Pause: self.recovery_steps.pause, Relink: self.recovery_steps.relink,
+            SendReplica: self.recovery_steps.send_replica, Restore: self.recovery_steps.restore,
+            Drop: self.recovery_steps.drop, RewindSlot: self.rewinds.rewind_slot}
 
     def run(self) -> None:
         while True:
@@ -152,8 +163,8 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
 
     def _link_lost(self, error: BaseException) -> None:
         """A neighbour could not be reached: tell the head once per epoch, and wait for its recovery."""
-        if self._reported_epoch < self.epoch:
-            self._reported_epoch = self.epoch
+        if self.reported_epoch < self.epoch:
+            self.reported_epoch = self.epoch
             self.tell_head(pack(LinkLost(stage=self.role.name, epoch=self.epoch, error=str(error))))
 
     def handle(self, message: Message) -> None:
@@ -198,7 +209,7 @@ class StageWorker(RecoveryHandlers, SlotHandlers):
             raise
         except Exception as error:
             log.exception("%s failed on microbatch %d", self.role.name, number)
-            self._forget(number)
+            self.forget(number)
             self.head.send_tensor(pack(MicrobatchFailed(
                 microbatch=number, stage=self.role.name, epoch=self.epoch,
                 error=f"{self.role.name} failed on it: {type(error).__name__}: {error}")))

@@ -186,7 +186,7 @@ class WorkerState:
         #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.
         self.recovery, self.epoch = recovery, epoch
         self.prefix = replica_prefix  # of the replica streams, this pipeline's
-        self._reported_epoch = -1  # the epoch in which a lost link was last reported
+        self.reported_epoch = -1  # the epoch in which a lost link was last reported
         self.restored_pieces: dict[int, dict[str, torch.Tensor]] = {}  # a replacement's: its slots' replica pieces
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them
         #: Each microbatch is a slot (`worker.slots`) under the batching's policy (`generation.slot_policy`), a
@@ -222,7 +222,7 @@ class WorkerState:
         """The prompt KV received for microbatch (or group) `number`, kept until its first step takes it."""
         return self.staged.setdefault(number, StagedKV(self.stage.layers[1] - self.stage.layers[0]))
 
-    def _forget(self, number: int) -> None:
+    def forget(self, number: int) -> None:
         """Let go of everything held for microbatch (slot, or group) `number`: its state, cache, KV received, prompts
         to run, replica."""
         slot = self.slots.pop(number, None)
@@ -232,9 +232,9 @@ class WorkerState:
         self.staged.pop(number, None)
         self.prompt_runs.pop(number, None)
         if self.replicator is not None and slot is not None:
-            self._slot_replicas().end(number, slot.pieces)
+            self.slot_replicas().end(number, slot.pieces)
 
-    def _slot_replicas(self) -> SlotReplicas:
+    def slot_replicas(self) -> SlotReplicas:
         """The writer of the slots' replicas, through the replicator of the links now."""
         assert self.replicator is not None  # only asked for with recovery from replicas
         return SlotReplicas(self.replicator)
@@ -273,9 +273,9 @@ class WorkerState:
         raise TransportError(f"{self.role.name} got a message of unexpected kind {message.kind!r}")
 
     def close(self) -> None:
-        self._close_links()
+        self.close_links()
 
-    def _close_links(self) -> None:
+    def close_links(self) -> None:
         """Close every link to another stage (not the head's), the replicas' holder's included."""
         if self.replicator is not None:
             self.replicator.holder.close()
