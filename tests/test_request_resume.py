@@ -183,7 +183,7 @@ def test_a_successor_goes_on_with_the_journal_s_requests_and_their_clients_resum
 
 
 @pytest.mark.slow
-def test_a_successor_streams_and_answers_with_the_log_probabilities_its_predecessor_journaled(
+def test_a_successor_streams_the_log_probabilities_its_predecessor_journaled(
         workers_import_tiny_models, tokenizer, tmp_path) -> None:
     """The journal keeps each token's log-probabilities: a client that resumes from a successor gets those of the
     tokens the journal held (which it computes again only to check them) as they were first streamed."""
