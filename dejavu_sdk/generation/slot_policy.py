@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 
 from ..swapping import positions_needed, slots_needed
-from .admission import Admission, Slot
-from .batching import Request
+from .admission import Admission, Slot, row_bytes
+from .batching import Request, cache_bytes
 
 
 @attrs.frozen
@@ -53,10 +53,10 @@ class SlotPolicy:
 
     def reserve(self, requests: Sequence[Request], bytes_per_token: int) -> int:
         """The bytes a slot of `requests` may take at its end: every row as long as its longest at its end (rows
-        are left-padded to each other)."""
-        finals = self.finals([request.ids.numel() for request in requests],
-                             [request.max_new_tokens for request in requests])
-        return len(finals) * max(finals, default=0) * bytes_per_token
+        are left-padded to each other): `admission.row_bytes`, or a static microbatch's `batching.cache_bytes`."""
+        if self.refills:
+            return row_bytes(requests, bytes_per_token)
+        return cache_bytes(requests, bytes_per_token) if requests else 0
 
     def admitted(self, held: Sequence[Request], entering: Sequence[Request], bytes_per_token: int) -> Slot:
         """What a slot holding the rows `held` (with `entering`, those on their way in, among them) takes, for
