@@ -12,6 +12,7 @@ import torch
 
 from dejavu_sdk import open_store
 from dejavu_sdk.blocks import BlockKey
+from dejavu_sdk.errors import TransportError
 from dejavu_sdk.generation.batching import left_pad
 from dejavu_sdk.generation.row_specs import Group, RowSpecs
 from dejavu_sdk.generation.stage import Stage
@@ -19,6 +20,7 @@ from dejavu_sdk.serving.wire.messages import (
     Cancel,
     Drop,
     End,
+    Failed,
     Freed,
     Kv,
     Message,
@@ -27,10 +29,12 @@ from dejavu_sdk.serving.wire.messages import (
     Pause,
     Paused,
     RoundReport,
+    Shutdown,
     SlotRound,
     pack,
     unpack,
 )
+from dejavu_sdk.serving.worker import stage as stage_module
 from dejavu_sdk.serving.worker.stage import Role, StageWorker
 
 GREEDY = {"do_sample": False}
@@ -177,3 +181,49 @@ def test_a_drop_removes_the_replicas_held_here_of_those_microbatches_only() -> N
         store.flush(BlockKey(stream, (0, 1), (0, 3)), block)
     worker.handle(Drop(microbatches=[7], epoch=2))
     assert sorted({key.stream_id for key in store.keys(None)}) == sorted(streams[2:])
+
+
+class _Inbox:
+    """An inbox that hands out `messages` in order, then is quiet."""
+
+    def __init__(self, *messages: Message) -> None:
+        self.queued = [pack(message) for message in messages]
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        if not self.queued:
+            raise TransportError("no tensor arrived")
+        return self.queued.pop(0)
+
+
+class _GoneLink(_Link):
+    """A neighbour that stopped: every post to it fails."""
+
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        raise TransportError("tcp://127.0.0.1:1 closed the connection")
+
+    post_tensor = send_tensor
+
+
+def _first_of_two(inbox: _Inbox) -> tuple[StageWorker, _Link]:
+    head = _Link()
+    worker = StageWorker(Stage(tiny_models.llama(), (0, 2)), Role("mixed", 0, 2, "stage 0"), inbox, head,  # type: ignore[arg-type]
+                         _GoneLink(), None, eos=[], pad=0, recovery=False, epoch=2)  # type: ignore[arg-type]
+    return worker, head
+
+
+def test_a_neighbour_gone_because_the_head_closed_the_pipeline_ends_the_worker_cleanly() -> None:
+    """The head tells the stages to stop one after another: a neighbour that took its word first must not turn
+    this worker's last post to it into a failed exit, once this worker's own `Shutdown` comes."""
+    worker, head = _first_of_two(_Inbox(End(microbatch=4, epoch=2), Shutdown()))
+    worker.run()  # returns: the lost post was the pipeline's end
+    assert [type(message) for message in head.sent] == [Failed]  # the head heard of it all the same
+
+
+def test_a_neighbour_gone_with_no_shutdown_coming_is_the_worker_s_failure(monkeypatch) -> None:
+    monkeypatch.setattr(stage_module, "STOP_GRACE", 0.2)
+    worker, head = _first_of_two(_Inbox(End(microbatch=4, epoch=2)))
+    with pytest.raises(TransportError, match="closed the connection"):
+        worker.run()
+    (failed,) = head.sent
+    assert isinstance(failed, Failed)
+    assert "closed the connection" in failed.error

@@ -17,7 +17,8 @@ start it, or `dejavu worker --join URL`):
    (`Kv`), and its last stage sends the first tokens to the head (`Prefilled`); a token stage keeps the KV it
    receives until the group enters its slot, which takes it in instead of computing it.
 A worker that cannot reach a neighbour, or whose stage fails, tells the head (`Failed`) and stops: the head
-fails the requests in flight. One that cannot reach the head raises `HeadGone`, and waits as an orphan for a
+fails the requests in flight (a neighbour gone because the head is closing the pipeline is no failure: the
+worker's own `Shutdown` follows). One that cannot reach the head raises `HeadGone`, and waits as an orphan for a
 successor (`bootstrap.run_worker`).
 
 With recovery (`recovery` in the assignment), decoding stages replicate their caches around the ring
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,6 +78,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a worker's loop waits on a quiet inbox before it checks that its heartbeats and KV sends still go.
 QUIET = 2.0
+#: Seconds a worker that lost a neighbour (without recovery) waits for its own `Shutdown` before it counts the
+#: loss a failure: the head tells the stages to stop one after another.
+STOP_GRACE = 2.0
 
 Step = TypeVar("Step", bound=MicrobatchMessage)
 
@@ -139,11 +144,28 @@ class StageWorker(SlotHandlers):
             except (TransportError, ReplicationError) as error:  # a neighbour, the replica holder or the head
                 if not self.recovery:
                     self.tell_head(failure_message(self.role.name, error, self.epoch))
+                    if self._told_to_stop():  # the neighbour had stopped because the pipeline is closing
+                        return
                     raise
                 self._link_lost(error)
             except Exception as error:  # a bad message, or the stage failed: tell the head
                 self.tell_head(failure_message(self.role.name, error, self.epoch))
                 raise
+
+    def _told_to_stop(self) -> bool:
+        """Whether the head's `Shutdown` (or `Fenced`) is in the inbox or comes within STOP_GRACE seconds. A
+        closing head tells every worker to stop, and a neighbour may take its word and go before this worker
+        has posted its last step to it: that lost post is the pipeline's end, not a failure (exit 0). The
+        inbox's other messages are dropped: the worker is ending either way."""
+        deadline = time.monotonic() + STOP_GRACE
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                packed = self.inbox.recv_tensor(timeout=left)
+            except TransportError:  # quiet for the whole grace: a failure, which the head has been told
+                return False
+            if isinstance(self._readable(packed), (Shutdown, Fenced)):
+                return True
+        return False
 
     def _readable(self, packed: torch.Tensor) -> Message | None:
         """The message in `packed`, or None (with a warning) when it is none a pipeline sends: bytes that a holder
