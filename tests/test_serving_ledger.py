@@ -47,24 +47,24 @@ def test_a_static_slot_takes_one_microbatch_keeps_its_ended_rows_and_ends_when_t
         (0, OpenSlot, [requests[0].number, requests[1].number]),
         (0, OpenSlot, [requests[2].number, requests[3].number])]
     slot, (first, second) = sends[0][1].microbatch, sends[0][1].group.members
-    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
+    outcome = ledger.slots.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
                                            complete=[first, second]), [7, 8])
     assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]  # its one token: answered
-    ledger.on_round(slot, _round([second], joined=[first, second], decoded=[first, second]), [9])
+    ledger.slots.on_round(slot, _round([second], joined=[first, second], decoded=[first, second]), [9])
     assert ledger.admit() == []  # a static slot takes no row beside the ended one, which stays as padding
-    outcome = ledger.on_round(slot, _round([second], decoded=[first, second]), [10])
+    outcome = ledger.slots.on_round(slot, _round([second], decoded=[first, second]), [10])
     (result,) = [result for _, result in outcome.answers]
     assert (result.tokens.tolist(), result.microbatch, result.row, result.rows, result.padding) == (
         [8, 9, 10], slot, 1, 2, 0)
     assert result.schedule == ()  # `model.generate` on its microbatch: no schedule
     assert result.request == -1
-    ledger.on_round(slot, _round([], left=[first, second], idle=True), [])
+    ledger.slots.on_round(slot, _round([], left=[first, second], idle=True), [])
     ((stage, enter),) = ledger.admit()  # its rows left together: the slot takes the next microbatch at once
     assert (stage, type(enter), enter.microbatch, enter.group.members) == (0, Enter, slot, [requests[4].number])
     (last,) = [member for member in enter.group.members]
-    ledger.on_round(slot, _round([last], prefill=[[last], 0, 3], complete=[last]), [7])
-    outcome = ledger.on_round(slot, _round([last], joined=[last], decoded=[last]), [8])
-    outcome = ledger.on_round(slot, _round([last], decoded=[last]), [9])
+    ledger.slots.on_round(slot, _round([last], prefill=[[last], 0, 3], complete=[last]), [7])
+    outcome = ledger.slots.on_round(slot, _round([last], joined=[last], decoded=[last]), [8])
+    outcome = ledger.slots.on_round(slot, _round([last], decoded=[last]), [9])
     ((_, result),) = outcome.answers
     assert result.microbatch not in (slot, sends[1][1].microbatch)  # a microbatch of its own in the results
     assert (result.row, result.rows, result.tokens.tolist()) == (0, 1, [7, 8, 9])
@@ -87,18 +87,20 @@ def test_a_lost_static_slot_starts_its_microbatch_over_where_each_row_sat_and_st
     ledger.queue(requests)
     ((_, opened),) = ledger.admit()
     members = opened.group.members
-    outcome = ledger.on_round(opened.microbatch, _round(members, prefill=[members, 0, 3], complete=members), [7, 8, 9])
+    outcome = ledger.slots.on_round(opened.microbatch, _round(members, prefill=[members, 0, 3], complete=members),
+                                    [7, 8, 9])
     stream(outcome.calls)
-    ledger.slots_to_recover(1)
-    restarted = ledger.resume_slots({}, {opened.microbatch: "recovery='recompute' keeps no replica"})
+    ledger.resumes.slots_to_recover(1)
+    restarted = ledger.resumes.resume_slots({}, {opened.microbatch: "recovery='recompute' keeps no replica"})
     (_, again), (_, cancel) = restarted.sends
     assert (type(again), again.group.members) == (OpenSlot, members)  # the same rows, in the same order
     assert torch.equal(again.mask, opened.mask)  # each row's padding as it was
     assert cancel == Cancel(microbatch=again.microbatch, rows=[members[0]])  # answered: padding now
     assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]
-    stream(ledger.on_round(again.microbatch, _round(members[1:], prefill=[members, 0, 3], complete=members),
-                           [8, 9]).calls)
-    stream(ledger.on_round(again.microbatch, _round(members[1:], joined=members, decoded=members), [10, 11]).calls)
+    stream(ledger.slots.on_round(again.microbatch, _round(members[1:], prefill=[members, 0, 3], complete=members),
+                                 [8, 9]).calls)
+    stream(ledger.slots.on_round(again.microbatch, _round(members[1:], joined=members, decoded=members),
+                                 [10, 11]).calls)
     assert streamed == [[7], [8, 10], [9, 11]]  # the first tokens came once
 
 
@@ -155,11 +157,11 @@ def test_a_slot_opens_with_a_group_and_takes_another_when_rows_leave() -> None:
     first, second = requests[0].number, requests[1].number
     more = _requests(3)
     ledger.queue(more)
-    outcome = ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
+    outcome = ledger.slots.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3],
                                            complete=[first, second]), [7, 8])
     assert [result.tokens.tolist() for _, result in outcome.answers] == [[7]]  # max_new_tokens 1: answered
     assert ledger.admit() == []  # its row leaves only at the next round
-    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])
+    ledger.slots.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])
     (enter,) = ledger.admit()  # the round told that the first row never joined: room for one
     assert (type(enter[1]), enter[1].group.members) == (Enter, [more[0].number])
     assert ledger.status()["microbatches"][0] == {"microbatch": slot, "rows": 2, "steps": 2}
@@ -172,23 +174,23 @@ def test_an_idle_slot_takes_waiting_requests_waits_for_a_group_bound_for_it_and_
     ledger.queue(requests[:1])
     (opened,) = ledger.admit()
     slot = opened[1].microbatch
-    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
+    ledger.slots.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
     ledger.queue(requests[1:2])
     assert ledger.admit() == []  # one group on its way in at a time
-    answers = ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8]).answers  # its last
+    answers = ledger.slots.on_round(slot, _round([first], joined=[first], decoded=[first]), [8]).answers  # its last
     (enter,) = ledger.admit()
     assert (type(enter[1]), enter[1].group.members) == (Enter, [second])
-    ledger.on_round(slot, _round([], left=[first], idle=True), [])  # parked before the enter came
+    ledger.slots.on_round(slot, _round([], left=[first], idle=True), [])  # parked before the enter came
     assert ledger.admit() == []  # not ended: a group is bound for it, and wakes it
-    ledger.on_round(slot, _round([second], prefill=[[second], 0, 3], complete=[second]), [7])
-    answers += ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [8]).answers
+    ledger.slots.on_round(slot, _round([second], prefill=[[second], 0, 3], complete=[second]), [7])
+    answers += ledger.slots.on_round(slot, _round([second], joined=[second], decoded=[second]), [8]).answers
     ledger.queue(requests[2:3])
-    ledger.on_round(slot, _round([], left=[second], idle=True), [])
+    ledger.slots.on_round(slot, _round([], left=[second], idle=True), [])
     (enter,) = ledger.admit()  # an idle slot takes a waiting request rather than end
     assert (type(enter[1]), enter[1].group.members) == (Enter, [third])
-    ledger.on_round(slot, _round([third], prefill=[[third], 0, 3], complete=[third]), [7])
-    answers += ledger.on_round(slot, _round([third], joined=[third], decoded=[third]), [8]).answers
-    ledger.on_round(slot, _round([], left=[third], idle=True), [])
+    ledger.slots.on_round(slot, _round([third], prefill=[[third], 0, 3], complete=[third]), [7])
+    answers += ledger.slots.on_round(slot, _round([third], joined=[third], decoded=[third]), [8]).answers
+    ledger.slots.on_round(slot, _round([], left=[third], idle=True), [])
     ((stage, end),) = ledger.admit()  # idle, nothing bound for it: it ends
     assert (stage, end) == (0, End(microbatch=slot))
     assert ledger.status()["microbatches"] == []
@@ -208,8 +210,8 @@ def test_a_member_taken_out_of_its_queued_group_is_no_longer_on_its_way_in() -> 
     ledger.queue(requests[:1])
     (opened,) = ledger.admit()
     slot = opened[1].microbatch
-    ledger.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
-    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [8])
+    ledger.slots.on_round(slot, _round([first], prefill=[[first], 0, 3], complete=[first]), [7])
+    ledger.slots.on_round(slot, _round([first], joined=[first], decoded=[first]), [8])
     ledger.queue(requests[1:2])
     (enter,) = ledger.admit()
     requests[1].future.cancel()
@@ -217,7 +219,7 @@ def test_a_member_taken_out_of_its_queued_group_is_no_longer_on_its_way_in() -> 
     assert (stage, cancel) == (0, Cancel(microbatch=slot, rows=[second]))
     ledger.queue(requests[2:])
     assert ledger.admit() == []  # the cancelled row may still be joining
-    ledger.on_not_entered(slot, [second])  # the first stage took it out of the queued group
+    ledger.slots.on_not_entered(slot, [second])  # the first stage took it out of the queued group
     (enter,) = ledger.admit()
     assert (type(enter[1]), enter[1].group.members) == (Enter, [third])
     assert ledger.cancel(requests[1]) == []  # settled: nothing more to send
@@ -241,7 +243,7 @@ def test_a_cancelled_member_of_a_slot_is_ended_by_the_first_stage() -> None:
     requests[1].future.cancel()
     ((stage, cancel),) = ledger.cancel(requests[1])
     assert (stage, cancel) == (0, Cancel(microbatch=opened[1].microbatch, rows=[requests[1].number]))
-    outcome = ledger.on_round(opened[1].microbatch,
+    outcome = ledger.slots.on_round(opened[1].microbatch,
                               _round([r.number for r in requests], prefill=[[r.number for r in requests], 0, 3]),
                               [7, 8])
     assert [token for _, token in outcome.calls] == []  # no callbacks; the cancelled row is answered by nobody
@@ -256,7 +258,7 @@ def test_disaggregated_a_group_goes_to_the_prompt_pipeline_then_to_its_slot_with
     assert (stage, type(prefill)) == (0, Prefill)
     group = prefill.microbatch
     tokens, ended = torch.tensor([[2], [9]]), torch.tensor([1, 0], dtype=torch.uint8)  # the first ends at an eos
-    outcome = ledger.on_group_prefilled(_prefilled(group, tokens, prefill.mask, ended))
+    outcome = ledger.slots.on_group_prefilled(_prefilled(group, tokens, prefill.mask, ended))
     ((index, start),) = outcome.sends
     assert (index, type(start)) == (DISAGGREGATED.prompt_depth, OpenSlot)  # it opens its slot
     assert start.staged is not None
@@ -276,16 +278,16 @@ def test_disaggregated_a_failed_slot_has_the_token_stages_drop_the_group_bound_f
     first, second = (request.number for request in requests)
 
     def prefilled(prefill: Prefill) -> Enter:
-        ((_, start),) = ledger.on_group_prefilled(_prefilled(prefill.microbatch, torch.full((len(prefill.mask), 1), 9),
-                                                             prefill.mask)).sends
+        first = torch.full((len(prefill.mask), 1), 9)
+        ((_, start),) = ledger.slots.on_group_prefilled(_prefilled(prefill.microbatch, first, prefill.mask)).sends
         assert isinstance(start, Enter)
         return start
 
     ledger.queue(requests[:1])
     ((_, prefill),) = ledger.admit()
     slot = prefilled(prefill).microbatch
-    ledger.on_round(slot, _round([], prefill=[[first], 0, 3], complete=[first]), [])  # the token stage took it
-    ledger.on_round(slot, _round([first], joined=[first], decoded=[first]), [10])
+    ledger.slots.on_round(slot, _round([], prefill=[[first], 0, 3], complete=[first]), [])  # the token stage took it
+    ledger.slots.on_round(slot, _round([first], joined=[first], decoded=[first]), [10])
     ledger.queue(requests[1:])
     ((_, prefill),) = ledger.admit()  # bound for the same slot
     group = prefill.microbatch
@@ -297,4 +299,4 @@ def test_disaggregated_a_failed_slot_has_the_token_stages_drop_the_group_bound_f
     assert {tuple(sorted(message.microbatches)) for _, message in failed.sends} == {(slot, group)}
     assert [future for future, _ in failed.answers] == [request.future for request in requests]
     assert all(isinstance(error, dv.RequestFailed) for _, error in failed.answers)
-    assert ledger.on_group_prefilled(_prefilled(group, torch.full((1, 1), 9), prefill.mask)).sends == []  # let go
+    assert ledger.slots.on_group_prefilled(_prefilled(group, torch.full((1, 1), 9), prefill.mask)).sends == []  # let go

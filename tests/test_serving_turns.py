@@ -87,7 +87,7 @@ def test_disaggregated_a_microbatch_beside_a_large_one_is_prompted_and_decodes_b
     assert (prefill[0], type(prefill[1]), len(_limits(prefill[1]))) == (0, Prefill, 4)
     ledger.queue([late])
     assert ledger.admit() == []  # the prompt stage runs the large one's group
-    prefilled = ledger.on_group_prefilled(Prefilled(
+    prefilled = ledger.slots.on_group_prefilled(Prefilled(
         microbatch=prefill[1].microbatch, tokens=torch.full((4, 1), 7), mask=torch.ones(4, 3, dtype=torch.long),
         ended=torch.zeros(4, dtype=torch.uint8), rng=torch.empty(0, dtype=torch.uint8)))
     assert [(stage, type(message)) for stage, message in prefilled.sends] == [(1, OpenSlot)]  # to its slot
@@ -120,8 +120,9 @@ def test_a_row_that_leaves_a_slot_goes_to_the_submission_holding_fewest_rows() -
     assert _opened(ledger.admit()) == [(OpenSlot, [held_back.number])]  # beside it
     ledger.queue([later])  # the slot beside is taking its first group in, and no third slot opens
     assert ledger.admit() == []
-    ledger.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3], complete=[first, second]), [7, 8])
-    ledger.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])  # the first row has left
+    ledger.slots.on_round(slot, _round([first, second], prefill=[[first, second], 0, 3], complete=[first, second]),
+                          [7, 8])
+    ledger.slots.on_round(slot, _round([second], joined=[second], decoded=[second]), [9])  # the first row has left
     assert _opened(ledger.admit()) == [(Enter, [later.number])]  # not the large one's third, older choice
 
 

@@ -84,13 +84,6 @@ class Layout:
             return None
         return decoding[(decoding.index(index) + 1) % len(decoding)]
 
-    def replica_owner(self, index: int) -> int | None:
-        """The decoding stage whose replicas stage `index` holds."""
-        decoding = self.decoding_stages()
-        if not self.ring or index not in decoding:
-            return None
-        return decoding[(decoding.index(index) - 1) % len(decoding)]
-
     def index_of(self, stage: str | int) -> int:
         """A stage's index, from its name or its index (ConfigError for neither)."""
         if isinstance(stage, int) and 0 <= stage < len(self.stages):

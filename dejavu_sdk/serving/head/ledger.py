@@ -13,6 +13,7 @@ itself, so it is tested without processes; the pipeline carries its outcomes out
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,15 +25,24 @@ from ...generation.batching import Request
 from ...generation.slot_batch import SlotBatch
 from ..wire.messages import Drop, Message
 from .ledger_slot_resumes import SlotResumes
-from .ledger_state import Answer, Outcome, Phase, _fail_rows
+from .ledger_slots import SlotDecisions
+from .ledger_state import Answer, LedgerState, Outcome, Phase, _fail_rows
 
 log = logging.getLogger(__name__)
 
 
-class Ledger(SlotResumes):
+class Ledger(LedgerState):
     """The decisions over every request the pipeline holds (its state is `LedgerState`'s: built with the layout,
     `microbatch`, `token_slots`, `eos`, `pad`, the `admission` rule, the `epoch` and the slots' policy); its
-    slots' are `SlotDecisions`', and `SlotResumes`' across a recovery."""
+    slots' are its parts': `slots` (admission and the stages' reports) and `resumes` (across a recovery)."""
+
+    @functools.cached_property
+    def slots(self) -> SlotDecisions:
+        return SlotDecisions(self)
+
+    @functools.cached_property
+    def resumes(self) -> SlotResumes:
+        return SlotResumes(self, self.slots)
 
     def in_flight(self) -> list[tuple[int, SlotBatch, str]]:
         """Each microbatch not yet ended, with its phase's name."""
@@ -70,11 +80,11 @@ class Ledger(SlotResumes):
 
     def admit(self) -> list[tuple[int, Message]]:
         """What may start now: groups of waiting requests into slots with room, and new slots while the stages
-        have room for them (`SlotDecisions._slot_admissions`)."""
+        have room for them (`SlotDecisions.admissions`)."""
         with self.lock:
             if self.failure is not None or self.held:
                 return []
-            return self._slot_admissions(self.epoch())
+            return self.slots.admissions(self.epoch())
 
     def cancel(self, request: Request) -> list[tuple[int, Message]]:
         """A request's caller cancelled it: a waiting one leaves the queue; a running row is ended at its next
@@ -88,7 +98,7 @@ class Ledger(SlotResumes):
                 batch = flight.batch
                 row = batch.rows_of.get(request.number)
                 if row is not None and row not in batch.settled and flight.phase is not Phase.ENDED:
-                    return self._cancel_member(flight, request)
+                    return self.slots.cancel_member(flight, request)
         return []
 
     # ---- reports from the stages -----------------------------------------------------------------------
@@ -109,14 +119,14 @@ class Ledger(SlotResumes):
         with self.lock:
             epoch = self.epoch()
             if number in self.prompting:  # a group bound for a slot (disaggregated)
-                outcome.answers = self._group_failed(number, error)
+                outcome.answers = self.slots.group_failed(number, error)
                 flight = None
             else:
                 flight = self.flights.pop(number, None)
                 if flight is None:
                     return outcome
                 outcome.answers = _fail_rows(flight.batch, error)
-            dropped = [number, *(self._slot_groups(flight.batch) if flight is not None else ())]
+            dropped = [number, *(self.slots.forget_groups(flight.batch) if flight is not None else ())]
         outcome.sends = [(stage, Drop(microbatches=dropped, failed=True, epoch=epoch))
                          for stage in range(len(self.layout.stages))]  # prompt stages too: chunks left to run
         return outcome

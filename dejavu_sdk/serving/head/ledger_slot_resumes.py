@@ -14,18 +14,22 @@ from ...generation.slot_batch import SlotBatch
 from ...generation.slot_policy import STATIC
 from ..wire.messages import Cancel, Enter, Message, Prefill, SlotRound
 from .ledger_slots import SlotDecisions
-from .ledger_state import POISON, Flight, Outcome, Phase, PromptGroup, _fail_rows
+from .ledger_state import POISON, Flight, LedgerState, Outcome, Phase, PromptGroup, _fail_rows
 
 
-class SlotResumes(SlotDecisions):
-    """The ledger's decisions over its slots at a recovery (on `LedgerState`, under its lock); `Ledger` inherits
-    them."""
+class SlotResumes:
+    """The ledger's decisions over its slots at a recovery (on its state, under its lock, with its `slots`'
+    decisions): `Ledger.resumes`."""
+
+    def __init__(self, ledger: LedgerState, slots: SlotDecisions) -> None:
+        self.ledger, self.slots = ledger, slots
 
     def slots_to_recover(self, epoch: int) -> list[tuple[int, SlotBatch]]:
         """The slots in flight, whose rounds reported before the recovery of `epoch` count, and no later ones
         from before it (the recovery plans from these)."""
-        with self.lock:
-            slots = [(number, flight.batch) for number, flight in sorted(self.flights.items())
+        ledger = self.ledger
+        with ledger.lock:
+            slots = [(number, flight.batch) for number, flight in sorted(ledger.flights.items())
                      if flight.phase is Phase.DECODING]
             for _, batch in slots:
                 batch.plan_epoch = epoch
@@ -37,16 +41,17 @@ class SlotResumes(SlotDecisions):
         not begun are sent again (disaggregated: to the prompt pipeline, whose first tokens are the same ones),
         and its next round starts unless it was parked; the slots `lost` requeue or fail their requests (a static
         one's microbatch starts over). Then new work may start."""
+        ledger = self.ledger
         outcome = Outcome()
         now = time.monotonic()
-        with self.lock:
-            epoch = self.epoch()
+        with ledger.lock:
+            epoch = ledger.epoch()
             for number, reason in lost.items():
-                flight = self.flights.pop(number, None)
+                flight = ledger.flights.pop(number, None)
                 if flight is not None:
                     self._lose_slot(flight.batch, reason, outcome)
             for number in rounds:
-                flight = self.flights[number]
+                flight = ledger.flights[number]
                 batch = flight.batch
                 flight.phase, flight.progress, flight.freed = Phase.DECODING, now, False
                 if not batch.opened:  # its first group had not reached the token stages: it goes again
@@ -59,13 +64,13 @@ class SlotResumes(SlotDecisions):
                     left, joined = batch.next_change
                     last = [self._next_input(batch, batch.rows_of[member]) for member in found.rows.members]
                     tokens = torch.tensor(last, dtype=torch.long).reshape(-1, 1)
-                    outcome.sends.append((self.layout.decoding_stages()[0], SlotRound(
+                    outcome.sends.append((ledger.layout.decoding_stages()[0], SlotRound(
                         microbatch=number, left=left, joined=joined, applied=True, epoch=epoch, inputs=tokens)))
                 cancelled = [batch.requests[row].number for row in sorted(batch.dropped & batch.present)]
                 if cancelled:  # cancelled during the recovery, maybe after the rewind that named the others
-                    outcome.sends.append((self.layout.decoding_stages()[0], Cancel(microbatch=number, rows=cancelled,
+                    outcome.sends.append((ledger.layout.decoding_stages()[0], Cancel(microbatch=number, rows=cancelled,
                                                                                    epoch=epoch)))
-            self.held = False  # new work may start
+            ledger.held = False  # new work may start
         return outcome
 
     def _next_input(self, batch: SlotBatch, row: int) -> int:
@@ -73,7 +78,7 @@ class SlotResumes(SlotDecisions):
         ended before the latest round, kept as padding) the padding id, as `model.generate` feeds it."""
         generated = batch.generated[row]
         if not batch.policy.refills and len(generated) < max(len(tokens) for tokens in batch.generated):
-            return self.pad
+            return self.ledger.pad
         return generated[-1]
 
     def _lose_slot(self, batch: SlotBatch, reason: str, outcome: Outcome) -> None:
@@ -82,12 +87,13 @@ class SlotResumes(SlotDecisions):
         tokens streamed stay theirs, and what they have left is computed again; a static slot's microbatch starts
         over, `_restart`), unless the slot is poison (one of them may be what kills the stages): then they fail
         with `reason` (under the lock)."""
-        self._slot_groups(batch)
+        ledger = self.ledger
+        self.slots.forget_groups(batch)
         again = [] if reason == POISON else [row for row in range(len(batch.requests)) if row not in batch.settled
                                              and not batch.requests[row].future.done()]
-        ended = [row for row in again if batch.row_ended(row, self.eos)]  # its last token came with the loss
+        ended = [row for row in again if batch.row_ended(row, ledger.eos)]  # its last token came with the loss
         answers = outcome.answers
-        answers += [(batch.requests[row].future, batch.result(row, self.eos)) for row in ended]
+        answers += [(batch.requests[row].future, batch.result(row, ledger.eos)) for row in ended]
         had = {row: len(batch.generated[row]) + len(getattr(batch.requests[row].earlier, "tokens", ()))
                for row in again}
         poison = [row for row in again if row not in ended and _no_progress(batch.requests[row].lost_with, had[row])]
@@ -98,7 +104,7 @@ class SlotResumes(SlotDecisions):
             requeued = [batch.going_on(row) if batch.generated[row] else batch.requests[row] for row in again]
             for row, request in zip(again, requeued, strict=True):
                 request.lost_with = had[row]
-            self.waiting.extendleft(reversed(requeued))
+            ledger.waiting.extendleft(reversed(requeued))
         else:
             for row in again:
                 batch.requests[row].lost_with = had[row]
@@ -109,28 +115,31 @@ class SlotResumes(SlotDecisions):
         """A static slot lost: its microbatch starts over in a new slot, each row where it sat (those answered
         already, and those not `again`, as padding), so that every row's tokens are again `model.generate`'s on
         that microbatch; the tokens its requests streamed are not streamed twice (under the lock)."""
+        ledger = self.ledger
         if not again:
             return []
         sends = []
-        flight = Flight(SlotBatch.open(self._numbers, self.pad, STATIC), Phase.DECODING, 0, time.monotonic())
-        self._numbers += 1
-        self.flights[flight.batch.number] = flight
-        sends.append(self._send_group(flight, batch.requests, self.epoch()))
+        flight = Flight(SlotBatch.open(ledger.next_number, ledger.pad, STATIC), Phase.DECODING, 0, time.monotonic())
+        ledger.next_number += 1
+        ledger.flights[flight.batch.number] = flight
+        sends.append(self.slots.send_group(flight, batch.requests, ledger.epoch()))
         restarted = flight.batch
         padding = [row for row in range(len(batch.requests)) if row not in again]
         restarted.settled.update(padding)
         restarted.dropped.update(padding)
         if padding:
-            sends.append((self.layout.decoding_stages()[0], Cancel(
-                microbatch=restarted.number, rows=[batch.requests[row].number for row in padding], epoch=self.epoch())))
+            rows = [batch.requests[row].number for row in padding]
+            sends.append((ledger.layout.decoding_stages()[0], Cancel(microbatch=restarted.number, rows=rows,
+                                                                     epoch=ledger.epoch())))
         return sends
 
     def _send_again(self, batch: SlotBatch, started: set[tuple[int, ...]], epoch: int) -> list[tuple[int, Message]]:
         """The groups of `batch` whose prefill had not begun (none of their members in a `started` group), sent
         again in their order, less their members no longer on their way in (under the lock)."""
+        ledger = self.ledger
         begun = {member for group in started for member in group}
-        for number in [number for number, group in self.prompting.items() if group.slot == batch.number]:
-            del self.prompting[number]
+        for number in [number for number, group in ledger.prompting.items() if group.slot == batch.number]:
+            del ledger.prompting[number]
         batch.staged.clear()
         sends: list[tuple[int, Message]] = []
         for group, ids, mask in batch.groups:
@@ -144,10 +153,10 @@ class SlotResumes(SlotDecisions):
             if not rows:
                 continue
             again, group_ids, group_mask = group_rows(group, ids, mask, rows)
-            if self.layout.disaggregated:
-                number = self._numbers
-                self._numbers += 1
-                self.prompting[number] = PromptGroup(batch.number, again, group_mask)
+            if ledger.layout.disaggregated:
+                number = ledger.next_number
+                ledger.next_number += 1
+                ledger.prompting[number] = PromptGroup(batch.number, again, group_mask)
                 sends.append((0, Prefill(microbatch=number, specs=again.specs, epoch=epoch, inputs=group_ids,
                                          mask=group_mask)))
             else:

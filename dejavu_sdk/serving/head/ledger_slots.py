@@ -5,7 +5,7 @@ A slot (`SlotBatch`) opens with a group of waiting requests (`OpenSlot` to the f
 group (`Enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
 its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
 longest row's final length (`admission.row_bytes`), and takes them in turns between submissions (`turns`); a
-submission held back by a larger one gets a slot beside the others (`LedgerState._held_back`). A slot whose
+submission held back by a larger one gets a slot beside the others (`LedgerState.held_back`). A slot whose
 round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`End`
 through every stage), and its room is free once every stage has let its cache go (`Freed`). A slot stops taking
 groups after `SLOT_ROUNDS` rounds (its schedule, which every result carries, stays bounded): it drains and ends,
@@ -35,51 +35,56 @@ SLOT_ROUNDS = 1024
 LONG_PREFILL_ROUNDS = 16
 
 
-class SlotDecisions(LedgerState):
-    """The ledger's continuous-batching decisions (on `LedgerState`, under its lock); `Ledger` inherits them."""
+class SlotDecisions:
+    """The ledger's decisions over its slots in flight (on its `LedgerState`, under its lock): `Ledger.slots`."""
 
-    def _slot_admissions(self, epoch: int) -> list[tuple[int, Message]]:
+    def __init__(self, ledger: LedgerState) -> None:
+        self.ledger = ledger
+
+    def admissions(self, epoch: int) -> list[tuple[int, Message]]:
         """Groups of waiting requests into slots with room, then new slots while the (token) stages have room for
-        one each, and beside them for submissions held back (`_held_back`); disaggregated, as many groups at once
+        one each, and beside them for submissions held back (`held_back`); disaggregated, as many groups at once
         as the prompt pipeline has stages (under the lock)."""
+        ledger = self.ledger
         sends: list[tuple[int, Message]] = []
-        for flight in [flight for flight in self.flights.values() if flight.phase is Phase.DECODING]:
+        for flight in [flight for flight in ledger.flights.values() if flight.phase is Phase.DECODING]:
             batch = flight.batch
-            if (not self.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS or not self._prompt_room()
+            if (not ledger.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS or not self._prompt_room()
                     or not batch.policy.admits(batch.held())):
                 continue
             held = batch.held()
-            taken = self._take(self.microbatch - len(held), held, flight)
+            taken = self._take(ledger.microbatch - len(held), held, flight)
             if taken:
-                sends.append(self._send_group(flight, taken, epoch))
+                sends.append(self.send_group(flight, taken, epoch))
         sends += self._end_idle_slots(epoch)
-        slots = self._layout_microbatches()
-        while self.waiting and self._shared_slots() - self._long_prefills() < slots \
-                and len(self.holding()) < 2 * slots and self._prompt_room():
+        slots = ledger.layout_microbatches()
+        while ledger.waiting and self._shared_slots() - self._long_prefills() < slots \
+                and len(ledger.holding()) < 2 * slots and self._prompt_room():
             if not self._open_slot(epoch, sends, beside=False):
                 break
-        while self.waiting and len(self.holding()) < 2 * slots and self._prompt_room() and self._held_back():
+        while ledger.waiting and len(ledger.holding()) < 2 * slots and self._prompt_room() and ledger.held_back():
             if not self._open_slot(epoch, sends, beside=True):
                 break
         return sends
 
     def _shared_slots(self) -> int:
         """The slots whose rows any submission may take (all but those opened beside them)."""
-        return sum(1 for flight in self.holding() if not flight.beside)
+        return sum(1 for flight in self.ledger.holding() if not flight.beside)
 
     def _open_slot(self, epoch: int, sends: list[tuple[int, Message]], beside: bool) -> bool:
         """Open a slot with a group of waiting requests (`beside`: one beside the others for the submissions held
         back, which only theirs join, so that a large request, which takes turns, does not keep them waiting for
         its rows to end); whether one opened (under the lock)."""
-        flight = Flight(SlotBatch.open(self._numbers, self.pad, self.policy), Phase.DECODING, 0, time.monotonic(),
-                        beside=beside)
-        taken = self._take(self.microbatch, [], flight)
+        ledger = self.ledger
+        batch = SlotBatch.open(ledger.next_number, ledger.pad, ledger.policy)
+        flight = Flight(batch, Phase.DECODING, 0, time.monotonic(), beside=beside)
+        taken = self._take(ledger.microbatch, [], flight)
         if not taken:
             return False
-        self._numbers += 1
-        self.flights[flight.batch.number] = flight
-        sends.append(self._send_group(flight, taken, epoch))
-        self.most_in_flight = max(self.most_in_flight, sum(1 for other in self.holding() if other.batch.held()))
+        ledger.next_number += 1
+        ledger.flights[flight.batch.number] = flight
+        sends.append(self.send_group(flight, taken, epoch))
+        ledger.most_in_flight = max(ledger.most_in_flight, sum(1 for other in ledger.holding() if other.batch.held()))
         return True
 
     def _long_prefills(self) -> int:
@@ -87,56 +92,61 @@ class SlotDecisions(LedgerState):
         (disaggregated: whose group in the prompt pipeline is that long), under the lock. A waiting request can join
         none of them before that group does, so each lets another slot open beside it, whose rounds (or prompt
         chunks) take turns with its chunks: a short request is not held back by a long prompt."""
-        if self.prefill_tokens is None:
+        ledger = self.ledger
+        if ledger.prefill_tokens is None:
             return 0
-        if self.layout.disaggregated:
+        if ledger.layout.disaggregated:
             return len({group.slot for group in self._long_groups()})
-        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
-        return sum(1 for flight in self.flights.values() if flight.phase is Phase.DECODING
+        long = LONG_PREFILL_ROUNDS * ledger.prefill_tokens
+        return sum(1 for flight in ledger.flights.values() if flight.phase is Phase.DECODING
                    and _prefill_left(flight.batch) > long)
 
     def _long_groups(self) -> list[PromptGroup]:
         """Disaggregated: the groups in the prompt pipeline with more than `LONG_PREFILL_ROUNDS` rounds of prompt
         positions (under the lock)."""
-        if self.prefill_tokens is None:
+        ledger = self.ledger
+        if ledger.prefill_tokens is None:
             return []
-        long = LONG_PREFILL_ROUNDS * self.prefill_tokens
-        return [group for group in self.prompting.values() if group.mask.numel() > long]
+        long = LONG_PREFILL_ROUNDS * ledger.prefill_tokens
+        return [group for group in ledger.prompting.values() if group.mask.numel() > long]
 
     def _end_idle_slots(self, epoch: int) -> list[tuple[int, Message]]:
         """End the idle slots that no group is bound for: every stage frees its part, the last says `freed`
         (under the lock)."""
+        ledger = self.ledger
         ends: list[tuple[int, Message]] = []
-        for flight in self.flights.values():
+        for flight in ledger.flights.values():
             batch = flight.batch
             if (flight.phase is Phase.DECODING and batch.idle
                     and not batch.entering):
                 flight.phase, flight.progress = Phase.ENDED, time.monotonic()
-                ends.append((self.layout.decoding_stages()[0], End(microbatch=batch.number, epoch=epoch)))
+                ends.append((ledger.layout.decoding_stages()[0], End(microbatch=batch.number, epoch=epoch)))
         return ends
 
     def _prompt_room(self) -> bool:
         """Disaggregated: whether the prompt pipeline has a stage free for another group; a long group (its
         chunks take turns with the others') leaves its stage's room to another, up to twice the stages."""
-        depth = self.layout.prompt_depth
-        return not self.layout.disaggregated or (len(self.prompting) - len(self._long_groups()) < depth
-                                                 and len(self.prompting) < 2 * depth)
+        ledger = self.ledger
+        depth = ledger.layout.prompt_depth
+        return not ledger.layout.disaggregated or (len(ledger.prompting) - len(self._long_groups()) < depth
+                                                 and len(ledger.prompting) < 2 * depth)
 
-    def _send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
+    def send_group(self, flight: Flight, taken: list[Request], epoch: int) -> tuple[int, Message]:
         """Send a group of requests into `flight`'s slot: to the first stage (`OpenSlot` opens the slot there,
         `Enter` joins it); disaggregated, to the prompt pipeline first, as a microbatch of its own number."""
+        ledger = self.ledger
         batch = flight.batch
         group, ids, mask = batch.enter(taken)
         batch.groups.append((group, ids, mask))
         if not batch.policy.refills:  # a static slot's microbatch: its results carry a number of its own
-            number = batch.number if not batch.numbers else self._numbers
-            self._numbers += number != batch.number
+            number = batch.number if not batch.numbers else ledger.next_number
+            ledger.next_number += number != batch.number
             batch.numbers.append(number)
-        self._reserve(flight)
-        if self.layout.disaggregated:
-            number = self._numbers
-            self._numbers += 1
-            self.prompting[number] = PromptGroup(batch.number, group, mask)
+        self.reserve(flight)
+        if ledger.layout.disaggregated:
+            number = ledger.next_number
+            ledger.next_number += 1
+            ledger.prompting[number] = PromptGroup(batch.number, group, mask)
             return 0, Prefill(microbatch=number, specs=group.specs, epoch=epoch, inputs=ids, mask=mask)
         entering = Enter if batch.opened else OpenSlot
         batch.opened, batch.idle = True, False
@@ -145,11 +155,12 @@ class SlotDecisions(LedgerState):
     def on_group_prefilled(self, report: Prefilled) -> Outcome:
         """Disaggregated: the prompt pipeline's first tokens of a group; the group goes to its slot on the token
         pipeline, its KV staged there already (or on its way)."""
+        ledger = self.ledger
         outcome = Outcome()
         number = report.microbatch
-        with self.lock:
-            group = self.prompting.pop(number, None)
-            flight = self.flights.get(group.slot) if group is not None else None
+        with ledger.lock:
+            group = ledger.prompting.pop(number, None)
+            flight = ledger.flights.get(group.slot) if group is not None else None
             if group is None or flight is None or flight.phase is Phase.ENDED:
                 return outcome
             batch = flight.batch
@@ -162,11 +173,11 @@ class SlotDecisions(LedgerState):
                 batch.states.update((member, rng[row].clone()) for row, member in enumerate(members))
             flight.progress = time.monotonic()
             batch.steps_received += 1  # progress, for the poison bound
-            outcome.answers = self._failed_rows(batch, {batch.rows_of[members[row]]: failure
+            outcome.answers = ledger.failed_rows(batch, {batch.rows_of[members[row]]: failure
                                                         for row, failure in report.failed.items()})
-            outcome.calls = batch.unstreamed(self.eos)
+            outcome.calls = batch.unstreamed(ledger.eos)
             batch.prefilled = batch.with_resumed(Round(prefill=(tuple(members), 0, group.mask.shape[1])))
-            outcome.answers += self._ended_rows(batch)
+            outcome.answers += ledger.ended_rows(batch)
             batch.prefilled = None
             gone = [member for index, member in enumerate(members)
                     if bool(ended[index]) or batch.rows_of[member] in batch.dropped]
@@ -175,16 +186,17 @@ class SlotDecisions(LedgerState):
             batch.staged[number] = tuple(members)
             staged = Staged(number, tokens[:, 0].tolist(), gone, report.chunk,
                             _by_member(report.scores, members, list(range(len(members)))))
-            outcome.sends.append((self.layout.prompt_depth, entering(
-                microbatch=batch.number, group=group.group, staged=staged, epoch=self.epoch(), mask=group.mask,
+            outcome.sends.append((ledger.layout.prompt_depth, entering(
+                microbatch=batch.number, group=group.group, staged=staged, epoch=ledger.epoch(), mask=group.mask,
                 rng=rng)))
         return outcome
 
-    def _group_failed(self, number: int, error: str) -> list[Answer]:
+    def group_failed(self, number: int, error: str) -> list[Answer]:
         """Disaggregated: the prompt pipeline failed on group `number`: its requests fail; a slot it was to open
         is let go (under the lock)."""
-        group = self.prompting.pop(number)
-        flight = self.flights.get(group.slot)
+        ledger = self.ledger
+        group = ledger.prompting.pop(number)
+        flight = ledger.flights.get(group.slot)
         if flight is None:
             return []
         batch = flight.batch
@@ -193,35 +205,38 @@ class SlotDecisions(LedgerState):
                    for row in rows if row not in batch.settled]
         batch.settled.update(rows)
         batch.entering -= set(rows)
-        self._reserve(flight)
+        self.reserve(flight)
         if not batch.opened:
-            del self.flights[group.slot]
+            del ledger.flights[group.slot]
         return answers
 
-    def _slot_groups(self, batch: SlotBatch) -> list[int]:
+    def forget_groups(self, batch: SlotBatch) -> list[int]:
         """A failed slot's groups that have not joined it (disaggregated): those the prompt pipeline still runs
         are forgotten here, and the stages drop what they staged of any (under the lock)."""
-        prompting = [number for number, group in self.prompting.items() if group.slot == batch.number]
+        ledger = self.ledger
+        prompting = [number for number, group in ledger.prompting.items() if group.slot == batch.number]
         for number in prompting:
-            del self.prompting[number]
+            del ledger.prompting[number]
         return [*prompting, *batch.staged]
 
-    def _reserve(self, flight: Flight) -> None:
+    def reserve(self, flight: Flight) -> None:
         """Reserve what a slot's rows, in its cache or on their way in, take at their end (under the lock)."""
-        flight.reserved = flight.batch.policy.reserve(flight.batch.held(), self.admission.bytes_per_token)
+        flight.reserved = flight.batch.policy.reserve(flight.batch.held(), self.ledger.admission.bytes_per_token)
 
     def _take(self, room: int, held: list[Request], flight: Flight) -> list[Request]:
         """Up to `room` waiting requests for `flight`'s slot that fit beside `held` (its rows) and every other
         slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
         back, only submissions that hold no row in another)."""
-        others = [self._admitted(other) for other in self.holding() if other is not flight]
-        return self.policy.take(self.admission, self.waiting, room, held, others, self._shares(), self._barred(flight))
+        ledger = self.ledger
+        others = [self._admitted(other) for other in ledger.holding() if other is not flight]
+        return ledger.policy.take(ledger.admission, ledger.waiting, room, held, others, ledger.shares(),
+                                  ledger.barred(flight))
 
     def _admitted(self, flight: Flight) -> Slot:
         """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""
         batch = flight.batch
         entering = [batch.requests[row] for row in sorted(batch.entering)]
-        return Slot(flight.reserved, row_bytes(entering, self.admission.bytes_per_token))
+        return Slot(flight.reserved, row_bytes(entering, self.ledger.admission.bytes_per_token))
 
     def on_round(self, number: int, done: RoundDone, tokens: list[int], states: torch.Tensor | None = None,
                  epoch: int = 0, scores: Scores | None = None) -> Outcome:
@@ -230,9 +245,10 @@ class SlotDecisions(LedgerState):
         leaves the slot waiting for a group (or to be ended). A round from before a recovery counts until that
         recovery plans where the slot goes on (it was computed, and streamed to the replicas, before the failure);
         `states` are the generators' states of its picks."""
+        ledger = self.ledger
         outcome = Outcome()
-        with self.lock:
-            flight = self.flights.get(number)
+        with ledger.lock:
+            flight = ledger.flights.get(number)
             if flight is None or flight.phase is Phase.ENDED:
                 return outcome
             batch = flight.batch
@@ -246,25 +262,27 @@ class SlotDecisions(LedgerState):
             if states is not None:
                 batch.states.update((member, state.clone()) for member, state in zip(done.members, states, strict=True))
             failures = {batch.rows_of[member]: failure for member, failure in done.failed.items()}
-            outcome.answers = self._failed_rows(batch, failures)
-            outcome.calls = batch.unstreamed(self.eos)
-            outcome.answers += self._ended_rows(batch)
-            self._reserve(flight)
+            outcome.answers = ledger.failed_rows(batch, failures)
+            outcome.calls = batch.unstreamed(ledger.eos)
+            outcome.answers += ledger.ended_rows(batch)
+            self.reserve(flight)
         return outcome
 
     def on_not_entered(self, number: int, members: list[int]) -> None:
         """The first stage took `members` out of a group queued for slot `number` (they were cancelled): no
         longer on their way in; any still unanswered waits again, first in the queue."""
-        with self.lock:
-            flight = self.flights.get(number)
+        ledger = self.ledger
+        with ledger.lock:
+            flight = ledger.flights.get(number)
             if flight is not None:
                 back = flight.batch.leave_unentered(members)
-                self.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
-                self._reserve(flight)
+                ledger.waiting.extendleft(reversed([request for request in back if not request.future.done()]))
+                self.reserve(flight)
 
-    def _cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
+    def cancel_member(self, flight: Flight, request: Request) -> list[tuple[int, Message]]:
         """A request of a slot cancelled: the first decoding stage takes it out of a queued group, or the last
         ends its row at the next round (a joining one's as it joins)."""
+        ledger = self.ledger
         batch = flight.batch
         row = batch.rows_of[request.number]
         batch.dropped.add(row)
@@ -272,28 +290,29 @@ class SlotDecisions(LedgerState):
         dropped = self._drop_cancelled_group(flight, request.number)
         if dropped:
             return dropped
-        return [(self.layout.decoding_stages()[0], Cancel(microbatch=batch.number, rows=[request.number],
-                                                          epoch=self.epoch()))]
+        return [(ledger.layout.decoding_stages()[0], Cancel(microbatch=batch.number, rows=[request.number],
+                                                          epoch=ledger.epoch()))]
 
     def _drop_cancelled_group(self, flight: Flight, member: int) -> list[tuple[int, Message]]:
         """Disaggregated: the group in the prompt pipeline that `member` (just cancelled) belongs to, once every
         member of it is cancelled, stops there: every stage drops it (a prompt stage its chunks still to run, a
         token stage the KV it staged, and any that comes later), and its slot no longer waits for it (under the
         lock)."""
+        ledger = self.ledger
         batch = flight.batch
-        for number, group in self.prompting.items():
+        for number, group in ledger.prompting.items():
             members = group.group.members
             if group.slot != batch.number or member not in members:
                 continue
             if not all(batch.rows_of[other] in batch.dropped for other in members):
                 return []
-            del self.prompting[number]
+            del ledger.prompting[number]
             batch.entering -= {batch.rows_of[other] for other in members}
-            self._reserve(flight)
+            self.reserve(flight)
             if not batch.opened:  # the slot's first group: nothing else is on its way to it
-                del self.flights[batch.number]
-            return [(stage, Drop(microbatches=[number], failed=True, epoch=self.epoch()))
-                    for stage in range(len(self.layout.stages))]
+                del ledger.flights[batch.number]
+            return [(stage, Drop(microbatches=[number], failed=True, epoch=ledger.epoch()))
+                    for stage in range(len(ledger.layout.stages))]
         return []
 
 

@@ -1,6 +1,7 @@
 """What the head's ledger holds, below its decisions: each microbatch in flight (`Flight`, with its `Phase`),
-what a decision asks the pipeline to do (`Outcome`), and the ledger's state with the helpers that both the
-static decisions (`ledger.Ledger`) and continuous batching's (`ledger_slots.SlotDecisions`) use."""
+what a decision asks the pipeline to do (`Outcome`), and the ledger's state with the helpers that its
+decisions (`ledger.Ledger` and its parts, `ledger_slots.SlotDecisions` and `ledger_slot_resumes.SlotResumes`)
+use."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Phase(enum.Enum):
 class Flight:
     """One microbatch (slot) in flight: its rows, phase, reserved KV bytes (per stage, at its end), the time of its
     last progress (None: not watched), whether every stage freed its cache already, and whether it was opened
-    `beside` the layout's microbatches for the submissions held back (`LedgerState._held_back`): only requests of
+    `beside` the layout's microbatches for the submissions held back (`LedgerState.held_back`): only requests of
     submissions with no row elsewhere join it."""
 
     batch: SlotBatch
@@ -100,21 +101,21 @@ class LedgerState:
         self.held = False  # a recovery is under way: nothing new starts
         #: The most microbatches that held rows at once (in their caches, or on their way in).
         self.most_in_flight = 0
-        self._numbers = 0
+        self.next_number = 0
         #: Disaggregated: the groups in the prompt pipeline, by their microbatch number.
         self.prompting: dict[int, PromptGroup] = {}
 
     def renumber_from(self, number: int) -> None:
         """Number new microbatches from `number` on, at least (those below are held by stages already; under the
         lock)."""
-        self._numbers = max(self._numbers, number)
+        self.next_number = max(self.next_number, number)
 
     def holding(self) -> list[Flight]:
         """Microbatches whose caches some stage may hold: in flight, or ended and not yet freed everywhere."""
         return [flight for flight in self.flights.values() if not flight.freed]
 
     # ---- under the lock ---------------------------------------------------------------------------------
-    def _shares(self, besides: Flight | None = None) -> Counter[int]:
+    def shares(self, besides: Flight | None = None) -> Counter[int]:
         """The rows each submission holds in flight, not yet answered (in every microbatch but `besides`)."""
         rows: list[Request] = []
         for flight in self.holding():
@@ -125,29 +126,29 @@ class LedgerState:
             rows += [batch.requests[row] for row in live if row not in batch.settled]
         return shares_of(rows)
 
-    def _held_back(self) -> bool:
+    def held_back(self) -> bool:
         """Whether a waiting submission holds no row while another holds more than its fair share of the rows the
         layout's microbatches have (one per stage, or per token slot; shared by every submission in flight or
         waiting): a microbatch may then open beside them for the former (`Flight.beside`)."""
-        shares = self._shares()
+        shares = self.shares()
         waiting = {request.group for request in self.waiting if not request.future.cancelled()}
-        fair = max(1, self.microbatch * self._layout_microbatches() // max(1, len(waiting | set(shares))))
+        fair = max(1, self.microbatch * self.layout_microbatches() // max(1, len(waiting | set(shares))))
         return any(group not in shares for group in waiting) and any(rows > fair for rows in shares.values())
 
-    def _layout_microbatches(self) -> int:
+    def layout_microbatches(self) -> int:
         """The microbatches the layout keeps in flight: a slot per stage (per token stage, disaggregated), or a
         static microbatch per stage (per token slot, disaggregated)."""
         if not self.layout.disaggregated:
             return len(self.layout.stages)
         return self.layout.token_depth if self.policy.refills else self.token_slots
 
-    def _barred(self, flight: Flight | None) -> set[int]:
+    def barred(self, flight: Flight | None) -> set[int]:
         """The submissions that may not take rows in `flight` (opened beside the others, or about to be): those
         holding rows in another microbatch."""
-        return set(self._shares(besides=flight)) if flight is not None and flight.beside else set()
+        return set(self.shares(besides=flight)) if flight is not None and flight.beside else set()
 
     @staticmethod
-    def _failed_rows(batch: SlotBatch, failures: dict[int, RowFailure]) -> list[Answer]:
+    def failed_rows(batch: SlotBatch, failures: dict[int, RowFailure]) -> list[Answer]:
         """The errors due to the rows of `batch` that failed (by row, as the last stage reported them); they
         count as answered, and dropped, from now on."""
         answers: list[Answer] = []
@@ -159,7 +160,7 @@ class LedgerState:
                 answers.append((batch.requests[row].future, error))
         return answers
 
-    def _ended_rows(self, batch: SlotBatch) -> list[Answer]:
+    def ended_rows(self, batch: SlotBatch) -> list[Answer]:
         """The results due to the rows of `batch` that came to their end with its latest step."""
         rows = batch.ended_rows(self.eos)
         batch.settled.update(rows)

@@ -201,7 +201,7 @@ class HeadReceiver:
 
     def _on_round(self, message: RoundReport) -> None:
         """A slot's round: rows may have left, and room for others be free."""
-        self.carry_out(self.ledger.on_round(message.microbatch, message.done, message.tokens.tolist(),
+        self.carry_out(self.ledger.slots.on_round(message.microbatch, message.done, message.tokens.tolist(),
                                              message.states, message.epoch, message.scores))
         self.admit()
 
@@ -216,12 +216,12 @@ class HeadReceiver:
         self.recoveries.start(set(), f"{message.stage} lost a link: {message.error}", message.epoch)
 
     def _on_not_entered(self, message: NotEntered) -> None:
-        self.ledger.on_not_entered(message.microbatch, list(message.members))
+        self.ledger.slots.on_not_entered(message.microbatch, list(message.members))
         self.admit()
 
     def _on_prefilled(self, message: Prefilled) -> None:
         """A group's first tokens from the prompt pipeline: it goes to its slot (`on_entered` hears of it first)."""
-        outcome = self.ledger.on_group_prefilled(message)
+        outcome = self.ledger.slots.on_group_prefilled(message)
         for _, entering in outcome.sends:
             if isinstance(entering, Enter):
                 self._report_admitted(entering.microbatch, entering.group.members)

@@ -72,7 +72,7 @@ class Recoveries:
                 kept = set(report.resumed)
                 remove_replicas(resilience.replica_store, lambda number: number not in kept, resilience.replica_prefix)
             carry_out(report.outcome)
-            carry_out(ledger.resume_slots(report.resumed, {}))
+            carry_out(ledger.resumes.resume_slots(report.resumed, {}))
         finally:
             self.fleet.taking_over = False
             self._end_takeover(report.failure)
@@ -118,7 +118,7 @@ class Recoveries:
             if report is None:
                 return
             recovered = report.epoch
-            outcome = self.ledger.resume_slots(report.resumed, report.recomputed)
+            outcome = self.ledger.resumes.resume_slots(report.resumed, report.recomputed)
             answer(outcome.answers)
             try:
                 for index, message in outcome.sends:

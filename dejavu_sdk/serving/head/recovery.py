@@ -248,11 +248,6 @@ class Recovery:
         except TransportError as error:
             raise RecoveryRetry([index], f"{self.layout.stages[index].name} is unreachable: {error}") from None
 
-    def _holder(self, index: int) -> int:
-        holder = self.layout.replica_holder(index)
-        assert holder is not None  # every decoding stage has one when recovering from replicas
-        return holder
-
 
 class RecoveryRetry(TransportError):
     """Stages (names or indices) that failed or did not answer a recovery step: dead as well, so the next

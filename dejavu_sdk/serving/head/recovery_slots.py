@@ -10,7 +10,7 @@ or from the shared replica store), and every decoding stage rewinds the slot to 
 over) it needs no replica. A slot that cannot go on from there (a decoding stage died and `recovery="recompute"`
 keeps no replica, a stage ran rounds the head never heard of, a piece is lost with two neighbouring stages, a
 rewind fails) is lost:
-its rows go on in other slots from their prompts followed by the tokens they have (`ledger_slots._lose_slot`);
+its rows go on in other slots from their prompts followed by the tokens they have (`SlotResumes._lose_slot`);
 one that made no progress since the recovery before fails its requests (the poison bound).
 """
 
@@ -77,7 +77,7 @@ class SlotRecovery:
         # recomputing keeps no replica: a slot that a dead decoding stage held cannot go on from its round
         without_replicas = (recovery.options.resilience.recovery != "replicas"
                             and len(survivors) < len(layout.decoding_stages()))
-        for number, batch in ledger.slots_to_recover(recovery.epoch):
+        for number, batch in ledger.resumes.slots_to_recover(recovery.epoch):
             heard = len(batch.rounds)
             if batch.seen_by_recovery == batch.steps_received:  # its group in the prompt pipeline too
                 self.lost[number] = poison

@@ -200,7 +200,7 @@ class Takeover:
             self.ledger.flights[number] = Flight(batch, Phase.DECODING, 0, time.monotonic())
         replay = self._replays[number] = Outcome()
         for done, tokens, scores in reports:
-            taken = self.ledger.on_round(number, done, list(tokens), scores=scores)
+            taken = self.ledger.slots.on_round(number, done, list(tokens), scores=scores)
             replay.calls.extend(taken.calls)
             replay.answers.extend(taken.answers)
         return None
