@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import http.client
+import itertools
 import json
 import os
 import re
@@ -239,6 +240,29 @@ def test_usage_closes_the_stream_and_the_last_token_carries_the_finish_reason(co
     last = {choice.index: choice for chunk in chunks[:-1] for choice in chunk.choices if choice.finish_reason}
     assert sorted(last) == [0, 1]
     assert all(choice.finish_reason == "length" and choice.token_ids for choice in last.values())
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(controller) -> None:
+    """As vLLM's `stream_options.continuous_usage_stats`, which benchmark clients ask for: each chunk's usage
+    counts the tokens sent up to it and with it, the last one every token (chat's role chunks: none yet)."""
+    client, options = _client(controller), {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model="alias", prompt=PROMPTS[:2], max_tokens=5, temperature=0,
+                                            stream=True, stream_options=options))
+    assert all(chunk.usage is not None for chunk in chunks)
+    tokens = [sum(len(choice.token_ids) for choice in chunk.choices) for chunk in chunks[:-1]]
+    counted = [chunk.usage.completion_tokens for chunk in chunks[:-1]]
+    assert counted == list(itertools.accumulate(tokens))
+    assert chunks[-1].usage.completion_tokens == counted[-1] == 10
+    assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+    chat = list(client.chat.completions.create(model="text", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, temperature=0, n=2, stream=True, stream_options=options))
+    counted = [chunk.usage.completion_tokens for chunk in chat]
+    assert counted[:2] == [0, 0]  # the two choices' role chunks
+    assert counted == sorted(counted)
+    assert counted[-1] == counted[-2] == 10
+    plain = list(client.completions.create(model="alias", prompt=PROMPTS[:1], max_tokens=2, temperature=0,
+                                           stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(chunk.usage is None for chunk in plain)  # without include_usage, as vLLM: no usage at all
 
 
 @pytest.mark.parametrize("cleaning", [False, True], ids=["plain", "space-cleaning"])

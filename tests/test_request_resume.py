@@ -86,7 +86,8 @@ def test_a_stream_cut_short_resumes_past_its_last_event_id_with_every_later_toke
         asked = {"model": MODEL, "prompt": "The weather today", "max_tokens": 40, "temperature": 0,
                  "extra_body": {"ignore_eos": True}}
         whole = client.completions.create(**asked).choices[0]
-        body = {**{k: v for k, v in asked.items() if k != "extra_body"}, "ignore_eos": True, "stream": True}
+        body = {**{k: v for k, v in asked.items() if k != "extra_body"}, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         seen: list[tuple[str | None, str]] = []
         with httpx.stream("POST", controller.url + "/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {controller.token}"}) as response:
@@ -106,13 +107,17 @@ def test_a_stream_cut_short_resumes_past_its_last_event_id_with_every_later_toke
         more, text, finish = _tokens(rest)
         assert got + more == whole.token_ids  # every token once
         assert finish[-1] == "length"
-        assert rest[-2][0] == f"{request_id}:{len(whole.token_ids) + 1}"  # its end counts as one more position
+        usage = [json.loads(data)["usage"]["completion_tokens"] for _, data in rest[:-2]]
+        assert usage == [len(got) + len(_tokens(rest[:at + 1])[0]) for at in range(len(rest) - 2)]  # from its start
+        assert rest[-3][0] == f"{request_id}:{len(whole.token_ids) + 1}"  # its end counts as one more position
         assert _tokens(seen)[1] + text == whole.text
         status, now = _get(controller, request_id)
         assert (status, now["status"], now["choices"][0]["token_ids"]) == (200, "finished", whole.token_ids)
         assert now["choices"][0]["text"] == whole.text
         # From its last event: nothing more. Without an id: all of it. A wrong id, or an unknown request: refused.
-        assert _resume(controller, request_id, rest[-2][0])[0] == [(None, "[DONE]")]
+        after_end = _resume(controller, request_id, rest[-3][0])[0]
+        assert [data for _, data in after_end][-1] == "[DONE]"
+        assert _tokens(after_end)[0] == []
         assert _tokens(_resume(controller, request_id, None)[0])[0] == whole.token_ids
         assert _resume(controller, request_id, "cmpl-other:3")[1] == 400
         assert _resume(controller, request_id, f"{request_id}:x")[1] == 400

@@ -39,19 +39,26 @@ async def respond(run: Run, request: web.Request, headers: dict[str, str], text_
 async def stream(transcript: Transcript, request: web.Request, headers: dict[str, str],
                  after: list[int] | None = None) -> web.StreamResponse:
     """Server-sent events past the positions `after` (None: the whole stream, opened as its API opens it): a chunk
-    per update with its event id, an error event if a choice fails, the usage when asked for, then `data: [DONE]`.
-    A client that leaves ends the response alone: what becomes of the request is the API's to decide."""
+    per update with its event id, an error event if a choice fails, the usage when asked for (in every chunk too,
+    counting the tokens sent up to it, with `continuous_usage`), then `data: [DONE]`. A client that leaves ends the
+    response alone: what becomes of the request is the API's to decide."""
     shape, start = shape_of(transcript.kind), [0] * transcript.choices
+    sent = transcript.generated_tokens(after or start)
+
+    def so_far() -> dict[str, int] | None:
+        return usage(transcript, sent) if transcript.continuous_usage else None
+
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_HEADER: transcript.id, **headers})
     try:
         await response.prepare(request)
         if after is None:
             for opening in shape.openings(transcript.choices):
-                await _write(response, shape.chunk(transcript, [opening]), transcript.event_id(start))
+                await _write(response, shape.chunk(transcript, [opening], so_far()), transcript.event_id(start))
         try:
             async for update, event_id in transcript.follow(after or start):
-                await _write(response, shape.chunk(transcript, [shape.chunk_choice(update)]), event_id)
+                sent += len(update.tokens)
+                await _write(response, shape.chunk(transcript, [shape.chunk_choice(update)], so_far()), event_id)
         except ApiError as error:
             await _write(response, error_event(error))
         else:

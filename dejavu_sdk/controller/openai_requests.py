@@ -72,6 +72,8 @@ class GenerationRequest:
     logprobs: int | None = None
     #: Completions: the answer's text (and log-probabilities) begin with the prompt's.
     echo: bool = False
+    #: Streamed with the usage: every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+    continuous_usage: bool = False
     #: The owner id of the client token that made it (`owners.owner_id`, never the token): only that token reads it
     #: back. None: no client's (journaled before requests had owners).
     owner: str | None = None
@@ -126,13 +128,15 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
     if options is not None and (not isinstance(options, dict) or not stream):
         raise ApiError(400, "'stream_options' is an object, and only with stream: true")
     include_usage = isinstance(options, dict) and _flag(options, "include_usage")
+    continuous = isinstance(options, dict) and _flag(options, "continuous_usage_stats")
+    continuous_usage = include_usage and continuous  # as vLLM: only where the stream ends with the usage
     decoding = {**_decoding(body), **scores}
     choices = []
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(body, default_max, len(prompt), facts.context)
         choices += [Choice(prompt, limit, _seeded(decoding, copy), index) for copy in range(n)]
     return GenerationRequest(kind, model, choices, prompts, _stop(body.get("stop")), stream, include_usage,
-                             scores.get("logprobs"), echo)
+                             scores.get("logprobs"), echo, continuous_usage=continuous_usage)
 
 
 def _check_count(prompts: int, body: dict[str, Any], max_prompts: int) -> int:

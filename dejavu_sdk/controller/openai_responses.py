@@ -48,7 +48,7 @@ class ResponseShape(abc.ABC):
     def chunk(self, transcript: Transcript, choices: list[dict[str, Any]],
               usage: dict[str, int] | None = None) -> dict[str, Any]:
         """A streamed chunk of `choices` (shaped by `chunk_choice`); with the usage where the stream ends with it
-        (null until then)."""
+        (null until then, unless every chunk carries it)."""
         extra = {"usage": usage} if transcript.include_usage else {}
         return {**self.head(transcript, chunk=True), "choices": choices, **extra}
 
@@ -129,8 +129,9 @@ def shape_of(kind: str) -> ResponseShape:
     return SHAPES[kind]
 
 
-def usage(transcript: Transcript) -> dict[str, int]:
-    generated = transcript.generated_tokens()
+def usage(transcript: Transcript, generated: int | None = None) -> dict[str, int]:
+    """The request's usage: its prompt tokens, and the tokens it `generated` (default: all sent so far)."""
+    generated = transcript.generated_tokens() if generated is None else generated
     return {"prompt_tokens": transcript.prompt_tokens, "completion_tokens": generated,
             "total_tokens": transcript.prompt_tokens + generated}
 

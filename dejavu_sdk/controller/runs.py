@@ -65,7 +65,7 @@ class Run(Transcript):
         super().__init__(adopted.id if adopted is not None else self.shape.new_id(), int(time.time()), request.kind,
                          request.model, request.include_usage, len(request.choices),
                          adopted.prompt_count() if adopted is not None else sum(map(len, request.prompts)),
-                         owner=request.owner)
+                         owner=request.owner, continuous_usage=request.continuous_usage)
         self.times = RequestTimes(backend.metrics)
         #: (choice, token or None: done, the token's log-probabilities where asked, its journal entry's number)
         self.events: asyncio.Queue[tuple[int, int | None, TokenLogprobs | None, int]] = asyncio.Queue()

@@ -27,17 +27,19 @@ __all__ = ["POSITION", "Transcript", "Update"]
 class Transcript:
     """Request `id`'s updates so far (`log`), its `state` (running, or how it ended) and the error it failed with
     (`error`), and whether its log is complete (`over`: no update comes any more); `kind` (completion or chat), the
-    model name it was answered with, whether its stream ends with the usage, its number of choices and of prompt
-    tokens, and the owner id of the client token that made it (`owners`). `live`: it may change yet (a run writes
-    it), and followers wait for what comes."""
+    model name it was answered with, whether its stream ends with the usage (and `continuous_usage`: every chunk
+    carries it), its number of choices and of prompt tokens, and the owner id of the client token that made it
+    (`owners`). `live`: it may change yet (a run writes it), and followers wait for what comes."""
 
-    __slots__ = ("_changed", "_positions", "choices", "created", "error", "id", "include_usage", "kind", "log",
-                 "model", "over", "owner", "prompt_tokens", "state")
+    __slots__ = ("_changed", "_positions", "choices", "continuous_usage", "created", "error", "id", "include_usage",
+                 "kind", "log", "model", "over", "owner", "prompt_tokens", "state")
 
     def __init__(self, request_id: str, created: int, kind: str, model: str, include_usage: bool, choices: int,
-                 prompt_tokens: int, live: bool = True, owner: str | None = None) -> None:
+                 prompt_tokens: int, live: bool = True, owner: str | None = None,
+                 continuous_usage: bool = False) -> None:
         self.id, self.created, self.kind, self.model, self.owner = request_id, created, kind, model, owner
         self.include_usage, self.choices, self.prompt_tokens = include_usage, choices, prompt_tokens
+        self.continuous_usage = continuous_usage
         self.log: list[Update] = []
         self.error: ApiError | None = None
         self.state = RequestState.RUNNING
@@ -63,7 +65,7 @@ class Transcript:
     def kept(self) -> Transcript:
         """This transcript as it stays once its request ended: what it sent, nothing to follow."""
         kept = Transcript(self.id, self.created, self.kind, self.model, self.include_usage, self.choices,
-                          self.prompt_tokens, live=False, owner=self.owner)
+                          self.prompt_tokens, live=False, owner=self.owner, continuous_usage=self.continuous_usage)
         kept.log, kept.error, kept.state = list(self.log), self.error, self.state
         return kept
 
@@ -76,9 +78,14 @@ class Transcript:
             return "failed"
         return "finished" if self.state in (RequestState.RUNNING, RequestState.FINISHED) else self.state.value
 
-    def generated_tokens(self) -> int:
-        """The tokens sent so far, of every choice."""
-        return sum(len(update.tokens) for update in self.log)
+    def generated_tokens(self, positions: list[int] | None = None) -> int:
+        """The tokens sent so far, of every choice (up to each choice's position of `positions`)."""
+        if positions is None:
+            return sum(len(update.tokens) for update in self.log)
+        sent = [0] * self.choices
+        for update in self.log:
+            sent[update.index] += len(update.tokens)
+        return sum(min(tokens, position) for tokens, position in zip(sent, positions, strict=True))
 
     def _wake(self) -> None:
         """Tell those who follow that the log (or the end) changed."""
