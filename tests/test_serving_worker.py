@@ -3,6 +3,7 @@ microbatch whose computation fails is that microbatch's failure, not the worker'
 
 from __future__ import annotations
 
+import time
 import types
 
 import attrs
@@ -10,12 +11,13 @@ import pytest
 import tiny_models
 import torch
 
-from dejavu_sdk import open_store
+from dejavu_sdk import open_store, open_transport, serve
 from dejavu_sdk.blocks import BlockKey
 from dejavu_sdk.errors import TransportError
 from dejavu_sdk.generation.batching import left_pad
 from dejavu_sdk.generation.row_specs import Group, RowSpecs
 from dejavu_sdk.generation.stage import Stage
+from dejavu_sdk.serving.wire.link_tls import inbox_options
 from dejavu_sdk.serving.wire.messages import (
     Cancel,
     Drop,
@@ -227,3 +229,17 @@ def test_a_neighbour_gone_with_no_shutdown_coming_is_the_worker_s_failure(monkey
     (failed,) = head.sent
     assert isinstance(failed, Failed)
     assert "closed the connection" in failed.error
+
+
+def test_a_pipeline_inbox_never_closes_a_link_for_being_idle() -> None:
+    """A stage's steps to the next are posts, never answered: a server that closes such a link once it has been
+    idle `idle_timeout` leaves the next post unable to know whether the earlier ones arrived (an error, which would
+    fail or recover a pipeline that was merely quiet for ten minutes). A pipeline's inboxes keep their links."""
+    with serve("tcp://127.0.0.1:0", idle_timeout=0.3) as plain, open_transport(plain.url) as link:
+        link.post_tensor(torch.ones(2))
+        plain.recv_tensor(timeout=10)
+        time.sleep(1.0)
+        with pytest.raises(TransportError, match="may not have arrived"):
+            link.post_tensor(torch.ones(2))
+    with serve("tcp://127.0.0.1:0", **inbox_options(None)) as inbox:
+        assert inbox.options.idle_timeout is None

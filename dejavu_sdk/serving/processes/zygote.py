@@ -205,6 +205,9 @@ def _described(status: int) -> str:
 # ---- the zygote's side ---------------------------------------------------------------------------------
 def serve(requests: int, replies: int) -> None:
     """Fork a worker for each request on `requests` until it closes; report starts and ends on `replies`."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of every process of the service, is the
+        signal.signal(signum, signal.SIG_IGN)        # head's to handle: it ends when the head closes its pipe
+    # (set first: a Ctrl-C while the imports below run must not end it either)
     # the imports every worker needs, and those every model's modeling code makes (seconds of CPU), once
     import transformers.activations
     import transformers.generation
@@ -217,8 +220,6 @@ def serve(requests: int, replies: int) -> None:
 
     from . import bootstrap  # noqa: F401
 
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of every process of the service, is the
-        signal.signal(signum, signal.SIG_IGN)        # head's to handle: it ends when the head closes its pipe
     children: dict[int, str] = {}  # pid -> worker id, until reaped
     pending = b""
     while True:

@@ -70,8 +70,10 @@ class LinkTls:
 
 
 def inbox_options(tls: LinkTls | None) -> dict[str, Any]:
-    """`serve`'s options for an inbox of the pipeline."""
-    return {} if tls is None else {"tls_cert": tls.cert, "tls_key": tls.key}
+    """`serve`'s options for an inbox of the pipeline. Its connections are never closed for being idle: they
+    live as long as the pipeline, and a link that only posts (a stage's steps to the next) could not tell,
+    after such a close, whether its last posts arrived; heartbeats and the progress watchdog find a peer gone."""
+    return {"idle_timeout": None, **({} if tls is None else {"tls_cert": tls.cert, "tls_key": tls.key})}
 
 
 def link_options(tls: LinkTls | None) -> dict[str, Any]:
