@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import expectations
+import httpx
 import openai
 import pytest
 import tiny_models
@@ -23,6 +24,7 @@ import torch
 
 import dejavu_sdk as dv
 from dejavu_sdk.generation.decoding import TokenRules
+from dejavu_sdk.serving.options import PipelineOptions
 
 TESTS = str(Path(__file__).parent)
 MODEL = "tiny_models:llama"
@@ -365,6 +367,15 @@ def test_dejavu_serve_answers_with_a_token_from_its_file_and_stops_on_sigterm(tm
         assert [model.id for model in client.models.list().data] == [MODEL]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=match.group(1) + "/v1", api_key="guess", max_retries=0).models.list()
+        chosen = process.stdout.readline()  # what the defaults chose, and why
+        status = httpx.get(match.group(1) + "/v1/status", headers={"Authorization": "Bearer client-secret"},
+                           timeout=30).json()
+        expected = PipelineOptions.check(MODEL).defaults  # chosen for this machine as the test runs on it
+        rows = expected.rows
+        assert (status["defaults"]["microbatch"], status["defaults"]["threads"]) == (rows, expected.threads)
+        assert (status["batching"], status["recovery"]) == ("continuous", "recompute")  # recovery stays on
+        assert chosen.startswith("mixed layout of 1 stage(s), continuous batching, recovery recompute; ")
+        assert f"{rows} rows per slot" in chosen
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

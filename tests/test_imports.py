@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("serving: wire", ("serving.wire",)),
     ("serving: stage workers", ("serving.worker",)),
     ("serving: worker processes", ("serving.processes",)),
-    ("serving: layout and options", ("serving.layout", "serving.option_groups", "serving.options")),
+    ("serving: layout and options", ("serving.layout", "serving.option_groups", "serving.defaults", "serving.options")),
     ("serving: head", ("serving.head",)),
     ("serving: Pipeline", ("serving",)),
     ("controller", ("controller",)),

@@ -41,4 +41,4 @@ def test_the_pipelines_checks_read_no_weights_unless_a_kv_budget_leaves_a_choice
         assert options.memory.kv_bytes_per_token > 0
     tight = options.memory.kv_bytes_per_token * 1000  # two slots, not every microbatch: the device the weights load on
     with pytest.raises(AssertionError, match="read the weights"):
-        PipelineOptions.check(str(tmp_path / "tiny"), 2, kv_budget_bytes=tight)
+        PipelineOptions.check(str(tmp_path / "tiny"), 2, kv_budget_bytes=tight, microbatch=4)  # (the default fits)

@@ -124,7 +124,10 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--stages", type=int, default=1, help="stages of one mixed pipeline (default 1)")
     parser.add_argument("--prompt-stages", type=int, help="disaggregated: stages of the prompt pipeline")
     parser.add_argument("--token-stages", type=int, help="disaggregated: stages of the token pipeline")
-    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--microbatch", type=int, help="rows each slot holds (default: chosen from this "
+                        "machine's cores and memory and the model's KV size; shown at start and in /v1/status)")
+    parser.add_argument("--threads", type=int, help="torch threads of each stage process (default: this machine's "
+                        "cores shared between the stages)")
     parser.add_argument("--transport", default="tcp", help="how stages move activations and KV (tcp, gloo, nccl, "
                         "ucx)")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "
@@ -275,6 +278,9 @@ def _serve(args: argparse.Namespace) -> int:
         from dejavu_sdk.serving.processes.zygote import prestart
 
         prestart()
+    import torch
+
+    torch.set_num_threads(1)  # this process runs the head and the front door: the stage processes take the cores
     from dejavu_sdk.controller import Controller
     from dejavu_sdk.controller.controller import WORKER_TOKEN_VARIABLE
     from dejavu_sdk.errors import ConfigError
@@ -304,7 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
                           f"(or {WORKER_TOKEN_VARIABLE}) and the same to each `dejavu worker --controller`")
     with Controller(args.model, host=host, port=port, token=tokens[0] if tokens else None, tokens=tokens[1:],
                     worker_token=worker_tokens[0] if worker_tokens else None,
-                    microbatch=args.microbatch, transport=args.transport, standby=args.standby,
+                    microbatch=args.microbatch, threads=args.threads, transport=args.transport, standby=args.standby,
                     recovery=None if args.recovery == "none" else args.recovery, worker_host=worker_host,
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
                     swapping={"on": True, "off": False}.get(args.swapping, args.swapping),
@@ -322,6 +328,9 @@ def _serve(args: argparse.Namespace) -> int:
               flush=True)
         if not tokens and not os.environ.get(TOKEN_VARIABLE):
             print(f"token: {controller.token}", flush=True)
+        status = controller.pipeline.status()
+        print(f"{status['layout']} layout of {len(status['stages'])} stage(s), {status['batching']} batching, "
+              f"recovery {status['recovery']}; {status['defaults']['why']}", flush=True)
         stop.wait()
         logging.info("draining: no new requests; up to %.0f s for those in flight", args.drain_timeout)
         if controller.drain(args.drain_timeout):

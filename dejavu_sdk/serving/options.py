@@ -35,6 +35,7 @@ from ..swapping import (
     positions_needed,
 )
 from ..timing import measure_times
+from .defaults import Defaults, Machine
 from .layout import Layout, pipelines_for
 from .option_groups import Links, Memory, Resilience, Watch, positive_integer
 from .processes.launchers import Launcher, LocalProcesses
@@ -121,14 +122,15 @@ class PipelineOptions:
     watch: Watch
     resilience: Resilience
     memory: Memory
-    batching: str = "static"
-    max_prefill_tokens: int | None = None
+    batching: str
+    max_prefill_tokens: int | None
+    defaults: Defaults
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
               prompt_stages: int | None = None, token_stages: int | None = None, token_slots: int | None = None,
               machines: int | None = None, plan: str = "auto", workload: tuple[int, int] = (256, 64),
-              microbatch: int = 4, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
+              microbatch: int | None = None, kv_budget_bytes: int | None = None, swapping: bool | str = "auto",
               ignore_eos: bool = False, threads: int | None = None, launch: bool | Launcher = True,
               batching: str | None = None, max_prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
               **grouped: Any) -> PipelineOptions:
@@ -136,28 +138,40 @@ class PipelineOptions:
         checking its own."""
         links_given, watch_given, resilience_given = _split(grouped, Links.check, Watch.check, Resilience.check)
         links = Links.check(launch, **links_given)
-        positive_integer(microbatch, "microbatch")
+        if microbatch is not None:
+            positive_integer(microbatch, "microbatch")
         watch = Watch.check(**watch_given)
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
         reference = load_model(model, weights=False)  # ConfigError for a bad name, before any process starts
         weighted = functools.cache(lambda: load_model(model))  # what is measured here needs the weights
         total = len(adapter_for(reference).decoder_layers())  # ConfigError for an architecture without an adapter
+        machine = Machine.here()
+        dtype = next(reference.parameters()).dtype
         chosen: Plan | None = None
         if machines is not None:
             if stages is not None or layers is not None or prompt_stages is not None or token_stages is not None:
                 raise ConfigError("machines= lets the planner choose the stages: give it alone, or give stages= "
                                   "(mixed) or prompt_stages= and token_stages= (disaggregated) instead")
-            chosen = plan_for(weighted(), machines, plan, workload, microbatch, threads)
+            if isinstance(machines, int) and not isinstance(machines, bool) and machines > 0:
+                # the planner times a microbatch of the rows and threads the stages will have
+                share = -(-total // machines)
+                planned = Defaults.of(machine, threads, microbatch, kv_bytes_per_token(reference.config, dtype, share),
+                                      positions_needed(*check_workload(workload)), 2 * machines, machines, budget)
+                microbatch, threads = planned.rows, planned.threads
+            chosen = plan_for(weighted(), machines, plan, workload, microbatch or 1, threads)
             if chosen.disaggregate:
                 prompt_stages, token_stages = chosen.prompt_machines, chosen.token_machines
             else:
                 stages = machines
         pipelines = pipelines_for(stages, layers, prompt_stages, token_stages, total)
         slots = _token_slots(token_slots, pipelines)
-        threads = threads or max(1, (os.cpu_count() or 1) // sum(map(len, pipelines)))
+        processes = sum(map(len, pipelines))
         widest = max(stop - start for start, stop in pipelines[-1])
-        per_token = kv_bytes_per_token(reference.config, next(reference.parameters()).dtype, widest)
+        per_token = kv_bytes_per_token(reference.config, dtype, widest)
+        defaults = Defaults.of(machine, threads, microbatch, per_token, positions_needed(*check_workload(workload)),
+                               2 * len(pipelines[-1]), processes, budget)
+        threads, microbatch = defaults.threads, defaults.rows
         choice: SwapChoice | None = None
         if swapping == "auto":
             limit = slots if len(pipelines) == 2 else len(pipelines[0])
@@ -172,7 +186,7 @@ class PipelineOptions:
         ring = resilience.recovery == "replicas" and resilience.replica_store is None
         return cls(model, Layout(pipelines, ring=ring), chosen, microbatch, slots, threads,
                    LocalProcesses() if launch is True else (launch or None), rules, [] if ignore_eos else rules.eos,
-                   links, watch, resilience, memory, chosen_batching, prefill_tokens)
+                   links, watch, resilience, memory, chosen_batching, prefill_tokens, defaults)
 
 
 def check_body_limit(max_body_bytes: Any) -> int:

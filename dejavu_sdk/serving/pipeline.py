@@ -50,7 +50,8 @@ class Pipeline:
     - `machines` processes laid out by the planner (`plan="auto"`), from Y and t measured here on a microbatch
       of the `workload`'s (prompt tokens, new tokens); its answer is `self.plan`.
 
-    Each microbatch is a slot of up to `microbatch` rows. `batching="continuous"` (the default) lets a row leave
+    Each microbatch is a slot of up to `microbatch` rows (default, with `threads`: `serving.defaults`, shown in
+    `status()`). `batching="continuous"` (the default) lets a row leave
     as it ends and a waiting request join between steps, its prompt prefilled beside the others' decoding
     (`max_prefill_tokens` positions a step; `Result.schedule` replays exactly through `generation.replay`);
     `batching="static"` runs each microbatch until its last row ends, equal to `model.generate` on it.
@@ -63,8 +64,7 @@ class Pipeline:
     def __init__(self, model: str, stages: int | None = None, **options: Any) -> None:
         self.options = checked = PipelineOptions.check(model, stages, **options)  # ConfigError before any process
         self.layout = layout = checked.layout
-        #: The planner's answer, when `machines` asked for one.
-        self.plan = checked.plan
+        self.plan = checked.plan  # the planner's answer, when `machines` asked for one
         #: Mixed: every stage's layers. Disaggregated: the prompt pipeline's, then the token pipeline's.
         self.layouts, self.disaggregated, self.stage_table = layout.pipelines, layout.disaggregated, layout.stages
         self.model, self.microbatch, self.timeout = model, checked.microbatch, checked.watch.timeout
@@ -133,11 +133,10 @@ class Pipeline:
 
     def take_over(self, groups: Mapping[int, Sequence[tuple[Sequence[int], Sequence[Any]]]],
                   stand_in: Callable[[Any], Request | None]) -> TakeoverReport:
-        """Go on with what the workers of a former head, rejoined, still hold (`takeover`): its slots, whose groups
-        (their requests' numbers there, and tags) `groups` gives by slot, as the former head sent them. The
-        requests of those tags, submitted here (held: `start(hold=True)`), go on from the stages' caches where
-        every stage can, and wait to be computed again otherwise; `stand_in(tag)` is a request like the one a row
-        had whose request is not submitted here (it ended), or None. Then requests start."""
+        """Go on with what the rejoined workers of a former head hold (`takeover`): its slots, whose groups (their
+        requests' numbers there, and tags) `groups` gives by slot. The requests of those tags, submitted here (held:
+        `start(hold=True)`), go on from the stages' caches where every stage can, else are computed again;
+        `stand_in(tag)` is a request like the one a row had whose request ended, or None. Then requests start."""
         return self.head.recoveries.take_over(groups, stand_in, self.head.carry_out)
 
     closed = property(lambda self: self._closed, doc="Whether `close` has been called.")
@@ -283,10 +282,11 @@ class Pipeline:
     def status(self) -> dict[str, Any]:
         """A snapshot for operators: the layout and its stages (whether each launched process lives), the
         microbatches in flight and their steps, the requests waiting, and the failure that stopped it, if any."""
-        failure = self.ledger.failure
+        failure, options = self.ledger.failure, self.options
         return {"layout": "disaggregated" if self.disaggregated else "mixed", "stages": self.fleet.stage_status(),
-                **self.ledger.status(), "swapping": self.swapping, "kv_budget_bytes": self.options.memory.kv_budget,
-                "recovery": self.recovery, "epoch": self.fleet.epoch, "recovering": self.head.recoveries.running,
+                **self.ledger.status(), "swapping": self.swapping, "kv_budget_bytes": options.memory.kv_budget,
+                "recovery": self.recovery, "batching": options.batching, "defaults": options.defaults.status(),
+                "epoch": self.fleet.epoch, "recovering": self.head.recoveries.running,
                 "standby": self.fleet.spare_pids(), "recoveries": [attrs.asdict(report) for report in self.recoveries],
                 "failure": None if failure is None else str(failure)}
 
