@@ -172,6 +172,27 @@ def _bench_long_prompt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_http(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ..bench.http import plot_http_bench, run_http_bench
+
+    model = args.model
+    if model == "smollm2":  # the float32 directory of the bundled weights, which both servers load
+        from ..models import default_cache_dir, load_smollm2
+
+        load_smollm2()  # writes the directory once
+        model = str(default_cache_dir())
+    streams = [int(count) for count in args.streams.split(",") if count.strip()]
+    report = run_http_bench(model, streams=streams, repeats=args.repeats, rounds=args.rounds,
+                            max_tokens=args.max_tokens, prompt_words=args.prompt_words,
+                            dejavu_args=shlex.split(args.dejavu_args), busy=args.busy,
+                            progress=None if args.quiet else print)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_http_bench(report, path))
+    return 0
+
+
 def _lengths(text: str, option: str) -> tuple[int, int]:
     try:
         prompt, new = (int(part) for part in text.split(","))
@@ -314,3 +335,18 @@ def add_bench_commands(commands: Any) -> None:
     add_output_arguments(long_prompt, figures="the prefill and the short request's time to first token beside it "
                          "and alone, and their ratio, per layout")
     long_prompt.set_defaults(run=_bench_long_prompt)
+
+    http = benches.add_parser("http", help="dejavu serve beside transformers serve --continuous-batching on the same "
+                              "weights, each driven over HTTP by streaming clients, alternating per repeat")
+    http.add_argument("--model", default="smollm2", help="a Hugging Face model directory both servers load "
+                      "(default: the bundled SmolLM2-135M, in float32)")
+    http.add_argument("--streams", default="1,8,32", help="comma-separated loads: clients streaming at once")
+    http.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
+    http.add_argument("--max-tokens", type=int, default=64, help="new tokens a request asks for")
+    http.add_argument("--prompt-words", type=int, default=100, help="words of each text prompt (~a token each)")
+    http.add_argument("--repeats", type=int, default=3)
+    http.add_argument("--busy", action="store_true", help="keep a process spinning on one core meanwhile")
+    http.add_argument("--dejavu-args", default="", help="more options for dejavu serve (default: none: its "
+                      "defaults are what is measured)")
+    add_output_arguments(http, figures="each server's tokens/s per load and repeat, and the ratio")
+    http.set_defaults(run=_bench_http)
