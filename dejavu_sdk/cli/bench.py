@@ -1,4 +1,4 @@
-"""`dejavu bench stores|...|recovery|long-prompt`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|...|recovery|long-prompt|http`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -181,7 +181,8 @@ def _bench_http(args: argparse.Namespace) -> int:
     if model == "smollm2":  # the float32 directory of the bundled weights, which both servers load
         from ..models import default_cache_dir, load_smollm2
 
-        load_smollm2()  # writes the directory once
+        if not (default_cache_dir() / "config.json").is_file():
+            load_smollm2()  # writes the directory, once
         model = str(default_cache_dir())
     streams = [int(count) for count in args.streams.split(",") if count.strip()]
     report = run_http_bench(model, streams=streams, repeats=args.repeats, rounds=args.rounds,
