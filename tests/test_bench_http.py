@@ -12,6 +12,7 @@ from dejavu_sdk.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.peers  # run on its own (-m peers): two servers starting take both cores for a minute
 def test_bench_http_drives_both_servers_and_reports_their_ratio(tmp_path, smollm2_tokenizer, capsys) -> None:
     model = tmp_path / "model"
     tiny_models.llama_text().save_pretrained(model)  # SmolLM2's vocabulary, two random layers
