@@ -1,13 +1,12 @@
 """What a pipeline chooses where its caller chose nothing: each stage process's torch threads and the rows a slot
 holds (its microbatch), from this machine (`Machine`: cores, memory, accelerators) and the model's KV size.
 
-Why these rules (measured on a 2-core machine, docs/benchmarks.md, "Defaults"): a stage process that runs as
-many torch threads as there are cores loses most of its speed as soon as another process wants a core (its
-threads wait on each other), while one fewer leaves a core to the head and the front door and holds up; and a
-slot of 32 rows streams 1.6x the tokens/s of 8 rows under 32 concurrent requests, as a larger batch amortises
-each step's read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs` lets a batch hold (256),
-fewer on a CPU (ROWS_PER_CORE a core), and never more than the memory the caches live in holds at the
-workload's length.
+Why these rules (docs/benchmarks.md, "Against `transformers serve`", `--busy`): a stage process that runs as
+many torch threads as there are cores slows down as soon as another process, the head's included, wants a
+core (its threads wait on each other), while one fewer leaves a core to the head and the front door; and a
+larger batch amortises each step's read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs`
+lets a batch hold (256), fewer on a CPU (ROWS_PER_CORE a core), and never more than the memory the caches live
+in holds at the workload's length.
 """
 
 from __future__ import annotations
@@ -79,12 +78,11 @@ def slot_rows(machine: Machine, kv_bytes_per_token: int, positions: int, slots: 
 @attrs.frozen
 class Defaults:
     """A pipeline's torch threads per stage process and rows per slot, each the caller's or chosen here (`why`
-    says which, and from what), on `machine`."""
+    says which, and from what machine)."""
 
     threads: int
     rows: int
     why: str
-    machine: Machine
 
     @classmethod
     def of(cls, machine: Machine, threads: int | None, rows: int | None, kv_bytes_per_token: int, positions: int,
@@ -100,7 +98,7 @@ class Defaults:
             rows, bound = slot_rows(machine, kv_bytes_per_token, positions, slots, stage_processes, kv_budget)
             reasons.append(f"{rows} rows per slot ({bound})")
         why = "; ".join(reasons) if reasons else "as given"
-        return cls(threads, rows, f"{why}, on {machine.describe()}", machine)
+        return cls(threads, rows, f"{why}, on {machine.describe()}")
 
     def status(self) -> dict[str, object]:
         """What `/v1/status` and `Pipeline.status` show of them."""

@@ -140,6 +140,8 @@ class PipelineOptions:
         links = Links.check(launch, **links_given)
         if microbatch is not None:
             positive_integer(microbatch, "microbatch")
+        if threads is not None:
+            positive_integer(threads, "threads")
         watch = Watch.check(**watch_given)
         budget = check_budget(kv_budget_bytes)
         check_swapping(swapping)
