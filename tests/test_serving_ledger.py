@@ -12,6 +12,7 @@ from dejavu_sdk.generation.decoding import Decoding
 from dejavu_sdk.generation.slot_policy import STATIC
 from dejavu_sdk.generation.slots import Round
 from dejavu_sdk.serving.head.ledger import Ledger, stream
+from dejavu_sdk.serving.head.ledger_slots import QUEUED_ROUNDS, _prefill_left
 from dejavu_sdk.serving.layout import Layout
 from dejavu_sdk.serving.wire.messages import (
     Cancel,
@@ -223,6 +224,35 @@ def test_a_member_taken_out_of_its_queued_group_is_no_longer_on_its_way_in() -> 
     (enter,) = ledger.admit()
     assert (type(enter[1]), enter[1].group.members) == (Enter, [third])
     assert ledger.cancel(requests[1]) == []  # settled: nothing more to send
+
+
+def test_with_a_prefill_budget_requests_arriving_together_enter_in_groups_of_a_round_each_queued_ahead() -> None:
+    # prompts of 3 positions, 6 a round: groups of two rows, each in a round of its own; groups are sent while
+    # those on their way have fewer than QUEUED_ROUNDS rounds of prompt left
+    assert QUEUED_ROUNDS == 4
+    ledger = Ledger(Layout([[(0, 3)]]), 10, 2, EOS, 0, Admission(None, False, bytes_per_token=1), prefill_tokens=6)
+    requests = _requests(*[5] * 10)
+    ledger.queue(requests)
+    numbers = [request.number for request in requests]
+    sends = ledger.admit()
+    assert [(type(message), message.group.members) for _, message in sends] == [
+        (OpenSlot, numbers[0:2]), (Enter, numbers[2:4]), (Enter, numbers[4:6]), (Enter, numbers[6:8])]
+    slot = sends[0][1].microbatch
+    assert ledger.admit() == []  # 4 rounds of prompt on their way: the rest wait
+    ledger.slots.on_round(slot, _round(numbers[0:2], prefill=[numbers[0:2], 0, 3], complete=numbers[0:2]), [7, 7])
+    (enter,) = ledger.admit()  # 3 rounds left: the last group goes
+    assert (type(enter[1]), enter[1].group.members) == (Enter, numbers[8:10])
+    ledger.slots.on_round(slot, _round(numbers[0:2], joined=numbers[0:2], decoded=numbers[0:2],
+                                       prefill=[numbers[2:4], 0, 2]), [8, 8])
+    assert _prefill_left(ledger.flights[slot].batch) == 2 * 1 + 3 * 2 * 3  # one column of the second group left
+
+
+def test_a_group_takes_one_prompt_longer_than_a_round_alone() -> None:
+    ledger = Ledger(Layout([[(0, 3)]]), 4, 2, EOS, 0, Admission(None, False, bytes_per_token=1), prefill_tokens=2)
+    requests = _requests(5, 5)
+    ledger.queue(requests)
+    sends = ledger.admit()
+    assert [message.group.members for _, message in sends] == [[requests[0].number], [requests[1].number]]
 
 
 def test_slot_admission_counts_rows_within_the_budget() -> None:

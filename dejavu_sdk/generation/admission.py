@@ -45,11 +45,15 @@ class Admission:
                                barred)
 
     def take_rows(self, waiting: deque[Request], room: int, held: Sequence[Request], others: Sequence[Slot],
-                  shares: Mapping[int, int] | None = None, barred: Collection[int] = ()) -> list[Request]:
+                  shares: Mapping[int, int] | None = None, barred: Collection[int] = (),
+                  most_positions: int | None = None) -> list[Request]:
         """Continuous batching: up to `room` waiting requests to enter a slot whose cache holds (or takes in)
         the rows of `held`, beside the `others` slots, as many as fit, in turns between submissions (`shares`
-        and `barred`, as `turns.take_microbatch` takes them)."""
+        and `barred`, as `turns.take_microbatch` takes them); with `most_positions`, no more than their padded
+        prompts hold that many positions (one request at least)."""
         def fits(group: list[Request]) -> bool:
+            if most_positions is not None and len(group) > 1 and prompt_positions(group) > most_positions:
+                return False
             return self.budget is None or self.rows_need(group, held, others) <= self.budget
 
         return take_microbatch(waiting, room, fits, shares, barred) if room >= 1 else []
@@ -81,6 +85,11 @@ class Admission:
             f"a request of {prompt} prompt tokens and {request.max_new_tokens} new tokens needs {needed} bytes of KV "
             f"cache on a stage{swapped}, more than the {self.budget} bytes each stage gives (kv_budget_bytes): "
             f"{advice}", needed, self.budget, most)
+
+
+def prompt_positions(group: Sequence[Request]) -> int:
+    """The positions a group's prompts take left-padded to each other (rows x its longest prompt)."""
+    return len(group) * max((request.ids.numel() for request in group), default=0)
 
 
 @attrs.frozen

@@ -66,12 +66,12 @@ class SlotPolicy:
 
     def take(self, admission: Admission, waiting: deque[Request], room: int, held: Sequence[Request],
              others: Sequence[Slot], shares: Mapping[int, int] | None = None,
-             barred: Collection[int] = ()) -> list[Request]:
+             barred: Collection[int] = (), most_positions: int | None = None) -> list[Request]:
         """Up to `room` waiting requests for a slot holding `held`, that fit beside the `others` slots, in turns
-        between submissions (`shares`, `barred`): rows that join it (continuous), or a microbatch into an empty
-        one (static)."""
+        between submissions (`shares`, `barred`): rows that join it (continuous; a group of prompts of at most
+        `most_positions` positions, one request at least), or a microbatch into an empty one (static)."""
         if self.refills:
-            return admission.take_rows(waiting, room, held, others, shares, barred)
+            return admission.take_rows(waiting, room, held, others, shares, barred, most_positions)
         if held:
             return []
         return admission.take(waiting, room, [other.reserved for other in others], shares, barred)

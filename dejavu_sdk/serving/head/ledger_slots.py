@@ -2,9 +2,12 @@
 report means.
 
 A slot (`SlotBatch`) opens with a group of waiting requests (`OpenSlot` to the first stage), and takes another
-group (`Enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and no group is on
-its way in, as many as the KV budget holds: admission counts rows, a slot reserving each of its rows at its
-longest row's final length (`admission.row_bytes`), and takes them in turns between submissions (`turns`); a
+group (`Enter`) whenever it has fewer than `microbatch` rows in its cache or on their way and the groups on their
+way in have fewer than `QUEUED_ROUNDS` rounds of prompt left (none on its way, without a prefill budget), as many
+as the KV budget holds and, with a budget, whose prompts fill at most one round (`max_prefill_tokens`): requests
+that arrive together have their first tokens a round apart instead of all at the last one's. Admission counts
+rows, a slot reserving each of its rows at its longest row's final length (`admission.row_bytes`), and takes
+them in turns between submissions (`turns`); a
 submission held back by a larger one gets a slot beside the others (`LedgerState.held_back`). A slot whose
 round ran nothing is `idle` (parked on its first stage); one that no group is bound for then ends here (`End`
 through every stage), and its room is free once every stage has let its cache go (`Freed`). A slot stops taking
@@ -33,6 +36,10 @@ SLOT_ROUNDS = 1024
 #: Rounds of prompt a joining group may have left before a slot opens beside its own for the requests that
 #: would wait for it to join (an 8,000-token prompt has 31 of 256 positions).
 LONG_PREFILL_ROUNDS = 16
+#: Rounds of prompt positions on their way into a slot under which it takes another group: each group a round's
+#: prefill budget (`max_prefill_tokens`), so that requests arriving together have their first tokens one round
+#: after another, and the next group is on the first stage before the one ahead of it is in.
+QUEUED_ROUNDS = 4
 
 
 class SlotDecisions:
@@ -46,16 +53,7 @@ class SlotDecisions:
         one each, and beside them for submissions held back (`held_back`); disaggregated, as many groups at once
         as the prompt pipeline has stages (under the lock)."""
         ledger = self.ledger
-        sends: list[tuple[int, Message]] = []
-        for flight in [flight for flight in ledger.flights.values() if flight.phase is Phase.DECODING]:
-            batch = flight.batch
-            if (not ledger.waiting or batch.entering or len(batch.rounds) >= SLOT_ROUNDS or not self._prompt_room()
-                    or not batch.policy.admits(batch.held())):
-                continue
-            held = batch.held()
-            taken = self._take(ledger.microbatch - len(held), held, flight)
-            if taken:
-                sends.append(self.send_group(flight, taken, epoch))
+        sends = self._fill_slots(epoch, queue=False)
         sends += self._end_idle_slots(epoch)
         slots = ledger.layout_microbatches()
         while ledger.waiting and self._shared_slots() - self._long_prefills() < slots \
@@ -65,7 +63,32 @@ class SlotDecisions:
         while ledger.waiting and len(ledger.holding()) < 2 * slots and self._prompt_room() and ledger.held_back():
             if not self._open_slot(epoch, sends, beside=True):
                 break
+        return sends + self._fill_slots(epoch, queue=True)
+
+    def _fill_slots(self, epoch: int, queue: bool) -> list[tuple[int, Message]]:
+        """Groups of waiting requests into the slots with room: a group into each slot that has none on its way in,
+        or (`queue`, once the slots that the stages have room for are open, so that each stage has one to run)
+        groups behind those on their way, while the slot takes another (`_takes_another_group`), under the lock."""
+        ledger = self.ledger
+        sends: list[tuple[int, Message]] = []
+        for flight in [flight for flight in ledger.flights.values() if flight.phase is Phase.DECODING]:
+            batch = flight.batch
+            while (ledger.waiting and len(batch.rounds) < SLOT_ROUNDS and self._prompt_room()
+                   and batch.policy.admits(batch.held())
+                   and (not batch.entering or (queue and self._takes_another_group(batch)))):
+                held = batch.held()
+                taken = self._take(ledger.microbatch - len(held), held, flight)
+                if not taken:
+                    break
+                sends.append(self.send_group(flight, taken, epoch))
         return sends
+
+    def _takes_another_group(self, batch: SlotBatch) -> bool:
+        """Whether a slot with groups on their way in takes another behind them: with a prefill budget, while they
+        have fewer than QUEUED_ROUNDS rounds of prompt positions left, so that the next starts on the round after
+        the one before it is in, and no request is bound for a slot far ahead of its turn (under the lock)."""
+        prefill_tokens = self.ledger.prefill_tokens
+        return prefill_tokens is not None and _prefill_left(batch) < QUEUED_ROUNDS * prefill_tokens
 
     def _shared_slots(self) -> int:
         """The slots whose rows any submission may take (all but those opened beside them)."""
@@ -230,7 +253,7 @@ class SlotDecisions:
         ledger = self.ledger
         others = [self._admitted(other) for other in ledger.holding() if other is not flight]
         return ledger.policy.take(ledger.admission, ledger.waiting, room, held, others, ledger.shares(),
-                                  ledger.barred(flight))
+                                  ledger.barred(flight), ledger.prefill_tokens)
 
     def _admitted(self, flight: Flight) -> Slot:
         """What a flight holds, for admission: its reservation, and the bytes of the rows on their way in."""
@@ -317,15 +340,19 @@ class SlotDecisions:
 
 
 def _prefill_left(batch: SlotBatch) -> int:
-    """The prompt positions (rows x columns) that the group on its way into `batch` has yet to run, as the
-    rounds reported so far say (0: none on its way, or its prompts are in)."""
-    if not batch.groups or not batch.entering - batch.completed:
-        return 0
-    group, _, mask = batch.groups[-1]
-    members = set(group.members)
-    done = next((step.prefill[2] for step in reversed(batch.rounds)
-                 if step.prefill is not None and step.prefill[0] and step.prefill[0][0] in members), 0)
-    return (mask.shape[1] - done) * len(members)
+    """The prompt positions (rows x columns) that the groups on their way into `batch` have yet to run, as the
+    rounds reported so far say (0: none on its way, or their prompts are in). Groups join in the order they
+    were sent: only the oldest of those on their way may have begun, at the latest round that ran a prefill."""
+    on_the_way = batch.entering - batch.completed
+    latest = next((step.prefill for step in reversed(batch.rounds) if step.prefill is not None), None)
+    left = 0
+    for group, _, mask in reversed(batch.groups):
+        rows = {batch.rows_of[member] for member in group.members}
+        if not rows & on_the_way:
+            break
+        done = latest[2] if latest is not None and latest[0] and latest[0][0] in group.members else 0
+        left += (mask.shape[1] - done) * len(group.members)
+    return left
 
 
 def _by_member(scores: Scores, members: list[int], rows: list[int]) -> Scores:
