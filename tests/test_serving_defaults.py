@@ -18,25 +18,27 @@ PER_TOKEN = 30 * 2 * 3 * 64 * 4
 POSITIONS = positions_needed(256, 64)
 
 
-@pytest.mark.parametrize(("cores", "memory", "devices", "threads", "rows"), [
-    (1, 8, (), 1, 16),  # one core: the stage shares it with the head
-    (2, 24, (), 1, 32),  # this machine's kind: a core for the stage, one for the head and the front door
-    (16, 64, (), 15, 256),
-    (16, 24, (), 15, 219),  # a quarter of 24 GiB holds 219 rows of 319 positions in each of two slots
-    (16, 64, (80 * GIB,), 15, 256),  # an accelerator: vLLM's max_num_seqs
-    (2, 8, (80 * GIB,), 1, 256),  # the caches live on the accelerator: the host's memory does not bound them
+@pytest.mark.parametrize(("cores", "memory", "devices", "threads", "most", "rows"), [
+    (1, 8, (), 1, 1, 16),  # one core: the stage shares it with the head
+    (2, 24, (), 1, 2, 32),  # this machine's kind: a core for the stage, the other too where it is idle
+    (16, 64, (), 15, 16, 256),
+    (16, 24, (), 15, 16, 219),  # a quarter of 24 GiB holds 219 rows of 319 positions in each of two slots
+    (16, 64, (80 * GIB,), 15, 16, 256),  # an accelerator: vLLM's max_num_seqs
+    (2, 8, (80 * GIB,), 1, 2, 256),  # the caches live on the accelerator: the host's memory does not bound them
 ])
-def test_one_stage_on_each_kind_of_machine(cores, memory, devices, threads, rows) -> None:
+def test_one_stage_on_each_kind_of_machine(cores, memory, devices, threads, most, rows) -> None:
     machine = Machine(cores, memory * GIB, devices)
     chosen = Defaults.of(machine, None, None, PER_TOKEN, POSITIONS, 2, 1, None)
-    assert (chosen.threads, chosen.rows) == (threads, rows)
+    assert (chosen.threads, chosen.most_threads, chosen.rows) == (threads, most, rows)
     assert f"{rows} rows per slot" in chosen.why
     assert f"{cores} core(s)" in chosen.why
+    assert (f"{threads} to {most} torch threads" if most > threads else f"{threads} torch thread(s)") in chosen.why
 
 
-def test_stages_share_the_cores_but_one_and_each_gets_at_least_one() -> None:
-    assert [stage_threads(Machine(16, GIB), stages) for stages in (1, 2, 3, 4, 15, 16, 30)] == [15, 7, 5, 3, 1, 1, 1]
-    assert stage_threads(Machine(2, GIB), 2) == 1
+def test_stages_share_the_cores_but_one_and_each_gets_at_least_one_and_at_most_its_share() -> None:
+    assert [stage_threads(Machine(16, GIB), stages) for stages in (1, 2, 3, 4, 15, 16, 30)] == [
+        (15, 16), (7, 8), (5, 5), (3, 4), (1, 1), (1, 1), (1, 1)]
+    assert stage_threads(Machine(2, GIB), 2) == (1, 1)
 
 
 def test_rows_are_bounded_by_the_memory_the_caches_live_in() -> None:
@@ -56,8 +58,10 @@ def test_a_caller_s_threads_and_microbatch_stand(monkeypatch) -> None:
     monkeypatch.setattr(Machine, "here", classmethod(lambda cls: Machine(16, 64 * GIB)))
     given = PipelineOptions.check("tiny_models:llama", 2, microbatch=3, threads=5)
     assert (given.microbatch, given.threads, given.defaults.why.split(",")[0]) == (3, 5, "as given")
+    assert given.defaults.most_threads == 5  # as given: they do not follow the machine's load
     chosen = PipelineOptions.check("tiny_models:llama", 2)
     assert (chosen.microbatch, chosen.threads) == (256, 7)  # 16 cores: 15 shared by two stages; 16 rows a core
+    assert chosen.defaults.most_threads == 8
     with pytest.raises(dv.ConfigError, match="microbatch"):
         PipelineOptions.check("tiny_models:llama", 1, microbatch=0)
 
@@ -67,3 +71,18 @@ def test_this_machine_is_read_as_it_is() -> None:
     assert here.cores >= 1
     assert here.memory_bytes > 0
     assert "core(s)" in here.describe()
+
+
+@pytest.mark.slow
+def test_a_stage_s_threads_follow_the_machine_unless_the_caller_chose_them() -> None:
+    """The default: the stage process starts with the cores but one and follows the cores the other processes leave
+    idle, up to its share (`ThreadShare`); threads= given: exactly those, whatever the machine's load."""
+    here = Machine.here()
+    with dv.Pipeline("tiny_models:llama", 1) as pipe:
+        stats = pipe.stage_stats()["stage 0"]
+        assert stats["threads_follow_load"] is (here.cores > 1)  # one core: nothing to follow
+        assert 1 <= stats["threads"] <= here.cores
+        assert pipe.status()["defaults"]["most_threads"] == here.cores
+    with dv.Pipeline("tiny_models:llama", 1, threads=1) as pipe:
+        stats = pipe.stage_stats()["stage 0"]
+        assert (stats["threads_follow_load"], stats["threads"]) == (False, 1)

@@ -126,8 +126,8 @@ def _controller_arguments(parser: Any) -> None:
     parser.add_argument("--token-stages", type=int, help="disaggregated: stages of the token pipeline")
     parser.add_argument("--microbatch", type=int, help="rows each slot holds (default: chosen from this "
                         "machine's cores and memory and the model's KV size; shown at start and in /v1/status)")
-    parser.add_argument("--threads", type=int, help="torch threads of each stage process (default: this machine's "
-                        "cores shared between the stages)")
+    parser.add_argument("--threads", type=int, help="torch threads of each stage process, fixed (default: this "
+                        "machine's cores shared between the stages, following the cores other processes leave idle)")
     parser.add_argument("--transport", default="tcp", help="how stages move activations and KV (tcp, gloo, nccl, "
                         "ucx)")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free "

@@ -2,9 +2,11 @@
 holds (its microbatch), from this machine (`Machine`: cores, memory, accelerators) and the model's KV size.
 
 Why these rules (docs/benchmarks.md, "Against `transformers serve`", `--busy`): a stage process that runs as
-many torch threads as there are cores slows down as soon as another process, the head's included, wants a
-core (its threads wait on each other), while one fewer leaves a core to the head and the front door; and a
-larger batch amortises each step's read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs`
+many torch threads as there are cores slows down several times over as soon as another process wants a core
+(its threads wait on each other at every operator), while on an idle machine every core shortens a prefill: so
+each stage process starts with the cores but one (the head's and the front door's) and follows the cores the
+other processes leave idle, up to its share (`worker.thread_share`); and a larger batch amortises each step's
+read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs`
 lets a batch hold (256), fewer on a CPU (ROWS_PER_CORE a core), and never more than the memory the caches live
 in holds at the workload's length.
 """
@@ -47,11 +49,12 @@ class Machine:
         return f"{self.cores} core(s), {self.memory_bytes / 2**30:.1f} GiB available{accelerators}"
 
 
-def stage_threads(machine: Machine, stage_processes: int) -> int:
-    """Torch threads for each of `stage_processes` stage processes on `machine`: its cores but one (the head's and
-    the front door's) shared between them, at least one each, so that together they never ask for more cores
-    than there are."""
-    return max(1, (machine.cores - 1) // stage_processes)
+def stage_threads(machine: Machine, stage_processes: int) -> tuple[int, int]:
+    """Torch threads for each of `stage_processes` stage processes on `machine`: to start with, its cores but one
+    (the head's and the front door's) shared between them, at least one each; at most, its share of every core.
+    Between the two, each stage runs on the cores the machine's other processes leave idle
+    (`worker.thread_share`), so that together they never ask for a core another process is using."""
+    return max(1, (machine.cores - 1) // stage_processes), max(1, machine.cores // stage_processes)
 
 
 def slot_rows(machine: Machine, kv_bytes_per_token: int, positions: int, slots: int, stage_processes: int,
@@ -77,12 +80,14 @@ def slot_rows(machine: Machine, kv_bytes_per_token: int, positions: int, slots: 
 
 @attrs.frozen
 class Defaults:
-    """A pipeline's torch threads per stage process and rows per slot, each the caller's or chosen here (`why`
-    says which, and from what machine)."""
+    """A pipeline's torch threads per stage process (`threads` to start with, up to `most_threads` where the
+    others leave cores idle; the same where the caller chose) and rows per slot, each the caller's or chosen here
+    (`why` says which, and from what machine)."""
 
     threads: int
     rows: int
     why: str
+    most_threads: int
 
     @classmethod
     def of(cls, machine: Machine, threads: int | None, rows: int | None, kv_bytes_per_token: int, positions: int,
@@ -90,16 +95,18 @@ class Defaults:
         """`threads` and `rows` as given, each that is None chosen for `stage_processes` stage processes holding
         `slots` slots of rows `positions` long (`slot_rows`)."""
         reasons = []
+        most = threads
         if threads is None:
-            threads = stage_threads(machine, stage_processes)
-            reasons.append(f"{threads} torch thread(s) per stage process ({stage_processes} of them, a core left to "
-                           "the head)")
+            threads, most = stage_threads(machine, stage_processes)
+            counts = f"{threads} torch thread(s)" if most == threads else f"{threads} to {most} torch threads"
+            reasons.append(f"{counts} per stage process ({stage_processes} of them, following the cores the other "
+                           "processes leave idle)")
         if rows is None:
             rows, bound = slot_rows(machine, kv_bytes_per_token, positions, slots, stage_processes, kv_budget)
             reasons.append(f"{rows} rows per slot ({bound})")
         why = "; ".join(reasons) if reasons else "as given"
-        return cls(threads, rows, f"{why}, on {machine.describe()}")
+        return cls(threads, rows, f"{why}, on {machine.describe()}", most if most is not None else threads)
 
     def status(self) -> dict[str, object]:
         """What `/v1/status` and `Pipeline.status` show of them."""
-        return {"threads": self.threads, "microbatch": self.rows, "why": self.why}
+        return {"threads": self.threads, "most_threads": self.most_threads, "microbatch": self.rows, "why": self.why}

@@ -97,7 +97,8 @@ class PipelineOptions:
     and the tokens already streamed (each still equals the replay of its `Result.schedule`), and a lost static
     slot's microbatch starts over, each row where it sat (each still equals `model.generate` on it).
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
-    `threads`: torch threads per stage process (default: this machine's cores shared between the stages).
+    `threads`: torch threads per stage process, fixed (default: this machine's cores shared between the stages,
+    each following the cores the other processes leave idle: `serving.defaults`).
     `launch`: True starts the stage workers as processes of this machine; a `Launcher` starts them its way
     (`dejavu_sdk.cluster.ray.RayWorkers`: Ray actors); False starts none (workers join from elsewhere).
     `orphan_timeout`: seconds a worker whose head is gone keeps its stage loaded, asking the head's address to
@@ -155,13 +156,14 @@ class PipelineOptions:
             if stages is not None or layers is not None or prompt_stages is not None or token_stages is not None:
                 raise ConfigError("machines= lets the planner choose the stages: give it alone, or give stages= "
                                   "(mixed) or prompt_stages= and token_stages= (disaggregated) instead")
+            plan_threads: int | None = threads  # the planner times the threads the stages start with
             if isinstance(machines, int) and not isinstance(machines, bool) and machines > 0:
                 # the planner times a microbatch of the rows and threads the stages will have
                 share = -(-total // machines)
                 planned = Defaults.of(machine, threads, microbatch, kv_bytes_per_token(reference.config, dtype, share),
                                       positions_needed(*check_workload(workload)), 2 * machines, machines, budget)
-                microbatch, threads = planned.rows, planned.threads
-            chosen = plan_for(weighted(), machines, plan, workload, microbatch or 1, threads)
+                microbatch, plan_threads = planned.rows, planned.threads
+            chosen = plan_for(weighted(), machines, plan, workload, microbatch or 1, plan_threads)
             if chosen.disaggregate:
                 prompt_stages, token_stages = chosen.prompt_machines, chosen.token_machines
             else:

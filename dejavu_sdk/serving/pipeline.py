@@ -291,9 +291,9 @@ class Pipeline:
                 "failure": None if failure is None else str(failure)}
 
     def stage_stats(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
-        """Each stage's KV caches as it reports them now: whether it swaps, device bytes held now and at most
-        (`held_kv_bytes`, `peak_kv_bytes`: counted from the caches' tensors), swap-ins and the seconds it waited
-        for them, `staged_kv`: microbatches (or groups) whose prompt KV a token stage holds before their first step,
-        and (the last stage) `row_steps`: rows given a token while live."""
+        """Each stage's figures now: whether it swaps, KV device bytes held now and at most (`held_kv_bytes`,
+        `peak_kv_bytes`), swap-ins and the seconds it waited for them, `staged_kv` (microbatches or groups whose
+        prompt KV a token stage holds before their first step), torch `threads` and whether they follow the cores
+        other processes leave idle (`threads_follow_load`), and the last stage's `row_steps` (rows given a token)."""
         return self.fleet.collect_stats(timeout, lambda: self.ledger.failure)
 

@@ -228,7 +228,8 @@ class Fleet(SparePool):
         stage, options, watch = self.layout.stages[index], self.options, self.options.watch
         return Assign(model=options.model, stage=stage.name, role=stage.role, number=stage.number,
                       stages=self.layout.token_depth if stage.role == "token" else self.layout.prompt_depth,
-                      links=self.links_of(index), epoch=self.epoch, threads=options.threads, eos=eos, pad=pad,
+                      links=self.links_of(index), epoch=self.epoch, threads=options.threads,
+                      most_threads=options.defaults.most_threads, eos=eos, pad=pad,
                       swapping=options.memory.swapping, heartbeat=watch.heartbeat, missed_beats=watch.missed_beats,
                       orphan_timeout=watch.orphan_timeout, recovery=recovery, take_over=self.taking_over,
                       batching=options.batching, max_prefill_tokens=options.max_prefill_tokens)

@@ -38,6 +38,7 @@ from ..wire.messages import Assign, Fenced, Join, Message, Ready, Rejoin, Shutdo
 from ..wire.messages import Heartbeat as Beat
 from ..worker.stage import QUIET, StageWorker, failure_message
 from ..worker.state import HeadGone, Holdings, Role, open_links
+from ..worker.thread_share import ThreadShare
 
 #: Seconds a worker waits for its assignment after joining.
 ASSIGN_TIMEOUT = 120.0
@@ -142,7 +143,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                     raise
                 model = None  # the stage took it over
             try:
-                _serve_stage(stage, assign, inbox, join, held)
+                _serve_stage(stage, assign, inbox, join, held, own_threads=threads is not None)
                 return
             except HeadGone as gone:
                 held = gone.held
@@ -161,11 +162,14 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
                 answer = taken  # the replicas it holds for a neighbour stay: the head takes them over, or drops them
 
 
-def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: Holdings | None = None) -> None:
+def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: Holdings | None = None,
+                 own_threads: bool = False) -> None:
     """Be the stage `assign` describes until the head at `join` says `Shutdown` (HeadGone: the head is gone, with
     what the worker keeps for a successor), on links of its own (what was posted on a former head's is lost with
     it); `held`: the microbatches it kept under a former head, for this one to take over if it says so
-    (`take_over`; else they are dropped, with the replicas held here for a neighbour)."""
+    (`take_over`; else they are dropped, with the replicas held here for a neighbour). Its torch threads follow
+    the cores the other processes leave idle (`ThreadShare`), up to `assign.most_threads`, unless the worker was
+    given its own (`own_threads`)."""
     role = Role(assign.role, assign.number, assign.stages, assign.stage)
     head = open_transport(join, **link_options(LinkTls.from_environment()))
     worker: StageWorker | None = None
@@ -185,6 +189,8 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
         interval = assign.heartbeat
         serving.heartbeat = heartbeat = Heartbeat(join, role.name, interval, interval * assign.missed_beats,
                                               lambda: serving.epoch, inbox.url, lambda: stage.layers_run)
+        if not own_threads and assign.most_threads > assign.threads:
+            serving.thread_share = ThreadShare(assign.most_threads)
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else assign.epoch  # raised by recoveries

@@ -130,6 +130,8 @@ class StageWorker(SlotHandlers):
             try:
                 if self.heartbeat is not None:
                     self.heartbeat.check()
+                if self.thread_share is not None:
+                    self.thread_share.adjust()
                 message = None if packed is None else self._readable(packed)
                 if message is not None:  # handled before the KV sender's check: a failed send loses no message
                     self.handle(message)
@@ -214,6 +216,7 @@ class StageWorker(SlotHandlers):
 
     def _stats(self, message: AskStats) -> None:
         figures = {"stage": self.role.name, "row_steps": self.row_steps, "staged_kv": len(self.staged),
+                   "threads": torch.get_num_threads(), "threads_follow_load": self.thread_share is not None,
                    **self.caches.stats()}
         self.head.send_tensor(pack(Stats(stage=self.role.name, figures=figures)))
 

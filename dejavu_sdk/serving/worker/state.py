@@ -34,6 +34,7 @@ from ..kv.slot_replicas import SlotPieces, SlotReplicas
 from ..wire.link_tls import LinkTls, link_options
 from ..wire.messages import Columns, Enter, EpochMessage, Links, Message, RoundDone, pack
 from .handoff import LayerSender, StagedKV
+from .thread_share import ThreadShare
 
 #: A stage's open links: to the next stage, the last stage's back to the first, a prompt stage's to the token
 #: stages, and a decoding stage's to the holder of its replicas.
@@ -181,6 +182,8 @@ class WorkerState:
                  max_prefill_tokens: int | None = None) -> None:
         self.stage, self.role, self.inbox, self.head, self.heartbeat = stage, role, inbox, head, heartbeat
         self.following, self.first, self.sender, self.pad = following, first, sender, pad
+        #: Where the worker's threads follow the cores the machine's other processes leave idle (else None).
+        self.thread_share: ThreadShare | None = None
         #: Decoding stages with recovery: streams each microbatch's cache to the next decoding stage.
         self.replicator = replicator
         #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.

@@ -88,7 +88,8 @@ class Links:
 class Assign(Message):
     """The head -> a worker (new, spare, or rejoining): be `stage`, the `number`th of `stages` in its pipeline of
     `role` ("mixed", "prompt" or "token"), of `model`, linked by `links`, from `epoch`; with the pipeline's
-    settings. The worker loads it, opens its links and answers `Ready` (or `Failed`)."""
+    settings (`threads` torch threads to start with, up to `most_threads` where the machine's other processes
+    leave cores idle). The worker loads it, opens its links and answers `Ready` (or `Failed`)."""
 
     kind = "assign"
     model: str
@@ -99,6 +100,7 @@ class Assign(Message):
     links: Links
     epoch: int
     threads: int
+    most_threads: int
     eos: list[int]
     pad: int
     swapping: bool
