@@ -2,12 +2,15 @@
 measured the way users measure a server: over HTTP, by clients that stream `/v1/completions`.
 
 Each repeat starts both servers in turn (the order alternating between repeats, so that neither always runs on
-a warmer or quieter machine), and drives each with the same loads: `streams` clients at once, each sending
-`rounds` requests one after another (a text prompt of `prompt_words` words, `max_tokens` new tokens, greedy;
-no `ignore_eos`, which transformers serve refuses). A load's figures are what the clients saw: output tokens/s
-over the load's whole time, time to first token and inter-token latency (p50, p99). The comparison is the
-median of the per-repeat ratios (dejavu / transformers) with their spread. `busy=True` keeps a process spinning
-on one core meanwhile (the server then shares the machine, as it often does).
+a warmer or quieter machine), and drives each with the same loads (`Load`): `streams` clients at once, each
+sending `rounds` requests one after another, and requests arriving at random (Poisson) at the mean rate of the
+shipped Azure conversation trace (`rate`). The client is guidellm (`bench.guidellm_driver`: the load generator
+users run; synthetic prompts of `prompt_tokens` tokens) or, with `client="builtin"`, this module's own streaming
+clients (text prompts of about `prompt_tokens` tokens; concurrent loads only). Requests ask for `max_tokens` new
+tokens, greedy, without `ignore_eos` (transformers serve refuses it). A load's figures are what the clients saw:
+output tokens/s, time to first token and inter-token latency (p50, p99). The comparison is the median of the
+per-repeat ratios (dejavu / transformers) with their spread. `busy=True` keeps a process spinning on one core
+meanwhile (the server then shares the machine, as it often does).
 """
 
 from __future__ import annotations
@@ -31,9 +34,13 @@ from typing import Any
 import attrs
 
 from ..errors import ConfigError, DejaVuError
+from ..traces import load_trace
+from .guidellm_driver import guidellm_command, guidellm_load
 
 #: The servers compared, in the order of the first repeat.
 SERVERS = ("transformers", "dejavu")
+#: The clients that drive them: guidellm, or this module's own.
+CLIENTS = ("guidellm", "builtin")
 #: Seconds a server may take to answer `/health` after it starts.
 START_TIMEOUT = 300.0
 #: Seconds one load may take.
@@ -56,19 +63,32 @@ class LoadFigures:
 
 
 @attrs.frozen
+class Load:
+    """One load both servers are driven with: `streams` clients at once, each sending requests one after another,
+    or (`rate` > 0) requests arriving at random, `rate` a second on average; `requests` in all."""
+
+    streams: int
+    rate: float
+    requests: int
+
+    @property
+    def label(self) -> str:
+        return f"Poisson {self.rate:.2f}/s" if self.rate else f"{self.streams} stream(s)"
+
+
+@attrs.frozen
 class HttpReport:
-    """Every repeat's figures, by load (`streams`) and server, and how the run was made."""
+    """Every repeat's figures, by load (its label) and server, and how the run was made."""
 
     runs: list[dict[str, Any]]
     settings: dict[str, Any]
 
-    def figures(self, streams: int, server: str) -> list[LoadFigures]:
-        return [LoadFigures(**run["figures"]) for run in self.runs if run["streams"] == streams
-                and run["server"] == server]
+    def figures(self, load: str, server: str) -> list[LoadFigures]:
+        return [LoadFigures(**run["figures"]) for run in self.runs if run["load"] == load and run["server"] == server]
 
-    def ratios(self, streams: int, field: str) -> list[float]:
+    def ratios(self, load: str, field: str) -> list[float]:
         """dejavu's figure over transformers', a ratio per repeat."""
-        ours, theirs = self.figures(streams, "dejavu"), self.figures(streams, "transformers")
+        ours, theirs = self.figures(load, "dejavu"), self.figures(load, "transformers")
         return [getattr(mine, field) / getattr(other, field) for mine, other in zip(ours, theirs, strict=True)
                 if getattr(other, field) > 0]
 
@@ -76,56 +96,92 @@ class HttpReport:
         return {"runs": self.runs, "settings": self.settings}
 
     def to_markdown(self) -> str:
-        lines = ["| streams | dejavu tokens/s | transformers tokens/s | ratio (median, min-max) | TTFT p50 dejavu / "
-                 "transformers | ITL p50 dejavu / transformers |", "|---|---|---|---|---|---|"]
-        for streams in self.settings["streams"]:
-            ours, theirs = self.figures(streams, "dejavu"), self.figures(streams, "transformers")
-            ratios = self.ratios(streams, "tokens_per_second")
+        lines = ["| load | dejavu tokens/s | transformers tokens/s | ratio (median, min-max) | TTFT p50 dejavu / "
+                 "transformers | TTFT p99 | ITL p50 dejavu / transformers | ITL p99 |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for load in self.settings["loads"]:
+            ours, theirs = self.figures(load, "dejavu"), self.figures(load, "transformers")
+            ratios = self.ratios(load, "tokens_per_second")
             if not ours or not theirs or not ratios:
                 continue
 
             def median(figures: list[LoadFigures], field: str) -> float:
                 return statistics.median(getattr(figure, field) for figure in figures)
 
-            lines.append(f"| {streams} | {median(ours, 'tokens_per_second'):.1f} | "
+            lines.append(f"| {load} | {median(ours, 'tokens_per_second'):.1f} | "
                          f"{median(theirs, 'tokens_per_second'):.1f} | {statistics.median(ratios):.2f}x "
                          f"({min(ratios):.2f}-{max(ratios):.2f}) | {median(ours, 'ttft_p50'):.2f} s / "
-                         f"{median(theirs, 'ttft_p50'):.2f} s | {1000 * median(ours, 'itl_p50'):.0f} ms / "
-                         f"{1000 * median(theirs, 'itl_p50'):.0f} ms |")
+                         f"{median(theirs, 'ttft_p50'):.2f} s | {median(ours, 'ttft_p99'):.2f} s / "
+                         f"{median(theirs, 'ttft_p99'):.2f} s | {1000 * median(ours, 'itl_p50'):.0f} ms / "
+                         f"{1000 * median(theirs, 'itl_p50'):.0f} ms | {1000 * median(ours, 'itl_p99'):.0f} ms / "
+                         f"{1000 * median(theirs, 'itl_p99'):.0f} ms |")
         return "\n".join(lines)
 
 
 def run_http_bench(model: str, streams: Sequence[int] = (1, 8, 32), repeats: int = 3, rounds: int = 2,
-                   max_tokens: int = 64, prompt_words: int = 100, dejavu_args: Sequence[str] = (),
-                   busy: bool = False, progress: Callable[[str], None] | None = print) -> HttpReport:
-    """Both servers on the model directory `model`, each load in turn, `repeats` times (see the module)."""
+                   max_tokens: int = 64, prompt_tokens: int = 128, dejavu_args: Sequence[str] = (),
+                   busy: bool = False, client: str = "guidellm", rate: float | None = None, rate_requests: int = 32,
+                   progress: Callable[[str], None] | None = print) -> HttpReport:
+    """Both servers on the model directory `model`, each load in turn, `repeats` times (see the module); `rate`:
+    the Poisson load's requests a second (None: the shipped trace's mean rate; 0: no Poisson load), `rate_requests`
+    its requests."""
     if not Path(model, "config.json").is_file():
         raise ConfigError(f"--model {model!r}: a Hugging Face model directory (with config.json and a tokenizer), "
                           "which both servers load; dejavu_sdk.load_smollm2() writes one")
-    if repeats < 1 or rounds < 1 or max_tokens < 1 or not streams or min(streams) < 1:
-        raise ConfigError("repeats, rounds, max_tokens and every streams count must be positive")
+    if repeats < 1 or rounds < 1 or max_tokens < 1 or prompt_tokens < 8 or rate_requests < 1 or \
+            (streams and min(streams) < 1):
+        raise ConfigError("repeats, rounds, max_tokens, rate_requests and every streams count must be positive, "
+                          "and prompt_tokens at least 8")
+    if client not in CLIENTS:
+        raise ConfigError(f"client must be one of {', '.join(CLIENTS)}, got {client!r}")
+    if rate is None:
+        rate = trace_rate() if client == "guidellm" else 0.0
+    if rate < 0 or (rate and client != "guidellm"):
+        raise ConfigError(f"a Poisson load (rate {rate}) needs a positive rate and the guidellm client")
+    loads = [Load(count, 0.0, count * rounds) for count in streams] + ([Load(0, rate, rate_requests)] if rate else [])
+    if not loads:
+        raise ConfigError("no load to run: give streams, or a Poisson rate")
+    if client == "guidellm":
+        guidellm_command()  # installed, before any server starts
     runs: list[dict[str, Any]] = []
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         for repeat in range(repeats):
             for server in SERVERS if repeat % 2 == 0 else SERVERS[::-1]:
                 with _started(server, model, dejavu_args) as (url, token):
-                    for count in streams:
-                        figures = asyncio.run(_drive(url, model, token, count, rounds, max_tokens, prompt_words))
-                        runs.append({"repeat": repeat, "server": server, "streams": count,
+                    asyncio.run(_warm_up(url, model, token, max_tokens, prompt_tokens))
+                    for load in loads:
+                        figures = _drive(client, url, model, token, load, max_tokens, prompt_tokens)
+                        runs.append({"repeat": repeat, "server": server, "load": load.label, **attrs.asdict(load),
                                      "figures": attrs.asdict(figures)})
                         if progress is not None:
-                            progress(f"repeat {repeat + 1}/{repeats}, {server}, {count} stream(s): "
+                            progress(f"repeat {repeat + 1}/{repeats}, {server}, {load.label}: "
                                      f"{figures.tokens_per_second:.1f} tokens/s, TTFT p50 {figures.ttft_p50:.2f} s, "
                                      f"ITL p50 {1000 * figures.itl_p50:.0f} ms")
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
-    settings = {"model": model, "streams": list(streams), "repeats": repeats, "rounds": rounds,
-                "max_tokens": max_tokens, "prompt_words": prompt_words, "dejavu_args": list(dejavu_args),
-                "busy": busy, "cores": os.cpu_count()}
+    settings = {"model": model, "loads": [load.label for load in loads], "repeats": repeats, "rounds": rounds,
+                "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "dejavu_args": list(dejavu_args),
+                "busy": busy, "client": client, "cores": os.cpu_count()}
     return HttpReport(runs, settings)
+
+
+def trace_rate() -> float:
+    """The mean arrival rate (requests a second) of the shipped sample of the Azure conversation trace."""
+    trace = load_trace()
+    return (len(trace) - 1) / float(trace.arrivals[-1])
+
+
+def _drive(client: str, url: str, model: str, token: str, load: Load, max_tokens: int,
+           prompt_tokens: int) -> LoadFigures:
+    if client == "guidellm":
+        figures = guidellm_load(url, model, token, load.streams, load.rate, load.requests, prompt_tokens, max_tokens)
+        return LoadFigures(figures["tokens_per_second"], figures["ttft_p50"], figures["ttft_p99"], figures["itl_p50"],
+                           figures["itl_p99"], int(figures["tokens"]), figures["seconds"])
+    return asyncio.run(_drive_builtin(url, model, token, load.streams, load.requests // load.streams, max_tokens,
+                                      prompt_tokens))
 
 
 @contextlib.contextmanager
@@ -178,19 +234,26 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[Any], log: Path) -> 
     raise DejaVuError(f"the server did not answer /health within {START_TIMEOUT:.0f} s: {log.read_text()[-2000:]}")
 
 
-async def _drive(url: str, model: str, token: str, streams: int, rounds: int, max_tokens: int,
-                 prompt_words: int) -> LoadFigures:
-    """`streams` clients at once, each streaming `rounds` requests one after another, after one request alone
-    (which warms the server up and is not counted)."""
+async def _warm_up(url: str, model: str, token: str, max_tokens: int, prompt_tokens: int) -> None:
+    """One request alone, not counted: the server's first pays for its lazy set-up."""
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=LOAD_TIMEOUT,
                                  headers={"Authorization": f"Bearer {token}"}) as client:
-        await _stream(client, model, 0, max_tokens, prompt_words)
+        await _stream(client, model, 0, max_tokens, prompt_tokens)
+
+
+async def _drive_builtin(url: str, model: str, token: str, streams: int, rounds: int, max_tokens: int,
+                         prompt_tokens: int) -> LoadFigures:
+    """`streams` clients at once, each streaming `rounds` requests one after another."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=LOAD_TIMEOUT,
+                                 headers={"Authorization": f"Bearer {token}"}) as client:
         started = time.perf_counter()
 
         async def client_of(number: int) -> list[tuple[float, list[float]]]:
-            return [await _stream(client, model, 1 + number * rounds + turn, max_tokens, prompt_words)
+            return [await _stream(client, model, 1 + number * rounds + turn, max_tokens, prompt_tokens)
                     for turn in range(rounds)]
 
         done = await asyncio.wait_for(asyncio.gather(*(client_of(number) for number in range(streams))),
@@ -204,11 +267,12 @@ async def _drive(url: str, model: str, token: str, streams: int, rounds: int, ma
                        _quantile(itl, 0.99), tokens, seconds)
 
 
-async def _stream(client: Any, model: str, seed: int, max_tokens: int, prompt_words: int) -> tuple[float, list[float]]:
-    """One streamed request: its time to first token, and when each token came (a chunk's `token_ids` where the
-    server lists them, else a chunk with text counts one token)."""
+async def _stream(client: Any, model: str, seed: int, max_tokens: int, prompt_tokens: int) -> tuple[float, list[float]]:
+    """One streamed request of a text prompt of about `prompt_tokens` tokens (a word each): its time to first token,
+    and when each token came (a chunk's `token_ids` where the server lists them, else a chunk with text counts
+    one token)."""
     prompt = "Write a long story about " + " ".join(WORDS[(seed * 3 + index * 7) % len(WORDS)]
-                                                    for index in range(prompt_words))
+                                                    for index in range(prompt_tokens - 6))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
     sent, times = time.perf_counter(), []
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -239,26 +303,26 @@ def plot_http_bench(report: HttpReport, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = report.settings["streams"]
+    loads = report.settings["loads"]
     figure, (speeds, ratios) = plt.subplots(1, 2, figsize=(11, 4))
     for offset, server in ((-0.2, "transformers"), (0.2, "dejavu")):
-        for index, streams in enumerate(loads):
-            values = [figures.tokens_per_second for figures in report.figures(streams, server)]
+        for index, load in enumerate(loads):
+            values = [figures.tokens_per_second for figures in report.figures(load, server)]
             if values:
                 speeds.bar(index + offset, statistics.median(values), width=0.4,
                            label=server if index == 0 else None, color="C0" if server == "dejavu" else "C1")
                 speeds.scatter([index + offset] * len(values), values, color="black", s=8, zorder=3)
-    speeds.set(xticks=range(len(loads)), xticklabels=[f"{streams} stream(s)" for streams in loads],
-               ylabel="output tokens/s", title=f"{Path(report.settings['model']).name}, {report.settings['cores']} "
-               "cores" + (", one core busy" if report.settings["busy"] else ""))
+    speeds.set(xticks=range(len(loads)), xticklabels=loads, ylabel="output tokens/s",
+               title=f"{Path(report.settings['model']).name}, {report.settings['cores']} cores"
+               + (", one core busy" if report.settings["busy"] else "") + f", {report.settings['client']} client")
     speeds.legend()
-    for index, streams in enumerate(loads):
-        values = report.ratios(streams, "tokens_per_second")
+    for index, load in enumerate(loads):
+        values = report.ratios(load, "tokens_per_second")
         if values:
             ratios.scatter([index] * len(values), values, color="C0")
             ratios.plot([index - 0.2, index + 0.2], [statistics.median(values)] * 2, color="C0")
     ratios.axhline(1.0, color="grey", linestyle="--")
-    ratios.set(xticks=range(len(loads)), xticklabels=[f"{streams} stream(s)" for streams in loads],
+    ratios.set(xticks=range(len(loads)), xticklabels=loads,
                ylabel="tokens/s: dejavu / transformers", title="ratio per repeat (line: median)")
     figure.tight_layout()
     figure.savefig(path)

@@ -186,9 +186,9 @@ def _bench_http(args: argparse.Namespace) -> int:
         model = str(default_cache_dir())
     streams = [int(count) for count in args.streams.split(",") if count.strip()]
     report = run_http_bench(model, streams=streams, repeats=args.repeats, rounds=args.rounds,
-                            max_tokens=args.max_tokens, prompt_words=args.prompt_words,
-                            dejavu_args=shlex.split(args.dejavu_args), busy=args.busy,
-                            progress=None if args.quiet else print)
+                            max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                            dejavu_args=shlex.split(args.dejavu_args), busy=args.busy, client=args.client,
+                            rate=args.rate, rate_requests=args.rate_requests, progress=None if args.quiet else print)
     print(report.to_markdown())
     write_outputs(args, report, lambda path: plot_http_bench(report, path))
     return 0
@@ -341,10 +341,16 @@ def add_bench_commands(commands: Any) -> None:
                               "weights, each driven over HTTP by streaming clients, alternating per repeat")
     http.add_argument("--model", default="smollm2", help="a Hugging Face model directory both servers load "
                       "(default: the bundled SmolLM2-135M, in float32)")
+    http.add_argument("--client", choices=("guidellm", "builtin"), default="guidellm",
+                      help="what drives the servers: guidellm (pip install 'dejavu-sdk[bench]'), or streaming "
+                      "clients of this package's own (concurrent loads only)")
     http.add_argument("--streams", default="1,8,32", help="comma-separated loads: clients streaming at once")
     http.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
+    http.add_argument("--rate", type=float, default=None, help="a Poisson load's requests a second (default, with "
+                      "guidellm: the mean arrival rate of the shipped Azure conversation trace; 0: none)")
+    http.add_argument("--rate-requests", type=int, default=32, help="requests the Poisson load sends")
     http.add_argument("--max-tokens", type=int, default=64, help="new tokens a request asks for")
-    http.add_argument("--prompt-words", type=int, default=100, help="words of each text prompt (~a token each)")
+    http.add_argument("--prompt-tokens", type=int, default=128, help="tokens of each prompt")
     http.add_argument("--repeats", type=int, default=3)
     http.add_argument("--busy", action="store_true", help="keep a process spinning on one core meanwhile")
     http.add_argument("--dejavu-args", default="", help="more options for dejavu serve (default: none: its "
