@@ -15,10 +15,11 @@ import pytest
 
 S3_ENDPOINT_VARIABLE = "DEJAVU_TEST_S3_ENDPOINT"
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # tests run in parallel workers, which share the cores: one thread each
-    import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):  # tests run in parallel workers, which share the cores: one thread each,
+    import torch  # and so do the processes they start (a process that chooses its own threads still does)
 
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The files whose tests take a minute or more each (notebooks, controller chaos, Ray, journal memory) run first:

@@ -94,7 +94,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failure", ["controller-stopped", "controller-and-a-token-stage"])
+@pytest.mark.parametrize("failure", [pytest.param("controller-stopped", marks=pytest.mark.matrix),
+                                     "controller-and-a-token-stage"])
 def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, failure: str) -> None:
     """Stopped (SIGSTOP) past the workers' orphan timeout: the worker stops on its own, and the successor (started
     once a supervisor has killed the stopped one) starts a new one. Killed with one of its token stages: a new
@@ -158,7 +159,7 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "kills", "with_stage"), [
     ([], 1, None), (["--prompt-stages", "1", "--token-stages", "1", "--batching", "static"], 1, None),
-    (["--stages", "2", "--swapping", "on"], 2, None), (["--stages", "2"], 1, 0)])
+    pytest.param(["--stages", "2", "--swapping", "on"], 2, None, marks=pytest.mark.matrix), (["--stages", "2"], 1, 0)])
 def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str], kills: int,
                                                                       with_stage: int | None) -> None:
     """The controller is SIGKILLed while a microbatch decodes (continuous batching's slots: one stage, with
