@@ -99,7 +99,8 @@ BESIDE = {
 }
 
 
-@pytest.mark.parametrize("layout", list(BESIDE))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.matrix) if layout == "mixed" else layout
+                                    for layout in BESIDE])
 def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str) -> None:
     """A long prompt runs a chunk a round (disaggregated: a chunk a turn of the prompt stage), and a request that
     cannot join its slot before it does opens a slot beside it: its first token comes within a few of the long

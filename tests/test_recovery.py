@@ -352,7 +352,8 @@ def test_a_replaced_worker_started_elsewhere_that_wakes_up_is_told_by_its_epoch_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "how"), [("gloo", signal.SIGKILL), ("ucx", signal.SIGSTOP)])
+@pytest.mark.parametrize(("transport", "how"), [("gloo", signal.SIGKILL),
+                                               pytest.param("ucx", signal.SIGSTOP, marks=pytest.mark.matrix)])
 def test_recovery_goes_on_over_gloo_and_ucx_links_too(transport: str, how: signal.Signals) -> None:
     """A token stage killed (gloo) or hung (ucx): the replacement links to its neighbours over the same transport,
     and every request equals a failure-free run's, streamed once."""

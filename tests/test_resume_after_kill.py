@@ -124,7 +124,7 @@ def test_resume_from_lmdb_after_sigkill(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["lmdb", "s3"])
+@pytest.mark.parametrize("backend", ["lmdb", pytest.param("s3", marks=pytest.mark.matrix)])
 def test_a_sampled_generation_resumes_exactly_after_sigkill_at_a_random_step(tmp_path, s3_options,
                                                                             backend: str) -> None:
     sys.path.insert(0, str(TESTS))
