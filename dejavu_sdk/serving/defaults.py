@@ -6,9 +6,8 @@ many torch threads as there are cores slows down several times over as soon as a
 (its threads wait on each other at every operator), while on an idle machine every core shortens a prefill: so
 each stage process starts with the cores but one (the head's and the front door's) and follows the cores the
 other processes leave idle, up to its share (`worker.thread_share`); and a larger batch amortises each step's
-read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs`
-lets a batch hold (256), fewer on a CPU (ROWS_PER_CORE a core), and never more than the memory the caches live
-in holds at the workload's length.
+read of the weights. So a slot holds as many rows as vLLM's `max_num_seqs` lets a batch hold (256), fewer on a
+CPU (ROWS_PER_CORE a core), and never more than the memory the caches live in holds at the workload's length.
 """
 
 from __future__ import annotations
@@ -95,17 +94,18 @@ class Defaults:
         """`threads` and `rows` as given, each that is None chosen for `stage_processes` stage processes holding
         `slots` slots of rows `positions` long (`slot_rows`)."""
         reasons = []
-        most = threads
         if threads is None:
             threads, most = stage_threads(machine, stage_processes)
             counts = f"{threads} torch thread(s)" if most == threads else f"{threads} to {most} torch threads"
             reasons.append(f"{counts} per stage process ({stage_processes} of them, following the cores the other "
                            "processes leave idle)")
+        else:
+            most = threads  # as given: they do not follow the machine's load
         if rows is None:
             rows, bound = slot_rows(machine, kv_bytes_per_token, positions, slots, stage_processes, kv_budget)
             reasons.append(f"{rows} rows per slot ({bound})")
         why = "; ".join(reasons) if reasons else "as given"
-        return cls(threads, rows, f"{why}, on {machine.describe()}", most if most is not None else threads)
+        return cls(threads, rows, f"{why}, on {machine.describe()}", most)
 
     def status(self) -> dict[str, object]:
         """What `/v1/status` and `Pipeline.status` show of them."""
