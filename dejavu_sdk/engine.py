@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .backends import open_store
 from .blocks import BlockKey, KVSpec, ProgressKey, check_stream_id, dtype_name
 from .cache import CacheManager, StreamingCache, check_prompt_streaming, check_replicate_within_ms, prompt_streaming_for
 from .errors import BlockNotFound, ConfigError, CorruptBlock
 from .manifest import Manifest, encode_progress, with_stored_progress
+from .prefix.keys import CHUNK_POSITIONS, check_salt
+from .prefix.reuse import PrefixReuse, Tiers
 from .replica import OneStoreReplica, SplitReplica, open_replica
 from .store import Store
 from .stream import check_tiling, gather
@@ -64,11 +66,19 @@ class DejaVuEngine:
     while the next computes, "after" writes the prompt's layers together once the last is made, "auto"
     picks layer by layer only where the streamer has a core or device of its own to run on
     (`dejavu_sdk.cache.prompt_streaming_for`, recorded in the manifest).
+
+    `prefix_cache` (a store URL, a `Store`, a list of them fastest first, such as
+    `["memory://?max_bytes=2GiB", "lmdb:///var/kv"]`, or a `dejavu_sdk.prefix.PrefixCache`) keeps every prompt's
+    KV in chunks of `prefix_chunk` positions keyed by their tokens, and starts a prompt from the chunks it finds
+    there (`dejavu_sdk.prefix`): prompts are then prefilled chunk by chunk at those boundaries, and the tokens are
+    exactly those of `model.generate(..., prefill_chunk_size=prefix_chunk)`. `cached_positions` says how many
+    positions the last `generate` read from it.
     """
 
     def __init__(self, model: Any, store: str | Store | None = None, transport: str | Transport = "local", *,
                  replicate_every: int = 1, replicate_within_ms: float | None = None, prompt_streaming: str = "auto",
-                 queue_size: int = 8, on_replica_error: str = "raise", keep_finished: bool = False) -> None:
+                 queue_size: int = 8, on_replica_error: str = "raise", keep_finished: bool = False,
+                 prefix_cache: Tiers | None = None, prefix_chunk: int = CHUNK_POSITIONS) -> None:
         self.model = model
         self.config = model.config.get_text_config(decoder=True)
         if store is None and transport != "local":
@@ -81,11 +91,13 @@ class DejaVuEngine:
         self.replica = open_replica(self.store, transport) if self.store is not None else None
         self.keep_finished = keep_finished
         self._refuse_non_kv_layers()
+        self.prefix = PrefixReuse(model, prefix_cache, prefix_chunk) if prefix_cache is not None else None
+        self.cached_positions = 0
 
     # ---- public API --------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int | None = None, stream_id: str | None = None, replace: bool = False,
-                 seed: int | None = None, **kwargs: Any) -> torch.Tensor:
+                 seed: int | None = None, cache_salt: str = "", **kwargs: Any) -> torch.Tensor:
         """`model.generate(input_ids, ...)`, with the KV cache replicated as it is produced.
 
         Greedy by default. With `do_sample=True` (and `temperature`, `top_k`, `top_p`, `min_p`,
@@ -97,14 +109,27 @@ class DejaVuEngine:
         A stream id names one generation at a time. If `stream_id` already has a manifest in the store (an
         unfinished generation, or a finished one kept with `keep_finished=True`), this raises ConfigError
         rather than destroy it: `resume` it, `forget` it, or pass `replace=True` to delete it and start over.
+
+        `cache_salt` keeps the prefix chunks of one tenant apart from another's (with `prefix_cache`).
         """
         _refuse_unreplicable(kwargs)
         sampling = self._sampling(kwargs, seed)
+        check_salt(cache_salt)
+        self.cached_positions = 0
         if self.store is None:
             if sampling is not None:
                 torch.manual_seed(sampling["seed"])
-            return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                       do_sample=sampling is not None, **_settings(sampling), **kwargs)
+            if self.prefix is None:
+                return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                           do_sample=sampling is not None, **_settings(sampling), **kwargs)
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            cache = DynamicCache(config=self.model.config)
+            self.cached_positions = self.prefix.restore(input_ids, mask, cache, cache_salt)
+            out = self.model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=sampling is not None, **_settings(sampling), cache=cache,
+                                      **self.prefix.generate_options(kwargs))
+            self.prefix.keep(input_ids, mask, cache, self.cached_positions, cache_salt)
+            return out
         stream_id = check_stream_id(stream_id or f"stream-{uuid.uuid4().hex[:12]}")
         if not isinstance(replace, bool):
             raise ConfigError(f"replace must be True or False, got {replace!r}")
@@ -127,7 +152,7 @@ class DejaVuEngine:
         else:
             self._refuse_taken(stream_id)
         self.store.write_manifest(stream_id, manifest.to_bytes())
-        return self._run(manifest, kwargs, resumed=False)
+        return self._run(manifest, kwargs, resumed=False, salt=cache_salt)
 
     def generate_many(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 32, *, microbatch: int = 4,
                       kv_budget_bytes: int | None = None, swapping: bool | str = "auto", do_sample: bool = False,
@@ -196,6 +221,8 @@ class DejaVuEngine:
         return self._require_replica().delete(check_stream_id(stream_id))
 
     def close(self) -> None:
+        if self.prefix is not None:
+            self.prefix.close()
         if self.replica is not None:
             self.replica.close()
         if self.store is not None:
@@ -208,7 +235,7 @@ class DejaVuEngine:
         self.close()
 
     # ---- one run of model.generate, fresh or resumed ----------------------------------------------
-    def _run(self, manifest: Manifest, kwargs: dict[str, Any], resumed: bool) -> torch.Tensor:
+    def _run(self, manifest: Manifest, kwargs: dict[str, Any], resumed: bool, salt: str = "") -> torch.Tensor:
         prompt_ids = torch.tensor(manifest.input_ids)
         generated = torch.tensor(manifest.generated, dtype=prompt_ids.dtype).reshape(len(manifest.input_ids), -1)
         ids = torch.cat((prompt_ids, generated), dim=1).to(self.model.device)
@@ -237,6 +264,11 @@ class DejaVuEngine:
         cache = StreamingCache(manager, config=self.model.config)
         if restored:
             cache.restore(self._fetch_cache(manifest, restored_keys, restored).to(self.model.device))
+        elif self.prefix is not None and not resumed:  # streamed on to the replica as a computed prompt would be
+            self.cached_positions = self.prefix.restore(prompt_ids.to(ids.device), mask[:, :prompt_ids.shape[1]],
+                                                        cache, salt)
+        if self.prefix is not None:
+            kwargs = self.prefix.generate_options(kwargs)
         extra = _keep_finished_rows_padded(finished, manifest.pad_token_id) if any(finished) else {}
         if manifest.sampling is not None:  # continue from the state right after the last recorded token
             _set_generator_state(self.model.device, _decode_state(manifest))
@@ -247,6 +279,8 @@ class DejaVuEngine:
                                       pad_token_id=manifest.pad_token_id, **extra, **kwargs)
         finally:
             manager.finish()
+        if self.prefix is not None and not resumed:
+            self.prefix.keep(prompt_ids, mask[:, :prompt_ids.shape[1]], cache, self.cached_positions, salt)
         self._complete(recorder.final(manager.durable_positions))
         return out
 

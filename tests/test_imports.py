@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("streaming the KV", ("stream", "cache", "manifest", "replica")),
     ("models and planning", ("models", "timing", "planner", "profiles", "simulator", "sweep", "traces", "data",
                              "report", "swapping", "swapped_caches")),
+    ("prefix cache", ("prefix",)),
     ("generation", ("generation",)),
     ("engine", ("engine",)),
     ("serving: KV replicas", ("serving.kv",)),

@@ -1,0 +1,98 @@
+"""`PrefixReuse`: one model's prompts read from and kept in a `PrefixCache`, for a batch of prompts in a cache.
+
+A batch reuses the chunks that every one of its rows finds (the shortest row's hit), leaving at least one prompt
+token to compute so that the model gives the first token's logits; the rest of each prompt is then prefilled chunk
+by chunk at the same boundaries (`prefill_chunk_size` = the chunk), so that a prompt read from the cache gives
+exactly the tokens of the same prompt computed from its first position. Afterwards each row's whole prompt chunks
+that were not read are kept, built from the cache on the writer thread. A batch with left padding neither reads nor
+keeps chunks: a padded row's chunk boundaries are not its own positions' (it runs as without a cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ..blocks import BlockKey, KVSpec
+from ..errors import ConfigError
+from ..store import Store
+from .keys import CHUNK_POSITIONS, PrefixIdentity, check_salt
+from .tiers import PrefixCache
+
+Tiers = str | Store | Sequence[str | Store] | PrefixCache
+
+
+class PrefixReuse:
+    """Reads and keeps the prompt chunks of `model` (all its layers) in `tiers` (URLs, stores or a ready
+    `PrefixCache`), in chunks of `chunk` positions."""
+
+    def __init__(self, model: Any, tiers: Tiers, chunk: int = CHUNK_POSITIONS) -> None:
+        config = model.config.get_text_config(decoder=True)
+        self.layers = (0, int(config.num_hidden_layers))
+        self.identity = PrefixIdentity.of(model, chunk)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        spec = KVSpec(layers=self.layers[1], kv_heads=int(heads), head_dim=int(head_dim), dtype=self.identity.dtype)
+        self.cache = tiers if isinstance(tiers, PrefixCache) else PrefixCache(tiers, spec)
+        self._owned = not isinstance(tiers, PrefixCache)
+
+    @property
+    def chunk(self) -> int:
+        return self.identity.chunk
+
+    def generate_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`prefill_chunk_size` for `model.generate`: the chunk (a caller's other value is refused, as it would
+        cut prompts at other boundaries than the cached chunks')."""
+        asked = kwargs.get("prefill_chunk_size")
+        if asked is not None and asked != self.chunk:
+            raise ConfigError(f"prefill_chunk_size={asked!r} with a prefix cache of {self.chunk}-position chunks: "
+                              "prompts are prefilled chunk by chunk at the cache's boundaries (leave it out)")
+        return {**kwargs, "prefill_chunk_size": self.chunk}
+
+    def restore(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache,
+                salt: str = "") -> int:
+        """Fill the empty `cache` with the chunks every row of `input_ids` finds (see the module) and return
+        how many positions that is (0: none, or a padded batch)."""
+        check_salt(salt)
+        if not bool(attention_mask.to(torch.bool).all()):
+            return 0
+        most = (input_ids.shape[1] - 1) // self.chunk  # at least one prompt token left to compute
+        rows: list[list[torch.Tensor]] = []
+        for row in input_ids.tolist():
+            rows.append(self.cache.read(self.identity.keys(row, self.layers, salt)[:most]))
+            most = min(most, len(rows[-1]))
+            if most == 0:
+                return 0
+        kv = torch.cat([torch.cat(blocks[:most], dim=4) for blocks in rows], dim=2).to(input_ids.device)
+        for layer in range(kv.shape[0]):
+            cache.update(kv[layer, 0], kv[layer, 1], layer)
+        return most * self.chunk
+
+    def keep(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache, restored: int,
+             salt: str = "") -> None:
+        """Keep each row's whole prompt chunks past `restored` positions, from `cache` (which holds them), on the
+        writer thread."""
+        if not bool(attention_mask.to(torch.bool).all()):
+            return
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        blocks: list[tuple[BlockKey, Any]] = []
+        for index, row in enumerate(input_ids.tolist()):
+            blocks.extend((key, _block_of(layers, index, key.tokens))
+                          for key in self.identity.keys(row, self.layers, salt)[restored // self.chunk:])
+        self.cache.write(blocks)
+
+    def close(self) -> None:
+        if self._owned:
+            self.cache.close()
+
+
+def _block_of(layers: list[tuple[torch.Tensor, torch.Tensor]], row: int, tokens: tuple[int, int]) -> Any:
+    """A function that builds row `row`'s positions `tokens` of every layer as one block (on the writer thread)."""
+    def build() -> torch.Tensor:
+        first, stop = tokens
+        return torch.stack([torch.stack((keys[row:row + 1, :, first:stop], values[row:row + 1, :, first:stop]))
+                            for keys, values in layers])
+    return build
