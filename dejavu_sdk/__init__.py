@@ -36,6 +36,7 @@ from .errors import (
     TransportError,
 )
 from .planner import Plan, plan
+from .prefix import PrefixCache
 from .records import RecordStore
 from .store import Store
 from .transports import Transport
@@ -65,6 +66,7 @@ __all__ = [
     "KVSpec",
     "Pipeline",
     "Plan",
+    "PrefixCache",
     "ProgressKey",
     "RecordStore",
     "ReplicationError",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -267,3 +268,21 @@ def test_engines_share_chunks_through_a_store_server(model) -> None:
             warm = engine.generate(ids, max_new_tokens=NEW)
             assert engine.cached_positions == 32
     assert torch.equal(warm, _reference(model, ids))
+
+
+def test_a_chunk_asked_to_be_written_is_read_before_it_lands(model) -> None:
+    spec = _spec(model)
+    key = PrefixIdentity.of(model, CHUNK).keys(_prompt(CHUNK, seed=30)[0].tolist(), (0, spec.layers))[0]
+    gate = threading.Event()
+    store = dv.open_store("memory://")
+    landing = store.flush
+    store.flush = lambda key, block: (gate.wait(10), landing(key, block))  # a slow tier
+    with PrefixCache(store, spec) as cache:
+        cache.write([(key, _chunk(spec, 3))])
+        assert cache.read([key])[0].eq(3).all()
+        assert (cache.waiting_hits, cache.tiers[0].writes) == (1, 0)
+        gate.set()
+        assert cache.drain()
+        assert cache.read([key])[0].eq(3).all()
+        assert (cache.waiting_hits, cache.tiers[0].hits) == (1, 1)
+    store.close()

@@ -1,4 +1,4 @@
-"""`dejavu bench stores|...|recovery|long-prompt|http`: run a benchmark from `dejavu_sdk.bench` and report it.
+"""`dejavu bench stores|...|recovery|long-prompt|prefix|http`: run a benchmark from `dejavu_sdk.bench` and report it.
 
 Each prints its Markdown tables and, on request, writes every sample as JSON and draws its figure. The benchmark
 modules (torch, models, matplotlib) are imported only when their command runs, so `dejavu --help` stays fast.
@@ -172,6 +172,26 @@ def _bench_long_prompt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prefix(args: argparse.Namespace) -> int:
+    from ..bench.prefix import plot_prefix_bench, run_prefix_bench
+    from ..models import load_model
+
+    for option in ("repeats", "new_tokens", "message_tokens", "context_tokens", "conversations", "system_tokens",
+                   "question_tokens", "requests", "chunk"):
+        if getattr(args, option) < 1:
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer")
+    workloads = [workload.strip() for workload in args.workloads.split(",") if workload.strip()]
+    report = run_prefix_bench(load_model(args.model), args.model, workloads=workloads, repeats=args.repeats,
+                              new_tokens=args.new_tokens, message_tokens=args.message_tokens,
+                              context_tokens=args.context_tokens, conversations=args.conversations,
+                              system_tokens=args.system_tokens, question_tokens=args.question_tokens,
+                              requests=args.requests, chunk=args.chunk, long_hit=args.long_hit,
+                              progress=not args.quiet)
+    print(report.to_markdown())
+    write_outputs(args, report, lambda path: plot_prefix_bench(report, path))
+    return 0
+
+
 def _bench_http(args: argparse.Namespace) -> int:
     import shlex
 
@@ -336,6 +356,28 @@ def add_bench_commands(commands: Any) -> None:
     add_output_arguments(long_prompt, figures="the prefill and the short request's time to first token beside it "
                          "and alone, and their ratio, per layout")
     long_prompt.set_defaults(run=_bench_long_prompt)
+
+    prefix = benches.add_parser("prefix", help="DejaVuEngine with and without prefix_cache on a multi-turn chat "
+                                "built from the Azure trace, a shared system prompt and prompts sharing nothing; and "
+                                "each tier's cost to read a chunk")
+    prefix.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
+    prefix.add_argument("--workloads", default="chat,system,unique", help="comma-separated, of chat, system, unique")
+    prefix.add_argument("--repeats", type=int, default=3)
+    prefix.add_argument("--new-tokens", type=int, default=8, help="tokens each request generates")
+    prefix.add_argument("--message-tokens", type=int, default=600, help="chat: a new message's tokens at most (the "
+                        "trace row's prompt tokens)")
+    prefix.add_argument("--context-tokens", type=int, default=2600, help="chat: a conversation ends before its prompt "
+                        "passes this many tokens")
+    prefix.add_argument("--conversations", type=int, default=2, help="chat: conversations")
+    prefix.add_argument("--system-tokens", type=int, default=1024, help="system and unique: the shared system "
+                        "prompt's tokens (unique: each prompt's own)")
+    prefix.add_argument("--question-tokens", type=int, default=32, help="system and unique: each question's tokens")
+    prefix.add_argument("--requests", type=int, default=4, help="system and unique: requests")
+    prefix.add_argument("--chunk", type=int, default=256, help="positions a cached chunk holds")
+    prefix.add_argument("--long-hit", type=int, default=2000, help="chat: the turns reported apart read at least "
+                        "this many cached positions")
+    add_output_arguments(prefix, figures="each request's time to first token without and with the cache")
+    prefix.set_defaults(run=_bench_prefix)
 
     http = benches.add_parser("http", help="dejavu serve beside transformers serve --continuous-batching on the same "
                               "weights, each driven over HTTP by streaming clients, alternating per repeat")

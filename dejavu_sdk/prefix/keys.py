@@ -34,8 +34,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(model.state_dict(keep_vars=False).items()):
         digest.update(f"{name}:{dtype_name(tensor.dtype)}:{tuple(tensor.shape)};".encode())
-        data = tensor.detach().to("cpu").contiguous()
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        data = tensor.detach().to("cpu").contiguous()  # no copy for a CPU model's (contiguous) weights
+        if data.numel():
+            digest.update(data.view(torch.uint8).numpy())  # hashed in place: a copy of every weight would cost
     return digest.hexdigest()
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..blocks import BlockKey, KVSpec
+from ..blocks import BlockKey, KVSpec, dtype_name
 from ..errors import ConfigError
 from ..store import Store
 from .keys import CHUNK_POSITIONS, PrefixIdentity, check_salt
@@ -30,12 +30,9 @@ class PrefixReuse:
     `PrefixCache`), in chunks of `chunk` positions."""
 
     def __init__(self, model: Any, tiers: Tiers, chunk: int = CHUNK_POSITIONS) -> None:
-        config = model.config.get_text_config(decoder=True)
-        self.layers = (0, int(config.num_hidden_layers))
         self.identity = PrefixIdentity.of(model, chunk)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        spec = KVSpec(layers=self.layers[1], kv_heads=int(heads), head_dim=int(head_dim), dtype=self.identity.dtype)
+        spec = kv_spec_of(model)
+        self.layers = (0, spec.layers)
         self.cache = tiers if isinstance(tiers, PrefixCache) else PrefixCache(tiers, spec)
         self._owned = not isinstance(tiers, PrefixCache)
 
@@ -87,6 +84,15 @@ class PrefixReuse:
     def close(self) -> None:
         if self._owned:
             self.cache.close()
+
+
+def kv_spec_of(model: Any) -> KVSpec:
+    """The geometry of one row of `model`'s KV cache (every layer, its dtype)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVSpec(layers=int(config.num_hidden_layers), kv_heads=int(heads), head_dim=int(head_dim),
+                  dtype=dtype_name(model.dtype))
 
 
 def _block_of(layers: list[tuple[torch.Tensor, torch.Tensor]], row: int, tokens: tuple[int, int]) -> Any:

@@ -6,7 +6,8 @@ A read looks for each chunk in the tiers in order and stops at the first chunk f
 use up to its first gap. A chunk found in a lower tier is copied into every tier above it (the next read is faster).
 A damaged record (`CorruptBlock`), a missing one, or one of another shape is a miss in that tier and is dropped
 there: a read never returns wrong KV. Writes go to every tier, on a thread of their own, so that the step that made
-the KV never waits for a disk or a bucket; each tier then drops its least recently used chunks while it holds more
+the KV never waits for a disk or a bucket (a chunk read before it is written is served from the write's own
+block); each tier then drops its least recently used chunks while it holds more
 than its `max_bytes` (what a tier drops may still be in the tiers below it). A tier's bytes and its order of use are
 this process's own view: chunks already in a persistent tier when it opens count as least recently used.
 """
@@ -100,6 +101,8 @@ class PrefixCache:
             raise
         self._queue: queue.Queue[list[tuple[BlockKey, Any]] | None] = queue.Queue(WRITE_QUEUE)
         self._pending = 0
+        self._waiting: dict[BlockKey, Any] = {}  # chunks asked to be written, until they are
+        self.waiting_hits = 0  # reads served from those
         self._idle = threading.Condition(self._lock)
         self.write_errors: list[str] = []
         self._writer = threading.Thread(target=self._write_loop, name="dejavu-prefix-writer", daemon=True)
@@ -118,6 +121,12 @@ class PrefixCache:
         return blocks
 
     def _read_one(self, key: BlockKey) -> torch.Tensor | None:
+        with self._lock:
+            waiting = self._waiting.get(key)
+        if waiting is not None:  # asked to be written and not yet in every tier: served from memory meanwhile
+            with self._lock:
+                self.waiting_hits += 1
+            return waiting() if callable(waiting) else waiting
         expected = self.spec.block_shape(key)
         for level, tier in enumerate(self.tiers):
             try:
@@ -157,6 +166,7 @@ class PrefixCache:
             return
         with self._lock:
             self._pending += 1
+            self._waiting.update(blocks)
         self._queue.put(list(blocks))
 
     def drain(self, timeout: float = DRAIN_SECONDS) -> bool:
@@ -172,6 +182,9 @@ class PrefixCache:
             try:
                 for key, block in blocks:
                     self._write_one(key, block)
+                    with self._lock:
+                        if self._waiting.get(key) is block:
+                            del self._waiting[key]
             finally:
                 with self._idle:
                     self._pending -= 1
