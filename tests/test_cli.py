@@ -153,7 +153,7 @@ def test_bench_streaming_reports_each_replica_beside_no_replication(tmp_path, ca
     assert "--long-tokens must be a positive integer or 0" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 def test_bench_streaming_whole_calls_pair_each_replicated_call_with_a_plain_one(tmp_path, capsys) -> None:
     samples, figure = tmp_path / "whole.json", tmp_path / "whole.png"
     assert main(["bench", "streaming", "--whole-only", "--random-model", "--whole-pairs", "3", "--prompt-tokens",

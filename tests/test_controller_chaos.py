@@ -95,7 +95,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("failure", [pytest.param("controller-stopped", marks=pytest.mark.matrix),
-                                     "controller-and-a-token-stage"])
+                                     pytest.param("controller-and-a-token-stage", marks=pytest.mark.matrix)])
 def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_path, failure: str) -> None:
     """Stopped (SIGSTOP) past the workers' orphan timeout: the worker stops on its own, and the successor (started
     once a supervisor has killed the stopped one) starts a new one. Killed with one of its token stages: a new

@@ -286,3 +286,16 @@ def test_a_chunk_asked_to_be_written_is_read_before_it_lands(model) -> None:
         assert cache.read([key])[0].eq(3).all()
         assert (cache.waiting_hits, cache.tiers[0].hits) == (1, 1)
     store.close()
+
+
+def test_a_tier_that_cannot_be_reached_is_a_miss_and_the_request_goes_on(model) -> None:
+    ids = _prompt(40, seed=16)
+    server = dv.serve("tcp://127.0.0.1:0", "memory://")
+    with _engine(model, server.url) as engine:
+        engine.generate(ids, max_new_tokens=NEW)
+        assert engine.prefix.cache.drain()
+        server.close()
+        alone = engine.generate(ids, max_new_tokens=NEW)
+        assert engine.cached_positions == 0
+        assert engine.prefix.cache.stats()[0]["errors"] == 1  # the first chunk's read; the prefix stops there
+    assert torch.equal(alone, _reference(model, ids))

@@ -5,11 +5,12 @@
 A read looks for each chunk in the tiers in order and stops at the first chunk found nowhere: a prefix is only of
 use up to its first gap. A chunk found in a lower tier is copied into every tier above it (the next read is faster).
 A damaged record (`CorruptBlock`), a missing one, or one of another shape is a miss in that tier and is dropped
-there: a read never returns wrong KV. Writes go to every tier, on a thread of their own, so that the step that made
-the KV never waits for a disk or a bucket (a chunk read before it is written is served from the write's own
-block); each tier then drops its least recently used chunks while it holds more
-than its `max_bytes` (what a tier drops may still be in the tiers below it). A tier's bytes and its order of use are
-this process's own view: chunks already in a persistent tier when it opens count as least recently used.
+there, and a tier that cannot be reached is a miss too: a read never returns wrong KV nor fails a request. Writes go
+to every tier, on a thread of their own, so that the step that made the KV never waits for a disk or a bucket (a
+chunk read before it is written is served from the write's own block); each tier then drops its least recently used
+chunks while it holds more than its `max_bytes` (what a tier drops may still be in the tiers below it). A tier's
+bytes and its order of use are this process's own view: chunks already in a persistent tier when it opens count as
+least recently used.
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ class Tier:
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    errors: int = 0
     writes: int = 0
 
     def stats(self) -> dict[str, Any]:
         return {"url": self.store.url, "max_bytes": self.max_bytes, "bytes": self.held, "chunks": len(self.entries),
                 "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "corrupt": self.corrupt,
-                "writes": self.writes}
+                "errors": self.errors, "writes": self.writes}
 
 
 class PrefixCache:
@@ -135,6 +137,11 @@ class PrefixCache:
                 with self._lock:
                     tier.misses += 1
                     self._forget(tier, key)
+                continue
+            except (StoreError, OSError):  # the tier is unreachable or closed: a miss there, never a failed request
+                with self._lock:
+                    tier.misses += 1
+                    tier.errors += 1
                 continue
             except CorruptBlock:
                 with self._lock:
@@ -255,7 +262,8 @@ class PrefixCache:
             tier.store.delete(key.stream_id)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Each tier's URL, bounds, bytes and chunks held, hits, misses, evictions, corrupt records and writes."""
+        """Each tier's URL, bounds, bytes and chunks held, hits, misses, evictions, corrupt records, failed reads
+        and writes."""
         with self._lock:
             return [tier.stats() for tier in self.tiers]
 
