@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
 import torch
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from .backends import open_store
 from .blocks import BlockKey, KVSpec, ProgressKey, check_stream_id, dtype_name
@@ -122,13 +122,9 @@ class DejaVuEngine:
             if self.prefix is None:
                 return self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                            do_sample=sampling is not None, **_settings(sampling), **kwargs)
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            cache = DynamicCache(config=self.model.config)
-            self.cached_positions = self.prefix.restore(input_ids, mask, cache, cache_salt)
-            out = self.model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=sampling is not None, **_settings(sampling), cache=cache,
-                                      **self.prefix.generate_options(kwargs))
-            self.prefix.keep(input_ids, mask, cache, self.cached_positions, cache_salt)
+            out, self.cached_positions = self.prefix.generate(
+                self.model, input_ids, attention_mask, cache_salt, max_new_tokens=max_new_tokens,
+                do_sample=sampling is not None, **_settings(sampling), **kwargs)
             return out
         stream_id = check_stream_id(stream_id or f"stream-{uuid.uuid4().hex[:12]}")
         if not isinstance(replace, bool):

@@ -33,6 +33,7 @@ from ..backends import serve
 from ..blocks import BlockKey
 from ..engine import DejaVuEngine
 from ..errors import ConfigError
+from ..models import load_model
 from ..prefix import CHUNK_POSITIONS, PrefixCache
 from ..prefix.reuse import kv_spec_of
 from ..report import markdown_table
@@ -208,10 +209,19 @@ def run_prefix_bench(model: Any, model_name: str, *, workloads: Sequence[str] = 
                      new_tokens: int = 8, message_tokens: int = 600, context_tokens: int = 2600,
                      conversations: int = 2, system_tokens: int = 1024, question_tokens: int = 32, requests: int = 4,
                      chunk: int = CHUNK_POSITIONS, long_hit: int = 2000, progress: bool = True) -> PrefixReport:
-    """Run the workloads (see the module) `repeats` times; the report."""
+    """Run the workloads (see the module) `repeats` times on `model` (loaded, or named as `load_model` names it);
+    the report."""
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown or not workloads:
         raise ConfigError(f"workloads are some of {', '.join(WORKLOADS)}, got {list(workloads)!r}")
+    counts = {"repeats": repeats, "new_tokens": new_tokens, "message_tokens": message_tokens,
+              "context_tokens": context_tokens, "conversations": conversations, "system_tokens": system_tokens,
+              "question_tokens": question_tokens, "requests": requests, "chunk": chunk}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(model, str):
+        model = load_model(model)
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     built: dict[str, Callable[[], list[Turn]]] = {
         "chat": lambda: chat_turns(vocab, message_tokens, context_tokens, new_tokens, conversations),

@@ -174,14 +174,9 @@ def _bench_long_prompt(args: argparse.Namespace) -> int:
 
 def _bench_prefix(args: argparse.Namespace) -> int:
     from ..bench.prefix import plot_prefix_bench, run_prefix_bench
-    from ..models import load_model
 
-    for option in ("repeats", "new_tokens", "message_tokens", "context_tokens", "conversations", "system_tokens",
-                   "question_tokens", "requests", "chunk"):
-        if getattr(args, option) < 1:
-            raise ConfigError(f"--{option.replace('_', '-')} must be a positive integer")
     workloads = [workload.strip() for workload in args.workloads.split(",") if workload.strip()]
-    report = run_prefix_bench(load_model(args.model), args.model, workloads=workloads, repeats=args.repeats,
+    report = run_prefix_bench(args.model, args.model, workloads=workloads, repeats=args.repeats,
                               new_tokens=args.new_tokens, message_tokens=args.message_tokens,
                               context_tokens=args.context_tokens, conversations=args.conversations,
                               system_tokens=args.system_tokens, question_tokens=args.question_tokens,

@@ -49,6 +49,17 @@ class PrefixReuse:
                               "prompts are prefilled chunk by chunk at the cache's boundaries (leave it out)")
         return {**kwargs, "prefill_chunk_size": self.chunk}
 
+    def generate(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str,
+                 **kwargs: Any) -> tuple[torch.Tensor, int]:
+        """`model.generate(input_ids, ...)` from the chunks found (a fresh cache), keeping the new ones; the
+        output and how many positions were read."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        cache = DynamicCache(config=model.config)
+        restored = self.restore(input_ids, mask, cache, salt)
+        out = model.generate(input_ids, attention_mask=mask, cache=cache, **self.generate_options(kwargs))
+        self.keep(input_ids, mask, cache, restored, salt)
+        return out, restored
+
     def restore(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache,
                 salt: str = "") -> int:
         """Fill the empty `cache` with the chunks every row of `input_ids` finds (see the module) and return

@@ -144,13 +144,9 @@ class PrefixCache:
                     tier.errors += 1
                 continue
             except CorruptBlock:
-                with self._lock:
-                    tier.corrupt += 1
-                    self._forget(tier, key)
-                self._delete(tier, key)
-                continue
-            if tuple(block.shape) != expected or block.dtype != self.spec.torch_dtype:
-                with self._lock:
+                block = None
+            if block is None or tuple(block.shape) != expected or block.dtype != self.spec.torch_dtype:
+                with self._lock:  # damaged, or of another shape: a miss here, and dropped from this tier
                     tier.corrupt += 1
                     self._forget(tier, key)
                 self._delete(tier, key)
