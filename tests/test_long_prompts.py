@@ -26,6 +26,9 @@ LONG = 8000
 #: The progress threshold of these pipelines, and their heartbeat: a layer of the long prefill takes a fraction
 #: of a second, the whole of it several seconds.
 PROGRESS, HEARTBEAT = 1.0, 0.2
+#: Heartbeats missed before a stage counts as dead: a stage killed here is found by its exit, and a heartbeat this
+#: frequent may come late on a loaded machine, so 2 s of silence (not 3 beats) counts.
+MISSED = 10
 #: The threshold where a step runs the whole 8,000-token prompt (unchunked): above the time of one of its layers
 #: on a busy machine, below the whole prefill's.
 UNCHUNKED_PROGRESS = 1.5
@@ -47,7 +50,7 @@ def _long_prompt() -> torch.Tensor:
 
 
 def _pipeline(layout: dict) -> Pipeline:
-    return Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT,
+    return Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT, missed_beats=MISSED,
                     progress_timeout=UNCHUNKED_PROGRESS, max_prefill_tokens=None, **layout)
 
 
@@ -107,7 +110,7 @@ def test_a_short_request_gets_its_first_token_beside_a_long_prefill(layout: str)
     prompt's chunks. A static slot's chunks give `model.generate` with those chunks."""
     long, short = _long_prompt(), torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
     options = {"batching": "continuous", **BESIDE[layout]}
-    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT,
+    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT, missed_beats=MISSED,
                   progress_timeout=PROGRESS, **options) as pipe:
         first = pipe.submit(long, max_new_tokens=4)
         deadline = time.monotonic() + 30
@@ -139,8 +142,8 @@ def test_a_long_prompt_cancelled_in_the_prompt_pipeline_stops_being_prefilled() 
     """Disaggregated: cancelling the only request of a group whose prompt the prompt stage is running in chunks
     stops its chunks there (the stage's layers-run count stops growing), and the pipeline goes on serving."""
     short = torch.randint(1, 90, (12,), generator=torch.Generator().manual_seed(4))
-    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT, progress_timeout=PROGRESS,
-                  batching="continuous", **BESIDE["disaggregated"]) as pipe:
+    with Pipeline("tiny_models:long_llama", microbatch=2, threads=1, heartbeat=HEARTBEAT, missed_beats=MISSED,
+                  progress_timeout=PROGRESS, batching="continuous", **BESIDE["disaggregated"]) as pipe:
         future = pipe.submit(_long_prompt(), max_new_tokens=4)
         deadline = time.monotonic() + 30
         while pipe.fleet.work.get("prompt stage 0", 0) == 0:  # its first chunks run

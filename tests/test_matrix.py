@@ -150,7 +150,10 @@ def _options(cell: dict, tmp_path) -> dict:
     options = {**LAYOUTS[cell["layout"]], "batching": cell["batching"], "swapping": cell["swapping"],
                "microbatch": 3, "timeout": 60, "threads": 1, "max_prefill_tokens": 6}
     if recovery is not None:
-        options.update(recovery="replicas" if recovery == "replicas+store" else recovery, heartbeat=0.5)
+        # its victims are killed, and found by their exit: heartbeats need only not raise a false alarm on a loaded
+        # machine (a hung stage's detection has tests of its own)
+        options.update(recovery="replicas" if recovery == "replicas+store" else recovery, heartbeat=0.5,
+                       missed_beats=6)
     if recovery == "replicas+store":
         options["replica_store"] = f"file://{tmp_path}/replicas"
     return options

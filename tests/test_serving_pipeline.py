@@ -208,6 +208,31 @@ def test_a_stopped_worker_misses_its_heartbeats_and_fails_its_requests_long_befo
             os.kill(stage["pid"], signal.SIGCONT)
 
 
+def test_a_head_that_stops_listening_for_a_while_takes_no_stage_for_dead() -> None:
+    """The head's receiver thread held for 2 s (an `on_token` callback that runs long, as a starved process would
+    be) hears no heartbeat meanwhile: that silence is its own, so no stage counts as dead (without recovery that
+    would fail the requests) and every request ends exactly."""
+    prompts = expectations.prompts(3)
+    held = []
+
+    def slow_listener(index: int, token: int) -> None:
+        if not held:
+            held.append(token)
+            time.sleep(2.0)  # ten heartbeats of 0.2 s: three missed count a stage dead
+
+    with Pipeline("tiny_models:llama", stages=2, microbatch=3, timeout=60, heartbeat=0.2, missed_beats=3,
+                  batching="static") as pipe:
+        futures = pipe.submit_all(prompts, 6, on_token=slow_listener)
+        results = [future.result(timeout=60) for future in futures]
+        assert held, "the listener was called"
+        assert pipe.status()["failure"] is None
+        pad, eos = pipe.pad, pipe.eos
+    want = expectations.expected(tiny_models.llama(), expectations.microbatches(results), prompts,
+                                 [6] * len(prompts), pad, eos)
+    for result, expected in zip(results, want, strict=True):
+        assert torch.equal(result.tokens, expected)
+
+
 def test_bad_heartbeat_settings_are_refused() -> None:
     for options in ({"heartbeat": 0}, {"heartbeat": "1s"}, {"missed_beats": 0}, {"missed_beats": 1.5},
                     {"progress_timeout": 0}, {"progress_timeout": float("inf")},

@@ -270,11 +270,12 @@ class Fleet(SparePool):
             self.beats[name] = time.monotonic()
             self.work.pop(name, None)  # a new worker counts its layers from 0
 
-    def silent(self, now: float) -> list[tuple[float, str]]:
-        """The stages that missed `missed_beats` heartbeats in a row: (last beat, name), oldest first."""
+    def silent(self, listened: Callable[[float], float]) -> list[tuple[float, str]]:
+        """The stages that missed `missed_beats` heartbeats in a row, counting only the seconds `listened(last
+        beat)` in which the head could have heard them: (last beat, name), oldest first."""
         limit = self.options.watch.heartbeat * self.options.watch.missed_beats
         with self.lock:
-            return sorted((last, name) for name, last in self.beats.items() if now - last > limit)
+            return sorted((last, name) for name, last in self.beats.items() if listened(last) > limit)
 
     def replaced_since(self, stage: str, epoch: int) -> bool:
         """Whether `stage`'s worker was replaced after `epoch` (what its old worker says is no one's)."""

@@ -48,6 +48,7 @@ from ..wire.messages import (
     unpack,
 )
 from .fleet import Fleet
+from .hearing import Hearing
 from .ledger import Ledger, Outcome, answer, stream
 from .recoveries import Recoveries
 from .recovery import RecoveryReport
@@ -80,6 +81,7 @@ class HeadReceiver:
                                      options.rules.pad)
         self.inbox: Server | None = None
         self.thread: threading.Thread | None = None
+        self.hearing = Hearing()
 
     def listen(self) -> str:
         """Open the inbox (once), and say where it is."""
@@ -171,14 +173,9 @@ class HeadReceiver:
     # ---- what the stages say ---------------------------------------------------------------------------
     def receive(self) -> None:
         """The head's receiver thread: takes the workers' messages, and watches them between messages."""
-        assert self.inbox is not None
         watched = time.monotonic()
         while not self.closed():
-            try:
-                packed = self.inbox.recv_tensor(timeout=WATCH_PERIOD)
-            except TransportError:  # a quiet inbox
-                packed = None
-            message = None if packed is None else _readable(packed)
+            message = self._take(WATCH_PERIOD)
             try:
                 if message is not None:
                     self._handle(message)
@@ -188,6 +185,21 @@ class HeadReceiver:
             except Exception as error:  # a malformed message or a broken link: fail the requests, never hang them
                 self.fail(error if isinstance(error, TransportError) else
                            TransportError(f"the pipeline's head failed: {type(error).__name__}: {error}"))
+
+    def _take(self, timeout: float) -> Message | None:
+        """The next message in the inbox within `timeout` seconds (None: none came, or it was unreadable). The time
+        until the next take is the head's pause in listening (`hearing`), and so is a wake later than `timeout` (the
+        thread waited for a core)."""
+        assert self.inbox is not None
+        asked = time.monotonic()
+        self.hearing.listening(asked)
+        try:
+            packed = self.inbox.recv_tensor(timeout=timeout)
+        except TransportError:  # a quiet inbox
+            packed = None
+        took = time.monotonic()
+        self.hearing.deaf(took if packed is not None else min(took, asked + timeout))
+        return None if packed is None else _readable(packed)
 
     def _handle(self, message: Message) -> None:
         """Do what a worker's message asks (its class's handler in `handlers`)."""
@@ -255,17 +267,18 @@ class HeadReceiver:
     def _watch(self) -> None:
         """Find stages that are dead or hung: a process that exited, a stage silent for `missed_beats`
         heartbeats, or a microbatch without progress (no new tokens) for `progress_timeout` seconds while no
-        stage's heartbeats said it ran a layer. Recover from them, or, without recovery, fail the requests in
-        flight."""
+        stage's heartbeats said it ran a layer, each counting only the time the head listened (`hearing`). Recover
+        from them, or, without recovery, fail the requests in flight."""
         if self.recoveries.running:
             return  # the recovery watches its own steps
-        now = time.monotonic()
-        exited, silent, stalled = self.fleet.exited(), self.fleet.silent(now), self.ledger.stalled_since()
+        exited, silent = self.fleet.exited(), self._silent()
+        now, stalled = time.monotonic(), self.ledger.stalled_since()
         reasons = [f"the process of {self.layout.stages[index].name} exited" for index in exited]
-        reasons += [f"{name} sent no heartbeat for {now - last:.1f} s ({self.options.watch.missed_beats} missed): its "
-                    "process is dead or hung" for last, name in silent]
+        reasons += [f"{name} sent no heartbeat for {self.hearing.listened(last, now):.1f} s "
+                    f"({self.options.watch.missed_beats} missed): its process is dead or hung" for last, name in silent]
         limit = self.options.watch.progress_timeout
-        if stalled is not None and now - stalled > limit and now - self.fleet.worked_at > limit:
+        if stalled is not None and self.hearing.listened(stalled, now) > limit \
+                and self.hearing.listened(self.fleet.worked_at, now) > limit:
             reasons.append(f"a microbatch made no progress for {limit:.0f} s and no stage computed meanwhile: a stage "
                            "worker is stuck (progress_timeout)")
         if not reasons:
@@ -273,6 +286,11 @@ class HeadReceiver:
         if self.options.resilience.recovery is None:
             raise TransportError(reasons[0])
         self.recoveries.start(set(exited) | {self.layout.index_of(name) for _, name in silent}, "; ".join(reasons))
+
+    def _silent(self) -> list[tuple[float, str]]:
+        """The stages silent for `missed_beats` heartbeats of the time the head listened."""
+        now = time.monotonic()
+        return self.fleet.silent(lambda last: self.hearing.listened(last, now))
 
 
 def _readable(packed: torch.Tensor) -> Message | None:
