@@ -208,6 +208,7 @@ def test_a_stopped_worker_misses_its_heartbeats_and_fails_its_requests_long_befo
             os.kill(stage["pid"], signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_a_head_that_stops_listening_for_a_while_takes_no_stage_for_dead() -> None:
     """The head's receiver thread held for 2 s (an `on_token` callback that runs long, as a starved process would
     be) hears no heartbeat meanwhile: that silence is its own, so no stage counts as dead (without recovery that
