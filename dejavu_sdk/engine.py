@@ -153,7 +153,7 @@ class DejaVuEngine:
     def generate_many(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int] = 32, *, microbatch: int = 4,
                       kv_budget_bytes: int | None = None, swapping: bool | str = "auto", do_sample: bool = False,
                       seed: int | None = None, batching: str = "static", max_prefill_tokens: int | None = None,
-                      progress: bool = False, **settings: Any) -> list[Result]:
+                      progress: bool = False, cache_salt: str = "", **settings: Any) -> list[Result]:
         """Serve many prompts `[T]` on this one model: microbatches of up to `microbatch` of them (in order,
         left-padded) decoded round robin, each request's `Result` (new tokens, and where it was served) in order.
         `max_new_tokens`: one limit for all, or one per prompt.
@@ -173,6 +173,11 @@ class DejaVuEngine:
         (their prompts prefilled beside its steps, at most `max_prefill_tokens` positions a step; None: at once);
         each `Result.schedule` then records the slot's rounds, and `dejavu_sdk.generation.replay` on them gives
         the same tokens. Admission then counts rows: a slot reserves its rows at its longest row's final length.
+
+        With the engine's `prefix_cache`, a prompt prefilled alone (continuous batching takes them one at a time;
+        a static microbatch of one) starts from the chunks it finds and keeps its new ones, under `cache_salt`;
+        prompts are prefilled a chunk a round (`max_prefill_tokens` is `prefix_chunk`), and each result says
+        how many positions it read (`Result.cached_positions`).
         """
         from .generation.decoding import Decoding
         from .generation.roundrobin import RoundRobin
@@ -181,8 +186,10 @@ class DejaVuEngine:
         if asked:
             raise ConfigError(f"{', '.join(asked)}: a pipeline (dejavu_sdk.serving.Pipeline) reports them, "
                               "generate_many does not")
+        check_salt(cache_salt)
         runner = RoundRobin(self.model, microbatch=microbatch, kv_budget_bytes=kv_budget_bytes, swapping=swapping,
-                            batching=batching, max_prefill_tokens=max_prefill_tokens, progress=progress)
+                            batching=batching, max_prefill_tokens=max_prefill_tokens, progress=progress,
+                            prefix=self.prefix, salt=cache_salt)
         return runner.run(runner.requests(prompts, max_new_tokens, Decoding.of(do_sample, seed, **settings)))
 
     def resume(self, stream_id: str, **kwargs: Any) -> torch.Tensor:

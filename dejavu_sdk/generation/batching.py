@@ -137,7 +137,8 @@ class Result:
     in, of `rows` requests that entered it so far (its rows in the cache move as others leave), `padding` 0
     (it changes with every join), `request` its request's number there, and `schedule` the slot's rounds
     (`slots.Round`) up to its end: `replay.replay` gives its tokens from them. Static microbatches have no
-    schedule: they are `model.generate` on the microbatch.
+    schedule: they are `model.generate` on the microbatch. `cached_positions`: its prompt's leading positions
+    read from a prefix cache instead of computed (0: none).
     """
 
     tokens: torch.Tensor
@@ -153,6 +154,7 @@ class Result:
     schedule: tuple[Round, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    cached_positions: int = 0
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

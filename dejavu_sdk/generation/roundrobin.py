@@ -12,6 +12,12 @@ Each batching is a policy of the same slots:
   as soon as the slot has room (`slots`: its prompt prefilled beside the slot's decode steps,
   `max_prefill_tokens` positions per round). Every result carries its slot's rounds (`Result.schedule`);
   `replay.replay` gives the same tokens from them.
+
+With a prefix cache (`prefix`, a `PrefixReuse`) a group of one prompt starts from the chunks it finds there and
+keeps its new ones (a padded group of several neither reads nor keeps: its chunk boundaries are not its rows'
+positions), every prompt is prefilled one chunk a round (`max_prefill_tokens` is the chunk), and continuous
+batching takes waiting prompts into a slot one at a time, so that each can read and keep. A group's chunks read
+are its first round's prefill (`slots.Round`), so replaying the schedule computes them as they were kept.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ConfigError, RequestFailed
+from ..prefix.reuse import PrefixReuse
 from ..swapped_caches import SwappedCaches
 from ..swapping import (
     SwapChoice,
@@ -93,7 +100,8 @@ class RoundRobin:
     module says; `max_prefill_tokens` bounds a slot's prefill per round, None: all at once),
     their caches within `kv_budget_bytes` of device memory (None: no limit), swapped to host memory
     (`swapping=True`), not (`False`) or as `choose_swapping` decides from the measured step time and host
-    bandwidth (`"auto"`; `choice` then says what and why).
+    bandwidth (`"auto"`; `choice` then says what and why). `prefix` and `salt`: the prefix cache prompts read
+    from and keep in, with their tenant's salt (the module).
 
     Admission keeps the caches' final sizes within the budget: without swapping all of the slots in flight, with
     swapping the two largest (any two may be on the device at once). A static slot reserves its microbatch's
@@ -104,11 +112,17 @@ class RoundRobin:
 
     def __init__(self, model: Any, *, microbatch: int = 4, kv_budget_bytes: int | None = None,
                  swapping: bool | str = "auto", progress: bool = False, batching: str = "static",
-                 max_prefill_tokens: int | None = None) -> None:
+                 max_prefill_tokens: int | None = None, prefix: PrefixReuse | None = None, salt: str = "") -> None:
         #: "static" or "continuous": whether a slot refills between steps (see the module).
         self.batching = check_batching(batching)
         self.policy = slot_policy(self.batching)
         self.max_prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
+        self.prefix, self.salt = prefix, salt
+        if prefix is not None:
+            if self.max_prefill_tokens not in (None, prefix.chunk):
+                raise ConfigError(f"max_prefill_tokens={max_prefill_tokens!r} with a prefix cache of {prefix.chunk}-"
+                                  "position chunks: prompts are prefilled a chunk a round (leave it out)")
+            self.max_prefill_tokens = prefix.chunk
         if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1:
             raise ConfigError(f"microbatch must be a positive integer, got {microbatch!r}")
         self.budget = check_budget(kv_budget_bytes)
@@ -125,6 +139,7 @@ class RoundRobin:
         self._generated: dict[int, list[int]] = {}
         self._arrived: dict[int, list[float]] = {}
         self._placed: dict[int, tuple[int, int, int]] = {}  # a static slot's member: its row, the rows, its padding
+        self._cached: dict[int, int] = {}  # each request's prompt positions read from the prefix cache
 
     def requests(self, prompts: Sequence[Any], max_new_tokens: int | Sequence[int],
                  decoding: Decoding) -> list[Request]:
@@ -210,15 +225,19 @@ class RoundRobin:
         holds beside every other slot's rows; whether any did."""
         others = [self._admitted(other) for other in slots if other is not slot]
         held = [self._requests[member] for member in slot.members]
-        taken = self.policy.take(admission, waiting, self.microbatch - len(held), held, others)
+        room = self.microbatch - len(held)
+        if self.prefix is not None and self.policy.refills:
+            room = min(room, 1)  # one prompt a group: each reads and keeps its own chunks
+        taken = self.policy.take(admission, waiting, room, held, others)
         if not taken:
             return False
         ids, mask = left_pad([request.ids for request in taken], self.rules.pad)
         self._placed.update({request.number: (row, len(taken), int((mask[row] == 0).sum()))
                              for row, request in enumerate(taken)})
         assert self.caches is not None  # running
-        group = Joining([request.number for request in taken], mask.to(self.device), self._stage.new_cache(),
-                        ids.to(self.device))
+        ids, mask, cache = ids.to(self.device), mask.to(self.device), self._stage.new_cache()
+        read = self.prefix.restore(ids, mask, cache, self.salt) if self.prefix is not None and len(taken) == 1 else 0
+        group = Joining([request.number for request in taken], mask, cache, ids, done=read, cached=read)
         slot.joining = (group, TokenPicker(self.model.generation_config,
                                            [request.decoding.fields() for request in taken]))
         return True
@@ -249,11 +268,12 @@ class RoundRobin:
         done = self._decode(slot, cache) if decoded else []
         if not self.policy.refills:  # a static slot's rows leave together, right after the round they all ended in
             self._leave(slot, cache, self.policy.leaving(decoded, slot.ended.tolist()))
-        prefill = None
+        prefill, read = None, False
         if slot.joining is not None:
             group, picker = slot.joining
             start, stop = group.columns(self.max_prefill_tokens)
-            prefill = (tuple(group.members), start, stop)
+            read = start == group.cached > 0  # its first round: the columns read count as its first ones
+            prefill = (tuple(group.members), 0 if read else start, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             if not self.policy.refills:  # a static slot is empty: its group's cache is the slot's from its first
                 # columns on (new then, brought back at the others), held and swapped as every slot's
@@ -261,17 +281,29 @@ class RoundRobin:
             logits = group.run(self._stage.forward, group.ids[:, start:stop], start, stop)
             if self.policy.refills:
                 caches.pin(("group", slot.number), group.cache)  # on the device until it joins
+            if group.complete:
+                self._keep(group)
             if group.complete and not self.policy.refills:
                 done += self._fill(slot, group, picker, logits)
             elif group.complete:
                 done += self._first_tokens(slot, group, picker, logits)
                 caches.pin(("group", slot.number), slot.ready[0] if slot.ready is not None else None)
-        slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill))
+        chunk = self.prefix.chunk if self.prefix is not None and read else 0
+        slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill, chunk))
         if cache is not None:
             self._put_back(slot, caches, cache, changed=bool(left or joined) or not acquired)
         if slot.joining is not None and not self.policy.refills:
             slot.joining[0].cache = None  # the slot holds it (and may swap it out) until the next round
         return done
+
+    def _keep(self, group: Joining) -> None:
+        """A group whose prompts are in: what each read from the prefix cache, and a group of one prompt keeps its
+        whole chunks past those there."""
+        self._cached.update(dict.fromkeys(group.members, group.cached))
+        if self.prefix is not None and len(group.members) == 1:
+            assert group.ids is not None  # one process: the group keeps its ids
+            assert group.cache is not None  # it ran its last columns
+            self.prefix.keep(group.ids, group.mask, group.cache, group.cached, self.salt)
 
     def _put_back(self, slot: _Slot, caches: SwappedCaches, cache: Any, changed: bool) -> None:
         """Hand the slot's cache back after a round: gone with its last row; swapped as it is now when its rows
@@ -364,9 +396,9 @@ class RoundRobin:
         if not self.policy.refills:  # a microbatch's row: where it sat and its padding, and no schedule
             row, rows, padding = self._placed[member]
             return Result(tokens, slot.number, row, rows, padding, request.decoding.seed, request.submitted,
-                          arrived[0], arrived[-1])
+                          arrived[0], arrived[-1], cached_positions=self._cached.get(member, 0))
         return Result(tokens, slot.number, 0, 0, 0, request.decoding.seed, request.submitted, arrived[0],
-                      arrived[-1], member, tuple(slot.rounds))
+                      arrived[-1], member, tuple(slot.rounds), cached_positions=self._cached.get(member, 0))
 
     def _capacity(self, slot: _Slot) -> int:
         """The positions the slot's cache may reach: its longest row at its end (static: its longest prompt and

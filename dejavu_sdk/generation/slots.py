@@ -39,7 +39,9 @@ class Round:
     """One round of a slot (the module's order): the requests whose rows `left`, the group that `joined`, the
     requests `decoded` (the slot's rows, in order), and the joining group's `prefill`: its requests and the
     columns [start, stop) of their left-padded prompts run this round. A group that a prompt pipeline prefilled
-    joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step).
+    joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step); a
+    group whose first columns were read from a prefix cache of `chunk`-position chunks has them in its first round's
+    prefill (from column 0), as they were computed: `chunk` columns a step.
 
     Members of a prefill that go on from a slot lost before their end (recovery without a replica of it) are
     `resumed` with the tokens they had: their prompts are their own followed by those. A result's schedule holds
@@ -129,13 +131,15 @@ class Joining:
     requests (`members`), their prompts' mask `[rows, P]` (left-padded to each other), its own cache, and the
     columns run so far (`done`). The first stage also keeps the prompts' ids (`ids`). A static slot's group has
     the slot's cache as its own: between rounds that cache is the slot's to swap, and the group keeps none
-    (`cache` None: a reference would keep a swapped-out cache on the device)."""
+    (`cache` None: a reference would keep a swapped-out cache on the device). `cached`: the leading columns read
+    from a prefix cache into its cache before its first round (its `done` then starts there)."""
 
     members: list[int]
     mask: torch.Tensor
     cache: DynamicCache | None
     ids: torch.Tensor | None = None
     done: int = 0
+    cached: int = 0
 
     @property
     def complete(self) -> bool:
