@@ -91,7 +91,7 @@ class DejaVuEngine:
         self.replica = open_replica(self.store, transport) if self.store is not None else None
         self.keep_finished = keep_finished
         self._refuse_non_kv_layers()
-        self.prefix = PrefixReuse(model, prefix_cache, prefix_chunk) if prefix_cache is not None else None
+        self.prefix = PrefixReuse.of(model, prefix_cache, prefix_chunk) if prefix_cache is not None else None
         self.cached_positions = 0
 
     # ---- public API --------------------------------------------------------------------------

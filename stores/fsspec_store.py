@@ -72,7 +72,12 @@ class FsspecRecords(RecordStore):
                 self._made_dirs.add(directory)
             temporary = f"{path}.tmp-{uuid.uuid4().hex}"
             try:
-                with open(temporary, "wb") as file:
+                try:
+                    file = open(temporary, "wb")  # noqa: SIM115 - closed below, whichever way it opened
+                except FileNotFoundError:  # another process sharing the directory removed the stream's since
+                    self._fs.makedirs(directory, exist_ok=True)
+                    file = open(temporary, "wb")  # noqa: SIM115
+                with file:
                     file.write(record.data)
                 os.replace(temporary, path)
             except BaseException:  # a full disk, say: leave no half-written file behind, and raise the error

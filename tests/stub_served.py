@@ -39,7 +39,8 @@ class StubModel:
         self._receiver = ThreadPoolExecutor(1, thread_name_prefix="stub-receiver")
         self._microbatches = itertools.count()
 
-    def submit(self, choices: list[Any], on_token: Any, on_logprobs: Any = None, tags: Any = None) -> list[Future]:
+    def submit(self, choices: list[Any], on_token: Any, on_logprobs: Any = None, tags: Any = None,
+               salt: str = "") -> list[Future]:
         for choice in choices:
             if not all(0 <= token < VOCABULARY for token in choice.prompt):
                 raise ConfigError(f"a prompt holds token ids outside the vocabulary of {VOCABULARY}")
@@ -70,6 +71,9 @@ class StubModel:
 
     def started_at(self, future: Any) -> float | None:
         return None
+
+    def cached_positions(self, future: Any) -> int:
+        return 0
 
     def status(self) -> dict[str, Any]:
         return {}

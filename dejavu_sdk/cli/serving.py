@@ -159,6 +159,13 @@ def _controller_arguments(parser: Any) -> None:
                         "flight would not fit the device otherwise and the copies keep up")
     parser.add_argument("--max-prefill-tokens", type=int, default=256, help="prompt positions a step prefills: a "
                         "long prompt runs in chunks, beside decoding rows (default 256)")
+    parser.add_argument("--prefix-cache", nargs="+", metavar="URL", help="tiers, fastest first, where every "
+                        "stage keeps each prompt's KV in chunks keyed by their tokens (memory://?max_bytes=2GiB, "
+                        "lmdb://PATH, file://PATH, s3://BUCKET/PATH, a tcp:// store server): a prompt starts from the "
+                        "chunks every stage holds; each client token's are its own (a body's cache_salt names "
+                        "another); usage.prompt_tokens_details.cached_tokens says how many a request read")
+    parser.add_argument("--prefix-chunk", type=int, default=256, help="positions of a prefix chunk (default 256; "
+                        "--max-prefill-tokens must be the same)")
     parser.add_argument("--served-model-name", nargs="+", help="the names clients use for the model (default: "
                         "--model); /v1/models lists each")
     parser.add_argument("--max-waiting", type=int, default=limits.MAX_WAITING, help="choices waiting to start "
@@ -315,6 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
                     replica_store=args.replica_store, ignore_eos=args.ignore_eos, batching=args.batching,
                     swapping={"on": True, "off": False}.get(args.swapping, args.swapping),
                     max_prefill_tokens=args.max_prefill_tokens, served_model_name=args.served_model_name,
+                    prefix_cache=args.prefix_cache, prefix_chunk=args.prefix_chunk,
                     max_waiting=args.max_waiting, max_prompts=args.max_prompts, queue_timeout=args.queue_timeout,
                     tls_cert=args.tls_cert, tls_key=args.tls_key, link_tls_cert=args.link_tls_cert,
                     link_tls_key=args.link_tls_key, link_tls_ca=args.link_tls_ca, journal=args.journal,

@@ -181,12 +181,12 @@ class Controller:
     # ---- what the API serves from -------------------------------------------------------------------
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
-               tags: Sequence[Any] | None = None) -> list[Future[Result]]:
+               tags: Sequence[Any] | None = None, salt: str = "") -> list[Future[Result]]:
         """Queue the choices as one submission (admission takes turns between submissions: a request's choices
         take one turn at a time, however many they are), each with its own limit and seed (an unseeded sampled
         choice draws its own); `on_token(index, id)` as tokens arrive, each after its log-probabilities to
-        `on_logprobs(index, entry)` where asked; `tags`: each choice's name in the journal. All are checked
-        before any is queued (ConfigError)."""
+        `on_logprobs(index, entry)` where asked; `tags`: each choice's name in the journal; `salt`: its tenant's,
+        for the prompt prefixes it reads and keeps. All are checked before any is queued (ConfigError)."""
         if not choices:  # an adopted request that had ended: nothing to queue
             return []
         settings = _but_seed(choices[0].decoding)
@@ -195,7 +195,7 @@ class Controller:
         futures = self.pipeline.submit_all([choice.prompt for choice in choices],
                                            [choice.max_tokens for choice in choices],
                                            seed=[choice.decoding.get("seed") for choice in choices], on_token=on_token,
-                                           on_logprobs=on_logprobs, tags=tags, **settings)
+                                           on_logprobs=on_logprobs, tags=tags, cache_salt=salt, **settings)
         for future in futures:
             future.add_done_callback(self._note_failure)
         return futures
@@ -218,10 +218,15 @@ class Controller:
         return self.pipeline.waiting()
 
     def none_started(self, futures: Sequence[Future[Result]]) -> bool:
-        return all(not future.done() and self.pipeline.started_at(future) is None for future in futures)
+        return all(not future.done() and self.started_at(future) is None for future in futures)
 
     def started_at(self, future: Future[Result]) -> float | None:
-        return self.pipeline.started_at(future)
+        request = self.pipeline.request_of(future)
+        return None if request is None else request.started
+
+    def cached_positions(self, future: Future[Result]) -> int:
+        request = self.pipeline.request_of(future)
+        return 0 if request is None else request.cached
 
     def status(self, readable: Callable[[str], bool] | None = None) -> dict[str, Any]:
         """The pipeline's status, the journal's, and what this controller took over from a journal (`adopted`): of

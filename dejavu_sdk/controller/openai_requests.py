@@ -31,6 +31,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 MAX_STOPS, MAX_STOP_LENGTH = 16, 256
 #: Most choices a request may ask for (`n` times its prompts is also capped by the API's `max_prompts`).
 MAX_N = 128
+#: Longest `cache_salt` (characters): a tenant's name, not a payload.
+MAX_SALT = 256
 
 
 class ModelFacts(Protocol):
@@ -77,6 +79,13 @@ class GenerationRequest:
     #: The owner id of the client token that made it (`owners.owner_id`, never the token): only that token reads it
     #: back. None: no client's (journaled before requests had owners).
     owner: str | None = None
+    #: The salt of the prompt prefixes it reads and keeps (`cache_salt` in its body; None: its owner's, so that
+    #: one client cannot tell another's prompts from how fast its own are answered).
+    cache_salt: str | None = None
+
+    def salt(self) -> str:
+        """The tenant its prompt prefixes are kept apart for."""
+        return self.cache_salt if self.cache_salt is not None else self.owner or ""
 
 
 def parse_completion(body: Any, facts: ModelFacts, max_prompts: int) -> GenerationRequest:
@@ -135,8 +144,11 @@ def _request(kind: Literal["completion", "chat"], model: str, body: dict[str, An
     for index, prompt in enumerate(prompts):
         limit = _max_tokens(body, default_max, len(prompt), facts.context)
         choices += [Choice(prompt, limit, _seeded(decoding, copy), index) for copy in range(n)]
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_SALT):
+        raise ApiError(400, f"'cache_salt' must be a string of at most {MAX_SALT} characters, got {quoted(salt)}")
     return GenerationRequest(kind, model, choices, prompts, _stop(body.get("stop")), stream, include_usage,
-                             scores.get("logprobs"), echo, continuous_usage=continuous_usage)
+                             scores.get("logprobs"), echo, continuous_usage=continuous_usage, cache_salt=salt)
 
 
 def _check_count(prompts: int, body: dict[str, Any], max_prompts: int) -> int:

@@ -129,11 +129,13 @@ def shape_of(kind: str) -> ResponseShape:
     return SHAPES[kind]
 
 
-def usage(transcript: Transcript, generated: int | None = None) -> dict[str, int]:
-    """The request's usage: its prompt tokens, and the tokens it `generated` (default: all sent so far)."""
+def usage(transcript: Transcript, generated: int | None = None) -> dict[str, Any]:
+    """The request's usage: its prompt tokens (with those read from the prompt prefixes, as OpenAI reports its
+    cached ones), and the tokens it `generated` (default: all sent so far)."""
     generated = transcript.generated_tokens() if generated is None else generated
     return {"prompt_tokens": transcript.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": transcript.prompt_tokens + generated}
+            "total_tokens": transcript.prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": transcript.cached_tokens}}
 
 
 def error_event(error: ApiError) -> dict[str, Any]:

@@ -103,7 +103,7 @@ class Run(Transcript):
         submitted = self.backend.submit(
             [self.request.choices[index] for index in going], functools.partial(self._on_token_of, going),
             None if self.request.logprobs is None else functools.partial(self._on_logprobs_of, going),
-            [[self.id, index] for index in going])
+            [[self.id, index] for index in going], self.request.salt())
         for index, future in zip(going, submitted, strict=True):
             self.futures[index] = future
             future.add_done_callback(functools.partial(self._on_done, index))
@@ -247,6 +247,7 @@ class Run(Transcript):
         state = self.states[index]
         if not state.tokens:
             self.times.choice_started(self.backend.started_at(self.futures[index]))
+            self.cached_tokens = max(self.cached_tokens, self.backend.cached_positions(self.futures[index]))
         update = self._advance(index, tokens, entries)
         if update.finish is not None:
             self._note_finish(index, update.finish)

@@ -25,13 +25,17 @@ class GenerationBackend(Protocol):
 
     def submit(self, choices: list[Choice], on_token: Callable[[int, int], None],
                on_logprobs: Callable[[int, TokenLogprobs | PromptLogprobs], None] | None = None,
-               tags: Sequence[Any] | None = None) -> list[Future[Result]]:
+               tags: Sequence[Any] | None = None, salt: str = "") -> list[Future[Result]]:
         """Queue every choice (all checked first: ConfigError); `on_token(index, id)` as tokens arrive, each after
         its log-probabilities to `on_logprobs(index, entry)` where the choices ask for them; `tags[index]` names
-        choice `index` in the journal's microbatch records."""
+        choice `index` in the journal's microbatch records; `salt`: the tenant of their prompt prefixes."""
 
     def started_at(self, future: Future[Result]) -> float | None:
         """When the choice of `future` left the waiting queue (`time.monotonic()`)."""
+
+    def cached_positions(self, future: Future[Result]) -> int:
+        """The prompt positions the choice of `future` read from the prompt prefixes (known once its first token
+        came)."""
 
 
 class ServedModel(GenerationBackend, Protocol):

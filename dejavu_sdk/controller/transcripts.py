@@ -28,11 +28,12 @@ class Transcript:
     """Request `id`'s updates so far (`log`), its `state` (running, or how it ended) and the error it failed with
     (`error`), and whether its log is complete (`over`: no update comes any more); `kind` (completion or chat), the
     model name it was answered with, whether its stream ends with the usage (and `continuous_usage`: every chunk
-    carries it), its number of choices and of prompt tokens, and the owner id of the client token that made it
-    (`owners`). `live`: it may change yet (a run writes it), and followers wait for what comes."""
+    carries it), its number of choices and of prompt tokens (`cached_tokens` of them read from the prompt
+    prefixes), and the owner id of the client token that made it (`owners`). `live`: it may change yet (a run
+    writes it), and followers wait for what comes."""
 
-    __slots__ = ("_changed", "_positions", "choices", "continuous_usage", "created", "error", "id", "include_usage",
-                 "kind", "log", "model", "over", "owner", "prompt_tokens", "state")
+    __slots__ = ("_changed", "_positions", "cached_tokens", "choices", "continuous_usage", "created", "error", "id",
+                 "include_usage", "kind", "log", "model", "over", "owner", "prompt_tokens", "state")
 
     def __init__(self, request_id: str, created: int, kind: str, model: str, include_usage: bool, choices: int,
                  prompt_tokens: int, live: bool = True, owner: str | None = None,
@@ -40,6 +41,8 @@ class Transcript:
         self.id, self.created, self.kind, self.model, self.owner = request_id, created, kind, model, owner
         self.include_usage, self.choices, self.prompt_tokens = include_usage, choices, prompt_tokens
         self.continuous_usage = continuous_usage
+        #: Prompt positions read from the prompt prefixes instead of computed (known once a choice ends).
+        self.cached_tokens = 0
         self.log: list[Update] = []
         self.error: ApiError | None = None
         self.state = RequestState.RUNNING

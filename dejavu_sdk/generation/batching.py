@@ -74,6 +74,10 @@ class Request:
     group: int = attrs.field(default=attrs.Factory(lambda self: self.number, takes_self=True))
     #: What its submitter calls it (the controller: its request id and choice), for records that outlive the head.
     tag: Any = None
+    #: Its tenant's salt for the prompt prefixes it reads and keeps (`dejavu_sdk.prefix`).
+    cache_salt: str = ""
+    #: The prompt positions it read from the prompt prefixes (set as the round that read them is reported).
+    cached: int = 0
     #: What it had when a slot it ran in was lost (it goes on from its prompt followed by those tokens).
     earlier: Earlier | None = None
     #: The tokens it had when the last slot it ran in was lost (None: none was): lost again with no more, it is

@@ -268,12 +268,12 @@ class RoundRobin:
         done = self._decode(slot, cache) if decoded else []
         if not self.policy.refills:  # a static slot's rows leave together, right after the round they all ended in
             self._leave(slot, cache, self.policy.leaving(decoded, slot.ended.tolist()))
-        prefill, read = None, False
+        prefill, cached = None, 0  # (cached: the positions a group starting this round read)
         if slot.joining is not None:
             group, picker = slot.joining
             start, stop = group.columns(self.max_prefill_tokens)
-            read = start == group.cached > 0  # its first round: the columns read count as its first ones
-            prefill = (tuple(group.members), 0 if read else start, stop)
+            cached = group.cached if start == group.cached > 0 else 0  # its first round: those columns count too
+            prefill = (tuple(group.members), start - cached, stop)
             assert group.ids is not None  # one process: the group keeps its ids
             if not self.policy.refills:  # a static slot is empty: its group's cache is the slot's from its first
                 # columns on (new then, brought back at the others), held and swapped as every slot's
@@ -288,8 +288,8 @@ class RoundRobin:
             elif group.complete:
                 done += self._first_tokens(slot, group, picker, logits)
                 caches.pin(("group", slot.number), slot.ready[0] if slot.ready is not None else None)
-        chunk = self.prefix.chunk if self.prefix is not None and read else 0
-        slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill, chunk))
+        chunk = self.prefix.chunk if self.prefix is not None and cached else 0
+        slot.rounds.append(Round(tuple(left), tuple(joined), decoded, prefill, chunk, cached=cached))
         if cache is not None:
             self._put_back(slot, caches, cache, changed=bool(left or joined) or not acquired)
         if slot.joining is not None and not self.policy.refills:

@@ -101,6 +101,9 @@ class SlotBatch(Microbatch):
         whether that was its last: `complete`, its members), each member's new token and log-probabilities."""
         self.rounds.append(self.with_resumed(step))
         self.steps_received += 1
+        if step.cached and step.prefill is not None:  # read from the prompt prefixes: the request says so at once
+            for member in step.prefill[0]:
+                self.requests[self.rows_of[member]].cached = step.cached
         self.present -= {self.rows_of[member] for member in step.left}
         self.present |= self.completed & {self.rows_of[member] for member in step.joined}
         self.entering -= self.completed
@@ -136,12 +139,12 @@ class SlotBatch(Microbatch):
             return Result(torch.tensor(kept, dtype=torch.long), number, row - first, len(group.members),
                           int((mask[row - first] == 0).sum()), request.decoding.seed, request.submitted,
                           stamps[0] if stamps else 0.0, stamps[len(kept) - 1] if kept else 0.0,
-                          **self.scores_of(row, len(kept)))
+                          **self.scores_of(row, len(kept)), cached_positions=request.cached)
         result = Result(torch.tensor(kept, dtype=torch.long), self.number, row, len(self.requests), 0,
                         request.decoding.seed, request.submitted, stamps[0] if stamps else 0.0,
                         stamps[len(kept) - 1] if kept else 0.0, request.number,
                         (*self.rounds, *([self.prefilled] if self.prefilled is not None else [])),
-                        **self.scores_of(row, len(kept)))
+                        **self.scores_of(row, len(kept)), cached_positions=request.cached)
         return result if request.earlier is None else request.earlier.before(result)
 
     def going_on(self, row: int) -> Request:

@@ -40,8 +40,8 @@ class Round:
     requests `decoded` (the slot's rows, in order), and the joining group's `prefill`: its requests and the
     columns [start, stop) of their left-padded prompts run this round. A group that a prompt pipeline prefilled
     joins with all its columns in one round, which that pipeline ran `chunk` columns a step (0: in one step); a
-    group whose first columns were read from a prefix cache of `chunk`-position chunks has them in its first round's
-    prefill (from column 0), as they were computed: `chunk` columns a step.
+    group whose first `cached` columns were read from a prefix cache of `chunk`-position chunks has them in its first
+    round's prefill (from column 0), as they were computed: `chunk` columns a step.
 
     Members of a prefill that go on from a slot lost before their end (recovery without a replica of it) are
     `resumed` with the tokens they had: their prompts are their own followed by those. A result's schedule holds
@@ -55,6 +55,7 @@ class Round:
     chunk: int = 0
     resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()
     lost: bool = False
+    cached: int = 0
 
     def prefill_steps(self) -> list[tuple[int, int]]:
         """The columns [start, stop) of `prefill` that ran in a step each."""

@@ -83,6 +83,12 @@ class PrefixIdentity:
 
     def keys(self, token_ids: Sequence[int], layers: tuple[int, int], salt: str = "") -> list[BlockKey]:
         """The key of each whole chunk of `token_ids`, for the stage that holds `layers`."""
-        return [BlockKey(f"{STREAM_PREFIX}{digest}-L{layers[0]}-{layers[1]}", layers=layers,
+        return self.keys_of(self.digests(token_ids, salt), layers)
+
+    def keys_of(self, digests: Sequence[str], layers: tuple[int, int]) -> list[BlockKey]:
+        """The keys of the leading chunks named `digests` (`digests` gave them), for the stage that holds
+        `layers` (global; its own count from 0 in the key, as in its cache): a pipeline's first stage names a
+        prompt's chunks, and every stage keys its own layers' by them."""
+        return [BlockKey(f"{STREAM_PREFIX}{digest}-L{layers[0]}-{layers[1]}", layers=(0, layers[1] - layers[0]),
                          tokens=(index * self.chunk, (index + 1) * self.chunk))
-                for index, digest in enumerate(self.digests(token_ids, salt))]
+                for index, digest in enumerate(digests)]

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 from transformers import DynamicCache
 
-from ..blocks import BlockKey, KVSpec, dtype_name
+from ..blocks import KVSpec, dtype_name
 from ..errors import ConfigError
 from ..store import Store
 from .keys import CHUNK_POSITIONS, PrefixIdentity, check_salt
@@ -26,15 +27,22 @@ Tiers = str | Store | Sequence[str | Store] | PrefixCache
 
 
 class PrefixReuse:
-    """Reads and keeps the prompt chunks of `model` (all its layers) in `tiers` (URLs, stores or a ready
-    `PrefixCache`), in chunks of `chunk` positions."""
+    """Reads and keeps the prompt chunks of a model (`identity`, and `spec`: its KV's geometry, every layer) in
+    `tiers` (URLs, stores or a ready `PrefixCache`), of its `layers` (global [first, stop); None: all of them, a
+    pipeline stage its own)."""
 
-    def __init__(self, model: Any, tiers: Tiers, chunk: int = CHUNK_POSITIONS) -> None:
-        self.identity = PrefixIdentity.of(model, chunk)
-        spec = kv_spec_of(model)
-        self.layers = (0, spec.layers)
+    def __init__(self, identity: PrefixIdentity, spec: KVSpec, tiers: Tiers,
+                 layers: tuple[int, int] | None = None) -> None:
+        self.identity = identity
+        self.layers = layers if layers is not None else (0, spec.layers)
+        spec = attrs.evolve(spec, layers=self.layers[1] - self.layers[0])
         self.cache = tiers if isinstance(tiers, PrefixCache) else PrefixCache(tiers, spec)
         self._owned = not isinstance(tiers, PrefixCache)
+
+    @classmethod
+    def of(cls, model: Any, tiers: Tiers, chunk: int = CHUNK_POSITIONS) -> PrefixReuse:
+        """All of a loaded Hugging Face `model`'s layers, in chunks of `chunk` positions."""
+        return cls(PrefixIdentity.of(model, chunk), kv_spec_of(model), tiers)
 
     @property
     def chunk(self) -> int:
@@ -67,17 +75,23 @@ class PrefixReuse:
         check_salt(salt)
         if not bool(attention_mask.to(torch.bool).all()):
             return 0
-        most = (input_ids.shape[1] - 1) // self.chunk  # at least one prompt token left to compute
+        most = self.most_read(input_ids.shape[1])
         rows: list[list[torch.Tensor]] = []
         for row in input_ids.tolist():
-            rows.append(self.cache.read(self.identity.keys(row, self.layers, salt)[:most]))
+            rows.append(self.read(self.identity.digests(row, salt)[:most]))
             most = min(most, len(rows[-1]))
             if most == 0:
                 return 0
-        kv = torch.cat([torch.cat(blocks[:most], dim=4) for blocks in rows], dim=2).to(input_ids.device)
-        for layer in range(kv.shape[0]):
-            cache.update(kv[layer, 0], kv[layer, 1], layer)
-        return most * self.chunk
+        return fill(cache, [blocks[:most] for blocks in rows], input_ids.device)
+
+    def most_read(self, length: int) -> int:
+        """The most chunks a prompt of `length` positions reads: at least one position is left to compute, for
+        the first token's logits."""
+        return (length - 1) // self.chunk
+
+    def read(self, digests: Sequence[str]) -> list[torch.Tensor]:
+        """The leading chunks named `digests` that the tiers hold (this model's layers of each, a block)."""
+        return self.cache.read(self.identity.keys_of(digests, self.layers))
 
     def keep(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache, restored: int,
              salt: str = "") -> None:
@@ -85,12 +99,15 @@ class PrefixReuse:
         writer thread."""
         if not bool(attention_mask.to(torch.bool).all()):
             return
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        blocks: list[tuple[BlockKey, Any]] = []
         for index, row in enumerate(input_ids.tolist()):
-            blocks.extend((key, _block_of(layers, index, key.tokens))
-                          for key in self.identity.keys(row, self.layers, salt)[restored // self.chunk:])
-        self.cache.write(blocks)
+            self.keep_row(self.identity.digests(row, salt), cache, index, restored)
+
+    def keep_row(self, digests: Sequence[str], cache: DynamicCache, row: int, restored: int) -> None:
+        """Keep the chunks named `digests` past `restored` positions from row `row` of `cache` (which holds them),
+        on the writer thread."""
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        self.cache.write([(key, _block_of(layers, row, key.tokens))
+                          for key in self.identity.keys_of(digests, self.layers)[restored // self.chunk:]])
 
     def close(self) -> None:
         if self._owned:
@@ -104,6 +121,15 @@ def kv_spec_of(model: Any) -> KVSpec:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return KVSpec(layers=int(config.num_hidden_layers), kv_heads=int(heads), head_dim=int(head_dim),
                   dtype=dtype_name(model.dtype))
+
+
+def fill(cache: DynamicCache, rows: Sequence[Sequence[torch.Tensor]], device: torch.device | str) -> int:
+    """Fill the empty `cache` with the chunks read for each of its rows (as many for each, in order) and return how
+    many positions that is."""
+    kv = torch.cat([torch.cat(list(blocks), dim=4) for blocks in rows], dim=2).to(device)
+    for layer in range(kv.shape[0]):
+        cache.update(kv[layer, 0], kv[layer, 1], layer)
+    return int(kv.shape[4])
 
 
 def _block_of(layers: list[tuple[torch.Tensor, torch.Tensor]], row: int, tokens: tuple[int, int]) -> Any:

@@ -199,8 +199,8 @@ class PrefixCache:
         built = None
         try:
             for tier in self.tiers:
-                with self._lock:
-                    present = key in tier.entries
+                with self._lock:  # a shared tier may have lost it to another process: this view does not know
+                    present = key in tier.entries and not tier.store.shared
                     if present:
                         tier.entries.move_to_end(key)
                 if not present:

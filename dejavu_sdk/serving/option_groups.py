@@ -1,7 +1,7 @@
 """The groups of a pipeline's options that `PipelineOptions` holds, each a frozen record: `Links` (how the head
 and the stages reach each other), `Watch` (when a stage counts as dead or stuck), `Resilience` (what a dead stage
-costs), each with its own check, and `Memory` (the KV caches' device budget and swapping, which
-`PipelineOptions.check` decides: it needs the model).
+costs), `Prefixes` (the tiers prompt prefixes are read from and kept in), each with its own check, and `Memory`
+(the KV caches' device budget and swapping, which `PipelineOptions.check` decides: it needs the model).
 
 Each `check` takes the keywords of its group as `Pipeline` takes them (keyword-only; what it depends on
 besides comes first), and raises a `ConfigError` that says
@@ -14,12 +14,15 @@ import math
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from ..backends import open_store
 from ..errors import ConfigError
+from ..prefix.keys import CHUNK_POSITIONS, check_chunk
+from ..prefix.tiers import tier_url
 from ..store import Store
 from ..swapping import SwapChoice
 from ..transports.access import TOKEN_VARIABLE
@@ -61,6 +64,30 @@ class Links:
             raise ConfigError(f"launch=False: workers started elsewhere must present the head's token; set "
                               f"{TOKEN_VARIABLE} to a shared secret here and for every `dejavu worker`")
         return cls(transport, host, port, token or os.environ.get(TOKEN_VARIABLE) or secrets.token_hex(16), tls)
+
+
+@attrs.frozen
+class Prefixes:
+    """Prompt prefixes from the KV tiers (`dejavu_sdk.prefix`): the `tiers`' store URLs, fastest first (each stage
+    process opens them for its own layers' chunks, so a `memory://` tier is each stage's memory), and the positions
+    of a chunk (`chunk`). No tiers: prompts are computed whole."""
+
+    tiers: tuple[str, ...] = ()
+    chunk: int = CHUNK_POSITIONS
+
+    @classmethod
+    def check(cls, *, prefix_cache: str | Sequence[str] | None = None,
+              prefix_chunk: int = CHUNK_POSITIONS) -> Prefixes:
+        chunk = check_chunk(prefix_chunk)
+        if prefix_cache is None:
+            return cls((), chunk)
+        urls = [prefix_cache] if isinstance(prefix_cache, str) else prefix_cache
+        if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(url, str) for url in urls):
+            raise ConfigError(f"prefix_cache={prefix_cache!r}: a pipeline's prefix tiers are store URLs, one or a "
+                              "list fastest first (each stage process opens its own)")
+        for url in urls:
+            tier_url(url)
+        return cls(tuple(urls), chunk)
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ from ..swapping import (
 from ..timing import measure_times
 from .defaults import Defaults, Machine
 from .layout import Layout, pipelines_for
-from .option_groups import Links, Memory, Resilience, Watch, positive_integer
+from .option_groups import Links, Memory, Prefixes, Resilience, Watch, positive_integer
 from .processes.launchers import Launcher, LocalProcesses
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,14 @@ class PipelineOptions:
     replica before passing it on); with `"recompute"` a lost continuous slot's rows run again from their prompts
     and the tokens already streamed (each still equals the replay of its `Result.schedule`), and a lost static
     slot's microbatch starts over, each row where it sat (each still equals `model.generate` on it).
+    `prefix_cache`: tiers (store URLs, fastest first, such as `["memory://?max_bytes=2GiB", "lmdb:///var/kv"]`)
+    where each stage keeps its layers' KV of every prompt in chunks of `prefix_chunk` positions keyed by their
+    tokens (`dejavu_sdk.prefix`), and from which a prompt prefilled alone starts (continuous batching then takes
+    waiting prompts into a slot one at a time): the stages read the chunks every one of them holds, and prefill the
+    rest a chunk a round (`max_prefill_tokens` is `prefix_chunk`). Each `Result.cached_positions` says what its
+    prompt read, and `replay` of its schedule computes those chunks as they were kept. `submit(...,
+    cache_salt=...)` keeps tenants apart. A slot's replica does not hold the positions read yet: `recovery="auto"`
+    recovers by recomputing, and `"replicas"` is refused.
     `ignore_eos`: every request generates its `max_new_tokens` (benchmarks, as vLLM's `ignore_eos`).
     `threads`: torch threads per stage process, fixed (default: this machine's cores shared between the stages,
     each following the cores the other processes leave idle: `serving.defaults`).
@@ -126,6 +134,7 @@ class PipelineOptions:
     batching: str
     max_prefill_tokens: int | None
     defaults: Defaults
+    prefixes: Prefixes
 
     @classmethod
     def check(cls, model: str, stages: int | None = None, *, layers: Sequence[tuple[int, int]] | None = None,
@@ -137,7 +146,11 @@ class PipelineOptions:
               **grouped: Any) -> PipelineOptions:
         """The options, checked; `grouped` are the keywords of `Links`, `Watch` and `Resilience`, each group
         checking its own."""
-        links_given, watch_given, resilience_given = _split(grouped, Links.check, Watch.check, Resilience.check)
+        links_given, watch_given, resilience_given, prefixes_given = _split(grouped, Links.check, Watch.check,
+                                                                            Resilience.check, Prefixes.check)
+        prefixes = Prefixes.check(**prefixes_given)
+        if prefixes.tiers:
+            resilience_given = _recovery_with_prefixes(resilience_given)
         links = Links.check(launch, **links_given)
         if microbatch is not None:
             positive_integer(microbatch, "microbatch")
@@ -187,10 +200,34 @@ class PipelineOptions:
         rules = TokenRules.of(reference)
         chosen_batching = check_batching("continuous" if batching is None else batching)
         prefill_tokens = check_max_prefill_tokens(max_prefill_tokens)
+        if prefixes.tiers:
+            _check_prefixes(prefixes, prefill_tokens, len(pipelines) == 2)
         ring = resilience.recovery == "replicas" and resilience.replica_store is None
         return cls(model, Layout(pipelines, ring=ring), chosen, microbatch, slots, threads,
                    LocalProcesses() if launch is True else (launch or None), rules, [] if ignore_eos else rules.eos,
-                   links, watch, resilience, memory, chosen_batching, prefill_tokens, defaults)
+                   links, watch, resilience, memory, chosen_batching, prefill_tokens, defaults, prefixes)
+
+
+def _recovery_with_prefixes(given: dict[str, Any]) -> dict[str, Any]:
+    """The recovery of a pipeline that reads prompt prefixes: a slot's replica does not hold the prompt positions
+    read from the tiers yet, so "auto" recovers by recomputing (each row's prompt read again), and "replicas" is
+    refused."""
+    recovery = given.get("recovery")
+    if recovery == "replicas":
+        raise ConfigError("recovery='replicas' with prefix_cache: a slot's replica does not hold the prompt positions "
+                          "read from the tiers yet; use recovery='recompute' (or 'auto')")
+    return {**given, "recovery": "recompute"} if recovery == "auto" else given
+
+
+def _check_prefixes(prefixes: Prefixes, prefill_tokens: int | None, disaggregated: bool) -> None:
+    """ConfigError where prompt prefixes cannot be served as asked: a joining prompt is prefilled a chunk a round
+    (so each chunk kept is what computing it a chunk at a time makes), and a prompt pipeline reads none yet."""
+    if prefill_tokens != prefixes.chunk:
+        raise ConfigError(f"max_prefill_tokens={prefill_tokens!r} with prefix_chunk={prefixes.chunk}: a prompt is "
+                          f"prefilled a chunk a round with a prefix cache (give max_prefill_tokens={prefixes.chunk})")
+    if disaggregated:
+        raise ConfigError("prefix_cache with a prompt pipeline (prompt_stages=): its stages read and keep no "
+                          "prefix chunks yet; serve the model mixed (stages=) to read them")
 
 
 def check_body_limit(max_body_bytes: Any) -> int:

@@ -84,7 +84,7 @@ class Pipeline:
         self.ledger = Ledger(layout, self.microbatch, checked.token_slots, self.eos, self.pad,
                              Admission(memory.kv_budget, self.swapping, memory.kv_bytes_per_token),
                              lambda: self.fleet.epoch, slot_policy(checked.batching),
-                             prefill_tokens=checked.max_prefill_tokens)
+                             prefill_tokens=checked.max_prefill_tokens, prefixes=bool(checked.prefixes.tiers))
         self.batching = checked.batching  # "continuous" or "static": the slots' policy (see `PipelineOptions`)
         self.head = HeadReceiver(checked, self.fleet, self.ledger, lambda: self._closed, lambda: self.on_entered,
                                  lambda: self.on_failure, lambda: self.on_recovery)
@@ -179,8 +179,8 @@ class Pipeline:
         settings share microbatches. The future is answered when its request ends, with its `Result`, or a
         `RequestFailed` of its own (the others go on), or the `TransportError` that stopped the pipeline.
         `future.cancel()` takes a waiting request off the queue, and ends a running one at its next step. A
-        pipeline still starting queues the request once it is running.
-        """
+        pipeline still starting queues the request once it is running. `cache_salt`: its tenant's, for the prompt
+        prefixes it reads and keeps (`prefix_cache`)."""
         listener = None if on_token is None else (lambda _, token: on_token(token))
         scores = None if on_logprobs is None else (lambda _, entry: on_logprobs(entry))
         return self.submit_all([ids], max_new_tokens, do_sample=do_sample, seed=seed, on_token=listener,
@@ -235,11 +235,10 @@ class Pipeline:
         """How many requests wait to start."""
         return len(self.ledger.waiting)
 
-    def started_at(self, future: Future[Result]) -> float | None:
-        """When the request of `future` left the waiting queue for a microbatch (`time.monotonic()`), or None
-        while it waits (or when `future` is not this pipeline's)."""
-        request = self._requests.get(future)
-        return None if request is None else request.started
+    def request_of(self, future: Future[Result]) -> Request | None:
+        """The request of `future` (None: not this pipeline's), with when it left the waiting queue (`started`) and
+        the prompt positions it read from the prompt prefixes (`cached`, as soon as its first round is in)."""
+        return self._requests.get(future)
 
     @property
     def running(self) -> bool:

@@ -232,7 +232,8 @@ class Fleet(SparePool):
                       most_threads=options.defaults.most_threads, eos=eos, pad=pad,
                       swapping=options.memory.swapping, heartbeat=watch.heartbeat, missed_beats=watch.missed_beats,
                       orphan_timeout=watch.orphan_timeout, recovery=recovery, take_over=self.taking_over,
-                      batching=options.batching, max_prefill_tokens=options.max_prefill_tokens)
+                      batching=options.batching, max_prefill_tokens=options.max_prefill_tokens,
+                      prefix_cache=options.prefixes.tiers, prefix_chunk=options.prefixes.chunk)
 
     def links_of(self, index: int) -> Links:
         store, prefix = self.options.resilience.replica_store, self.options.resilience.replica_prefix

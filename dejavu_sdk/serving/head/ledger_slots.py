@@ -173,7 +173,8 @@ class SlotDecisions:
             return 0, Prefill(microbatch=number, specs=group.specs, epoch=epoch, inputs=ids, mask=mask)
         entering = Enter if batch.opened else OpenSlot
         batch.opened, batch.idle = True, False
-        return 0, entering(microbatch=batch.number, group=group, epoch=epoch, ids=ids, mask=mask)
+        return 0, entering(microbatch=batch.number, group=group, epoch=epoch, ids=ids, mask=mask,
+                           salt=taken[0].cache_salt if len(taken) == 1 else "")
 
     def on_group_prefilled(self, report: Prefilled) -> Outcome:
         """Disaggregated: the prompt pipeline's first tokens of a group; the group goes to its slot on the token
@@ -251,6 +252,8 @@ class SlotDecisions:
         slot's, in turns between submissions, the fewest rows in flight first (in a slot opened for those held
         back, only submissions that hold no row in another)."""
         ledger = self.ledger
+        if ledger.prefixes and ledger.policy.refills:
+            room = min(room, 1)  # a group of one prompt reads its own prompt prefixes
         others = [self._admitted(other) for other in ledger.holding() if other is not flight]
         return ledger.policy.take(ledger.admission, ledger.waiting, room, held, others, ledger.shares(),
                                   ledger.barred(flight), ledger.prefill_tokens)

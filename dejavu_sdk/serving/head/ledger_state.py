@@ -80,16 +80,17 @@ class PromptGroup:
 class LedgerState:
     """The state of every request the pipeline holds, under one lock. `eos` are the ids a row ends at, `pad`
     the padding id, `admission` the KV budget's rule, `token_slots` the microbatches the token side may hold,
-    `policy` the slots' (`generation.slot_policy`: batching), and `prefill_tokens` the positions of a joining
-    group's prompts a round runs."""
+    `policy` the slots' (`generation.slot_policy`: batching), `prefill_tokens` the positions of a joining
+    group's prompts a round runs, and `prefixes` whether the stages read prompt prefixes (a continuous slot's
+    groups then take one prompt each, so that each reads its own)."""
 
     def __init__(self, layout: Layout, microbatch: int, token_slots: int, eos: list[int], pad: int,
                  admission: Admission, epoch: Callable[[], int] = lambda: 0, policy: SlotPolicy = CONTINUOUS,
-                 prefill_tokens: int | None = None) -> None:
+                 prefill_tokens: int | None = None, prefixes: bool = False) -> None:
         self.layout, self.microbatch, self.token_slots = layout, microbatch, token_slots
         #: Every microbatch is a slot (`ledger_slots`), under one policy; a joining group is prefilled
         #: `prefill_tokens` positions a round (None: at once).
-        self.policy, self.prefill_tokens = policy, prefill_tokens
+        self.policy, self.prefill_tokens, self.prefixes = policy, prefill_tokens, prefixes
         self.eos, self.pad, self.admission = eos, pad, admission
         #: The pipeline's epoch now: every message the ledger decides carries the epoch it was decided in (a
         #: recovery raises it under this lock, so a decision made before it is dropped by the stages after it).

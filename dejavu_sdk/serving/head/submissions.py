@@ -10,6 +10,7 @@ from ...errors import ConfigError
 from ...generation.batching import Request, check_new_tokens, check_prompt
 from ...generation.decoding import Decoding, TokenRules
 from ...generation.logprobs import PromptLogprobs, TokenLogprobs
+from ...prefix.keys import check_salt
 
 
 def submission(prompts: Sequence[Any], max_new_tokens: int | Sequence[int], do_sample: bool,
@@ -18,6 +19,7 @@ def submission(prompts: Sequence[Any], max_new_tokens: int | Sequence[int], do_s
                settings: dict[str, Any], rules: TokenRules) -> list[Request]:
     """A request per prompt, as `Pipeline.submit_all` describes them, one submission (admission takes turns
     between submissions); ConfigError for the first prompt or setting that `rules` (the model's) refuse."""
+    salt = check_salt(settings.pop("cache_salt", ""))  # the prompt prefixes' tenant, not a decoding setting
     limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
     for name, given in (("max_new_tokens", limits), ("seed", seed), ("tags", tags)):
         if isinstance(given, Sequence) and len(given) != len(prompts):
@@ -34,7 +36,7 @@ def submission(prompts: Sequence[Any], max_new_tokens: int | Sequence[int], do_s
         listener = None if on_token is None else functools.partial(on_token, index)
         scores = None if on_logprobs is None else functools.partial(on_logprobs, index)
         request = Request(prompt, limit, decoding, on_token=listener, on_logprobs=scores,
-                          tag=None if tags is None else tags[index])
+                          tag=None if tags is None else tags[index], cache_salt=salt)
         if requests:
             request.group = requests[0].group
         requests.append(request)

@@ -28,9 +28,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...backends import open_transport, serve
+from ...blocks import KVSpec
 from ...errors import DejaVuError, ServerBusy, TransportError
 from ...generation.stage import Stage
 from ...models import load_model
+from ...prefix.keys import PrefixIdentity
+from ...prefix.reuse import PrefixReuse, kv_spec_of
 from ...transports.access import TOKEN_VARIABLE
 from ...transports.base import Server, Transport
 from ..wire.link_tls import LinkTls, inbox_options, link_options
@@ -128,6 +131,7 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             head.send_tensor(pack(Warm(url=inbox.url)))
             answer = _wait_for_assignment(inbox, head)
         stage: Stage | None = None
+        identity: tuple[PrefixIdentity, KVSpec] | None = None  # of the whole model, for its prompt prefixes
         held: Holdings | None = None  # an orphan's slots, for the head that takes it back
         while not isinstance(answer, Shutdown):
             if not isinstance(answer, Assign):
@@ -137,13 +141,16 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
             layers = assign.links.layers
             if stage is None or stage.layers != layers:  # a rejoined worker keeps its stage loaded
                 try:
-                    stage = Stage(model if model is not None else load_model(assign.model), layers)
+                    whole = model if model is not None else load_model(assign.model)
+                    if assign.prefix_cache:  # named before the stage drops the other layers' weights
+                        identity = PrefixIdentity.of(whole, assign.prefix_chunk), kv_spec_of(whole)
+                    stage = Stage(whole, layers)
                 except Exception as error:  # whatever stops the stage from loading, the head must hear of it
                     head.send_tensor(failure_message(assign.stage, error, assign.epoch))
                     raise
                 model = None  # the stage took it over
             try:
-                _serve_stage(stage, assign, inbox, join, held, own_threads=threads is not None)
+                _serve_stage(stage, assign, inbox, join, held, own_threads=threads is not None, identity=identity)
                 return
             except HeadGone as gone:
                 held = gone.held
@@ -163,14 +170,17 @@ def run_worker(join: str, host: str = "127.0.0.1", threads: int | None = None, w
 
 
 def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: Holdings | None = None,
-                 own_threads: bool = False) -> None:
+                 own_threads: bool = False, identity: tuple[PrefixIdentity, KVSpec] | None = None) -> None:
     """Be the stage `assign` describes until the head at `join` says `Shutdown` (HeadGone: the head is gone, with
     what the worker keeps for a successor), on links of its own (what was posted on a former head's is lost with
     it); `held`: the microbatches it kept under a former head, for this one to take over if it says so
     (`take_over`; else they are dropped, with the replicas held here for a neighbour). Its torch threads follow
     the cores the other processes leave idle (`ThreadShare`), up to `assign.most_threads`, unless the worker was
-    given its own (`own_threads`)."""
+    given its own (`own_threads`). With `assign.prefix_cache`, it reads and keeps its layers' prompt prefixes in
+    those tiers, under the whole model's `identity` (and KV geometry)."""
     role = Role(assign.role, assign.number, assign.stages, assign.stage)
+    prefixes = PrefixReuse(*identity, list(assign.prefix_cache), stage.layers) \
+        if identity is not None and assign.prefix_cache and identity[0].chunk == assign.prefix_chunk else None
     head = open_transport(join, **link_options(LinkTls.from_environment()))
     worker: StageWorker | None = None
     heartbeat: Heartbeat | None = None
@@ -191,6 +201,7 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
                                               lambda: serving.epoch, inbox.url, lambda: stage.layers_run)
         if not own_threads and assign.most_threads > assign.threads:
             serving.thread_share = ThreadShare(assign.most_threads)
+        serving.prefixes = prefixes
         serving.run()
     except HeadGone as gone:
         gone.epoch = worker.epoch if worker is not None else assign.epoch  # raised by recoveries
@@ -200,6 +211,8 @@ def _serve_stage(stage: Stage, assign: Assign, inbox: Server, join: str, held: H
     finally:
         if heartbeat is not None:
             heartbeat.close()
+        if prefixes is not None:
+            prefixes.close()  # chunks asked to be written land first
         # links to a head or neighbour that is gone may fail to close (what was posted on them is lost anyway):
         # that must not replace why the stage ended (a head gone leaves an orphan, not a failed worker)
         with contextlib.suppress(TransportError):

@@ -85,9 +85,7 @@ class SlotPicks:
             joined = [group_members[row] for row in keep]
             _let_go(state, [member for member in group_members if member not in set(joined)])
         state.last = None  # tokens were picked: a recovery cannot take this round back
-        starting = message.starting
-        chunk = starting.staged.chunk if starting is not None and starting.staged is not None else 0
-        step = Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), message.prefill, chunk)
+        step = _round_of(message, decoded, worker.prefixes.chunk if worker.prefixes is not None else 0)
         idle = not decoded and message.prefill is None  # parked on the first stage
         left = [] if idle else worker.policy.leaving(decoded, state.ended.tolist())
         report = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
@@ -108,7 +106,23 @@ class SlotPicks:
         if joined is not None and not joined:
             state.ready, state.ready_picker, state.ready_tokens, state.ready_ended = None, None, None, None
         next_tokens_in = torch.cat(following)[:, None] if following else torch.zeros((0, 1), dtype=torch.long)
-        worker.post(worker.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in))
+        worker.post(worker.first, SlotRound(microbatch=number, left=left, joined=joined, inputs=next_tokens_in,
+                                            restart=message.missed))
+
+
+def _round_of(message: SlotRound, decoded: list[int], chunk: int) -> Round:
+    """The round the last stage reports: a staged group's columns ran `chunk` a step in the prompt pipeline; a
+    group that read its first columns from the prompt prefixes (`chunk` positions each) has them in its prefill; a
+    group that a stage missed ran nothing."""
+    starting, prefill, step = message.starting, message.prefill, 0
+    cached = starting.cached if starting is not None and message.missed is None else 0
+    if message.missed is not None:
+        prefill = None
+    elif cached and prefill is not None:
+        prefill, step = (prefill[0], 0, prefill[2]), chunk
+    elif starting is not None and starting.staged is not None:
+        step = starting.staged.chunk
+    return Round(tuple(message.left), tuple(message.joined or ()), tuple(decoded), prefill, step, cached=cached)
 
 
 

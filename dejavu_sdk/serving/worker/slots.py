@@ -30,19 +30,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import deque
 from typing import Any
 
 import attrs
 import torch
 
 from ...generation.picker import TokenPicker
-from ...generation.row_specs import RowSpecs, group_rows
+from ...generation.row_specs import RowSpecs
 from ...generation.slots import Joining, SlotRows, leave, stack, windows
 from ...generation.stage import position_ids
 from ..kv.slot_replicas import kv_block
-from ..wire.messages import Cancel, Columns, End, Enter, Freed, GroupStart, NotEntered, OpenSlot, SlotRound
+from ..wire.messages import Columns, End, Enter, Freed, GroupStart, OpenSlot, SlotRound
+from .slot_cancels import SlotCancels
 from .slot_picks import SlotPicks
+from .slot_prefixes import SlotPrefixes
 from .state import SlotState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,21 @@ _EMPTY = torch.zeros(0)
 
 
 class SlotHandlers(WorkerState):
-    """The handlers of the slots' step messages; `StageWorker` inherits them. The last stage's picks of a round
-    are its part `picks` (`SlotPicks`)."""
+    """The handlers of the slots' step messages; `StageWorker` inherits them. Its parts: the last stage's picks of
+    a round (`picks`), the prompt prefixes a joining prompt reads and keeps (`prefix_reads`) and cancelled rows
+    (`cancels`)."""
 
     @functools.cached_property
     def picks(self) -> SlotPicks:
         return SlotPicks(self)
+
+    @functools.cached_property
+    def prefix_reads(self) -> SlotPrefixes:
+        return SlotPrefixes(self)
+
+    @functools.cached_property
+    def cancels(self) -> SlotCancels:
+        return SlotCancels(self)
 
     def _open_slot(self, message: OpenSlot) -> None:
         """The first stage: a new slot, its first group entering at once (a round with nothing else in it)."""
@@ -102,48 +112,6 @@ class SlotHandlers(WorkerState):
         else:
             self.post(self.following, message)
 
-    def _cancel_rows(self, number: int, members: list[int]) -> None:
-        """Requests cancelled (the head tells the first decoding stage): the first stage takes them out of a
-        group queued there whose prompts it would compute, and tells the head they never entered; the others
-        go on to the last stage, which ends their rows (a joining group's once its first tokens come). One
-        that overtook its slot (opened by a group still in the prompt pipeline) is kept until the slot comes."""
-        state = self.slots.get(number)
-        if state is not None and self.stage.first and self.policy.refills:  # a static group keeps its rows (padding)
-            members = self._unqueue(number, state, set(members))
-        if not members:
-            return
-        if not self.stage.last:
-            self.post(self.following, Cancel(microbatch=number, rows=members))
-            return
-        if state is None:
-            self.keep_cancel(number, members)
-            return
-        state.cancelled.update(members)
-        for row, member in enumerate(state.rows.members):
-            if member in state.cancelled:
-                state.ended[row] = True
-
-    def _unqueue(self, number: int, state: SlotState, cancelled: set[int]) -> list[int]:
-        """Take the `cancelled` requests out of the queued groups whose prompts this stage would compute (a
-        group the prompt pipeline prefilled keeps them: its KV is staged for all its rows, and the last stage
-        ends theirs as it joins); the head hears which left (`NotEntered`). Those not taken out here."""
-        kept: deque[Enter] = deque()
-        taken: list[int] = []
-        for enter in state.queued:
-            members = enter.group.members
-            rows = [row for row, member in enumerate(members) if member not in cancelled]
-            if enter.staged is not None or len(rows) == len(members):
-                kept.append(enter)
-                continue
-            if rows:
-                group, ids, mask = group_rows(enter.group, enter.ids, enter.mask, rows)
-                kept.append(attrs.evolve(enter, group=group, ids=ids, mask=mask))
-            taken += [member for member in members if member in cancelled]
-        state.queued = kept
-        if taken:
-            self.post(self.head, NotEntered(microbatch=number, members=taken))
-        return sorted(cancelled - set(taken))
-
     # ---- a round --------------------------------------------------------------------------------------------
     def _round(self, message: SlotRound) -> None:
         """Run a round of slot `microbatch` on this stage: rows leave, a group joins, the rows decode, a group's
@@ -157,7 +125,9 @@ class SlotHandlers(WorkerState):
         if self._waits_for_kv(number, state, message):
             return
         index, state.round = state.round, state.round + 1
-        prefill, starting = message.prefill, message.starting
+        if message.restart is not None:
+            self.prefix_reads.start_again(number, state, message.restart)
+        prefill, starting, missed = message.prefill, message.starting, message.missed
         prefill_in, group_mask, rng = message.prefill_inputs, message.group_mask, message.rng
         cache = self.caches.acquire(number) if number in self.caches else None
         if state.joining is not None and state.joining.cache is None:  # a static group: the slot's cache is its own
@@ -173,17 +143,18 @@ class SlotHandlers(WorkerState):
         decode_out = self._decode_rows(state, message.inputs, cache) if decoded else _EMPTY
         if self.stage.first and not decoded and prefill is None:
             state.parked = True  # nothing to run: the next group to enter wakes it
-        if prefill is not None:
+        ran = prefill if missed is None else None  # a stage before this one missed the group's chunks: skipped
+        if ran is not None:
             if starting is not None:
                 state.started = index
-            prefill_out = self._prefill_columns(number, state, prefill, starting, prefill_in, group_mask, rng)
+            prefill_out, missed = self._prefill_columns(number, state, ran, starting, prefill_in, group_mask, rng)
             group = state.joining if state.joining is not None else state.ready
             if self.policy.refills:  # on the device until it joins (static: its cache is the slot's, `_hold_group`)
                 self.caches.pin(("group", number), None if group is None else group.cache
                                 if isinstance(group, Joining) else group[0])
         else:
             prefill_out = _EMPTY
-        state.last = (bool(decoded), prefill)
+        state.last = (bool(decoded), ran if missed is None else None)
         if cache is not None:
             self._put_slot_back(number, state, cache, changed)
         if self.replicator is not None:  # before the round goes on: the head hears of no round not replicated
@@ -191,7 +162,7 @@ class SlotHandlers(WorkerState):
         if not self.policy.refills:
             self._hold_group(number, state)
         onward = attrs.evolve(message, prefill=prefill, starting=starting, inputs=decode_out,
-                              prefill_inputs=prefill_out, group_mask=group_mask, rng=rng)
+                              prefill_inputs=prefill_out, group_mask=group_mask, rng=rng, missed=missed)
         if not self.stage.last:
             self.post(self.following, onward)
             return
@@ -318,6 +289,7 @@ class SlotHandlers(WorkerState):
                 return (members, 0, mask.shape[1]), starting, _EMPTY, mask, rng
             ids, mask = enter.ids.clone(), enter.mask.clone()
             state.joining = Joining(list(members), mask, self.stage.new_cache(), ids)
+            starting = self.prefix_reads.start_first(state, enter, state.joining) or starting
         if state.joining is None:
             return None, None, _EMPTY, _EMPTY, _EMPTY
         start, stop = state.joining.columns(self.max_prefill_tokens)
@@ -329,20 +301,24 @@ class SlotHandlers(WorkerState):
         return self.stage.forward(inputs, mask, positions, cache)
 
     def _prefill_columns(self, number: int, state: SlotState, prefill: Columns, starting: GroupStart | None,
-                         inputs: torch.Tensor, group_mask: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+                         inputs: torch.Tensor, group_mask: torch.Tensor,
+                         rng: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """Run the round's `prefill` columns of the joining group's prompts (its first columns start it here, as
-        `starting` says; a group the prompt pipeline prefilled takes the KV staged here instead), and keep the
-        group ready once they are in."""
+        `starting` says, from the prompt-prefix chunks the stages before read; a group the prompt pipeline
+        prefilled takes the KV staged here instead), and keep the group ready once they are in. The output, and
+        the positions found where this stage found fewer of those chunks (then nothing ran: `slot_prefixes`)."""
         members, start, stop = prefill
         if starting is not None:
+            if not self.stage.first and starting.staged is None:  # its mask came with its first columns
+                missed = self.prefix_reads.start_other(state, members, starting, group_mask)
+                if missed is not None:
+                    return _EMPTY, missed
             self._start_group(number, state, list(members), starting.specs, group_mask, rng)
             if starting.staged is not None:
                 staged = self.staged.pop(starting.staged.number)
                 rows = SlotRows(list(members), group_mask.clone(), position_ids(group_mask)[:, -1:])
                 state.ready = (staged.cache(self.stage.config, group_mask.shape[1]), rows)
-                return _EMPTY
-            if not self.stage.first:  # its mask came with its first columns
-                state.joining = Joining(list(members), group_mask.clone(), self.stage.new_cache())
+                return _EMPTY, None
         joining = state.joining
         assert joining is not None
         assert joining.members == list(members)
@@ -353,8 +329,9 @@ class SlotHandlers(WorkerState):
             forward = functools.partial(forward, on_hidden=scorer)
         output = joining.run(forward, inputs, start, stop)
         if joining.complete:
+            self.prefix_reads.keep(state, joining)
             state.ready, state.joining = (joining.cache, joining.rows()), None
-        return output
+        return output, None
 
     def _start_group(self, number: int, state: SlotState, members: list[int], specs: RowSpecs, mask: torch.Tensor,
                      rng: torch.Tensor) -> None:

@@ -252,7 +252,7 @@ class StageWorker(SlotHandlers):
 
     def _cancel(self, message: Cancel) -> None:
         """End rows of a slot at its next round (their requests were cancelled)."""
-        self._cancel_rows(message.microbatch, message.rows)
+        self.cancels.cancel_rows(message.microbatch, message.rows)
 
     def _end(self, message: End) -> None:
         """The head ended an idle slot: free its cache, and pass the word on."""

@@ -25,6 +25,7 @@ from ...generation.row_specs import RowSpecs
 from ...generation.slot_policy import slot_policy
 from ...generation.slots import Joining, SlotRows, WindowState
 from ...generation.stage import Stage
+from ...prefix.reuse import PrefixReuse
 from ...store import Store
 from ...stream import LayerPartition
 from ...swapped_caches import SwappedCaches
@@ -111,6 +112,11 @@ class SlotState:
     finals: dict[int, int] = attrs.field(factory=dict)
     queued: deque[Enter] = attrs.field(factory=deque)
     parked: bool = False
+    # prompt prefixes (`slot_prefixes`): the joining group's chunk names; the first stage's group that started last
+    # (to start it again where a stage found fewer chunks), and the most positions the next group may read
+    digests: tuple[str, ...] = ()
+    starting: Enter | None = None
+    read_cap: int | None = None
     # the last stage's
     picker: TokenPicker | None = None
     ended: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.bool))
@@ -189,6 +195,8 @@ class WorkerState:
         #: With recovery, a lost neighbour is reported and waited out; the head's `pause` starts a new `epoch`.
         self.recovery, self.epoch = recovery, epoch
         self.prefix = replica_prefix  # of the replica streams, this pipeline's
+        #: The tiers this stage reads its layers' prompt prefixes from and keeps them in (`slot_prefixes`; None: none).
+        self.prefixes: PrefixReuse | None = None
         self.reported_epoch = -1  # the epoch in which a lost link was last reported
         self.restored_pieces: dict[int, dict[str, torch.Tensor]] = {}  # a replacement's: its slots' replica pieces
         self.eos = torch.tensor(eos, dtype=torch.long)  # a row ends at any of them

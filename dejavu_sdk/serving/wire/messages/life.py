@@ -89,7 +89,8 @@ class Assign(Message):
     """The head -> a worker (new, spare, or rejoining): be `stage`, the `number`th of `stages` in its pipeline of
     `role` ("mixed", "prompt" or "token"), of `model`, linked by `links`, from `epoch`; with the pipeline's
     settings (`threads` torch threads to start with, up to `most_threads` where the machine's other processes
-    leave cores idle). The worker loads it, opens its links and answers `Ready` (or `Failed`)."""
+    leave cores idle; the tiers of its prompt prefixes, `prefix_cache`, in chunks of `prefix_chunk` positions).
+    The worker loads it, opens its links and answers `Ready` (or `Failed`)."""
 
     kind = "assign"
     model: str
@@ -111,6 +112,8 @@ class Assign(Message):
     take_over: bool
     batching: str
     max_prefill_tokens: int | None
+    prefix_cache: tuple[str, ...] = ()
+    prefix_chunk: int = 256
 
 
 @attrs.frozen(kw_only=True)

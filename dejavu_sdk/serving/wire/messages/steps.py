@@ -60,11 +60,13 @@ class Staged:
 class Enter(MicrobatchMessage):
     """The head -> a slot's first stage: `group` joins slot `microbatch` at a round after the groups queued before
     it (`ids` its prompts, `mask` theirs); disaggregated, it was prefilled already (`staged`; its generators' states
-    in `rng`, no ids). The stage queues it; a parked slot starts a round at once."""
+    in `rng`, no ids). `salt`: its tenant's, for the prompt prefixes it reads and keeps. The stage queues it; a
+    parked slot starts a round at once."""
 
     kind = "enter"
     group: Group
     staged: Staged | None = None
+    salt: str = ""
     ids: torch.Tensor = attrs.field(eq=BY_VALUE, factory=empty_tensor)
     mask: torch.Tensor = attrs.field(eq=BY_VALUE)
     rng: torch.Tensor = attrs.field(eq=BY_VALUE, factory=empty_tensor)
@@ -81,10 +83,14 @@ class OpenSlot(Enter):
 @attrs.frozen
 class GroupStart:
     """What each stage needs of a group as its prefill starts in a round: its rows' `specs`, and whether the prompt
-    pipeline prefilled it (`staged`)."""
+    pipeline prefilled it (`staged`). With prompt prefixes (a group of one prompt): the names of its prompt's whole
+    chunks (`digests`, `prefix.keys`), by which each stage reads and keeps its own layers' chunks, and the
+    positions the first stage read, which each stage after it reads too (`cached`)."""
 
     specs: RowSpecs
     staged: Staged | None = None
+    digests: tuple[str, ...] = ()
+    cached: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -94,12 +100,17 @@ class SlotRound(MicrobatchMessage):
     next tokens (`inputs`); each stage -> the next, with its decode output (`inputs`), the prompt `prefill` columns
     the first stage chose to run and their output (`prefill_inputs`), and at a group's start (`starting`) its
     `group_mask` and generators' states (`rng`). Each stage changes its rows, decodes, prefills and passes it on;
-    the last stage reports it (`RoundReport`) and starts the next."""
+    the last stage reports it (`RoundReport`) and starts the next. `missed`: a stage found fewer of a starting
+    group's prompt-prefix chunks than the stages before it read (the positions it found): the stages after it skip
+    the group's columns, and the last stage passes it on as the next round's `restart`, at which every stage drops
+    what it ran of the group and the first starts it again, from at most that many positions."""
 
     kind = "round"
     left: list[int]
     joined: list[int] | None
     applied: bool = False
+    missed: int | None = None
+    restart: int | None = None
     prefill: Columns | None = None
     starting: GroupStart | None = None
     inputs: torch.Tensor = attrs.field(eq=BY_VALUE)
