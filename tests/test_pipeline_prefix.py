@@ -5,8 +5,11 @@ stages before it read has the prompt start again from what all of them hold."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import signal
+import time
 
 import pytest
 import tiny_models
@@ -104,3 +107,29 @@ def test_bad_prefix_options_are_refused_before_any_process_starts(options, match
                  **options}
     with pytest.raises(dv.ConfigError, match=match):
         Pipeline("tiny_models:llama", **{name: value for name, value in arguments.items() if value is not None})
+
+
+def test_a_killed_stage_is_recomputed_with_hits_and_every_request_equals_its_replay() -> None:
+    """recovery="auto" recomputes with a prefix cache: the stage's replacement holds no chunk of its memory tier, so
+    a prompt read again (a lost slot's rows, new ones) starts again from what every stage holds, and every request
+    still equals the replay of its rounds."""
+    prompts = _prompts([30, 28, 33, 30], head=26, seed=4)
+    with _pipeline("memory://", recovery="auto", heartbeat=0.5, missed_beats=6) as pipe:
+        assert pipe.options.resilience.recovery == "recompute"
+        first = _serve(pipe, prompts[:1])
+        futures = pipe.submit_all(prompts, 12)
+        deadline = time.monotonic() + 60
+        while sum(batch["steps"] for batch in pipe.status()["microbatches"]) < 4:
+            assert time.monotonic() < deadline, "the slots never ran"
+            time.sleep(0.005)
+        os.kill(next(stage["pid"] for stage in pipe.status()["stages"] if stage["name"] == "stage 1"), signal.SIGKILL)
+        results = [future.result(timeout=120) for future in futures]
+        assert [report.replaced for report in pipe.recoveries] == [["stage 1"]]
+        after = _serve(pipe, prompts[:1])
+    model = tiny_models.llama()
+    requests = {result.request: Request(prompt, limit, Decoding())
+                for result, prompt, limit in zip(first + results + after, [prompts[0], *prompts, prompts[0]],
+                                                 [NEW, 12, 12, 12, 12, NEW], strict=True)}
+    for result in first + results + after:
+        assert result.tokens.tolist() == replay(model, result.schedule, requests)[result.request].tolist()
+    assert after[0].cached_positions == 24  # kept again by the replacement
