@@ -55,3 +55,18 @@ def test_bad_workloads_and_numbers_are_refused() -> None:
     with pytest.raises(dv.ConfigError, match="workloads"):
         run_prefix_bench(random_llama(layers=2), "tiny", workloads=["chats"], progress=False)
     assert main(["bench", "prefix", "--repeats", "0"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("workers_import_tiny_models")
+def test_the_bench_sends_its_requests_to_dejavu_serve_and_reads_what_the_usage_reports() -> None:
+    report = run_prefix_bench("tiny_models:llama", "tiny_models:llama", workloads=["system"], repeats=1, new_tokens=3,
+                              system_tokens=48, question_tokens=8, requests=3, chunk=16, serve_stages=2,
+                              progress=False)
+    (without, with_cache), = report.runs["system"]
+    assert without.cached == (0, 0, 0)
+    assert with_cache.cached == (0, 48, 48)
+    assert without.tokens == with_cache.tokens == 9
+    assert report.settings["serve_stages"] == 2
+    with pytest.raises(dv.ConfigError, match="serve_stages"):
+        run_prefix_bench("tiny_models:llama", "tiny", serve_stages=0, progress=False)

@@ -19,10 +19,12 @@ model's KV), per 1,000 positions, against computing those positions (the unique 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -208,15 +210,19 @@ def tier_costs(model: Any, folder: str, chunk: int) -> dict[str, float]:
 def run_prefix_bench(model: Any, model_name: str, *, workloads: Sequence[str] = WORKLOADS, repeats: int = 3,
                      new_tokens: int = 8, message_tokens: int = 600, context_tokens: int = 2600,
                      conversations: int = 2, system_tokens: int = 1024, question_tokens: int = 32, requests: int = 4,
-                     chunk: int = CHUNK_POSITIONS, long_hit: int = 2000, progress: bool = True) -> PrefixReport:
+                     chunk: int = CHUNK_POSITIONS, long_hit: int = 2000, serve_stages: int | None = None,
+                     progress: bool = True) -> PrefixReport:
     """Run the workloads (see the module) `repeats` times on `model` (loaded, or named as `load_model` names it);
-    the report."""
+    the report. `serve_stages`: send them to `dejavu serve` of `model_name` in that many mixed stages, started
+    without and with `--prefix-cache memory://` for each workload (`prefix_served`), instead of `DejaVuEngine`."""
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown or not workloads:
         raise ConfigError(f"workloads are some of {', '.join(WORKLOADS)}, got {list(workloads)!r}")
     counts = {"repeats": repeats, "new_tokens": new_tokens, "message_tokens": message_tokens,
               "context_tokens": context_tokens, "conversations": conversations, "system_tokens": system_tokens,
               "question_tokens": question_tokens, "requests": requests, "chunk": chunk}
+    if serve_stages is not None:
+        counts["serve_stages"] = serve_stages
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -230,20 +236,21 @@ def run_prefix_bench(model: Any, model_name: str, *, workloads: Sequence[str] = 
     settings = {"new_tokens": new_tokens, "message_tokens": message_tokens, "context_tokens": context_tokens,
                 "conversations": conversations, "system_tokens": system_tokens, "question_tokens": question_tokens,
                 "requests": requests, "chunk": chunk, "long_hit": long_hit, "repeats": repeats}
+    if serve_stages is not None:
+        settings["serve_stages"] = serve_stages
     report = PrefixReport(machine_description(), model_name, settings)
-    plain = DejaVuEngine(model)
+    runner = _engine_runner(model, chunk) if serve_stages is None else _served_runner(model_name, chunk, serve_stages)
     with tqdm(total=repeats * len(workloads) * 2, desc="prefix", unit="run", disable=not progress) as bar, \
             tempfile.TemporaryDirectory(prefix="dejavu-bench-prefix-") as folder:
         for repeat in range(repeats):
             for workload in workloads:
                 turns = built[workload]()
-                with DejaVuEngine(model, prefix_cache="memory://", prefix_chunk=chunk) as cached:
-                    order = [("without", plain), ("with", cached)]
-                    runs = {}
-                    for name, engine in order if repeat % 2 == 0 else order[::-1]:
-                        runs[name] = run_workload(engine, turns, new_tokens)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{workload} {name}: {runs[name].seconds:.1f} s")
+                runs = {}
+                for name in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
+                    with runner(name == "with") as run:
+                        runs[name] = run(turns, new_tokens)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{workload} {name}: {runs[name].seconds:.1f} s")
                 report.runs.setdefault(workload, []).append((runs["without"], runs["with"]))
                 if workload == "unique":
                     first = runs["without"].first_token
@@ -251,6 +258,33 @@ def run_prefix_bench(model: Any, model_name: str, *, workloads: Sequence[str] = 
             for tier, cost in tier_costs(model, folder, chunk).items():
                 report.tier_ms_per_1000.setdefault(tier, []).append(cost)
     return report
+
+
+Runner = Callable[[bool], contextlib.AbstractContextManager[Callable[[Sequence[Turn], int], Run]]]
+
+
+def _engine_runner(model: Any, chunk: int) -> Runner:
+    """Workloads run by `DejaVuEngine` on `model`: one without a cache for every run, one with a fresh
+    `prefix_cache="memory://"` for each."""
+    plain = DejaVuEngine(model)
+
+    @contextlib.contextmanager
+    def runner(cached: bool) -> Iterator[Callable[[Sequence[Turn], int], Run]]:
+        if not cached:
+            yield functools.partial(run_workload, plain)
+            return
+        with DejaVuEngine(model, prefix_cache="memory://", prefix_chunk=chunk) as engine:
+            yield functools.partial(run_workload, engine)
+
+    return runner
+
+
+def _served_runner(model_name: str, chunk: int, stages: int) -> Runner:
+    """Workloads sent to `dejavu serve` of `model_name`, started for each run without or with
+    `--prefix-cache memory://`."""
+    from .prefix_served import served
+
+    return lambda cached: served(model_name, "memory://" if cached else None, chunk, stages)
 
 
 def plot_prefix_bench(report: PrefixReport, path: str) -> None:

@@ -181,7 +181,7 @@ def _bench_prefix(args: argparse.Namespace) -> int:
                               context_tokens=args.context_tokens, conversations=args.conversations,
                               system_tokens=args.system_tokens, question_tokens=args.question_tokens,
                               requests=args.requests, chunk=args.chunk, long_hit=args.long_hit,
-                              progress=not args.quiet)
+                              serve_stages=args.serve, progress=not args.quiet)
     print(report.to_markdown())
     write_outputs(args, report, lambda path: plot_prefix_bench(report, path))
     return 0
@@ -369,6 +369,8 @@ def add_bench_commands(commands: Any) -> None:
     prefix.add_argument("--question-tokens", type=int, default=32, help="system and unique: each question's tokens")
     prefix.add_argument("--requests", type=int, default=4, help="system and unique: requests")
     prefix.add_argument("--chunk", type=int, default=256, help="positions a cached chunk holds")
+    prefix.add_argument("--serve", type=int, metavar="STAGES", help="send the requests to `dejavu serve` in that "
+                        "many mixed stages, started without and with --prefix-cache (default: DejaVuEngine)")
     prefix.add_argument("--long-hit", type=int, default=2000, help="chat: the turns reported apart read at least "
                         "this many cached positions")
     add_output_arguments(prefix, figures="each request's time to first token without and with the cache")
