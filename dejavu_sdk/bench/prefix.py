@@ -309,7 +309,9 @@ def plot_prefix_bench(report: PrefixReport, path: str) -> None:
         axis.set_ylabel("time to first token (s)")
         axis.set_title(f"{workload} workload")
         axis.legend()
-    figure.suptitle(f"dejavu bench prefix: {report.model}")
+    stages = report.settings.get("serve_stages")
+    through = "DejaVuEngine" if stages is None else f"dejavu serve, {stages} stage{'s' if stages > 1 else ''}"
+    figure.suptitle(f"dejavu bench prefix: {report.model} ({through})")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -352,9 +352,9 @@ def add_bench_commands(commands: Any) -> None:
                          "and alone, and their ratio, per layout")
     long_prompt.set_defaults(run=_bench_long_prompt)
 
-    prefix = benches.add_parser("prefix", help="DejaVuEngine with and without prefix_cache on a multi-turn chat "
-                                "built from the Azure trace, a shared system prompt and prompts sharing nothing; and "
-                                "each tier's cost to read a chunk")
+    prefix = benches.add_parser("prefix", help="DejaVuEngine (or dejavu serve) with and without a prefix cache on "
+                                "a multi-turn chat from the Azure trace, a shared system prompt and prompts sharing "
+                                "nothing; and each tier's cost to read a chunk")
     prefix.add_argument("--model", default="smollm2", help="smollm2, a local model directory, or module:function")
     prefix.add_argument("--workloads", default="chat,system,unique", help="comma-separated, of chat, system, unique")
     prefix.add_argument("--repeats", type=int, default=3)
