@@ -41,17 +41,11 @@ from ..prefix.reuse import kv_spec_of
 from ..report import markdown_table
 from ..traces import load_trace
 from .common import Spread, machine_description
+from .prefix_runs import Run, Turn
 
 WORKLOADS = ("chat", "system", "unique")
 #: Chunks each tier reads in the tier measurement.
 TIER_CHUNKS = 8
-
-
-@attrs.frozen
-class Turn:
-    """One request of a workload: its prompt's token ids."""
-
-    ids: tuple[int, ...]
 
 
 def chat_turns(vocab: int, message_tokens: int, context_tokens: int, new_tokens: int, conversations: int,
@@ -99,17 +93,6 @@ class _FirstToken:
 
     def end(self) -> None:
         pass
-
-
-@attrs.frozen
-class Run:
-    """One workload run by one engine: each request's time to first token and cached positions, the whole run's
-    seconds and new tokens."""
-
-    first_token: tuple[float, ...]
-    cached: tuple[int, ...]
-    seconds: float
-    tokens: int
 
 
 def run_workload(engine: DejaVuEngine, turns: Sequence[Turn], new_tokens: int) -> Run:

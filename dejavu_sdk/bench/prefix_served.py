@@ -9,7 +9,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from .prefix import Run, Turn
+from .prefix_runs import Run, Turn
 
 #: Seconds a request may take before the bench gives up on it.
 REQUEST_TIMEOUT = 600.0

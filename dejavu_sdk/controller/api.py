@@ -271,8 +271,10 @@ async def _workers(_: web.Request, backend: ServedModel) -> web.Response:
 
 
 async def _metrics(_: web.Request, backend: ServedModel) -> web.Response:
+    """The counts, rendered off the event loop: a scrape may ask the stages for their figures (a bounded wait)."""
     backend.metrics.waiting.set(backend.waiting())
-    return web.Response(body=backend.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    body = await asyncio.get_running_loop().run_in_executor(None, backend.metrics.render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _health(_: web.Request, backend: ServedModel) -> web.Response:

@@ -59,6 +59,8 @@ LISTEN_TIMEOUT = ADOPT_TIMEOUT = 30.0
 #: Seconds a successor gives its predecessor's stage workers to rejoin before it starts workers of its own
 #: (they ask every 0.5 s from a second after the predecessor died; the wait ends once every stage is back).
 REJOIN_WAIT = 3.0
+#: Seconds a `/metrics` scrape waits for the stages' prompt-prefix figures (past it, it shows none of them).
+PREFIX_STATS_SECONDS = 2.0
 
 
 class Controller:
@@ -151,6 +153,8 @@ class Controller:
         self.metrics = ControllerMetrics()
         self.pipeline.on_failure = lambda _: self.metrics.failures.inc()
         self.pipeline.on_recovery = self._recovered
+        if self.pipeline.options.prefixes.tiers:
+            self.metrics.watch_prefixes(lambda: self.pipeline.stage_stats(PREFIX_STATS_SECONDS))
         if self.journal is not None:
             self.metrics.watch_journal(self.journal)
             self.pipeline.on_entered = self.journal.slot_group

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..errors import DejaVuError
 
 if TYPE_CHECKING:
     from .journal import Journal
@@ -31,6 +35,8 @@ class ControllerMetrics:
                                 ["outcome"], registry=self.registry)
         self.prompt_tokens = Counter("dejavu_prompt_tokens", "Prompt tokens of served requests",
                                      registry=self.registry)
+        self.cached_tokens = Counter("dejavu_prompt_tokens_cached", "Prompt tokens read from the prompt prefixes "
+                                     "instead of computed", registry=self.registry)
         self.generated_tokens = Counter("dejavu_generated_tokens", "Tokens generated", registry=self.registry)
         self.latency = Histogram("dejavu_request_seconds", "Seconds from a request's arrival to its last token",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -60,12 +66,51 @@ class ControllerMetrics:
                          "failed", registry=self.registry)
         journal.on_failed_write = failed.inc
 
+    def watch_prefixes(self, stage_stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        """Each stage's prompt-prefix tiers at every scrape (`stage_stats()`: the pipeline's, asked of the stages;
+        a scrape whose stages do not answer shows none of them): `dejavu_prefix_cache_*` by stage and tier."""
+        self.registry.register(PrefixTiers(stage_stats))
+
     def recovered(self, seconds: float) -> None:
         self.recoveries.inc()
         self.recovery_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+#: The tier figures `dejavu_prefix_cache_*` shows, with their help: counters, then gauges.
+PREFIX_COUNTERS = {"hits": "Chunks read from the tier", "misses": "Chunks the tier did not hold when asked",
+                   "evictions": "Chunks the tier dropped for bytes", "corrupt": "Damaged chunks found (misses)",
+                   "errors": "Reads that found the tier unreachable (misses)", "writes": "Chunks written to the tier"}
+PREFIX_GAUGES = {"bytes": "Bytes of chunks the tier holds (this stage's view)", "chunks": "Chunks the tier holds"}
+
+
+class PrefixTiers:
+    """A collector of every stage's prompt-prefix tiers, asked at each scrape (`stage_stats`)."""
+
+    def __init__(self, stage_stats: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.stage_stats = stage_stats
+
+    def describe(self) -> list[Any]:
+        return []  # asked of the stages at each scrape, not at registration
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            stages = self.stage_stats()
+        except DejaVuError:  # the stages did not all answer in time: this scrape shows none of them
+            return
+        labels = ["stage", "tier"]
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            name: CounterMetricFamily(f"dejavu_prefix_cache_{name}", text, labels=labels)
+            for name, text in PREFIX_COUNTERS.items()}
+        families.update((name, GaugeMetricFamily(f"dejavu_prefix_cache_{name}", text, labels=labels))
+                        for name, text in PREFIX_GAUGES.items())
+        for stage, figures in sorted(stages.items()):
+            for tier in figures.get("prefix_tiers", []):
+                for name, family in families.items():
+                    family.add_metric([stage, str(tier["url"])], float(tier[name]))
+        yield from families.values()
 
 
 class RequestTimes:

@@ -247,7 +247,10 @@ class Run(Transcript):
         state = self.states[index]
         if not state.tokens:
             self.times.choice_started(self.backend.started_at(self.futures[index]))
-            self.cached_tokens = max(self.cached_tokens, self.backend.cached_positions(self.futures[index]))
+            cached = self.backend.cached_positions(self.futures[index])
+            if cached > self.cached_tokens:
+                self.backend.metrics.cached_tokens.inc(cached - self.cached_tokens)  # a prompt's once, whatever its n
+                self.cached_tokens = cached
         update = self._advance(index, tokens, entries)
         if update.finish is not None:
             self._note_finish(index, update.finish)

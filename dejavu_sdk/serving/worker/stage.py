@@ -217,6 +217,7 @@ class StageWorker(SlotHandlers):
     def _stats(self, message: AskStats) -> None:
         figures = {"stage": self.role.name, "row_steps": self.row_steps, "staged_kv": len(self.staged),
                    "threads": torch.get_num_threads(), "threads_follow_load": self.thread_share is not None,
+                   "prefix_tiers": self.prefixes.cache.stats() if self.prefixes is not None else [],
                    **self.caches.stats()}
         self.head.send_tensor(pack(Stats(stage=self.role.name, figures=figures)))
 
