@@ -61,6 +61,7 @@ def test_stage_workers_are_ray_actors_and_a_killed_one_is_replaced_by_a_new_acto
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the costliest test (2-3 minutes): stage actors replaced by Ray stay in the slow tier
 def test_the_controller_actor_killed_is_restarted_by_ray_and_goes_on_from_its_journal(one_node_ray, tmp_path) -> None:
     """The controller serves from a Ray actor (its token asked for, its stages alive); killed, Ray starts it
     again, and it goes on with every request from its journal."""

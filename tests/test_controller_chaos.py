@@ -161,7 +161,8 @@ def test_every_stream_resumes_exactly_once_after_the_controller_is_killed(tmp_pa
     ([], 1, None),
     pytest.param(["--prompt-stages", "1", "--token-stages", "1", "--batching", "static"], 1, None,
                  marks=pytest.mark.matrix),
-    pytest.param(["--stages", "2", "--swapping", "on"], 2, None, marks=pytest.mark.matrix), (["--stages", "2"], 1, 0)])
+    pytest.param(["--stages", "2", "--swapping", "on"], 2, None, marks=pytest.mark.matrix),
+    pytest.param(["--stages", "2"], 1, 0, marks=pytest.mark.matrix)])
 def test_the_successor_goes_on_from_the_caches_its_workers_still_hold(tmp_path, layout: list[str], kills: int,
                                                                       with_stage: int | None) -> None:
     """The controller is SIGKILLed while a microbatch decodes (continuous batching's slots: one stage, with
